@@ -1,0 +1,153 @@
+"""Every error the SDK raises, as one tree under :class:`PSError`.
+
+    PSError
+    ├── ConfigError              bad arguments or PARAMSHARD_* settings on the worker side
+    ├── ShardUnavailableError    could not reach a shard (connect/read errors, timeouts, 503)
+    │   └── OverloadedError      the shard kept answering 429/503 past the deadline
+    ├── FleetMismatchError       the shard list disagrees with the fleet (index, size, 421)
+    ├── ProtocolError            a reply the SDK cannot understand, or another protocol version
+    ├── RequestRejectedError     the shard refused the request (4xx); nothing was changed
+    │   ├── BadRequestError        400, 413, 415: a malformed request
+    │   ├── AuthError              401, 403
+    │   ├── UnknownVariableError   404
+    │   ├── ConflictError          409: init with another shape/dtype/kind
+    │   └── BadTensorError         422: wrong shape/dtype, non-finite values
+    ├── ServerError              a 5xx other than 503 (a bug in the shard: please report it)
+    ├── NotReadyError            wait_ready timed out; ``missing`` names what never appeared
+    └── PushError                one or more async pushes failed; ``errors`` holds each cause
+
+httpx and msgpack errors are translated where they enter the SDK (``raise ... from exc``), so
+worker code catches ``PSError`` (or a subclass) and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AuthError",
+    "BadRequestError",
+    "BadTensorError",
+    "ConfigError",
+    "ConflictError",
+    "FleetMismatchError",
+    "NotReadyError",
+    "OverloadedError",
+    "PSError",
+    "ProtocolError",
+    "PushError",
+    "RequestRejectedError",
+    "ServerError",
+    "ShardUnavailableError",
+    "UnknownVariableError",
+]
+
+
+class PSError(Exception):
+    """Root of every paramshard SDK error.
+
+    ``shard`` is the URL of the shard involved (if one), ``status`` the HTTP status (if any),
+    ``code`` the protocol's machine code and ``details`` its structured details.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        shard: str | None = None,
+        status: int | None = None,
+        code: str | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.shard = shard
+        self.status = status
+        self.code = code
+        self.details = details or {}
+
+
+class ConfigError(PSError):
+    pass
+
+
+class ShardUnavailableError(PSError):
+    pass
+
+
+class OverloadedError(ShardUnavailableError):
+    pass
+
+
+class FleetMismatchError(PSError):
+    pass
+
+
+class ProtocolError(PSError):
+    pass
+
+
+class RequestRejectedError(PSError):
+    pass
+
+
+class BadRequestError(RequestRejectedError):
+    pass
+
+
+class AuthError(RequestRejectedError):
+    pass
+
+
+class UnknownVariableError(RequestRejectedError):
+    pass
+
+
+class ConflictError(RequestRejectedError):
+    pass
+
+
+class BadTensorError(RequestRejectedError):
+    pass
+
+
+class ServerError(PSError):
+    pass
+
+
+class NotReadyError(PSError):
+    def __init__(self, message: str, *, missing: list[str], **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.missing = missing
+
+
+class PushError(PSError):
+    """One or more asynchronous pushes failed; ``errors`` lists each underlying ``PSError``."""
+
+    def __init__(self, message: str, *, errors: list[PSError], **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.errors = errors
+
+
+#: HTTP status of a rejection -> the class raised for it.
+STATUS_ERRORS: dict[int, type[PSError]] = {
+    400: BadRequestError,
+    401: AuthError,
+    403: AuthError,
+    404: UnknownVariableError,
+    409: ConflictError,
+    413: BadRequestError,
+    415: BadRequestError,
+    421: FleetMismatchError,
+    422: BadTensorError,
+    429: OverloadedError,
+    503: ShardUnavailableError,
+}
+
+
+def error_for_status(status: int) -> type[PSError]:
+    if status in STATUS_ERRORS:
+        return STATUS_ERRORS[status]
+    if 400 <= status < 500:
+        return RequestRejectedError
+    return ServerError

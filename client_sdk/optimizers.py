@@ -1,0 +1,80 @@
+"""Optimizer specs a worker attaches to a variable at ``init``; the shard applies them.
+
+A spec is a small frozen dataclass; on the wire it is a map ``{"type": ..., <fields>}``
+(:meth:`to_wire` / :func:`from_wire`). The math lives on the shard (``server/optim.py``).
+
+    ps.init({"w": w0}, optimizer=Adagrad(lr=0.1))
+
+``SGD``      value -= lr * (grad + weight_decay * value)
+``Adagrad``  acc += g*g;  value -= lr * g / (sqrt(acc) + epsilon)    (Downpour's choice)
+``Add``      value += grad  (the worker runs its own optimizer and pushes deltas)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, Mapping
+
+__all__ = ["SGD", "Adagrad", "Add", "Optimizer", "from_wire"]
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    type: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{type(self).__name__}.{f.name} must be a finite number, got {v!r}")
+            if v < 0:
+                raise ValueError(f"{type(self).__name__}.{f.name} must be >= 0, got {v!r}")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.type, **{k: float(v) for k, v in asdict(self).items()}}
+
+
+@dataclass(frozen=True)
+class SGD(Optimizer):
+    """Plain SGD: ``value -= lr * (grad + weight_decay * value)``."""
+
+    type: ClassVar[str] = "sgd"
+    lr: float = 0.01
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class Adagrad(Optimizer):
+    """Adagrad, as in Downpour SGD: per-element step sizes shrink with the squared-gradient sum."""
+
+    type: ClassVar[str] = "adagrad"
+    lr: float = 0.01
+    initial_accumulator_value: float = 0.1
+    epsilon: float = 1e-7
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class Add(Optimizer):
+    """No optimizer on the shard: a pushed tensor is a delta added to the value."""
+
+    type: ClassVar[str] = "add"
+
+
+_BY_TYPE: dict[str, type[Optimizer]] = {c.type: c for c in (SGD, Adagrad, Add)}
+
+
+def from_wire(spec: Any) -> Optimizer:
+    """Parse an optimizer map; raises ``ValueError`` naming what is wrong and what is allowed."""
+    if not isinstance(spec, Mapping):
+        raise ValueError("optimizer must be a map like {'type': 'sgd', 'lr': 0.1}")
+    kind = spec.get("type")
+    cls = _BY_TYPE.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"unknown optimizer type {kind!r}; known: {sorted(_BY_TYPE)}")
+    names = {f.name for f in fields(cls)}
+    extra = set(spec) - names - {"type"}
+    if extra:
+        raise ValueError(f"optimizer {kind!r} has no field(s) {sorted(extra)}; fields: {sorted(names)}")
+    return cls(**{k: v for k, v in spec.items() if k != "type"})

@@ -1,0 +1,55 @@
+"""Which shard owns a variable: pure functions, the same on the worker and on the shard.
+
+``shard_for(name, num_shards)`` is Lamping & Veach's jump consistent hash of a 64-bit key, the key
+being the first 8 bytes of ``blake2b(name.encode("utf-8"), digest_size=8)`` read little-endian.
+Growing a fleet from N to N+1 shards moves about 1/(N+1) of the names, and only onto the new
+shard. The steps are written out in docs/PROTOCOL.md with test vectors, so any language can
+place names exactly as this module does; Python's ``hash()`` is never used (it is salted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+__all__ = ["MAX_NAME_LENGTH", "NAME_PATTERN", "jump_hash", "name_key", "shard_for", "validate_name"]
+
+_MASK64 = (1 << 64) - 1
+MAX_NAME_LENGTH = 256
+NAME_PATTERN = r"[A-Za-z0-9_.:/-]{1,256}"
+_NAME_RE = re.compile(NAME_PATTERN)
+
+
+def validate_name(name: object) -> str:
+    """Return ``name`` if it is a valid variable name, else raise ``ValueError`` saying why."""
+    if not isinstance(name, str):
+        raise ValueError(f"variable names are strings, got {type(name).__name__}")
+    if not _NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"invalid variable name {name[:80]!r}: use 1-{MAX_NAME_LENGTH} characters "
+            "from A-Z a-z 0-9 _ . : / -"
+        )
+    return name
+
+
+def name_key(name: str) -> int:
+    """The 64-bit key of a name: blake2b-64 of its UTF-8 bytes, little-endian."""
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def jump_hash(key: int, num_buckets: int) -> int:
+    """Jump consistent hash (Lamping & Veach, 2014) of a 64-bit ``key`` into ``num_buckets``."""
+    if num_buckets < 1:
+        raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+    key &= _MASK64
+    b, j = -1, 0
+    while j < num_buckets:
+        b = j
+        key = (key * 2862933555777941757 + 1) & _MASK64
+        j = int((b + 1) * (float(1 << 31) / float((key >> 33) + 1)))
+    return b
+
+
+def shard_for(name: str, num_shards: int) -> int:
+    """The index, in ``range(num_shards)``, of the shard that owns variable ``name``."""
+    return jump_hash(name_key(name), num_shards)

@@ -1,0 +1,360 @@
+"""The wire format both sides share: msgpack messages, tensors, error payloads.
+
+This module imports msgpack and numpy only. docs/PROTOCOL.md is the prose form of it,
+written so a client in another language can be built from that page alone.
+
+A message is a msgpack map. A tensor inside a message is a map::
+
+    {"dtype": "<f4", "shape": [2, 3], "data": <bin>}            # inline
+    {"dtype": "<f4", "shape": [2, 3], "offset": 128, "nbytes": 24}  # framed
+
+``dtype`` is a numpy array-interface type string (byte order + kind + item size), restricted to
+:data:`DTYPES`. Decoding is one ``np.frombuffer`` over the received bytes: no per-element work,
+and never pickle.
+
+Two body encodings, told apart by ``Content-Type``:
+
+* ``application/msgpack`` (:data:`MSGPACK`): the whole body is one msgpack map; tensors inline.
+* ``application/x-paramshard-frame`` (:data:`FRAME`): ``b"PSF1"``, a little-endian uint32 header
+  length ``H``, ``H`` bytes of msgpack header, then the tensors' raw bytes, each starting at a
+  body offset that is a multiple of :data:`ALIGN`. Tensors in the header carry ``offset`` and
+  ``nbytes`` instead of ``data``. Big tensors never pass through msgpack, so neither side copies
+  them into or out of a msgpack buffer; the receiver takes views at the offsets.
+
+Which fields of a message are tensors is fixed by each verb's schema (docs/PROTOCOL.md); the
+decoder is told, it does not guess.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from typing import Any, Union
+
+import msgpack
+import numpy as np
+
+__all__ = [
+    "ALIGN",
+    "DTYPES",
+    "ERROR_STATUS",
+    "FRAME",
+    "FRAME_MAGIC",
+    "FRAME_THRESHOLD",
+    "HEADER_INCARNATION",
+    "HEADER_PROTOCOL",
+    "HEADER_SHARD",
+    "JSON",
+    "MSGPACK",
+    "PROTOCOL_VERSION",
+    "Encoded",
+    "WireError",
+    "decode_tensor",
+    "encode",
+    "error_payload",
+    "is_tensor",
+    "parse_dtype",
+    "unpack",
+]
+
+PROTOCOL_VERSION = 1
+
+MSGPACK = "application/msgpack"
+FRAME = "application/x-paramshard-frame"
+JSON = "application/json"
+
+#: Every response carries these, so a client can tell which shard answered and whether it restarted.
+HEADER_SHARD = "x-paramshard-shard"  # "<index>/<num_shards>"
+HEADER_INCARNATION = "x-paramshard-incarnation"
+HEADER_PROTOCOL = "x-paramshard-protocol"
+
+FRAME_MAGIC = b"PSF1"
+ALIGN = 64
+#: Messages whose tensors hold at least this many bytes in all are framed by default.
+FRAME_THRESHOLD = 64 * 1024
+
+#: The dtypes a tensor may have on the wire (byte order is free; ``|`` for one-byte types).
+DTYPES = frozenset(
+    {"f2", "f4", "f8", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8"}
+)
+_DTYPE_RE = re.compile(r"^([<>|])([fiu])([1248])$")
+MAX_NDIM = 32
+
+#: The machine code of an error payload and the HTTP status it travels with.
+ERROR_STATUS = {
+    "bad_request": 400,
+    "unauthorized": 401,
+    "forbidden": 403,
+    "not_found": 404,
+    "conflict": 409,
+    "too_large": 413,
+    "unsupported_media_type": 415,
+    "not_owner": 421,
+    "fleet_mismatch": 421,
+    "bad_tensor": 422,
+    "overloaded": 429,
+    "internal": 500,
+    "unavailable": 503,
+}
+
+Buffer = Union[bytes, bytearray, memoryview]
+_HEAD = struct.Struct("<4sI")
+
+
+class WireError(ValueError):
+    """A message or tensor that does not follow the protocol.
+
+    ``code`` is one of :data:`ERROR_STATUS`' keys (``bad_request`` or ``bad_tensor``), so a
+    server can answer with it directly.
+    """
+
+    def __init__(self, message: str, code: str = "bad_request", details: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.details = details if details is not None else {}
+
+
+def error_payload(code: str, message: str, details: Mapping[str, Any] | None = None) -> dict:
+    """The body of every error response: ``{"error": {"code", "message", "details"}}``."""
+    return {"error": {"code": code, "message": message, "details": dict(details or {})}}
+
+
+def parse_dtype(text: Any) -> np.dtype:
+    """``"<f4"`` -> ``np.dtype``; anything off the allow-list raises :class:`WireError`."""
+    m = _DTYPE_RE.match(text) if isinstance(text, str) else None
+    if m is None or (m.group(2) + m.group(3)) not in DTYPES:
+        raise WireError(
+            f"unsupported dtype {text!r}: use a numpy type string such as '<f4' "
+            f"(kinds f2 f4 f8 i1..i8 u1..u8)",
+            code="bad_tensor",
+        )
+    order, size = m.group(1), int(m.group(3))
+    if (order == "|") != (size == 1):
+        raise WireError(
+            f"dtype {text!r}: byte order must be '|' for one-byte types and '<' or '>' otherwise",
+            code="bad_tensor",
+        )
+    return np.dtype(text)
+
+
+def is_tensor(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and "dtype" in obj and "shape" in obj
+
+
+def _parse_shape(shape: Any) -> tuple[int, ...]:
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM:
+        raise WireError(f"tensor shape must be a list of at most {MAX_NDIM} ints", code="bad_tensor")
+    out = []
+    for d in shape:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise WireError(f"tensor shape {shape!r}: dimensions must be ints >= 0", code="bad_tensor")
+        out.append(d)
+    return tuple(out)
+
+
+def decode_tensor(obj: Any, body: Buffer | None = None) -> np.ndarray:
+    """Decode a tensor map into an ndarray without copying its bytes.
+
+    Inline tensors view their ``data``; framed ones view ``body`` at ``offset``. The array is
+    writable exactly when the underlying buffer is (``bytearray`` yes, ``bytes`` no).
+    """
+    if not isinstance(obj, Mapping):
+        raise WireError("expected a tensor map {dtype, shape, data}", code="bad_tensor")
+    dtype = parse_dtype(obj.get("dtype"))
+    shape = _parse_shape(obj.get("shape"))
+    count = 1
+    for d in shape:
+        count *= d
+    nbytes = count * dtype.itemsize
+    if "data" in obj:
+        data = obj["data"]
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise WireError("tensor 'data' must be msgpack bin", code="bad_tensor")
+        if len(data) != nbytes:
+            raise WireError(
+                f"tensor of dtype {dtype.str} and shape {list(shape)} needs {nbytes} bytes, "
+                f"got {len(data)}",
+                code="bad_tensor",
+            )
+        return np.frombuffer(data, dtype=dtype, count=count).reshape(shape)
+    offset, declared = obj.get("offset"), obj.get("nbytes")
+    if body is None or not isinstance(offset, int) or not isinstance(declared, int):
+        raise WireError("tensor needs 'data', or 'offset' and 'nbytes' in a framed body",
+                        code="bad_tensor")
+    if declared != nbytes:
+        raise WireError(
+            f"tensor of dtype {dtype.str} and shape {list(shape)} needs {nbytes} bytes, "
+            f"header says {declared}",
+            code="bad_tensor",
+        )
+    if offset < 0 or offset + nbytes > len(body):
+        raise WireError(f"tensor bytes [{offset}, {offset + nbytes}) lie outside the body "
+                        f"of {len(body)} bytes", code="bad_tensor")
+    return np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+class Encoded:
+    """An encoded body: its content type and the buffers to write, in order, without joining.
+
+    ``chunks`` holds the msgpack header and, for a framed body, padding and memoryviews of the
+    arrays' own memory; :meth:`join` makes one ``bytes`` when a caller needs it.
+    """
+
+    __slots__ = ("content_type", "chunks", "nbytes")
+
+    def __init__(self, content_type: str, chunks: list[Buffer], nbytes: int) -> None:
+        self.content_type = content_type
+        self.chunks = chunks
+        self.nbytes = nbytes
+
+    def join(self) -> bytes:
+        if len(self.chunks) == 1 and isinstance(self.chunks[0], bytes):
+            return self.chunks[0]
+        return b"".join(self.chunks)
+
+    def __iter__(self):
+        return iter(self.chunks)
+
+
+def _walk(obj: Any, visit) -> Any:
+    if isinstance(obj, np.ndarray):
+        return visit(obj)
+    if isinstance(obj, Mapping):
+        return {k: _walk(v, visit) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_walk(v, visit) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _contiguous(arr: np.ndarray) -> np.ndarray:
+    if arr.dtype.kind not in "fiu":
+        raise WireError(f"cannot send arrays of dtype {arr.dtype}: use a float or int dtype",
+                        code="bad_tensor")
+    parse_dtype(arr.dtype.str)  # raises for e.g. float128
+    # not np.ascontiguousarray: it turns 0-d arrays into 1-d ones
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")
+
+
+def _tensor_bytes(obj: Any) -> int:
+    total = 0
+
+    def visit(a: np.ndarray) -> None:
+        nonlocal total
+        total += a.nbytes
+
+    _walk(obj, visit)
+    return total
+
+
+def encode(msg: Any, frame: bool | None = None) -> Encoded:
+    """Encode a message whose ndarrays (anywhere in it) become tensors.
+
+    ``frame=None`` frames the body when its tensors hold :data:`FRAME_THRESHOLD` bytes or more.
+    """
+    if frame is None:
+        frame = _tensor_bytes(msg) >= FRAME_THRESHOLD
+    if not frame:
+        def inline(a: np.ndarray) -> dict:
+            a = _contiguous(a)
+            return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.data.cast("B")
+                    if a.nbytes else b""}
+
+        body = msgpack.packb(_walk(msg, inline), use_bin_type=True)
+        return Encoded(MSGPACK, [body], len(body))
+
+    arrays: list[np.ndarray] = []
+    sizes: list[int] = []
+
+    def describe(a: np.ndarray) -> dict:
+        a = _contiguous(a)
+        arrays.append(a)
+        sizes.append(a.nbytes)
+        # offsets are filled in below, once the header's own size is known
+        return {"dtype": a.dtype.str, "shape": list(a.shape), "offset": 0, "nbytes": a.nbytes}
+
+    descs: list[dict] = []
+
+    def describe_and_keep(a: np.ndarray) -> dict:
+        d = describe(a)
+        descs.append(d)
+        return d
+
+    header_obj = _walk(msg, describe_and_keep)
+    # Offsets depend on the header's length, which depends on how wide the offsets encode.
+    # Lay out with the widest placeholder (msgpack uint64, 9 bytes): the real header can only be
+    # shorter, so the offsets computed from the placeholder stay past its end.
+    for d in descs:
+        d["offset"] = (1 << 64) - 1
+    head = msgpack.packb(header_obj, use_bin_type=True)
+    pos = _align(_HEAD.size + len(head))
+    for d, n in zip(descs, sizes):
+        d["offset"] = pos
+        pos = _align(pos + n)
+    head = msgpack.packb(header_obj, use_bin_type=True)
+    chunks: list[Buffer] = [_HEAD.pack(FRAME_MAGIC, len(head)), head]
+    at = _HEAD.size + len(head)
+    for d, a in zip(descs, arrays):
+        if d["offset"] > at:
+            chunks.append(bytes(d["offset"] - at))
+        if a.nbytes:
+            chunks.append(a.data.cast("B"))
+        at = d["offset"] + a.nbytes
+    return Encoded(FRAME, chunks, at)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def unpack(body: Buffer, content_type: str | None) -> Any:
+    """Decode a body's message (tensors still as maps: pass them to :func:`decode_tensor`
+    together with ``body``).
+
+    Raises :class:`WireError` (``bad_request``) for a body that is not what its type says.
+    """
+    kind = (content_type or "").split(";")[0].strip().lower()
+    if kind == MSGPACK:
+        try:
+            return msgpack.unpackb(body, raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise WireError(f"body is not valid msgpack: {exc}") from None
+    if kind == FRAME:
+        if len(body) < _HEAD.size:
+            raise WireError("framed body shorter than its 8-byte prefix")
+        magic, hlen = _HEAD.unpack_from(body, 0)
+        if magic != FRAME_MAGIC:
+            raise WireError(f"framed body must start with {FRAME_MAGIC!r}")
+        if _HEAD.size + hlen > len(body):
+            raise WireError("framed body shorter than its declared header")
+        try:
+            return msgpack.unpackb(memoryview(body)[_HEAD.size:_HEAD.size + hlen],
+                                   raw=False, strict_map_key=False)
+        except Exception as exc:
+            raise WireError(f"framed header is not valid msgpack: {exc}") from None
+    raise WireError(
+        f"unsupported content type {content_type!r}: send {MSGPACK} or {FRAME}",
+        code="unsupported_media_type",
+    )
+
+
+def tensors_of(value: Any, body: Buffer | None, what: str) -> dict[str, np.ndarray]:
+    """Decode a ``{name: tensor}`` map (a verb's tensor field) into ``{name: ndarray}``."""
+    if not isinstance(value, Mapping):
+        raise WireError(f"'{what}' must be a map of name -> tensor")
+    out = {}
+    for name, t in value.items():
+        if not isinstance(name, str):
+            raise WireError(f"'{what}' keys must be variable names (strings)")
+        try:
+            out[name] = decode_tensor(t, body)
+        except WireError as exc:
+            exc.details = {"variable": name, **exc.details}
+            exc.message = f"{name}: {exc.message}"
+            exc.args = (exc.message,)
+            raise
+    return out
+

@@ -1,0 +1,139 @@
+"""One way to run real shards in tests: separate processes on free loopback ports.
+
+``fleet_factory(n, *extra_args)`` starts ``paramshard serve`` n times (``python -m server.cli``),
+waits until every ``/healthz`` answers, and returns a :class:`Fleet`. Every process a test
+started is stopped when the test ends, killed if it does not stop in time.
+``fleet2`` is a module-scoped 2-shard fleet for tests that only add uniquely named variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, timeout: float = 2.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class Fleet:
+    """n shard processes; ``urls[i]`` is shard i. Restart a shard with ``start(i)``."""
+
+    def __init__(self, n: int, workdir: Path, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self.n = n
+        self.workdir = workdir
+        self.extra_args = tuple(extra_args)
+        self.env = env or {}
+        self.ports = [free_port() for _ in range(n)]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.procs: list[subprocess.Popen | None] = [None] * n
+        self.logs = [workdir / f"shard{i}.log" for i in range(n)]
+        for i in range(n):
+            self.start(i, wait=False)
+        for i in range(n):
+            self.wait_healthy(i)
+
+    def command(self, i: int) -> list[str]:
+        return [sys.executable, "-m", "server.cli", "serve", "--shard-index", str(i),
+                "--num-shards", str(self.n), "--host", "127.0.0.1", "--port", str(self.ports[i]),
+                *self.extra_args]
+
+    def start(self, i: int, wait: bool = True) -> None:
+        assert self.procs[i] is None or self.procs[i].poll() is not None, f"shard {i} is running"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
+        log = open(self.logs[i], "ab")
+        self.procs[i] = subprocess.Popen(self.command(i), cwd=ROOT, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        if wait:
+            self.wait_healthy(i)
+
+    def wait_healthy(self, i: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            proc = self.procs[i]
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"shard {i} exited with {proc.returncode}:\n{self.log_tail(i)}")
+            try:
+                http_json(self.urls[i] + "/healthz", timeout=1.0)
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"shard {i} not healthy after {timeout}s:\n{self.log_tail(i)}")
+
+    def log_tail(self, i: int, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.logs[i].read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, i: int, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        proc = self.procs[i]
+        if proc is None or proc.poll() is not None:
+            return proc.returncode if proc else None
+        proc.send_signal(sig)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+
+    def kill(self, i: int) -> None:
+        self.stop(i, signal.SIGKILL)
+
+    def close(self) -> None:
+        for i, proc in enumerate(self.procs):
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            if proc is None:
+                continue
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture
+def fleet_factory(tmp_path):
+    fleets: list[Fleet] = []
+
+    def make(n: int, *extra_args: str, env: dict[str, str] | None = None) -> Fleet:
+        d = tmp_path / f"fleet{len(fleets)}"
+        d.mkdir()
+        f = Fleet(n, d, extra_args, env)
+        fleets.append(f)
+        return f
+
+    yield make
+    for f in fleets:
+        f.close()
+
+
+@pytest.fixture(scope="module")
+def fleet2(tmp_path_factory):
+    f = Fleet(2, tmp_path_factory.mktemp("fleet2"))
+    yield f
+    f.close()
