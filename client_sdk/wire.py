@@ -78,8 +78,10 @@ FRAME_THRESHOLD = 64 * 1024
 DTYPES = frozenset(
     {"f2", "f4", "f8", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8"}
 )
-_DTYPE_RE = re.compile(r"^([<>|])([fiu])([1248])$")
+_DTYPE_RE = re.compile(r"([<>|])([fiu])([1248])")
 MAX_NDIM = 32
+#: numpy refuses shapes whose byte size (zero dimensions left out) does not fit in an intp.
+_MAX_ARRAY_BYTES = np.iinfo(np.intp).max
 
 #: The machine code of an error payload and the HTTP status it travels with.
 ERROR_STATUS = {
@@ -123,7 +125,7 @@ def error_payload(code: str, message: str, details: Mapping[str, Any] | None = N
 
 def parse_dtype(text: Any) -> np.dtype:
     """``"<f4"`` -> ``np.dtype``; anything off the allow-list raises :class:`WireError`."""
-    m = _DTYPE_RE.match(text) if isinstance(text, str) else None
+    m = _DTYPE_RE.fullmatch(text) if isinstance(text, str) else None
     if m is None or (m.group(2) + m.group(3)) not in DTYPES:
         raise WireError(
             f"unsupported dtype {text!r}: use a numpy type string such as '<f4' "
@@ -143,15 +145,28 @@ def is_tensor(obj: Any) -> bool:
     return isinstance(obj, Mapping) and "dtype" in obj and "shape" in obj
 
 
-def _parse_shape(shape: Any) -> tuple[int, ...]:
+def _parse_shape(shape: Any, itemsize: int) -> tuple[int, ...]:
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM:
         raise WireError(f"tensor shape must be a list of at most {MAX_NDIM} ints", code="bad_tensor")
     out = []
+    span = itemsize  # bytes, counting zero dimensions as 1: what numpy checks for overflow
     for d in shape:
-        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+        if not _is_int(d) or d < 0:
             raise WireError(f"tensor shape {shape!r}: dimensions must be ints >= 0", code="bad_tensor")
+        span *= max(d, 1)
+        if span > _MAX_ARRAY_BYTES:
+            raise WireError(f"tensor shape {shape!r} is too large for an array on this machine",
+                            code="bad_tensor")
         out.append(d)
     return tuple(out)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _buffer_size(buf: Buffer) -> int:
+    return buf.nbytes if isinstance(buf, memoryview) else len(buf)
 
 
 def decode_tensor(obj: Any, body: Buffer | None = None) -> np.ndarray:
@@ -163,7 +178,7 @@ def decode_tensor(obj: Any, body: Buffer | None = None) -> np.ndarray:
     if not isinstance(obj, Mapping):
         raise WireError("expected a tensor map {dtype, shape, data}", code="bad_tensor")
     dtype = parse_dtype(obj.get("dtype"))
-    shape = _parse_shape(obj.get("shape"))
+    shape = _parse_shape(obj.get("shape"), dtype.itemsize)
     count = 1
     for d in shape:
         count *= d
@@ -172,15 +187,15 @@ def decode_tensor(obj: Any, body: Buffer | None = None) -> np.ndarray:
         data = obj["data"]
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise WireError("tensor 'data' must be msgpack bin", code="bad_tensor")
-        if len(data) != nbytes:
+        if _buffer_size(data) != nbytes:
             raise WireError(
                 f"tensor of dtype {dtype.str} and shape {list(shape)} needs {nbytes} bytes, "
-                f"got {len(data)}",
+                f"got {_buffer_size(data)}",
                 code="bad_tensor",
             )
         return np.frombuffer(data, dtype=dtype, count=count).reshape(shape)
     offset, declared = obj.get("offset"), obj.get("nbytes")
-    if body is None or not isinstance(offset, int) or not isinstance(declared, int):
+    if body is None or not _is_int(offset) or not _is_int(declared):
         raise WireError("tensor needs 'data', or 'offset' and 'nbytes' in a framed body",
                         code="bad_tensor")
     if declared != nbytes:
@@ -189,9 +204,10 @@ def decode_tensor(obj: Any, body: Buffer | None = None) -> np.ndarray:
             f"header says {declared}",
             code="bad_tensor",
         )
-    if offset < 0 or offset + nbytes > len(body):
+    size = _buffer_size(body)
+    if offset < 0 or offset + nbytes > size:
         raise WireError(f"tensor bytes [{offset}, {offset + nbytes}) lie outside the body "
-                        f"of {len(body)} bytes", code="bad_tensor")
+                        f"of {size} bytes", code="bad_tensor")
     return np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
@@ -310,35 +326,41 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def unpack(body: Buffer, content_type: str | None) -> Any:
-    """Decode a body's message (tensors still as maps: pass them to :func:`decode_tensor`
-    together with ``body``).
+def unpack(body: Buffer, content_type: str | None) -> dict:
+    """Decode a body's message, a map (tensors still as maps: pass them to
+    :func:`decode_tensor` together with ``body``).
 
-    Raises :class:`WireError` (``bad_request``) for a body that is not what its type says.
+    Raises :class:`WireError`: ``bad_request`` for a body that is not what its type says or
+    whose message is not a map, ``unsupported_media_type`` for any other content type.
     """
     kind = (content_type or "").split(";")[0].strip().lower()
     if kind == MSGPACK:
-        try:
-            return msgpack.unpackb(body, raw=False, strict_map_key=False)
-        except Exception as exc:  # msgpack raises several unrelated types
-            raise WireError(f"body is not valid msgpack: {exc}") from None
+        return _unpack_map(body, "body")
     if kind == FRAME:
-        if len(body) < _HEAD.size:
+        size = _buffer_size(body)
+        if size < _HEAD.size:
             raise WireError("framed body shorter than its 8-byte prefix")
         magic, hlen = _HEAD.unpack_from(body, 0)
         if magic != FRAME_MAGIC:
             raise WireError(f"framed body must start with {FRAME_MAGIC!r}")
-        if _HEAD.size + hlen > len(body):
+        if _HEAD.size + hlen > size:
             raise WireError("framed body shorter than its declared header")
-        try:
-            return msgpack.unpackb(memoryview(body)[_HEAD.size:_HEAD.size + hlen],
-                                   raw=False, strict_map_key=False)
-        except Exception as exc:
-            raise WireError(f"framed header is not valid msgpack: {exc}") from None
+        return _unpack_map(memoryview(body).cast("B")[_HEAD.size:_HEAD.size + hlen],
+                           "framed header")
     raise WireError(
         f"unsupported content type {content_type!r}: send {MSGPACK} or {FRAME}",
         code="unsupported_media_type",
     )
+
+
+def _unpack_map(buf: Buffer, what: str) -> dict:
+    try:
+        msg = msgpack.unpackb(buf, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise WireError(f"{what} is not valid msgpack: {exc}") from None
+    if not isinstance(msg, dict):
+        raise WireError(f"{what} must be one msgpack map, got {type(msg).__name__}")
+    return msg
 
 
 def tensors_of(value: Any, body: Buffer | None, what: str) -> dict[str, np.ndarray]:
