@@ -34,14 +34,24 @@ def validate_name(name: object) -> str:
 
 def name_key(name: str) -> int:
     """The 64-bit key of a name: blake2b-64 of its UTF-8 bytes, little-endian."""
+    if not isinstance(name, str):
+        raise TypeError(f"variable names are strings, got {type(name).__name__}")
     return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "little")
 
 
 def jump_hash(key: int, num_buckets: int) -> int:
-    """Jump consistent hash (Lamping & Veach, 2014) of a 64-bit ``key`` into ``num_buckets``."""
+    """Jump consistent hash (Lamping & Veach, 2014) of a 64-bit ``key`` into ``num_buckets``.
+
+    Raises ``TypeError`` unless both are ints (bools are not), ``ValueError`` unless
+    ``0 <= key < 2**64`` and ``num_buckets >= 1``.
+    """
+    if not _is_int(key) or not _is_int(num_buckets):
+        raise TypeError(f"jump_hash takes two ints, got {type(key).__name__} "
+                        f"and {type(num_buckets).__name__}")
+    if not 0 <= key <= _MASK64:
+        raise ValueError(f"key must be an unsigned 64-bit int, got {key}")
     if num_buckets < 1:
         raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
-    key &= _MASK64
     b, j = -1, 0
     while j < num_buckets:
         b = j
@@ -51,5 +61,13 @@ def jump_hash(key: int, num_buckets: int) -> int:
 
 
 def shard_for(name: str, num_shards: int) -> int:
-    """The index, in ``range(num_shards)``, of the shard that owns variable ``name``."""
+    """The index, in ``range(num_shards)``, of the shard that owns variable ``name``.
+
+    Does not validate the name (see :func:`validate_name`); raises ``TypeError`` for a
+    non-string name or non-int count and ``ValueError`` for ``num_shards < 1``.
+    """
     return jump_hash(name_key(name), num_shards)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
