@@ -1,0 +1,527 @@
+"""The wire format (client_sdk/wire.py, docs/PROTOCOL.md §2) as properties.
+
+Round trips: ``encode -> join -> unpack -> decode_tensor`` gives back every array bit for bit
+(NaN payloads included), as a view of the received body rather than a copy, for every dtype and
+byte order, 0-d, empty, non-contiguous and multi-megabyte arrays, inline and framed.
+Robustness: whatever arrives, decoding raises :class:`wire.WireError` with a protocol error
+code and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import array_shapes
+
+from client_sdk import wire
+
+settings.register_profile("wire", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("wire")
+
+PROTOCOL_CODES = {"bad_request", "bad_tensor"}
+
+
+# --------------------------------------------------------------------------- strategies
+
+def dtype_strings() -> st.SearchStrategy[str]:
+    """Every wire dtype in every byte order it may be written in."""
+    def orders(kind_size: str) -> list[str]:
+        return ["|" + kind_size] if kind_size.endswith("1") else ["<" + kind_size, ">" + kind_size]
+
+    return st.sampled_from(sorted(s for ks in wire.DTYPES for s in orders(ks)))
+
+
+@st.composite
+def arrays(draw, max_side: int = 6, max_dims: int = 4) -> np.ndarray:
+    """An array of any wire dtype whose bytes are arbitrary (so floats include every NaN,
+    infinity and -0.0 pattern), in one of several memory layouts."""
+    dtype = np.dtype(draw(dtype_strings()))
+    shape = draw(array_shapes(min_dims=0, max_dims=max_dims, min_side=0, max_side=max_side))
+    layout = draw(st.sampled_from(["c", "fortran", "strided", "reversed", "transposed"]))
+    if layout == "strided" and shape:
+        # every other row of an array twice as tall: a view with a non-unit stride
+        big = _random_array(draw, dtype, (shape[0] * 2, *shape[1:]))
+        a = big[::2]
+    else:
+        a = _random_array(draw, dtype, shape)
+        if layout == "fortran" and shape:  # (asfortranarray makes 0-d arrays 1-d)
+            a = np.asfortranarray(a)
+        elif layout == "reversed" and shape:
+            a = a[::-1]
+        elif layout == "transposed":
+            a = a.T
+    assert a.shape in (shape, shape[::-1])
+    return a
+
+
+def _random_array(draw, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    n = math.prod(shape) * dtype.itemsize
+    raw = draw(st.binary(min_size=n, max_size=n))
+    return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+
+
+def _same(decoded: np.ndarray, original: np.ndarray) -> None:
+    """Exactly the same tensor: dtype (with byte order), shape and every byte, compared as
+    bytes so that NaNs with equal bit patterns count as equal."""
+    assert decoded.dtype.str == original.dtype.str
+    assert decoded.shape == original.shape
+    assert decoded.tobytes() == original.tobytes()
+
+
+def _u8(buf) -> np.ndarray:
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def _round_trip(msg, frame, body_type=bytes):
+    enc = wire.encode(msg, frame=frame)
+    joined = enc.join()
+    assert len(joined) == enc.nbytes
+    body = body_type(joined)
+    return enc, body, wire.unpack(body, enc.content_type)
+
+
+# --------------------------------------------------------------------------- round trips
+
+@given(arrays(), st.sampled_from([False, True, None]), st.sampled_from([bytes, bytearray]))
+def test_round_trip_is_exact_and_copy_free(a, frame, body_type):
+    enc, body, msg = _round_trip({"t": a}, frame, body_type)
+    framed = enc.content_type == wire.FRAME
+    if frame is None:
+        assert framed == (a.nbytes >= wire.FRAME_THRESHOLD)
+    else:
+        assert framed == frame
+    t = msg["t"]
+    assert set(t) == ({"dtype", "shape", "offset", "nbytes"} if framed else {"dtype", "shape", "data"})
+    out = wire.decode_tensor(t, body)
+    _same(out, a)
+    # The decoded array is a view of what arrived, not a copy of it.
+    holder = body if framed else t["data"]
+    if out.nbytes:
+        assert np.shares_memory(out, _u8(holder))
+    # Writable exactly when the memory under it is: a framed tensor over a bytearray body.
+    # (msgpack hands inline data over as immutable bytes, whatever the body was.)
+    assert out.flags.writeable == (framed and body_type is bytearray)
+
+
+@given(arrays(max_side=4, max_dims=3))
+def test_decoded_framed_tensor_writes_through_to_the_body(a):
+    assume(a.nbytes > 0)
+    enc, body, msg = _round_trip({"t": a}, True, bytearray)
+    out = wire.decode_tensor(msg["t"], body)
+    before = bytes(body)
+    out.reshape(-1).view(np.uint8)[:] = 0xAB
+    off = msg["t"]["offset"]
+    assert body[off:off + a.nbytes] == b"\xab" * a.nbytes
+    assert body[:off] == before[:off] and body[off + a.nbytes:] == before[off + a.nbytes:]
+
+
+@given(arrays(max_side=4, max_dims=3))
+def test_decoding_from_a_memoryview_body(a):
+    enc = wire.encode({"t": a}, frame=True)
+    for holder, writable in ((bytearray(enc.join()), True), (enc.join(), False)):
+        body = memoryview(holder)
+        out = wire.decode_tensor(wire.unpack(body, wire.FRAME)["t"], body)
+        _same(out, a)
+        assert out.flags.writeable == writable
+
+
+@given(st.dictionaries(st.from_regex(r"[a-z]{1,8}", fullmatch=True), arrays(max_side=5), max_size=6),
+       st.sampled_from([False, True]))
+def test_many_tensors_in_one_message(grads, frame):
+    msg = {"worker_id": "w0", "seq": 7, "grads": grads, "versions": {k: 3 for k in grads},
+           "scalar": np.float32(1.5), "nested": [(1, 2), {"x": None}]}
+    enc, body, got = _round_trip(msg, frame)
+    assert got["worker_id"] == "w0" and got["seq"] == 7 and got["versions"] == msg["versions"]
+    assert got["scalar"] == 1.5 and got["nested"] == [[1, 2], {"x": None}]
+    decoded = wire.tensors_of(got["grads"], body, "grads")
+    assert list(decoded) == list(grads)
+    for name, a in grads.items():
+        _same(decoded[name], a)
+
+
+@given(st.lists(arrays(max_side=5), min_size=1, max_size=6))
+def test_frame_layout(arrs):
+    """Header first; every tensor at a multiple of ALIGN past it; in order, no overlaps; the
+    arrays' own memory is handed to the writer, not copied into a joined buffer."""
+    enc = wire.encode({"ts": arrs}, frame=True)
+    assert enc.content_type == wire.FRAME
+    body = enc.join()
+    magic, hlen = struct.unpack_from("<4sI", body)
+    assert magic == wire.FRAME_MAGIC
+    header = msgpack.unpackb(body[8:8 + hlen], raw=False)
+    assert header == wire.unpack(body, wire.FRAME)
+    end = 8 + hlen
+    for t, a in zip(header["ts"], arrs):
+        assert t["offset"] % wire.ALIGN == 0
+        assert t["offset"] >= end
+        assert body[end:t["offset"]] == bytes(t["offset"] - end)  # zero padding
+        assert t["nbytes"] == a.nbytes
+        end = t["offset"] + t["nbytes"]
+    assert end == len(body) == enc.nbytes
+    for a in arrs:
+        if a.nbytes and a.flags.c_contiguous:
+            assert any(isinstance(c, memoryview) and np.shares_memory(_u8(c), a)
+                       for c in enc.chunks)
+
+
+@pytest.mark.parametrize(("dtype", "bits"), [
+    ("<f2", [0x7C01, 0xFE00, 0x7E00, 0x8000, 0x7C00]),
+    (">f2", [0x7C01, 0xFC01]),
+    ("<f4", [0x7F800001, 0xFFC00001, 0x7FBFFFFF, 0x80000000, 0xFF800000]),
+    (">f4", [0x7F800001, 0xFFFFFFFF]),
+    ("<f8", [0x7FF0000000000001, 0xFFF8000000000001, 0x7FF7FFFFFFFFFFFF, 1 << 63]),
+    (">f8", [0x7FF0000000000001, 0xFFFFFFFFFFFFFFFF]),
+])
+@pytest.mark.parametrize("frame", [False, True])
+def test_nan_payloads_and_signed_zero_survive(dtype, bits, frame):
+    dt = np.dtype(dtype)
+    uint = np.dtype(dtype[0] + "u" + dtype[2])
+    a = np.array(bits, dtype=uint).view(dt)
+    enc, body, msg = _round_trip({"t": a}, frame)
+    out = wire.decode_tensor(msg["t"], body)
+    assert out.dtype == dt
+    assert out.view(uint).tolist() == bits
+
+
+@settings(max_examples=4)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["<f4", ">f8", "|u1", "<i2"]),
+       st.sampled_from([False, True]))
+def test_multi_megabyte_arrays(seed, dtype, frame):
+    rng = np.random.default_rng(seed)
+    nbytes = int(rng.integers(2 << 20, 5 << 20)) // 8 * 8 + 8  # a few MB, odd element counts
+    a = np.frombuffer(rng.bytes(nbytes), dtype=dtype).reshape(-1)
+    a = a[: a.size - int(rng.integers(0, 3))]
+    a = a.reshape(-1, 1) if seed % 2 else a
+    enc, body, msg = _round_trip({"big": a, "small": np.arange(3)}, frame, bytearray)
+    out = wire.decode_tensor(msg["big"], body)
+    _same(out, a)
+    if frame:
+        assert np.shares_memory(out, _u8(body))
+    _same(wire.decode_tensor(msg["small"], body), np.arange(3))
+
+
+def test_zero_d_and_empty_tensors_on_the_wire():
+    for frame in (False, True):
+        enc, body, msg = _round_trip({"s": np.float64(2.5), "z": np.array(7, "<i4"),
+                                      "e": np.zeros((3, 0, 2), ">f4")}, frame)
+        assert msg["s"] == 2.5  # a numpy scalar is a plain msgpack number, not a tensor
+        z = wire.decode_tensor(msg["z"], body)
+        assert z.shape == () and z.dtype.str == "<i4" and int(z) == 7
+        assert msg["z"]["shape"] == []
+        e = wire.decode_tensor(msg["e"], body)
+        assert e.shape == (3, 0, 2) and e.dtype.str == ">f4"
+
+
+def test_encoding_does_not_modify_or_keep_noncontiguous_inputs():
+    a = np.arange(24, dtype="<f4").reshape(4, 6)[:, ::2]
+    before = a.copy()
+    enc = wire.encode({"a": a}, frame=True)
+    assert not any(isinstance(c, memoryview) and np.shares_memory(_u8(c), a) for c in enc.chunks)
+    np.testing.assert_array_equal(a, before)
+
+
+@pytest.mark.parametrize("arr", [
+    np.array([True, False]),
+    np.array([1 + 2j], dtype=np.complex64),
+    np.array(["x"], dtype=object),
+    np.array(["ab"]),
+    np.array([1], dtype="datetime64[s]"),
+    np.zeros(2, dtype=[("a", "<f4")]),
+    np.zeros(2, dtype=np.longdouble),
+])
+@pytest.mark.parametrize("frame", [False, True])
+def test_encoding_refuses_arrays_off_the_dtype_list(arr, frame):
+    with pytest.raises(wire.WireError) as info:
+        wire.encode({"a": arr}, frame=frame)
+    assert info.value.code == "bad_tensor"
+
+
+# --------------------------------------------------------------------------- robustness
+
+def _check(exc: wire.WireError) -> None:
+    assert exc.code in PROTOCOL_CODES, exc.code
+    assert exc.message and str(exc) == exc.message
+    assert isinstance(exc.details, dict)
+
+
+def _only_wire_errors(body, content_type) -> None:
+    """Decode whatever could be decoded in a body, as a careless shard might: every call
+    either succeeds or raises WireError (any other exception fails the test)."""
+    try:
+        msg = wire.unpack(body, content_type)
+    except wire.WireError as exc:
+        _check(exc)
+        return
+    assert isinstance(msg, dict)
+
+    def visit(v):
+        if isinstance(v, dict):
+            for call in (lambda: wire.decode_tensor(v, body),
+                         lambda: wire.tensors_of(v, body, "field")):
+                try:
+                    call()
+                except wire.WireError as exc:
+                    _check(exc)
+            for x in v.values():
+                visit(x)
+        elif isinstance(v, list):
+            for x in v:
+                visit(x)
+
+    visit(msg)
+
+
+@given(st.binary(max_size=300), st.sampled_from([wire.MSGPACK, wire.FRAME]))
+def test_random_bytes_raise_only_wire_errors(data, content_type):
+    _only_wire_errors(data, content_type)
+
+
+@given(st.binary(max_size=200))
+def test_random_bytes_after_a_valid_frame_prefix(rest):
+    body = struct.pack("<4sI", wire.FRAME_MAGIC, len(rest) // 2) + rest
+    _only_wire_errors(body, wire.FRAME)
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=16),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+tensor_fields = st.fixed_dictionaries({}, optional={
+    "dtype": dtype_strings() | st.text(max_size=5) | msgpack_values,
+    "shape": st.lists(st.integers(-2, 2**64 - 1), max_size=4) | msgpack_values,
+    "data": st.binary(max_size=64) | msgpack_values,
+    "offset": st.integers(-100, 300) | msgpack_values,
+    "nbytes": st.integers(-10, 300) | msgpack_values,
+})
+
+
+@given(st.dictionaries(st.text(max_size=4), tensor_fields | msgpack_values, max_size=4),
+       st.binary(max_size=256), st.sampled_from([wire.MSGPACK, wire.FRAME]))
+def test_arbitrary_messages_raise_only_wire_errors(msg, tail, content_type):
+    head = msgpack.packb(msg, use_bin_type=True)
+    if content_type == wire.FRAME:
+        body = struct.pack("<4sI", wire.FRAME_MAGIC, len(head)) + head + tail
+    else:
+        body = head
+    _only_wire_errors(body, content_type)
+
+
+@given(tensor_fields, st.binary(max_size=256) | st.none())
+def test_decode_tensor_accepts_consistent_maps_and_refuses_the_rest(t, body):
+    try:
+        out = wire.decode_tensor(t, body)
+    except wire.WireError as exc:
+        assert exc.code == "bad_tensor"
+        return
+    # Whatever it accepted is self-consistent.
+    assert out.dtype.str == t["dtype"] and list(out.shape) == t["shape"]
+    if "data" in t:
+        assert out.tobytes() == bytes(t["data"])
+    else:
+        assert out.tobytes() == bytes(body[t["offset"]:t["offset"] + t["nbytes"]])
+
+
+def _valid(frame: bool):
+    a = np.arange(40, dtype="<f4").reshape(5, 8)
+    enc = wire.encode({"grads": {"w": a, "b": np.ones(3, ">f8")}}, frame=frame)
+    return enc.join(), enc.content_type
+
+
+@given(st.data(), st.sampled_from([False, True]))
+def test_truncated_bodies_are_refused(data, frame):
+    body, ctype = _valid(frame)
+    cut = data.draw(st.integers(0, len(body) - 1))
+    with pytest.raises(wire.WireError) as info:
+        truncated = body[:cut]
+        wire.tensors_of(wire.unpack(truncated, ctype)["grads"], truncated, "grads")
+    assert info.value.code in PROTOCOL_CODES
+    # the whole body decodes
+    assert set(wire.tensors_of(wire.unpack(body, ctype)["grads"], body, "grads")) == {"w", "b"}
+
+
+@given(st.binary(min_size=4, max_size=4).filter(lambda m: m != wire.FRAME_MAGIC))
+def test_wrong_magic(magic):
+    body, ctype = _valid(True)
+    with pytest.raises(wire.WireError) as info:
+        wire.unpack(magic + body[4:], ctype)
+    assert info.value.code == "bad_request"
+
+
+def test_frame_header_longer_than_body():
+    body, _ = _valid(True)
+    bad = struct.pack("<4sI", wire.FRAME_MAGIC, len(body)) + body[8:]
+    with pytest.raises(wire.WireError, match="header"):
+        wire.unpack(bad, wire.FRAME)
+
+
+def _framed(tensor: dict, payload: bytes = bytes(256)) -> tuple[bytes, dict]:
+    head = msgpack.packb({"t": tensor}, use_bin_type=True)
+    body = struct.pack("<4sI", wire.FRAME_MAGIC, len(head)) + head + payload
+    return body, wire.unpack(body, wire.FRAME)["t"]
+
+
+@pytest.mark.parametrize("offset", [-1, -64, 300, 2**63, 2**64 + 5, "n/a", None, True, 1.0])
+def test_offsets_outside_the_body(offset):
+    body, _ = _framed({})
+    t = {"dtype": "<f4", "shape": [4], "offset": offset, "nbytes": 16}
+    with pytest.raises(wire.WireError) as info:
+        wire.decode_tensor(t, body)
+    assert info.value.code == "bad_tensor"
+
+
+@given(st.integers(1, 64))
+def test_tensor_running_past_the_end(over):
+    body, _ = _framed({}, bytes(128))
+    t = {"dtype": "<f4", "shape": [8], "offset": len(body) - 32 + over, "nbytes": 32}
+    with pytest.raises(wire.WireError, match="outside"):
+        wire.decode_tensor(t, body)
+    t["offset"] = len(body) - 32  # exactly at the end is fine
+    assert wire.decode_tensor(t, body).shape == (8,)
+
+
+@pytest.mark.parametrize("nbytes", [0, 15, 17, 32, -16, True, 16.0, "16"])
+def test_nbytes_mismatch(nbytes):
+    body, t = _framed({"dtype": "<f4", "shape": [4], "offset": 64, "nbytes": nbytes})
+    with pytest.raises(wire.WireError) as info:
+        wire.decode_tensor(t, body)
+    assert info.value.code == "bad_tensor"
+
+
+@pytest.mark.parametrize("size", [0, 3, 5, 8])
+def test_inline_data_length_mismatch(size):
+    with pytest.raises(wire.WireError, match="needs 4 bytes"):
+        wire.decode_tensor({"dtype": "<i4", "shape": [], "data": bytes(size)})
+
+
+@pytest.mark.parametrize("data", ["abcd", 1234, [1, 2, 3, 4], None])
+def test_inline_data_must_be_bin(data):
+    with pytest.raises(wire.WireError) as info:
+        wire.decode_tensor({"dtype": "|u1", "shape": [4], "data": data})
+    assert info.value.code == "bad_tensor"
+
+
+def test_framed_tensor_without_a_body():
+    with pytest.raises(wire.WireError) as info:
+        wire.decode_tensor({"dtype": "|u1", "shape": [4], "offset": 64, "nbytes": 4}, None)
+    assert info.value.code == "bad_tensor"
+
+
+BAD_DTYPES = ["O", "<c8", "<f3", "|f4", ">u1", "<u1", "<b1", "<f16", "<V4", "f4", "=f4",
+              "<F4", " <f4", "<f4 ", "<f4\n", "<i8\x00", "<U4", "float32", "", "<", "<f",
+              4, 4.0, None, True, b"<f4", ["<f4"], {"<f4": 1}]
+
+
+@pytest.mark.parametrize("dtype", BAD_DTYPES, ids=repr)
+@pytest.mark.parametrize("inline", [True, False])
+def test_bad_dtypes(dtype, inline):
+    t = {"dtype": dtype, "shape": [1]}
+    t.update({"data": bytes(8)} if inline else {"offset": 0, "nbytes": 8})
+    with pytest.raises(wire.WireError) as info:
+        wire.decode_tensor(t, bytes(64))
+    assert info.value.code == "bad_tensor"
+    with pytest.raises(wire.WireError):
+        wire.parse_dtype(dtype)
+
+
+@given(st.text(max_size=6) | dtype_strings() | dtype_strings().map(lambda s: s.upper()))
+def test_parse_dtype_accepts_exactly_the_list(text):
+    valid = {o + ks for ks in wire.DTYPES for o in ("|" if ks.endswith("1") else "<>")}
+    if text in valid:
+        assert wire.parse_dtype(text).str == text
+    else:
+        with pytest.raises(wire.WireError):
+            wire.parse_dtype(text)
+
+
+BAD_SHAPES = [[-1], [2, -3], [True], [1, False], [1.0], [2.5], ["2"], [None], [[2]],
+              [1] * (wire.MAX_NDIM + 1), "ab", 3, None, {"0": 1}, b"\x01",
+              [0, 2**63], [0, 2**62, 2**62], [2**64], [2**70, 0]]
+
+
+@pytest.mark.parametrize("shape", BAD_SHAPES, ids=repr)
+@pytest.mark.parametrize("inline", [True, False])
+def test_bad_shapes(shape, inline):
+    t = {"dtype": "<f4", "shape": shape}
+    t.update({"data": b""} if inline else {"offset": 0, "nbytes": 0})
+    with pytest.raises(wire.WireError) as info:
+        wire.decode_tensor(t, bytes(64))
+    assert info.value.code == "bad_tensor"
+
+
+def test_shape_at_the_dimension_limit():
+    t = {"dtype": "|u1", "shape": [1] * wire.MAX_NDIM, "data": b"\x05"}
+    assert wire.decode_tensor(t).shape == (1,) * wire.MAX_NDIM
+
+
+@pytest.mark.parametrize("body", [b"\x01", b"\xa3abc", b"\x92\x01\x02", b"\xc0"])
+@pytest.mark.parametrize("frame", [False, True])
+def test_message_must_be_a_map(body, frame):
+    if frame:
+        body = struct.pack("<4sI", wire.FRAME_MAGIC, len(body)) + body
+    with pytest.raises(wire.WireError, match="map") as info:
+        wire.unpack(body, wire.FRAME if frame else wire.MSGPACK)
+    assert info.value.code == "bad_request"
+
+
+def test_tensors_of_names_the_bad_variable():
+    with pytest.raises(wire.WireError) as info:
+        wire.tensors_of({"ok": {"dtype": "|u1", "shape": [1], "data": b"x"},
+                         "bad": {"dtype": "<f3", "shape": [1], "data": b"x"}}, None, "grads")
+    assert info.value.code == "bad_tensor"
+    assert info.value.details["variable"] == "bad"
+    assert str(info.value).startswith("bad: ")
+    for bad in ([1, 2], "x", None, {1: {"dtype": "|u1", "shape": [], "data": b"x"}}):
+        with pytest.raises(wire.WireError, match="grads") as info:
+            wire.tensors_of(bad, None, "grads")
+        assert info.value.code == "bad_request"
+
+
+@pytest.mark.parametrize("ctype", ["application/json", "text/plain", "", None,
+                                   "application/msgpackx", "application/x-msgpack",
+                                   "multipart/form-data; boundary=x"])
+def test_unsupported_content_type(ctype):
+    body, _ = _valid(False)
+    with pytest.raises(wire.WireError) as info:
+        wire.unpack(body, ctype)
+    assert info.value.code == "unsupported_media_type"
+    assert wire.ERROR_STATUS[info.value.code] == 415
+    assert wire.MSGPACK in info.value.message  # says what to send instead
+
+
+@pytest.mark.parametrize("ctype", ["Application/MsgPack", "application/msgpack; charset=binary",
+                                   " application/msgpack "])
+def test_content_type_parameters_and_case_are_ignored(ctype):
+    body, _ = _valid(False)
+    assert set(wire.unpack(body, ctype)) == {"grads"}
+
+
+def test_error_payload_shape():
+    details = {"missing": ["w"]}
+    p = wire.error_payload("not_found", "create it with init first", details)
+    assert p == {"error": {"code": "not_found", "message": "create it with init first",
+                           "details": {"missing": ["w"]}}}
+    assert p["error"]["details"] is not details  # a copy: the caller's map is not shared
+    assert wire.error_payload("bad_request", "m") == {
+        "error": {"code": "bad_request", "message": "m", "details": {}}}
+    # travels as msgpack (data plane) and JSON (inspection)
+    assert msgpack.unpackb(msgpack.packb(p), raw=False) == p
+    assert json.loads(json.dumps(p)) == p
+
+
+def test_error_codes_map_to_statuses():
+    assert all(isinstance(s, int) and 400 <= s < 600 for s in wire.ERROR_STATUS.values())
+    for code in ("bad_request", "not_found", "conflict", "too_large", "unsupported_media_type",
+                 "not_owner", "fleet_mismatch", "bad_tensor", "overloaded", "unavailable"):
+        assert code in wire.ERROR_STATUS  # every code PROTOCOL.md §2 lists
+    assert wire.WireError("m").code == "bad_request"
+    assert isinstance(wire.WireError("m"), ValueError)
