@@ -1,0 +1,22 @@
+"""paramshard shard server: one shard of a fleet, as a FastAPI app on uvicorn.
+
+    from server.app import create_app
+    from server.config import ShardConfig
+    app = create_app(ShardConfig(shard_index=0, num_shards=2, port=7100))
+
+Run it with ``paramshard serve`` (``server/cli.py``). Modules: ``config`` (flags + env),
+``store`` (variables and verbs, no HTTP), ``optim`` (in-place optimizer math), ``app``
+(create_app, error rendering, headers), ``routes_data`` (msgpack data plane),
+``routes_inspect`` (JSON for people), ``cli`` (serve | up | demo | status).
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+try:
+    __version__ = metadata.version("paramshard")
+except metadata.PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0+unknown"
+
+__all__ = ["__version__"]

@@ -1,0 +1,221 @@
+"""``create_app(config)``: one shard as an ASGI application (FastAPI).
+
+The app holds one :class:`~server.store.ParameterStore` and serves the msgpack data plane
+(``server/routes_data.py``) and the JSON inspection endpoints (``server/routes_inspect.py``).
+
+Errors are rendered in one place, :func:`error_response`: ``{"error": {"code", "message",
+"details"}}`` as msgpack for data-plane requests (``POST /v1/...``) and as JSON for everything
+else. Handlers map :class:`~server.errors.ShardError`, ``wire.WireError``, FastAPI's validation
+errors and unknown routes/methods to it; :class:`ShardMiddleware` adds the shard headers to every
+response, refuses requests meant for another shard (``x-paramshard-fleet``), and turns any
+exception that escapes a handler (a bug, never bad input) into a logged 500 ``internal``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import msgpack
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from client_sdk import wire
+
+from . import __version__
+from .config import ShardConfig
+from .errors import ShardError
+from .store import ParameterStore
+
+__all__ = ["FLEET_HEADER", "ShardMiddleware", "create_app", "error_response"]
+
+logger = logging.getLogger("paramshard.server")
+
+#: Request header a client may send to say which shard it means: ``"<index>/<num_shards>"``.
+FLEET_HEADER = "x-paramshard-fleet"
+
+
+def is_data_plane(scope: Scope) -> bool:
+    """Data-plane requests (``POST /v1/<verb>``) get msgpack errors; the rest get JSON."""
+    return scope.get("method") == "POST" and scope.get("path", "").startswith("/v1/")
+
+
+def error_response(scope: Scope, status: int, code: str, message: str,
+                   details: Mapping[str, Any] | None = None,
+                   headers: Mapping[str, str] | None = None) -> Response:
+    """The one renderer of error bodies, in the request's format."""
+    payload = wire.error_payload(code, message, details)
+    if is_data_plane(scope):
+        body = msgpack.packb(payload, use_bin_type=True, default=_jsonable)
+        media_type = wire.MSGPACK
+    else:
+        body = json.dumps(payload, default=_jsonable).encode()
+        media_type = wire.JSON
+    return Response(body, status_code=status, media_type=media_type, headers=dict(headers or {}))
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return f"<{len(obj)} bytes>"
+    return repr(obj)
+
+
+def _parse_fleet(text: str) -> tuple[int, int] | None:
+    index, sep, num = text.partition("/")
+    if not sep or not index.strip().isdigit() or not num.strip().isdigit():
+        return None
+    return int(index), int(num)
+
+
+class ShardMiddleware:
+    """Pure ASGI middleware around the whole app (inside Starlette's own error middleware).
+
+    * adds ``x-paramshard-shard``, ``x-paramshard-incarnation``, ``x-paramshard-protocol`` to
+      every response;
+    * answers 421 ``fleet_mismatch`` (400 if malformed) when ``x-paramshard-fleet`` names
+      another shard or fleet size;
+    * logs any exception that escapes the app and answers 500 ``internal`` if no response has
+      started yet.
+    """
+
+    def __init__(self, app: ASGIApp, config: ShardConfig, incarnation: str) -> None:
+        self.app = app
+        self.config = config
+        self.headers = [
+            (wire.HEADER_SHARD.encode(), config.fleet.encode()),
+            (wire.HEADER_INCARNATION.encode(), incarnation.encode()),
+            (wire.HEADER_PROTOCOL.encode(), str(wire.PROTOCOL_VERSION).encode()),
+        ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_with_headers(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message["headers"] = [*message.get("headers", ()), *self.headers]
+            await send(message)
+
+        refusal = self._check_fleet(scope)
+        if refusal is not None:
+            await refusal(scope, receive, send_with_headers)
+            return
+        try:
+            await self.app(scope, receive, send_with_headers)
+        except Exception:
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise  # the server closes the connection; the client sees a broken response
+            response = error_response(
+                scope, 500, "internal",
+                "the shard hit an internal error (a bug: please report it with the shard's log); "
+                "nothing was changed unless the response says otherwise")
+            await response(scope, receive, send_with_headers)
+
+    def _check_fleet(self, scope: Scope) -> Response | None:
+        raw = None
+        for key, value in scope.get("headers", ()):
+            if key == FLEET_HEADER.encode():
+                raw = value.decode("latin-1")
+                break
+        if raw is None:
+            return None
+        parsed = _parse_fleet(raw)
+        if parsed is None:
+            return error_response(scope, 400, "bad_request",
+                                  f"{FLEET_HEADER} must be '<index>/<num_shards>', e.g. '0/2'; "
+                                  f"got {raw[:40]!r}")
+        index, num = parsed
+        if (index, num) != (self.config.shard_index, self.config.num_shards):
+            return error_response(
+                scope, 421, "fleet_mismatch",
+                f"this is shard {self.config.fleet}, but the request was meant for shard "
+                f"{index}/{num}: the client's shard list has another order or length than the "
+                "fleet; fix PARAMSHARD_SHARDS (or the URL list) to match",
+                {"expected": f"{index}/{num}", "actual": self.config.fleet,
+                 "shard_index": self.config.shard_index, "num_shards": self.config.num_shards},
+            )
+        return None
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ShardError)
+    async def shard_error(request: Request, exc: ShardError) -> Response:
+        return error_response(request.scope, exc.status, exc.code, exc.message, exc.details,
+                              exc.headers)
+
+    @app.exception_handler(wire.WireError)
+    async def wire_error(request: Request, exc: wire.WireError) -> Response:
+        code = exc.code if exc.code in wire.ERROR_STATUS else "bad_request"
+        return error_response(request.scope, wire.ERROR_STATUS[code], code, exc.message,
+                              exc.details if isinstance(exc.details, Mapping) else {})
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            problems.append({"field": where, "problem": str(err.get("msg", ""))})
+        summary = "; ".join(f"{p['field']}: {p['problem']}" for p in problems[:5])
+        return error_response(request.scope, 400, "bad_request",
+                              f"invalid request parameters ({summary}): see /docs",
+                              {"errors": problems})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        method, path = request.method, request.url.path
+        if exc.status_code == 404:
+            verbs = "init, pull, push, assign, increment, wait"
+            hint = (f"the data-plane verbs are POST /v1/{{{verbs}}}" if is_data_plane(request.scope)
+                    else "see /docs for the endpoints")
+            return error_response(request.scope, 404, "not_found",
+                                  f"no endpoint {method} {path}: {hint}", {"path": path})
+        if exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            return error_response(request.scope, 405, "method_not_allowed",
+                                  f"{method} is not allowed on {path}; use {allowed or 'another method'}",
+                                  {"allow": allowed}, exc.headers)
+        code = {400: "bad_request", 413: "too_large", 415: "unsupported_media_type"}.get(
+            exc.status_code, "bad_request")
+        return error_response(request.scope, exc.status_code, code, str(exc.detail), {},
+                              exc.headers)
+
+
+def create_app(config: ShardConfig) -> FastAPI:
+    """Build the ASGI app of one shard. Cheap and synchronous; the store starts empty.
+
+    ``app.state`` carries ``config``, ``store``, ``incarnation`` (random hex, new per call, so new
+    per process start) and ``started_at`` (Unix seconds).
+    """
+    from .routes_data import router as data_router
+    from .routes_inspect import router as inspect_router
+
+    incarnation = secrets.token_hex(8)
+    app = FastAPI(
+        title=f"paramshard shard {config.fleet}",
+        version=__version__,
+        description=(
+            "One shard of a paramshard fleet. The data plane (`POST /v1/<verb>`) speaks msgpack "
+            "or the framed encoding of docs/PROTOCOL.md; the `GET` endpoints are JSON for people."
+        ),
+    )
+    app.state.config = config
+    app.state.store = ParameterStore(config.shard_index, config.num_shards)
+    app.state.incarnation = incarnation
+    app.state.started_at = time.time()
+    _install_error_handlers(app)
+    app.include_router(data_router)
+    app.include_router(inspect_router)
+    app.add_middleware(ShardMiddleware, config=config, incarnation=incarnation)
+    return app

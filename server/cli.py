@@ -1,0 +1,392 @@
+"""``paramshard``: run and look at shards.
+
+    paramshard serve --shard-index 0 --num-shards 2 --port 7100   # one shard, in the foreground
+    paramshard up --shards 2 --base-port 7100                      # a local fleet of 2 shards
+    paramshard status --shards http://127.0.0.1:7100,http://127.0.0.1:7101
+    paramshard demo [...]                                          # train a model on a local fleet
+
+``serve`` settings come from flags or ``PARAMSHARD_*`` environment variables (flags win); a bad
+value exits with status 2 and one line naming the flag or variable. ``serve`` and ``up`` stop
+cleanly on SIGTERM or SIGINT (Ctrl-C) and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from .config import LOG_LEVELS, ConfigError, ShardConfig, env_name
+
+__all__ = ["build_parser", "main", "serve"]
+
+PROG = "paramshard"
+_SHARDS_ENV = "PARAMSHARD_SHARDS"
+_STARTUP_TIMEOUT = 60.0
+
+
+class UsageError(Exception):
+    """A bad argument to a subcommand: printed as one line, exit status 2."""
+
+
+# -- parser ---------------------------------------------------------------------------------
+
+def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
+    """Flags shared by ``serve`` and ``up`` (``up`` passes them on to every shard)."""
+    if fleet:
+        p.add_argument("--shard-index", dest="shard_index", metavar="I",
+                       help=f"this shard's index, 0..N-1 [{env_name('shard_index')}, default 0]")
+        p.add_argument("--num-shards", dest="num_shards", metavar="N",
+                       help=f"shards in the fleet [{env_name('num_shards')}, default 1]")
+        p.add_argument("--host", help=f"address to bind [{env_name('host')}, default 127.0.0.1]")
+        p.add_argument("--port", help=f"port to bind [{env_name('port')}, default 7100]")
+    p.add_argument("--max-request-bytes", dest="max_request_bytes", metavar="SIZE",
+                   help=f"largest request body, e.g. 64MiB [{env_name('max_request_bytes')}, "
+                        "default 1GiB]")
+    p.add_argument("--log-level", dest="log_level", metavar="LEVEL",
+                   help=f"{'|'.join(LOG_LEVELS)} [{env_name('log_level')}, default info]")
+    p.add_argument("--access-log", dest="access_log", action=argparse.BooleanOptionalAction,
+                   default=None, help=f"log every request [{env_name('access_log')}, default off]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="paramshard parameter-server shards")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,up,status,demo}")
+
+    p = sub.add_parser("serve", help="run one shard in the foreground",
+                       description="Run one shard. Flags override PARAMSHARD_* variables.")
+    _add_shard_options(p, fleet=True)
+
+    p = sub.add_parser("up", help="run a local fleet of N shards in the foreground",
+                       description="Start N shards on consecutive ports, print their URLs, and "
+                                   "stop them all on Ctrl-C or SIGTERM.")
+    p.add_argument("--shards", required=True, metavar="N", help="number of shards")
+    p.add_argument("--base-port", dest="base_port", default="7100", metavar="P",
+                   help="shard i listens on P+i (default 7100)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    _add_shard_options(p, fleet=False)
+
+    p = sub.add_parser("status", help="print a table of a fleet's shards",
+                       description=f"Ask every shard for /v1/cluster and /healthz. Exit 0 when all "
+                                   "are up and in fleet order, else 1.")
+    p.add_argument("--shards", metavar="URL,URL,...",
+                   help=f"the fleet's shard URLs in order [{_SHARDS_ENV}]")
+    p.add_argument("--timeout", default="3", help="seconds to wait per shard (default 3)")
+
+    sub.add_parser("demo", help="train a small model on a local fleet (see `paramshard demo -h`)",
+                   add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``paramshard`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":
+        return _demo(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        if args.command == "serve":
+            return serve(_config_from(args))
+        if args.command == "up":
+            return _up(args)
+        if args.command == "status":
+            return _status(args)
+    except (ConfigError, UsageError) as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+def _config_from(args: argparse.Namespace) -> ShardConfig:
+    flags = {k: getattr(args, k, None) for k in
+             ("shard_index", "num_shards", "host", "port", "max_request_bytes", "log_level",
+              "access_log")}
+    return ShardConfig.from_sources(flags, os.environ)
+
+
+# -- serve ----------------------------------------------------------------------------------
+
+def serve(config: ShardConfig) -> int:
+    """Run one shard with uvicorn until SIGTERM/SIGINT; blocks; returns 0 after a clean stop.
+
+    Uses uvloop and httptools when installed. Exits 1 (via uvicorn) if the port cannot be bound.
+    """
+    import uvicorn
+
+    from .app import create_app
+
+    logging.basicConfig(level=logging.DEBUG if config.log_level == "trace"
+                        else getattr(logging, config.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uv_config = uvicorn.Config(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        http="httptools" if importlib.util.find_spec("httptools") else "h11",
+        log_level=config.log_level,
+        access_log=config.access_log,
+        server_header=False,
+        timeout_graceful_shutdown=10,
+    )
+    server = uvicorn.Server(uv_config)
+
+    def stop(signum: int, frame: Any) -> None:
+        # Before uvicorn installs its handlers (startup) and after it restores these ones: uvicorn
+        # re-raises the signal that stopped it, which must not turn a clean stop into a kill.
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    server.run()
+    return 0
+
+
+# -- up -------------------------------------------------------------------------------------
+
+def _positive_int(text: str, flag: str, lo: int = 1, hi: int = 65535) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"{flag} must be an integer in {lo}..{hi}, got {text!r}") from None
+    if not lo <= value <= hi:
+        raise UsageError(f"{flag} must be in {lo}..{hi}, got {value}")
+    return value
+
+
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _client_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def _healthy(url: str, timeout: float = 1.0) -> bool:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url + "/healthz", timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+class _Stop:
+    """Set by SIGINT/SIGTERM while ``up`` runs."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.signal = signum
+
+
+def _up(args: argparse.Namespace) -> int:
+    n = _positive_int(args.shards, "--shards", 1, 1024)
+    base = _positive_int(args.base_port, "--base-port", 1, 65535 - n + 1)
+    host = args.host
+    # validate pass-through flags here, so a bad one is one message rather than N dead children
+    ShardConfig.from_sources({"host": host, "port": base, "num_shards": n,
+                              "max_request_bytes": args.max_request_bytes,
+                              "log_level": args.log_level, "access_log": args.access_log}, {})
+    extra: list[str] = []
+    if args.max_request_bytes is not None:
+        extra += ["--max-request-bytes", args.max_request_bytes]
+    if args.log_level is not None:
+        extra += ["--log-level", args.log_level]
+    if args.access_log is not None:
+        extra.append("--access-log" if args.access_log else "--no-access-log")
+
+    ports = [base + i for i in range(n)]
+    taken = [(i, p) for i, p in enumerate(ports) if not _port_free(host, p)]
+    if taken:
+        which = ", ".join(f"{p} (shard {i})" for i, p in taken)
+        print(f"{PROG} up: error: port(s) {which} on {host} already in use: stop what uses them "
+              f"or pick another --base-port", file=sys.stderr)
+        return 1
+
+    stop = _Stop()
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    urls = [f"http://{_client_host(host)}:{p}" for p in ports]
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    for key in [k for k in env if k.startswith("PARAMSHARD_") and k != _SHARDS_ENV]:
+        del env[key]  # the flags below say everything; stray settings must not override them
+    procs: list[subprocess.Popen] = []
+    try:
+        for i, port in enumerate(ports):
+            cmd = [sys.executable, "-m", "server.cli", "serve", "--shard-index", str(i),
+                   "--num-shards", str(n), "--host", host, "--port", str(port), *extra]
+            procs.append(subprocess.Popen(cmd, env=env))
+        failed = _wait_until_up(procs, urls, stop)
+        if failed is None and stop.signal is None:
+            print(f"{PROG}: {n} shard(s) up", flush=True)
+            for i, (url, proc) in enumerate(zip(urls, procs)):
+                print(f"  shard {i}/{n}  {url}  (pid {proc.pid})", flush=True)
+            print(f"export {_SHARDS_ENV}={','.join(urls)}", flush=True)
+            print("Press Ctrl-C to stop.", flush=True)
+            failed = _watch(procs, stop)
+        if failed is not None:
+            i, code = failed
+            print(f"{PROG} up: error: shard {i} ({urls[i]}) exited with status {code}; "
+                  "stopping the other shards", file=sys.stderr, flush=True)
+        _stop_all(procs)
+        if failed is not None:
+            return 1
+        print(f"{PROG}: all shards stopped", flush=True)
+        return 0
+    finally:
+        _stop_all(procs, kill=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait_until_up(procs: list[subprocess.Popen], urls: list[str], stop: _Stop
+                   ) -> tuple[int, int] | None:
+    deadline = time.monotonic() + _STARTUP_TIMEOUT
+    pending = set(range(len(procs)))
+    while pending and stop.signal is None:
+        for i in sorted(pending):
+            code = procs[i].poll()
+            if code is not None:
+                return i, code
+            if _healthy(urls[i], timeout=0.5):
+                pending.discard(i)
+        if time.monotonic() > deadline:
+            i = min(pending)
+            print(f"{PROG} up: error: shard {i} ({urls[i]}) not healthy after "
+                  f"{_STARTUP_TIMEOUT:g}s", file=sys.stderr)
+            return i, -1
+        if pending:
+            time.sleep(0.1)
+    return None
+
+
+def _watch(procs: list[subprocess.Popen], stop: _Stop) -> tuple[int, int] | None:
+    while stop.signal is None:
+        for i, proc in enumerate(procs):
+            code = proc.poll()
+            if code is not None:
+                return i, code
+        time.sleep(0.2)
+    return None
+
+
+def _stop_all(procs: list[subprocess.Popen], kill: bool = False, timeout: float = 15.0) -> None:
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in running:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+# -- status ---------------------------------------------------------------------------------
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def _probe(url: str, timeout: float) -> dict[str, Any]:
+    import httpx2
+
+    try:
+        with httpx2.Client(timeout=timeout) as client:
+            info = client.get(url + "/v1/cluster").raise_for_status().json()
+            healthy = client.get(url + "/healthz").status_code == 200
+        return {"info": info, "healthy": healthy}
+    except (httpx2.HTTPError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _status(args: argparse.Namespace) -> int:
+    raw = args.shards if args.shards is not None else os.environ.get(_SHARDS_ENV)
+    if not raw:
+        raise UsageError(f"give the fleet with --shards URL,URL,... or set {_SHARDS_ENV}")
+    urls = [u.strip().rstrip("/") for u in raw.split(",") if u.strip()]
+    if not urls or any(not u.startswith(("http://", "https://")) for u in urls):
+        raise UsageError(f"--shards must be comma-separated http(s):// URLs, got {raw!r}")
+    try:
+        timeout = float(args.timeout)
+    except ValueError:
+        raise UsageError(f"--timeout must be a number of seconds, got {args.timeout!r}") from None
+    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
+        results = list(pool.map(lambda u: _probe(u, timeout), urls))
+    rows = [("URL", "SHARD", "INCARNATION", "VARIABLES", "BYTES", "HEALTHY")]
+    ok = True
+    for i, (url, res) in enumerate(zip(urls, results)):
+        info = res.get("info")
+        if info is None:
+            ok = False
+            rows.append((url, "?", "-", "-", "-", "down"))
+            continue
+        slot = f"{info.get('shard_index')}/{info.get('num_shards')}"
+        health = "yes" if res["healthy"] else "no"
+        if (info.get("shard_index"), info.get("num_shards")) != (i, len(urls)):
+            health = f"mismatch (listed as {i}/{len(urls)})"
+        ok = ok and health == "yes"
+        rows.append((url, slot, str(info.get("incarnation", "?")), str(info.get("variables", "?")),
+                     _human_bytes(int(info.get("bytes", 0))), health))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    for url, res in zip(urls, results):
+        if "error" in res:
+            print(f"{url}: {res['error']}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+# -- demo -----------------------------------------------------------------------------------
+
+def _demo(argv: list[str]) -> int:
+    try:
+        from .demo import run_demo
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("server.demo", __package__ + ".demo"):
+            raise
+        print(f"{PROG} demo: the demo is not available in this installation (server/demo.py is "
+              "missing); run a fleet with `paramshard up` and the examples/ scripts instead",
+              file=sys.stderr)
+        return 1
+    return run_demo(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Server-side optimizer math, applied in place on numpy arrays.
+
+The specs (``client_sdk/optimizers.py``) say *what* to do; this module does it:
+
+``SGD``      value -= lr * (grad + weight_decay * value)
+``Adagrad``  g = grad + weight_decay * value;  acc += g*g;  value -= lr * g / (sqrt(acc) + epsilon)
+``Add``      value += grad
+
+``value`` is updated in place and its slots (``state``, e.g. Adagrad's accumulator) too. Big
+variables are the point of a parameter server, so the math is written with ``out=`` and allocates
+at most two temporaries the size of the variable (none when ``scratch`` says the gradient buffer
+may be overwritten, as a framed request's buffer may). Everything here is synchronous, pure CPU
+and not thread-safe: the caller serialises updates to one variable (the store runs them on the
+event-loop thread).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from client_sdk.optimizers import SGD, Adagrad, Add, Optimizer
+
+__all__ = ["apply", "init_state", "state_nbytes"]
+
+
+def init_state(opt: Optimizer, value: np.ndarray) -> dict[str, np.ndarray]:
+    """The optimizer's slots for a new variable (Adagrad: the accumulator); empty for SGD/Add."""
+    if isinstance(opt, Adagrad):
+        return {"accumulator": np.full(value.shape, opt.initial_accumulator_value,
+                                       dtype=value.dtype)}
+    return {}
+
+
+def state_nbytes(state: dict[str, np.ndarray]) -> int:
+    return sum(a.nbytes for a in state.values())
+
+
+def apply(opt: Optimizer, value: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
+          *, scratch: bool = False) -> None:
+    """Apply one gradient to ``value`` (and ``state``) in place.
+
+    ``grad`` must have ``value``'s shape and dtype. With ``scratch=True`` the function may
+    overwrite ``grad`` instead of allocating a temporary.
+    """
+    if isinstance(opt, Add):
+        np.add(value, grad, out=value)
+    elif isinstance(opt, SGD):
+        _sgd(opt, value, grad, scratch)
+    elif isinstance(opt, Adagrad):
+        _adagrad(opt, value, grad, state["accumulator"], scratch)
+    else:  # from_wire only builds the three above
+        raise TypeError(f"no server-side math for optimizer {type(opt).__name__}")
+
+
+def _sgd(opt: SGD, value: np.ndarray, grad: np.ndarray, scratch: bool) -> None:
+    if opt.weight_decay:
+        # value - lr*(g + wd*value) == value*(1 - lr*wd) - lr*g, without a temporary for wd*value
+        np.multiply(value, 1.0 - opt.lr * opt.weight_decay, out=value)
+    step = grad if scratch else np.empty_like(value)
+    np.multiply(grad, opt.lr, out=step)
+    np.subtract(value, step, out=value)
+
+
+def _adagrad(opt: Adagrad, value: np.ndarray, grad: np.ndarray, acc: np.ndarray,
+             scratch: bool) -> None:
+    g = grad if scratch else grad.copy()
+    tmp = np.empty_like(value)
+    if opt.weight_decay:
+        np.multiply(value, opt.weight_decay, out=tmp)
+        np.add(g, tmp, out=g)
+    np.multiply(g, g, out=tmp)
+    np.add(acc, tmp, out=acc)
+    np.sqrt(acc, out=tmp)
+    np.add(tmp, opt.epsilon, out=tmp)
+    np.divide(g, tmp, out=g)
+    np.multiply(g, opt.lr, out=g)
+    np.subtract(value, g, out=value)

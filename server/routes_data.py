@@ -1,0 +1,276 @@
+"""The data plane: ``POST /v1/{init,pull,push,assign,increment,wait}`` (docs/PROTOCOL.md §3).
+
+Each handler reads the body once into one preallocated buffer (:func:`read_body`), decodes the
+message (tensors become views of that buffer, never copied out), checks the verb's fields, calls
+the store, and answers in the request's encoding family with :class:`EncodedResponse`, which
+writes the encoded chunks (header, padding, the arrays' own memory) one by one without joining
+them. Handlers are coroutines on the event loop; the store calls they make are synchronous.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
+
+from client_sdk import wire
+
+from .errors import ShardError
+from .store import MAX_WAIT_SECONDS, ParameterStore
+
+__all__ = ["EncodedResponse", "read_body", "router"]
+
+_BODY_DOC = {
+    "requestBody": {
+        "required": True,
+        "description": "One msgpack map (application/msgpack) or a framed body "
+                       "(application/x-paramshard-frame); see docs/PROTOCOL.md.",
+        "content": {
+            wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}},
+            wire.FRAME: {"schema": {"type": "string", "format": "binary"}},
+        },
+    },
+    "responses": {"200": {"description": "msgpack (or framed) map",
+                          "content": {wire.MSGPACK: {}, wire.FRAME: {}}}},
+}
+
+router = APIRouter(prefix="/v1", tags=["data plane (msgpack)"])
+
+
+class EncodedResponse(Response):
+    """Send a :class:`client_sdk.wire.Encoded` body chunk by chunk, never joined.
+
+    ``Content-Length`` is the encoded size; each chunk (a memoryview of an array, for framed
+    bodies) goes out as its own ``http.response.body`` message.
+    """
+
+    def __init__(self, encoded: wire.Encoded, status_code: int = 200) -> None:
+        self.encoded = encoded
+        self.status_code = status_code
+        self.background = None
+        self.body = b""
+        self.raw_headers = [
+            (b"content-type", encoded.content_type.encode("latin-1")),
+            (b"content-length", str(encoded.nbytes).encode("latin-1")),
+        ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        chunks = [c for c in self.encoded.chunks if len(c)]
+        if scope.get("method") == "HEAD" or not chunks:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        last = len(chunks) - 1
+        for i, chunk in enumerate(chunks):
+            await send({"type": "http.response.body", "body": chunk, "more_body": i < last})
+
+
+async def read_body(request: Request, limit: int) -> tuple[bytearray, str]:
+    """The request body in one buffer, and its content type.
+
+    415 for a content type that is neither msgpack nor frame (before reading); 413 for a
+    declared ``Content-Length`` above ``limit`` (before reading) or, without one, as soon as the
+    bytes received pass ``limit``; 400 for a body that ends early or runs long.
+    """
+    content_type = request.headers.get("content-type", "")
+    kind = content_type.split(";")[0].strip().lower()
+    if kind not in (wire.MSGPACK, wire.FRAME):
+        raise ShardError("unsupported_media_type",
+                         f"unsupported Content-Type {content_type!r}: send {wire.MSGPACK} "
+                         f"or {wire.FRAME}", {"content_type": content_type})
+    declared = request.headers.get("content-length")
+    try:
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                size = -1
+            if size < 0:
+                raise ShardError("bad_request", f"bad Content-Length {declared!r}")
+            if size > limit:
+                raise _too_large(size, limit)
+            buf = bytearray(size)
+            view = memoryview(buf)
+            pos = 0
+            async for chunk in request.stream():
+                end = pos + len(chunk)
+                if end > size:
+                    raise ShardError("bad_request", "body is longer than its Content-Length")
+                view[pos:end] = chunk
+                pos = end
+            if pos != size:
+                raise ShardError("bad_request", f"body ended after {pos} of {size} bytes")
+            return buf, kind
+        grown = bytearray()
+        async for chunk in request.stream():
+            grown += chunk
+            if len(grown) > limit:
+                raise _too_large(len(grown), limit, partial=True)
+        return grown, kind
+    except ClientDisconnect:
+        raise ShardError("bad_request", "the client went away before sending the whole body") \
+            from None
+
+
+def _too_large(size: int, limit: int, partial: bool = False) -> ShardError:
+    what = f"more than {limit}" if partial else str(size)
+    return ShardError("too_large",
+                      f"request body of {what} bytes is above this shard's limit of {limit} "
+                      "(--max-request-bytes): split the request into smaller batches or "
+                      "partition the variable",
+                      {"limit": limit, **({} if partial else {"size": size})})
+
+
+async def _message(request: Request) -> tuple[dict[str, Any], bytearray]:
+    body, kind = await read_body(request, request.app.state.config.max_request_bytes)
+    msg = wire.unpack(body, kind)
+    if not isinstance(msg, dict):
+        raise ShardError("bad_request",
+                         f"the body must be a msgpack map, got {type(msg).__name__}")
+    return msg, body
+
+
+def _reply(request: Request, msg: dict[str, Any]) -> EncodedResponse:
+    accept = request.headers.get("accept", "")
+    framed_ok = wire.FRAME in accept.lower()
+    return EncodedResponse(wire.encode(msg, frame=None if framed_ok else False))
+
+
+def _store(request: Request) -> ParameterStore:
+    return request.app.state.store
+
+
+# -- field checks ---------------------------------------------------------------------------
+
+def _required(msg: Mapping[str, Any], key: str, verb: str) -> Any:
+    if key not in msg:
+        raise ShardError("bad_request", f"{verb}: missing field {key!r} (see docs/PROTOCOL.md)",
+                         {"field": key})
+    return msg[key]
+
+
+def _bad_field(verb: str, key: str, expected: str, got: Any) -> ShardError:
+    return ShardError("bad_request", f"{verb}: field {key!r} must be {expected}, "
+                      f"got {type(got).__name__}", {"field": key})
+
+
+def _name_list(msg: Mapping[str, Any], key: str, verb: str) -> list[str]:
+    names = _required(msg, key, verb)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise _bad_field(verb, key, "a list of variable names (strings)", names)
+    return names
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _versions(msg: Mapping[str, Any], verb: str) -> dict[str, int] | None:
+    versions = msg.get("versions")
+    if versions is None:
+        return None
+    if not isinstance(versions, dict) or not all(
+            isinstance(k, str) and _int(v) and v >= 0 for k, v in versions.items()):
+        raise _bad_field(verb, "versions", "a map of name -> int >= 0", versions)
+    return versions
+
+
+def _tensor_map(msg: Mapping[str, Any], key: str, verb: str, body: bytearray
+                ) -> dict[str, Any]:
+    value = _required(msg, key, verb)
+    if not isinstance(value, dict):
+        raise _bad_field(verb, key, "a map of name -> tensor", value)
+    return wire.tensors_of(value, body, key)
+
+
+# -- verbs ----------------------------------------------------------------------------------
+
+@router.post("/init", openapi_extra=_BODY_DOC)
+async def init(request: Request) -> Response:
+    """Create variables that do not exist yet: `{"variables": {name: {"value": tensor,
+    "optimizer": {...}}}}` -> `{"variables": {name: {"version", "created"}}}`."""
+    msg, body = await _message(request)
+    entries = _required(msg, "variables", "init")
+    if not isinstance(entries, dict):
+        raise _bad_field("init", "variables", "a map of name -> {value, optimizer}", entries)
+    values, specs = {}, {}
+    for name, entry in entries.items():
+        if not isinstance(entry, dict) or "value" not in entry:
+            raise ShardError("bad_request", f"init: variables[{name!r}] must be a map with a "
+                             "'value' tensor and an optional 'optimizer'",
+                             {"variable": name if isinstance(name, str) else repr(name)})
+        values[name] = entry["value"]
+        specs[name] = entry.get("optimizer")
+    decoded = wire.tensors_of(values, body, "variables")
+    result = _store(request).init({n: (decoded[n], specs[n]) for n in decoded})
+    return _reply(request, {"variables": result})
+
+
+@router.post("/pull", openapi_extra=_BODY_DOC)
+async def pull(request: Request) -> Response:
+    """Read values: `{"names": [...], "versions": {name: int}}` -> `{"variables": {name:
+    {"version", "value"?}}}`; values already held at the current version are left out."""
+    msg, _ = await _message(request)
+    names = _name_list(msg, "names", "pull")
+    versions = _versions(msg, "pull")
+    return _reply(request, {"variables": _store(request).pull(names, versions)})
+
+
+@router.post("/push", openapi_extra=_BODY_DOC)
+async def push(request: Request) -> Response:
+    """Apply gradients: `{"worker_id", "seq", "grads": {name: tensor}, "versions"?}` ->
+    `{"variables": {name: {"status", "version", "staleness"}}}`."""
+    msg, body = await _message(request)
+    worker_id = _required(msg, "worker_id", "push")
+    if not isinstance(worker_id, str) or not 0 < len(worker_id) <= 256:
+        raise _bad_field("push", "worker_id", "a string of 1-256 characters", worker_id)
+    seq = _required(msg, "seq", "push")
+    if not _int(seq) or seq < 0:
+        raise _bad_field("push", "seq", "an int >= 0", seq)
+    versions = _versions(msg, "push")
+    grads = _tensor_map(msg, "grads", "push", body)
+    return _reply(request, {"variables": _store(request).push(worker_id, seq, grads, versions)})
+
+
+@router.post("/assign", openapi_extra=_BODY_DOC)
+async def assign(request: Request) -> Response:
+    """Overwrite values: `{"values": {name: tensor}}` -> `{"variables": {name: {"version"}}}`."""
+    msg, body = await _message(request)
+    values = _tensor_map(msg, "values", "assign", body)
+    return _reply(request, {"variables": _store(request).assign(values)})
+
+
+@router.post("/increment", openapi_extra=_BODY_DOC)
+async def increment(request: Request) -> Response:
+    """Atomic fetch-and-add: `{"name", "delta"?}` -> `{"value", "version"}`."""
+    msg, _ = await _message(request)
+    name = _required(msg, "name", "increment")
+    if not isinstance(name, str):
+        raise _bad_field("increment", "name", "a variable name (string)", name)
+    delta = msg.get("delta", 1)
+    if delta is None:
+        delta = 1
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)):
+        raise _bad_field("increment", "delta", "an int or a float", delta)
+    return _reply(request, _store(request).increment(name, delta))
+
+
+@router.post("/wait", openapi_extra=_BODY_DOC)
+async def wait(request: Request) -> Response:
+    """Long-poll until variables exist: `{"names", "timeout"?}` -> `{"ready", "missing"}`."""
+    msg, _ = await _message(request)
+    names = _name_list(msg, "names", "wait")
+    timeout = msg.get("timeout", 10.0)
+    if timeout is None:
+        timeout = 10.0
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+            or not math.isfinite(timeout) or timeout < 0:
+        raise _bad_field("wait", "timeout", f"a number of seconds in 0..{MAX_WAIT_SECONDS:g}",
+                         timeout)
+    return _reply(request, await _store(request).wait(names, timeout))

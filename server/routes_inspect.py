@@ -1,0 +1,110 @@
+"""JSON endpoints for people and dashboards: cluster, variables, one variable, health.
+
+All are coroutines that run on the event loop and read the store synchronously, so what they
+report is one consistent state. Statistics are computed in float64 over blocks, so inspecting a
+huge variable does not allocate a copy of it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Query, Request
+from starlette.responses import JSONResponse, Response
+
+from client_sdk import wire
+
+from . import __version__
+from .errors import ShardError
+from .store import ParameterStore, Variable
+
+__all__ = ["MAX_JSON_VALUES", "router", "value_stats"]
+
+#: ``?values=true`` returns variables up to this many elements as JSON.
+MAX_JSON_VALUES = 65_536
+_BLOCK = 1 << 20
+
+router = APIRouter(tags=["inspection (JSON)"])
+
+
+def _store(request: Request) -> ParameterStore:
+    return request.app.state.store
+
+
+def value_stats(value: np.ndarray) -> dict[str, float | None]:
+    """``l2_norm``, ``min``, ``max``, ``mean`` of a value (``None`` for an empty one)."""
+    flat = value.reshape(-1)
+    if flat.size == 0:
+        return {"l2_norm": None, "min": None, "max": None, "mean": None}
+    total = squares = 0.0
+    lo, hi = math.inf, -math.inf
+    for start in range(0, flat.size, _BLOCK):
+        block = flat[start:start + _BLOCK].astype(np.float64, copy=False)
+        total += float(block.sum())
+        squares += float(np.dot(block, block))
+        lo = min(lo, float(block.min()))
+        hi = max(hi, float(block.max()))
+    return {"l2_norm": math.sqrt(squares), "min": lo, "max": hi, "mean": total / flat.size}
+
+
+@router.get("/v1/cluster")
+async def cluster(request: Request) -> dict[str, Any]:
+    """This shard's place in the fleet, its incarnation and what it holds."""
+    state = request.app.state
+    store = _store(request)
+    return {
+        "shard_index": state.config.shard_index,
+        "num_shards": state.config.num_shards,
+        "incarnation": state.incarnation,
+        "protocol_version": wire.PROTOCOL_VERSION,
+        "version": __version__,
+        "started_at": state.started_at,
+        "variables": len(store),
+        "bytes": store.nbytes,
+        "max_request_bytes": state.config.max_request_bytes,
+    }
+
+
+@router.get("/v1/variables")
+async def variables(request: Request) -> dict[str, Any]:
+    """A summary of every variable on this shard, sorted by name."""
+    return {"variables": sorted((v.summary() for v in _store(request)),
+                                key=lambda s: s["name"])}
+
+
+@router.get("/v1/variables/{name:path}", response_model=None)
+async def variable(
+    request: Request,
+    name: str,
+    values: bool = Query(False, description=f"add the values as nested lists "
+                                            f"(variables up to {MAX_JSON_VALUES:,} elements)"),
+    format: Literal["json", "npy"] = Query("json", description="'npy' returns a .npy file"),
+) -> Response | dict[str, Any]:
+    """One variable: its summary and statistics; `?values=true` adds the values,
+    `?format=npy` returns the value as a `.npy` file (read it with `numpy.load`)."""
+    var: Variable = _store(request).get(name)
+    if format == "npy":
+        out = io.BytesIO()
+        np.lib.format.write_array(out, var.value, allow_pickle=False)
+        filename = name.replace("/", "_").replace(":", "_") + ".npy"
+        return Response(out.getvalue(), media_type="application/octet-stream",
+                        headers={"content-disposition": f'attachment; filename="{filename}"'})
+    summary = {**var.summary(), **value_stats(var.value)}
+    if values:
+        if var.value.size > MAX_JSON_VALUES:
+            raise ShardError(
+                "too_large",
+                f"{name} has {var.value.size:,} elements; ?values=true returns at most "
+                f"{MAX_JSON_VALUES:,}: fetch it as ?format=npy (numpy.load) or pull it with "
+                "the SDK", {"elements": var.value.size, "limit": MAX_JSON_VALUES})
+        summary["values"] = var.value.tolist()
+    return JSONResponse(summary)
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """200 while the process serves."""
+    return {"status": "ok"}

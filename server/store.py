@@ -1,0 +1,446 @@
+"""The variables one shard owns, and the verbs that read and change them. No HTTP in here.
+
+:class:`ParameterStore` implements ``init``, ``pull``, ``push``, ``assign``, ``increment`` and
+``wait`` (docs/PROTOCOL.md §3) as plain methods on decoded arguments. Refusals are
+:class:`~server.errors.ShardError` with the protocol's codes.
+
+Rules every verb keeps:
+
+* **Validate the whole request, then apply it.** A verb checks every name (valid, owned, known),
+  every tensor (dtype, shape, finite) and every option before it changes anything, so a refused
+  request leaves no trace.
+* **No torn reads.** The mutating verbs are synchronous and run on the event-loop thread; there
+  is no ``await`` between validation and the last write, so no other request observes a
+  half-applied update. Thread-safety: none — call from one thread (the loop's).
+* **Copy on write.** ``pull`` hands out a read-only view of the live value (it may still be
+  being written to a socket after the handler returns) and marks the variable shared; the next
+  write to a shared variable first moves it to a fresh buffer, so a response in flight never
+  changes under the reader. Many pulls of one version cost no copy at all.
+* **Work proportional to the request**, never to the number of variables the shard holds
+  (``bytes`` and counts are kept up to date, not recomputed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from client_sdk.optimizers import SGD, Add, Optimizer, from_wire
+from client_sdk.placement import shard_for, validate_name
+
+from . import optim
+from .errors import ShardError
+
+__all__ = ["DEFAULT_OPTIMIZER", "MAX_WAIT_SECONDS", "ParameterStore", "Variable"]
+
+DEFAULT_OPTIMIZER: Optimizer = SGD(lr=0.01)
+MAX_WAIT_SECONDS = 30.0
+
+
+@dataclass(eq=False)
+class Variable:
+    """One variable: its value (native byte order, C-contiguous) and bookkeeping.
+
+    ``version`` goes up by one per applied change (push, assign, increment); ``updates`` counts
+    applied gradients only. ``kind`` is ``"tensor"`` (made by init) or ``"counter"`` (made by
+    increment).
+    """
+
+    name: str
+    value: np.ndarray
+    optimizer: Optimizer
+    state: dict[str, np.ndarray]
+    kind: str = "tensor"
+    version: int = 0
+    updates: int = 0
+    created_at: float = field(default_factory=time.time)
+    last_update: float | None = None
+    last_writer: str | None = None
+    shared: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.nbytes + optim.state_nbytes(self.state)
+
+    def export(self) -> np.ndarray:
+        """A read-only view of the current value; the next write will not touch its memory."""
+        self.shared = True
+        view = self.value.view()
+        view.flags.writeable = False
+        return view
+
+    def writable(self) -> np.ndarray:
+        """The value's buffer, moved to fresh memory first if a reader may still hold it."""
+        if self.shared:
+            self.value = self.value.copy()
+            self.shared = False
+        return self.value
+
+    def touch(self, writer: str | None = None) -> None:
+        self.version += 1
+        self.last_update = time.time()
+        if writer is not None:
+            self.last_writer = writer
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "shape": list(self.value.shape),
+            "dtype": self.value.dtype.str,
+            "version": self.version,
+            "updates": self.updates,
+            "optimizer": self.optimizer.to_wire(),
+            "created_at": self.created_at,
+            "last_update": self.last_update,
+            "last_writer": self.last_writer,
+            "nbytes": self.value.nbytes,
+        }
+
+
+def native(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in this machine's byte order (``>f4`` -> ``<f4`` on x86)."""
+    return dtype.newbyteorder("=")
+
+
+def all_finite(a: np.ndarray) -> bool:
+    """True if ``a`` has no NaN or infinity. One streaming pass, no array-sized temporary in
+    the common case (a float64 sum is finite exactly when no element is non-finite, unless the
+    sum overflowed, which the exact fallback settles)."""
+    if a.dtype.kind != "f" or a.size == 0:
+        return True
+    with np.errstate(all="ignore"):
+        total = float(np.sum(a, dtype=np.float64))
+    if math.isfinite(total):
+        return True
+    return bool(np.isfinite(a).all())
+
+
+def _tensor_error(name: str, message: str, **details: Any) -> ShardError:
+    return ShardError("bad_tensor", f"{name}: {message}", {"variable": name, **details})
+
+
+class ParameterStore:
+    """The variables of shard ``shard_index`` of a fleet of ``num_shards``.
+
+    All methods but :meth:`wait` are synchronous and must be called from the event-loop thread;
+    :meth:`wait` is a coroutine on that same loop. None of them blocks on I/O.
+    """
+
+    def __init__(self, shard_index: int, num_shards: int) -> None:
+        if not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index must be in 0..{num_shards - 1}, got {shard_index}")
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self._vars: dict[str, Variable] = {}
+        self._nbytes = 0
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._vars)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._vars
+
+    def __iter__(self) -> Iterator[Variable]:
+        return iter(list(self._vars.values()))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in values and optimizer slots, kept current (O(1))."""
+        return self._nbytes
+
+    def owner(self, name: str) -> int:
+        return shard_for(name, self.num_shards)
+
+    def check_names(self, names: Iterable[Any]) -> list[str]:
+        """Validate names (400) and ownership (421 with ``details.owners``) of a whole request."""
+        names = list(names)
+        for name in names:
+            try:
+                validate_name(name)
+            except ValueError as exc:
+                raise ShardError("bad_request", str(exc),
+                                 {"name": name if isinstance(name, str) else repr(name)}) from None
+        owners = {}
+        for name in names:
+            owner = self.owner(name)
+            if owner != self.shard_index:
+                owners[name] = owner
+        if owners:
+            first = next(iter(owners))
+            raise ShardError(
+                "not_owner",
+                f"this is shard {self.shard_index} of {self.num_shards}; variable {first!r} "
+                f"belongs to shard {owners[first]}"
+                + (f" (and {len(owners) - 1} more are not ours)" if len(owners) > 1 else "")
+                + ": send each variable to its owner, and check that your shard list is in "
+                  "fleet order",
+                {"owners": owners, "shard_index": self.shard_index,
+                 "num_shards": self.num_shards},
+            )
+        return names
+
+    def _existing(self, names: Iterable[str]) -> list[Variable]:
+        found, missing = [], []
+        for name in names:
+            var = self._vars.get(name)
+            if var is None:
+                missing.append(name)
+            else:
+                found.append(var)
+        if missing:
+            raise ShardError(
+                "not_found",
+                f"unknown variable(s) {missing[:10]}{' ...' if len(missing) > 10 else ''} on shard "
+                f"{self.shard_index}: init them first, or wait for them (/v1/wait)",
+                {"missing": missing},
+            )
+        return found
+
+    def get(self, name: str) -> Variable:
+        """The variable ``name``; 400/421/404 as for any verb."""
+        self.check_names([name])
+        return self._existing([name])[0]
+
+    # -- verbs ------------------------------------------------------------------------------
+
+    def init(self, entries: Mapping[str, tuple[np.ndarray, Any]]) -> dict[str, dict[str, Any]]:
+        """Create each variable that does not exist yet (version 0), atomically per request.
+
+        ``entries`` maps name -> (value, optimizer wire spec or ``None``). An existing variable
+        with the same shape and dtype is left alone (``created: False``); another shape or dtype
+        is 409 and nothing is created.
+        """
+        self.check_names(entries)
+        plans: list[tuple[str, np.ndarray, Optimizer]] = []
+        conflicts = {}
+        for name, (value, spec) in entries.items():
+            dtype = native(value.dtype)
+            existing = self._vars.get(name)
+            if existing is not None:
+                if existing.value.shape != value.shape or existing.value.dtype != dtype:
+                    conflicts[name] = {
+                        "existing": {"shape": list(existing.value.shape),
+                                     "dtype": existing.value.dtype.str},
+                        "requested": {"shape": list(value.shape), "dtype": dtype.str},
+                    }
+                continue
+            if not all_finite(value):
+                raise _tensor_error(name, "initial value has NaN or infinite entries")
+            try:
+                opt = DEFAULT_OPTIMIZER if spec is None else from_wire(spec)
+            except (ValueError, TypeError) as exc:
+                raise ShardError("bad_request", f"{name}: bad optimizer: {exc}",
+                                 {"variable": name}) from None
+            plans.append((name, value, opt))
+        if conflicts:
+            first = next(iter(conflicts))
+            c = conflicts[first]
+            raise ShardError(
+                "conflict",
+                f"{first!r} already exists with shape {c['existing']['shape']} and dtype "
+                f"{c['existing']['dtype']}, not {c['requested']['shape']} {c['requested']['dtype']}"
+                ": use another name, or init with the existing shape and dtype",
+                {"conflicts": conflicts},
+            )
+        # -- apply (no refusal past this point) --
+        for name, value, opt in plans:
+            dtype = native(value.dtype)
+            owned = np.empty(value.shape, dtype=dtype)
+            np.copyto(owned, value)
+            self._add(Variable(name=name, value=owned, optimizer=opt,
+                               state=optim.init_state(opt, owned)))
+        created = {name for name, _, _ in plans}
+        return {name: {"version": self._vars[name].version, "created": name in created}
+                for name in entries}
+
+    def pull(self, names: Iterable[str], versions: Mapping[str, int] | None = None
+             ) -> dict[str, dict[str, Any]]:
+        """Current versions and (read-only) values; a value equal to ``versions[name]`` is left out."""
+        names = self.check_names(names)
+        held = versions or {}
+        out: dict[str, dict[str, Any]] = {}
+        for var in self._existing(names):
+            entry: dict[str, Any] = {"version": var.version}
+            if held.get(var.name) != var.version:
+                entry["value"] = var.export()
+            out[var.name] = entry
+        return out
+
+    def push(self, worker_id: str, seq: int, grads: Mapping[str, np.ndarray],
+             versions: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
+        """Apply one gradient per variable with the variable's optimizer.
+
+        Writable gradient arrays (views of a framed request's own buffer, or cast copies) may be
+        overwritten as scratch space.
+        """
+        variables = self._existing(self.check_names(grads))
+        held = versions or {}
+        plans: list[tuple[Variable, np.ndarray, bool]] = []
+        for var in variables:
+            grad = grads[var.name]
+            if var.value.dtype.kind != "f":
+                raise _tensor_error(
+                    var.name, f"variable has integer dtype {var.value.dtype.str}; gradients apply "
+                    "to float variables only (use increment or assign to change it)")
+            if grad.dtype.kind != "f":
+                raise _tensor_error(var.name, f"gradient dtype {grad.dtype.str} is not a float "
+                                    "type: send f2, f4 or f8")
+            if grad.shape != var.value.shape:
+                raise _tensor_error(var.name, f"gradient shape {list(grad.shape)} differs from the "
+                                    f"variable's {list(var.value.shape)}",
+                                    shape=list(var.value.shape))
+            scratch = bool(grad.flags.writeable)
+            if grad.dtype != var.value.dtype:
+                with np.errstate(all="ignore"):
+                    grad = grad.astype(var.value.dtype)
+                scratch = True
+            if not all_finite(grad):
+                raise _tensor_error(var.name, "gradient has NaN or infinite entries (in "
+                                    f"{var.value.dtype.str}): skip or clip this step")
+            plans.append((var, grad, scratch))
+        # -- apply --
+        out = {}
+        for var, grad, scratch in plans:
+            before = var.version
+            with np.errstate(all="ignore"):
+                optim.apply(var.optimizer, var.writable(), grad, var.state, scratch=scratch)
+            var.updates += 1
+            var.touch(worker_id)
+            seen = held.get(var.name)
+            out[var.name] = {"status": "applied", "version": var.version,
+                             "staleness": None if seen is None else before - seen}
+        return out
+
+    def assign(self, values: Mapping[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+        """Overwrite existing variables (same shape; cast to the variable's dtype)."""
+        variables = self._existing(self.check_names(values))
+        plans = []
+        for var in variables:
+            value = values[var.name]
+            if value.shape != var.value.shape:
+                raise _tensor_error(var.name, f"value shape {list(value.shape)} differs from the "
+                                    f"variable's {list(var.value.shape)}",
+                                    shape=list(var.value.shape))
+            plans.append((var, _cast_checked(var.name, value, var.value.dtype)))
+        for var, value in plans:
+            if var.shared:  # no need to copy the old value first: it is overwritten whole
+                var.value = np.empty_like(var.value)
+                var.shared = False
+            np.copyto(var.value, value, casting="unsafe")
+            var.touch()
+        return {var.name: {"version": var.version} for var, _ in plans}
+
+    def increment(self, name: str, delta: int | float = 1) -> dict[str, Any]:
+        """Atomic fetch-and-add on a scalar; creates an ``i8`` (int delta) or ``f8`` counter."""
+        self.check_names([name])
+        if isinstance(delta, bool) or not isinstance(delta, (int, float)):
+            raise ShardError("bad_request", f"'delta' must be an int or a float, got "
+                             f"{type(delta).__name__}")
+        if isinstance(delta, float) and not math.isfinite(delta):
+            raise _tensor_error(name, f"delta must be finite, got {delta}")
+        var = self._vars.get(name)
+        dtype = var.value.dtype if var is not None else np.dtype(
+            "<i8" if isinstance(delta, int) else "<f8")
+        if var is not None and var.value.shape != ():
+            raise _tensor_error(name, f"increment needs a scalar, but the variable has shape "
+                                f"{list(var.value.shape)}", shape=list(var.value.shape))
+        current = var.value.item() if var is not None else 0
+        if dtype.kind in "iu":
+            if isinstance(delta, float):
+                raise _tensor_error(name, f"float delta {delta} on integer counter of dtype "
+                                    f"{dtype.str}: send an int delta")
+            new = current + delta
+            info = np.iinfo(dtype)
+            if not info.min <= new <= info.max:
+                raise _tensor_error(name, f"{current} + {delta} overflows dtype {dtype.str} "
+                                    f"(range {info.min}..{info.max})")
+            new_value = np.array(new, dtype=dtype)
+        else:
+            with np.errstate(all="ignore"):
+                new_value = np.array(float(current) + float(delta), dtype=dtype)
+            if not math.isfinite(float(new_value)):
+                raise _tensor_error(name, f"{current} + {delta} is not finite in dtype {dtype.str}")
+        # -- apply --
+        if var is None:
+            var = Variable(name=name, value=np.zeros((), dtype=dtype), optimizer=Add(), state={},
+                           kind="counter")
+            self._add(var)
+        var.value = new_value  # a fresh 0-d array: no reader's view is touched
+        var.shared = False
+        var.touch()
+        return {"value": new_value.item(), "version": var.version}
+
+    async def wait(self, names: Iterable[str], timeout: float) -> dict[str, list[str]]:
+        """Wait until every name exists or ``timeout`` seconds (at most 30) pass.
+
+        Coroutine; waiters are woken only by the creation of a name they wait for.
+        """
+        names = self.check_names(names)
+        timeout = min(max(float(timeout), 0.0), MAX_WAIT_SECONDS)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        missing = {n for n in names if n not in self._vars}
+        while missing:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            event = asyncio.Event()
+            for n in missing:
+                self._waiters.setdefault(n, set()).add(event)
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                for n in missing:
+                    waiting = self._waiters.get(n)
+                    if waiting is not None:
+                        waiting.discard(event)
+                        if not waiting:
+                            del self._waiters[n]
+            missing = {n for n in missing if n not in self._vars}
+        ordered = list(dict.fromkeys(names))
+        return {"ready": [n for n in ordered if n not in missing],
+                "missing": [n for n in ordered if n in missing]}
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _add(self, var: Variable) -> None:
+        self._vars[var.name] = var
+        self._nbytes += var.nbytes
+        for event in self._waiters.pop(var.name, ()):
+            event.set()
+
+
+def _cast_checked(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``value`` as ``dtype``, refusing what would not survive the cast (NaN, inf, overflow)."""
+    if value.dtype == dtype:
+        if not all_finite(value):
+            raise _tensor_error(name, "value has NaN or infinite entries")
+        return value
+    if dtype.kind == "f":
+        with np.errstate(all="ignore"):
+            cast = value.astype(dtype)
+        if not all_finite(cast):
+            raise _tensor_error(name, f"value has NaN or infinite entries once cast to "
+                                f"{dtype.str}")
+        return cast
+    if not all_finite(value):
+        raise _tensor_error(name, "value has NaN or infinite entries")
+    if value.size:
+        info = np.iinfo(dtype)
+        lo, hi = value.min(), value.max()
+        if lo < info.min or hi > info.max:
+            raise _tensor_error(name, f"values in [{lo}, {hi}] do not fit dtype {dtype.str} "
+                                f"(range {info.min}..{info.max})")
+    return value.astype(dtype)
