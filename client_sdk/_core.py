@@ -1,0 +1,865 @@
+"""The sans-I/O core of the worker SDK: everything except sending bytes and waiting.
+
+:class:`PSClient` and :class:`AsyncPSClient` (``client.py``) are thin shells around one
+:class:`Core`. The core resolves configuration, splits a batch by shard, encodes each shard's
+request body, checks the fleet on first contact, decodes and merges replies, maps error
+replies to the :class:`~client_sdk.PSError` tree, keeps the version cache and numbers pushes.
+
+Each verb is a *flow*: a generator that yields a list of :class:`ShardRequest` (one per shard,
+to be sent concurrently) and is sent back, in the same order, a list holding for each request
+either a :class:`Reply` or the :class:`PSError` that prevented one. The generator's return value
+is the verb's result. The sync shell drives a flow with threads, the async shell with
+``asyncio.gather``; neither knows anything about the protocol. The retry policy
+(:meth:`Core.retry_delay`) is decided here too, so both shells retry alike.
+
+The core is thread-safe: its shared state (fleet checks, incarnations, version cache, push
+sequence numbers) is guarded by one lock that is never held across I/O.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, TypeVar, Union
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from . import wire
+from ._exceptions import (
+    BadRequestError,
+    BadTensorError,
+    ConfigError,
+    FleetMismatchError,
+    NotReadyError,
+    OverloadedError,
+    ProtocolError,
+    PSError,
+    ShardUnavailableError,
+    error_for_status,
+)
+from .optimizers import Optimizer
+from .placement import shard_for, validate_name
+
+__all__ = [
+    "ENV_SHARDS",
+    "ENV_TOKEN",
+    "ENV_WORKER_ID",
+    "Core",
+    "Flow",
+    "Reply",
+    "Settings",
+    "ShardRequest",
+    "PushJob",
+    "as_array",
+    "load_settings",
+]
+
+ENV_SHARDS = "PARAMSHARD_SHARDS"
+ENV_WORKER_ID = "PARAMSHARD_WORKER_ID"
+ENV_TOKEN = "PARAMSHARD_TOKEN"
+
+#: What every data-plane request accepts back: framed bodies for big tensors, msgpack otherwise.
+ACCEPT = f"{wire.FRAME}, {wire.MSGPACK}"
+#: The shard's own long-poll limit is 30 s; poll in shorter rounds so progress is visible.
+WAIT_POLL_SECONDS = 10.0
+#: Extra read time for a long-poll beyond the time the shard was asked to hold it.
+WAIT_READ_SLACK = 10.0
+
+T = TypeVar("T")
+Result = Union["Reply", PSError]
+#: A verb: yields batches of requests, receives their results, returns the verb's result.
+Flow = Generator[list["ShardRequest"], list[Result], T]
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A client's resolved configuration (see :func:`load_settings`)."""
+
+    shards: tuple[str, ...]
+    worker_id: str
+    token: Optional[str] = None
+    timeout: float = 30.0
+    retry_deadline: float = 30.0
+    max_inflight: int = 2
+
+
+def load_settings(
+    shards: Union[Sequence[str], str, None] = None,
+    worker_id: Optional[str] = None,
+    *,
+    token: Optional[str] = None,
+    timeout: float = 30.0,
+    retry_deadline: float = 30.0,
+    max_inflight: int = 2,
+    environ: Optional[Mapping[str, str]] = None,
+) -> Settings:
+    """Resolve arguments, falling back to ``PARAMSHARD_*`` environment variables.
+
+    Raises :class:`ConfigError` naming the argument or variable to fix.
+    """
+    env = os.environ if environ is None else environ
+    source = "the shards argument"
+    if shards is None:
+        shards = env.get(ENV_SHARDS, "")
+        source = ENV_SHARDS
+    if isinstance(shards, str):
+        shards = [s for s in (part.strip() for part in shards.split(",")) if s]
+    try:
+        shard_list = list(shards)
+    except TypeError:
+        raise ConfigError(
+            f"shards must be a list of URLs, got {type(shards).__name__}"
+        ) from None
+    if not shard_list:
+        raise ConfigError(
+            "no shards configured: pass PSClient([\"http://host:7100\", ...]) or set "
+            f"{ENV_SHARDS}=http://host:7100,http://host:7101 (every shard, in --shard-index order)"
+        )
+    urls = tuple(_check_url(u, i, source) for i, u in enumerate(shard_list))
+    seen: dict[str, int] = {}
+    for i, u in enumerate(urls):
+        if u in seen:
+            raise ConfigError(
+                f"{source} lists {u} twice (positions {seen[u]} and {i}): list each shard once, "
+                "in --shard-index order"
+            )
+        seen[u] = i
+
+    if worker_id is None:
+        worker_id = env.get(ENV_WORKER_ID) or f"{socket.gethostname()}-{os.getpid()}"
+    if (not isinstance(worker_id, str) or not 0 < len(worker_id) <= 256
+            or not worker_id.isprintable()):
+        raise ConfigError(
+            f"worker_id must be 1-256 printable characters, got {worker_id!r}: pass "
+            f"worker_id=... or set {ENV_WORKER_ID}"
+        )
+
+    if token is None:
+        token = env.get(ENV_TOKEN) or None
+    if token is not None and (not isinstance(token, str) or not token.isascii()
+                              or not token.isprintable() or " " in token):
+        raise ConfigError(
+            f"the token must be printable ASCII without spaces: check token=... or {ENV_TOKEN}"
+        )
+
+    for name, value in (("timeout", timeout), ("retry_deadline", retry_deadline)):
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not value > 0 or math.isnan(value)):
+            raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+    if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
+        raise ConfigError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+    return Settings(urls, worker_id, token, float(timeout), float(retry_deadline), max_inflight)
+
+
+def _check_url(url: Any, position: int, source: str) -> str:
+    hint = f"({source}, position {position}): use http://host:port or https://host:port"
+    if not isinstance(url, str):
+        raise ConfigError(f"shard URL {url!r} is not a string {hint}")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"invalid shard URL {url!r} {hint}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError:
+        raise ConfigError(f"invalid port in shard URL {url!r} {hint}") from None
+    if parts.query or parts.fragment:
+        raise ConfigError(f"shard URL {url!r} must not have a query or fragment {hint}")
+    return url.strip().rstrip("/")
+
+
+# -- requests and replies --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardRequest:
+    """One HTTP request to shard ``shard``, as the shells send it.
+
+    ``mutating`` requests are retried only when they certainly did not reach the shard;
+    ``deadline`` (``time.monotonic()`` seconds) bounds every retry; ``read_timeout``
+    overrides the client's read timeout (long polls).
+    """
+
+    shard: int
+    method: str
+    path: str
+    headers: Mapping[str, str]
+    body: Optional[wire.Encoded]
+    mutating: bool
+    deadline: float
+    verb: str
+    names: tuple[str, ...] = ()
+    read_timeout: Optional[float] = None
+
+
+@dataclass
+class Reply:
+    """A shard's answer: status, headers with lower-case names, and the whole body."""
+
+    status: int
+    headers: Mapping[str, str]
+    content: Union[bytes, bytearray]
+
+
+@dataclass
+class _Message:
+    """A decoded reply: the message and the body its framed tensors point into."""
+
+    msg: Any
+    body: Union[bytes, bytearray]
+    incarnation: Optional[str]
+
+
+@dataclass
+class _Cached:
+    incarnation: Optional[str]
+    version: int
+    value: np.ndarray
+
+
+# -- sequence numbers ------------------------------------------------------------------------
+
+_SEQ_LOCK = threading.Lock()
+_SEQS: dict[str, Iterable[int]] = {}
+
+
+def _seq_counter(worker_id: str) -> Iterable[int]:
+    """One counter per worker id and process, starting at the current time in microseconds,
+    so a worker restarted under the same id never reuses a sequence number."""
+    with _SEQ_LOCK:
+        counter = _SEQS.get(worker_id)
+        if counter is None:
+            counter = _SEQS[worker_id] = itertools.count(time.time_ns() // 1000)
+        return counter
+
+
+# -- the core ----------------------------------------------------------------------------------
+
+
+@dataclass
+class PushJob:
+    """A push prepared in the caller's thread: converted gradients, versions and ``seq``."""
+
+    grads: dict[str, np.ndarray]
+    versions: dict[str, int]
+    seq: int
+    started: float = field(default_factory=time.monotonic)
+
+
+class Core:
+    """Protocol logic shared by :class:`PSClient` and :class:`AsyncPSClient`. Thread-safe."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.shards = settings.shards
+        self.n = len(settings.shards)
+        self._lock = threading.Lock()
+        self._checked = [False] * self.n
+        self._incarnation: list[Optional[str]] = [None] * self.n
+        self._cache: dict[str, _Cached] = {}
+        self._seq = _seq_counter(settings.worker_id)
+        base = {"accept": ACCEPT, "accept-encoding": "identity"}
+        if settings.token:
+            base["authorization"] = f"Bearer {settings.token}"
+        self._base_headers = base
+        self._data_headers = [
+            {**base, "x-paramshard-fleet": f"{i}/{self.n}"} for i in range(self.n)
+        ]
+
+    # -- retry policy ------------------------------------------------------------------
+
+    def retry_delay(self, request: ShardRequest, attempt: int, *, unsent: bool = False,
+                    status: Optional[int] = None,
+                    retry_after: Optional[str] = None) -> Optional[float]:
+        """Seconds to wait before retrying ``request``, or ``None`` to give up.
+
+        A reply with status 429/503 is always retryable (the shard changed nothing). A transport
+        failure is retryable for read-only requests, and for mutating ones only when ``unsent``
+        (the request certainly never reached the shard). Backoff is exponential with jitter,
+        ``Retry-After`` is honoured, and no wait reaches past the request's deadline.
+        """
+        if status is not None:
+            if status not in (429, 503):
+                return None
+        elif request.mutating and not unsent:
+            return None
+        remaining = request.deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        backoff = min(2.0, 0.05 * (2 ** min(attempt, 10)))
+        delay = backoff / 2 + random.uniform(0, backoff / 2)
+        hinted = _parse_retry_after(retry_after)
+        if hinted is not None:
+            delay = max(delay, hinted)
+        return min(delay, remaining)
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def url(self, shard: int) -> str:
+        return self.shards[shard]
+
+    def deadline(self, seconds: Optional[float] = None) -> float:
+        seconds = self.settings.retry_deadline if seconds is None else seconds
+        return time.monotonic() + seconds
+
+    def _post(self, shard: int, verb: str, msg: Any, deadline: float, *, mutating: bool,
+              names: Iterable[str] = (), read_timeout: Optional[float] = None) -> ShardRequest:
+        try:
+            body = wire.encode(msg)
+        except wire.WireError as exc:
+            raise BadTensorError(f"cannot encode the {verb} request: {exc.message}",
+                                 code=exc.code, details=exc.details) from exc
+        return ShardRequest(shard, "POST", f"/v1/{verb}", self._data_headers[shard], body,
+                            mutating, deadline, verb, tuple(names), read_timeout)
+
+    def _get(self, shard: int, path: str, deadline: float, verb: str) -> ShardRequest:
+        return ShardRequest(shard, "GET", path, self._base_headers, None, False, deadline, verb)
+
+    def split(self, names: Iterable[str]) -> dict[int, list[str]]:
+        """Group names by owning shard, in shard order."""
+        out: dict[int, list[str]] = {}
+        for name in names:
+            out.setdefault(shard_for(name, self.n), []).append(name)
+        return dict(sorted(out.items()))
+
+    # -- replies ------------------------------------------------------------------------
+
+    def _accept(self, request: ShardRequest, result: Result) -> _Message:
+        """Check one result and decode it; raise the mapped PSError for a failure."""
+        if isinstance(result, PSError):
+            raise result
+        url = self.url(request.shard)
+        headers = result.headers
+        self._check_identity(request.shard, headers)
+        incarnation = headers.get(wire.HEADER_INCARNATION.lower())
+        self._note_incarnation(request.shard, incarnation)
+        ctype = (headers.get("content-type") or "").split(";")[0].strip().lower()
+        msg: Any = None
+        try:
+            if ctype in (wire.MSGPACK, wire.FRAME):
+                msg = wire.unpack(result.content, ctype)
+            elif ctype == wire.JSON or ctype.endswith("+json"):
+                msg = json.loads(result.content)
+            elif result.status < 400:
+                raise ProtocolError(
+                    f"shard {url} answered {request.verb} with content type {ctype or 'none'!r}: "
+                    "is this URL a paramshard shard?", shard=url, status=result.status)
+        except (wire.WireError, ValueError) as exc:
+            if result.status < 400:
+                raise ProtocolError(f"shard {url} sent a {request.verb} reply the SDK cannot "
+                                    f"decode: {exc}", shard=url, status=result.status) from exc
+            msg = None
+        if result.status >= 400:
+            raise self._error(request, result.status, msg, headers)
+        if not isinstance(msg, Mapping):
+            raise ProtocolError(f"shard {url} sent a {request.verb} reply that is not a map",
+                                shard=url, status=result.status)
+        return _Message(msg, result.content, incarnation)
+
+    def _check_identity(self, shard: int, headers: Mapping[str, str]) -> None:
+        url = self.url(shard)
+        protocol = headers.get(wire.HEADER_PROTOCOL.lower())
+        if protocol is not None and protocol.strip() != str(wire.PROTOCOL_VERSION):
+            raise ProtocolError(
+                f"shard {url} speaks protocol version {protocol}, this SDK speaks "
+                f"{wire.PROTOCOL_VERSION}: run the same paramshard version on workers and shards",
+                shard=url)
+        ident = headers.get(wire.HEADER_SHARD.lower())
+        if ident is not None and ident.strip() != f"{shard}/{self.n}":
+            index, _, total = ident.strip().partition("/")
+            raise FleetMismatchError(_mismatch_message(url, shard, self.n, index, total),
+                                     shard=url, code="fleet_mismatch")
+
+    def _note_incarnation(self, shard: int, incarnation: Optional[str]) -> None:
+        if incarnation is None:
+            return
+        with self._lock:
+            known = self._incarnation[shard]
+            if known != incarnation:
+                # A restarted shard: check the fleet again before the next call. Cached values
+                # carry their incarnation, so the old ones are never offered again.
+                self._incarnation[shard] = incarnation
+                if known is not None:
+                    self._checked[shard] = False
+
+    def _error(self, request: ShardRequest, status: int, msg: Any,
+               headers: Mapping[str, str]) -> PSError:
+        url = self.url(request.shard)
+        err = msg.get("error") if isinstance(msg, Mapping) else None
+        if isinstance(err, Mapping):
+            code = err.get("code") if isinstance(err.get("code"), str) else None
+            message = str(err.get("message") or "")
+            details = dict(err["details"]) if isinstance(err.get("details"), Mapping) else {}
+        else:
+            code, message, details = None, "", {}
+        cls = error_for_status(status)
+        if not message:
+            message = (f"HTTP {status} without a paramshard error body: is {url} a paramshard "
+                       "shard, and the URL right?")
+        if status == 421:
+            owners = details.get("owners")
+            hint = ("the PARAMSHARD_SHARDS order (or the shards argument) must match each "
+                    "shard's --shard-index, and list every shard")
+            where = f"shard {url} (listed at position {request.shard} of {self.n})"
+            message = f"{where} refused {request.verb}: {message}"
+            if isinstance(owners, Mapping) and owners:
+                message += f" (owners by shard index: {dict(owners)})"
+            message += f"; {hint}"
+            with self._lock:
+                self._checked[request.shard] = False
+        elif status in (429, 503):
+            cls = OverloadedError if status == 429 else ShardUnavailableError
+            message = (f"shard {url} kept answering {status} ({message}) until the retry "
+                       f"deadline: slow down, add shards, or raise retry_deadline")
+        else:
+            message = f"{request.verb} refused by shard {url} (HTTP {status}): {message}"
+        return cls(message, shard=url, status=status, code=code, details=details)
+
+    def _collect(self, batch: list[ShardRequest], results: list[Result]) -> list[_Message]:
+        """Accept every result; if any failed, raise the first failure (by shard order),
+        saying on which shards a mutating call was nevertheless applied."""
+        out: list[Optional[_Message]] = []
+        failure: Optional[PSError] = None
+        for request, result in zip(batch, results):
+            try:
+                out.append(self._accept(request, result))
+            except PSError as exc:
+                out.append(None)
+                if failure is None:
+                    failure = exc
+        if failure is not None:
+            done = [self.url(r.shard) for r, m in zip(batch, out) if m is not None]
+            if batch[0].mutating and done:
+                note = f" (it was applied on {', '.join(done)}; the other shards changed nothing)"
+                failure.message += note
+                failure.args = (failure.message,)
+                failure.details.setdefault("applied_on", done)
+            raise failure
+        return [m for m in out if m is not None]
+
+    # -- fleet check -----------------------------------------------------------------------
+
+    def _check_fleet(self, deadline: float) -> Generator[list[ShardRequest], list[Result],
+                                                         dict[int, PSError]]:
+        """Check ``GET /v1/cluster`` of every shard not checked yet.
+
+        Returns the shards that could not be reached (with why); raises
+        :class:`FleetMismatchError` or :class:`ProtocolError` for a shard that answers but
+        disagrees with this client's list.
+        """
+        with self._lock:
+            todo = [i for i in range(self.n) if not self._checked[i]]
+        if not todo:
+            return {}
+        batch = [self._get(i, "/v1/cluster", deadline, "cluster") for i in todo]
+        results = yield batch
+        unreachable: dict[int, PSError] = {}
+        mismatch: Optional[PSError] = None
+        for request, result in zip(batch, results):
+            if isinstance(result, ShardUnavailableError):
+                unreachable[request.shard] = result
+                continue
+            try:
+                info = self._accept(request, result).msg
+                self._check_cluster(request.shard, info)
+            except ShardUnavailableError as exc:  # 503 until the deadline
+                unreachable[request.shard] = exc
+                continue
+            except (FleetMismatchError, ProtocolError) as exc:
+                mismatch = mismatch or exc
+                continue
+            with self._lock:
+                self._checked[request.shard] = True
+        if mismatch is not None:
+            raise mismatch
+        return unreachable
+
+    def _check_cluster(self, shard: int, info: Mapping[str, Any]) -> None:
+        url = self.url(shard)
+        index, total = info.get("shard_index"), info.get("num_shards")
+        if not isinstance(index, int) or not isinstance(total, int):
+            raise ProtocolError(f"GET {url}/v1/cluster has no shard_index/num_shards: is this URL "
+                                "a paramshard shard?", shard=url)
+        protocol = info.get("protocol_version")
+        if protocol is not None and protocol != wire.PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"shard {url} speaks protocol version {protocol}, this SDK speaks "
+                f"{wire.PROTOCOL_VERSION}: run the same paramshard version on workers and shards",
+                shard=url)
+        if index != shard or total != self.n:
+            raise FleetMismatchError(_mismatch_message(url, shard, self.n, index, total),
+                                     shard=url, code="fleet_mismatch",
+                                     details={"shard_index": index, "num_shards": total})
+        incarnation = info.get("incarnation")
+        if isinstance(incarnation, str):
+            self._note_incarnation(shard, incarnation)
+
+    def _ready(self, deadline: float) -> Generator[list[ShardRequest], list[Result], None]:
+        """The fleet check every data call starts with; raises for an unreachable shard."""
+        unreachable = yield from self._check_fleet(deadline)
+        if unreachable:
+            raise unreachable[min(unreachable)]
+
+    # -- argument checks ---------------------------------------------------------------------
+
+    def names(self, names: Any, verb: str) -> list[str]:
+        """Validate a list of names (duplicates dropped, order kept)."""
+        if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+            raise BadRequestError(f"{verb} takes a list of variable names, e.g. {verb}(['w', 'b']); "
+                                  f"got {type(names).__name__} {names!r:.80}")
+        out = list(dict.fromkeys(names))
+        for name in out:
+            _name(name)
+        return out
+
+    def arrays(self, values: Any, verb: str, *, copy: bool = False) -> dict[str, np.ndarray]:
+        """Validate ``{name: array-like}`` and convert each value to a sendable ndarray."""
+        if not isinstance(values, Mapping):
+            raise BadRequestError(f"{verb} takes a dict of name -> array, e.g. "
+                                  f"{verb}({{'w': w}}); got {type(values).__name__}")
+        return {_name(k): as_array(k, v, copy=copy) for k, v in values.items()}
+
+    # -- verbs -------------------------------------------------------------------------------
+
+    def init(self, values: Any, optimizer: Any = None) -> Flow[dict[str, dict]]:
+        arrays = self.arrays(values, "init")
+        specs = _optimizers(optimizer, arrays)
+        if not arrays:
+            return {}
+        deadline = self.deadline()
+        yield from self._ready(deadline)
+        batch = []
+        for shard, names in self.split(arrays).items():
+            variables = {}
+            for name in names:
+                entry: dict[str, Any] = {"value": arrays[name]}
+                if specs.get(name) is not None:
+                    entry["optimizer"] = specs[name]
+                variables[name] = entry
+            batch.append(self._post(shard, "init", {"variables": variables}, deadline,
+                                    mutating=True, names=names))
+        replies = self._collect(batch, (yield batch))
+        return self._per_variable(batch, replies, "variables")
+
+    def pull(self, names: Any) -> Flow[dict[str, np.ndarray]]:
+        names = self.names(names, "pull")
+        if not names:
+            return {}
+        deadline = self.deadline()
+        yield from self._ready(deadline)
+        out: dict[str, np.ndarray] = {}
+        todo = names
+        for use_cache in (True, False):
+            batch, held = [], {}
+            for shard, group in self.split(todo).items():
+                msg: dict[str, Any] = {"names": group}
+                if use_cache:
+                    held.update(self._cached(shard, group))
+                    versions = {k: held[k].version for k in group if k in held}
+                    if versions:
+                        msg["versions"] = versions
+                batch.append(self._post(shard, "pull", msg, deadline, mutating=False,
+                                        names=group))
+            replies = self._collect(batch, (yield batch))
+            todo = []
+            for request, reply in zip(batch, replies):
+                todo += self._take_pulled(request, reply, held, out)
+            if not todo:
+                break
+        if todo:  # pragma: no cover - a shard that omits values it was not asked to keep
+            raise ProtocolError(f"shards did not send the values of {todo}")
+        return {name: out[name] for name in names}
+
+    def _cached(self, shard: int, names: list[str]) -> dict[str, _Cached]:
+        with self._lock:
+            incarnation = self._incarnation[shard]
+            return {k: c for k in names if (c := self._cache.get(k)) is not None
+                    and c.incarnation == incarnation}
+
+    def _take_pulled(self, request: ShardRequest, reply: _Message, held: dict[str, _Cached],
+                     out: dict[str, np.ndarray]) -> list[str]:
+        """Decode one shard's pull reply into ``out``; return names to pull again without
+        versions (their cached value came from another incarnation of the shard)."""
+        url = self.url(request.shard)
+        variables = reply.msg.get("variables")
+        if not isinstance(variables, Mapping):
+            raise ProtocolError(f"shard {url} sent a pull reply without 'variables'", shard=url)
+        again = []
+        wanted = request.names
+        for name in wanted:
+            entry = variables.get(name)
+            version = entry.get("version") if isinstance(entry, Mapping) else None
+            if not isinstance(version, int):
+                raise ProtocolError(f"shard {url} sent no version for {name!r} in a pull reply",
+                                    shard=url)
+            if entry.get("value") is None:
+                cached = held.get(name)
+                if (cached is None or cached.version != version
+                        or cached.incarnation != reply.incarnation):
+                    again.append(name)
+                else:
+                    out[name] = cached.value
+                continue
+            value = self._tensor(url, name, entry["value"], reply.body)
+            value.flags.writeable = False
+            out[name] = value
+            with self._lock:
+                current = self._cache.get(name)
+                if (current is None or current.incarnation != reply.incarnation
+                        or current.version <= version):
+                    self._cache[name] = _Cached(reply.incarnation, version, value)
+        return again
+
+    def _tensor(self, url: str, name: str, obj: Any, body: Union[bytes, bytearray]) -> np.ndarray:
+        try:
+            value = wire.decode_tensor(obj, body)
+        except wire.WireError as exc:
+            raise ProtocolError(f"shard {url} sent a bad tensor for {name!r}: {exc.message}",
+                                shard=url) from exc
+        if not value.dtype.isnative:
+            value = value.astype(value.dtype.newbyteorder("="))
+        return value
+
+    def prepare_push(self, grads: Any, versions: Optional[Mapping[str, int]] = None, *,
+                     copy: bool = False) -> PushJob:
+        """Convert gradients and choose versions and ``seq`` in the caller's thread.
+
+        ``versions`` defaults to the versions this client last pulled for those names.
+        ``copy`` snapshots the gradients (for pushes that run while the caller goes on).
+        """
+        arrays = self.arrays(grads, "push", copy=copy)
+        if versions is None:
+            with self._lock:
+                chosen = {k: c.version for k in arrays if (c := self._cache.get(k)) is not None}
+        else:
+            if not isinstance(versions, Mapping):
+                raise BadRequestError("push versions must be a dict of name -> int version")
+            chosen = {}
+            for k, v in versions.items():
+                if k in arrays:
+                    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                        raise BadRequestError(f"push: version of {k!r} must be an int >= 0, "
+                                              f"got {v!r}")
+                    chosen[k] = int(v)
+        with _SEQ_LOCK:
+            seq = next(self._seq)  # type: ignore[call-overload]
+        return PushJob(arrays, chosen, seq)
+
+    def push(self, job: PushJob) -> Flow[dict[str, dict]]:
+        if not job.grads:
+            return {}
+        deadline = self.deadline()
+        yield from self._ready(deadline)
+        batch = []
+        for shard, names in self.split(job.grads).items():
+            msg: dict[str, Any] = {"worker_id": self.settings.worker_id, "seq": job.seq,
+                                   "grads": {k: job.grads[k] for k in names}}
+            versions = {k: job.versions[k] for k in names if k in job.versions}
+            if versions:
+                msg["versions"] = versions
+            batch.append(self._post(shard, "push", msg, deadline, mutating=True, names=names))
+        replies = self._collect(batch, (yield batch))
+        return self._per_variable(batch, replies, "variables")
+
+    def assign(self, values: Any) -> Flow[dict[str, dict]]:
+        arrays = self.arrays(values, "assign")
+        if not arrays:
+            return {}
+        deadline = self.deadline()
+        yield from self._ready(deadline)
+        batch = [self._post(shard, "assign", {"values": {k: arrays[k] for k in names}},
+                            deadline, mutating=True, names=names)
+                 for shard, names in self.split(arrays).items()]
+        replies = self._collect(batch, (yield batch))
+        return self._per_variable(batch, replies, "variables")
+
+    def increment(self, name: Any, delta: Any = 1) -> Flow[Union[int, float]]:
+        _name(name)
+        if isinstance(delta, np.generic):
+            delta = delta.item()
+        if isinstance(delta, bool) or not isinstance(delta, (int, float)):
+            raise BadRequestError(f"increment delta must be an int or float, got {delta!r}")
+        if isinstance(delta, float) and not math.isfinite(delta):
+            raise BadRequestError(f"increment delta must be finite, got {delta!r}")
+        if isinstance(delta, int) and not -(2 ** 63) <= delta < 2 ** 63:
+            raise BadRequestError(f"increment delta must fit in 64 bits, got {delta!r}")
+        deadline = self.deadline()
+        yield from self._ready(deadline)
+        batch = [self._post(shard_for(name, self.n), "increment", {"name": name, "delta": delta},
+                            deadline, mutating=True, names=[name])]
+        (reply,) = self._collect(batch, (yield batch))
+        value = reply.msg.get("value")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            url = self.url(batch[0].shard)
+            raise ProtocolError(f"shard {url} sent an increment reply without a value", shard=url)
+        return value
+
+    def wait(self, names: Any, timeout: Optional[float]) -> Flow[None]:
+        names = self.names(names, "wait_ready")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or math.isnan(timeout) or timeout < 0):
+            raise BadRequestError(f"wait_ready timeout must be seconds >= 0 or None, got {timeout!r}")
+        started = time.monotonic()
+        deadline = math.inf if timeout is None else started + timeout
+        missing = self.split(names)
+        # Unreachable shards are retried until the deadline (by the shells), so a shard
+        # reported unreachable means the time is up.
+        unreachable = yield from self._check_fleet(deadline)
+        first = True
+        while True:
+            missing = {shard: group for shard, group in missing.items() if group}
+            if not missing:
+                return None
+            remaining = deadline - time.monotonic()
+            if unreachable or (remaining <= 0 and not first):
+                raise self._not_ready(missing, unreachable, time.monotonic() - started)
+            first = False
+            poll = max(0.0, min(remaining, WAIT_POLL_SECONDS))
+            batch = [self._post(shard, "wait", {"names": group, "timeout": poll}, deadline,
+                                mutating=False, names=group, read_timeout=poll + WAIT_READ_SLACK)
+                     for shard, group in missing.items()]
+            results = yield batch
+            for request, result in zip(batch, results):
+                if isinstance(result, ShardUnavailableError):
+                    unreachable[request.shard] = result
+                    continue
+                msg = self._accept(request, result).msg
+                still = msg.get("missing")
+                if not isinstance(still, list):
+                    url = self.url(request.shard)
+                    raise ProtocolError(f"shard {url} sent a wait reply without 'missing'",
+                                        shard=url)
+                missing[request.shard] = [n for n in still if isinstance(n, str)]
+
+    def _not_ready(self, missing: dict[int, list[str]], unreachable: Mapping[int, PSError],
+                   waited: float) -> NotReadyError:
+        names = sorted(n for group in missing.values() for n in group)
+        parts = []
+        for shard, group in missing.items():
+            url = self.url(shard)
+            if shard in unreachable:
+                parts.append(f"shard {url} was not reachable ({unreachable[shard].message})")
+            elif group:
+                parts.append(f"{sorted(group)} missing on shard {url}")
+        return NotReadyError(
+            f"variables not ready after {waited:.1f}s: {'; '.join(parts)}. Make sure a worker "
+            "calls init(...) for them and every shard is running, or wait longer (timeout=...)",
+            missing=names)
+
+    def variables(self) -> Flow[list[dict]]:
+        deadline = self.deadline()
+        yield from self._ready(deadline)
+        batch = [self._get(i, "/v1/variables", deadline, "variables") for i in range(self.n)]
+        replies = self._collect(batch, (yield batch))
+        out = []
+        for request, reply in zip(batch, replies):
+            summaries = reply.msg.get("variables")
+            if not isinstance(summaries, list):
+                url = self.url(request.shard)
+                raise ProtocolError(f"GET {url}/v1/variables sent no 'variables' list", shard=url)
+            out += [{**s, "shard": request.shard} for s in summaries if isinstance(s, Mapping)]
+        return sorted(out, key=lambda s: str(s.get("name")))
+
+    def _per_variable(self, batch: list[ShardRequest], replies: list[_Message],
+                      key: str) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for request, reply in zip(batch, replies):
+            url = self.url(request.shard)
+            entries = reply.msg.get(key)
+            if not isinstance(entries, Mapping):
+                raise ProtocolError(f"shard {url} sent a {request.verb} reply without '{key}'",
+                                    shard=url)
+            for name in request.names:
+                entry = entries.get(name)
+                if not isinstance(entry, Mapping):
+                    raise ProtocolError(f"shard {url} sent no result for {name!r} in its "
+                                        f"{request.verb} reply", shard=url)
+                out[name] = dict(entry)
+        return out
+
+
+# -- module helpers ----------------------------------------------------------------------------
+
+
+def _mismatch_message(url: str, position: int, n: int, index: Any, total: Any) -> str:
+    if total != n and str(total) != str(n):
+        return (f"shard {url} reports a fleet of {total} shards but {n} are listed: list every "
+                "shard, in --shard-index order, in PARAMSHARD_SHARDS (or the shards argument)")
+    return (f"shard {url} reports index {index} of {total} but is listed at position "
+            f"{position}: the PARAMSHARD_SHARDS order (or the shards argument) must match each "
+            "shard's --shard-index")
+
+
+def _parse_retry_after(value: Optional[str]) -> Optional[float]:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None  # the HTTP-date form: fall back to our own backoff
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def _name(name: Any) -> str:
+    try:
+        return validate_name(name)
+    except ValueError as exc:
+        raise BadRequestError(str(exc)) from None
+
+
+def as_array(name: str, value: Any, *, copy: bool = False) -> np.ndarray:
+    """Convert an array-like to a C-contiguous ndarray of a dtype the protocol carries.
+
+    Raises :class:`BadTensorError` (saying which variable and what to send instead) for object,
+    complex, bool, string and other dtypes the protocol has no name for.
+    """
+    try:
+        arr = np.array(value, copy=True) if copy else np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise BadTensorError(f"{name}: cannot convert the value to an array ({exc}); pass a "
+                             "numpy array or a nested list of numbers") from None
+    if arr.dtype.kind not in "fiu" or (arr.dtype.kind + str(arr.dtype.itemsize)) not in wire.DTYPES:
+        raise BadTensorError(
+            f"{name}: dtype {arr.dtype} cannot be sent; use a float (float16/32/64) or an "
+            "integer dtype, e.g. np.asarray(value, dtype=np.float32)",
+            code="bad_tensor", details={"variable": name, "dtype": str(arr.dtype)})
+    if arr.ndim > wire.MAX_NDIM:
+        raise BadTensorError(f"{name}: at most {wire.MAX_NDIM} dimensions, got {arr.ndim}",
+                             code="bad_tensor", details={"variable": name})
+    if not arr.flags.c_contiguous:
+        arr = arr.copy(order="C")
+    return arr
+
+
+def _optimizers(optimizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, Optional[dict]]:
+    """``optimizer`` is one spec for every variable, a dict name -> spec, or None."""
+    if optimizer is None or isinstance(optimizer, Optimizer):
+        spec = optimizer.to_wire() if optimizer is not None else None
+        return {name: spec for name in arrays}
+    if isinstance(optimizer, Mapping):
+        out: dict[str, Optional[dict]] = {}
+        for name in arrays:
+            o = optimizer.get(name)
+            if o is not None and not isinstance(o, Optimizer):
+                raise BadRequestError(f"init: optimizer for {name!r} must be an optimizer spec "
+                                      f"such as SGD(lr=0.1), got {o!r}")
+            out[name] = o.to_wire() if o is not None else None
+        unknown = set(optimizer) - set(arrays)
+        if unknown:
+            raise BadRequestError(f"init: optimizers given for names not being initialised: "
+                                  f"{sorted(unknown)}")
+        return out
+    raise BadRequestError("init: optimizer must be a spec from client_sdk.optimizers (e.g. "
+                          f"Adagrad(lr=0.1)) or a dict name -> spec; got {optimizer!r}")
+

@@ -1,0 +1,245 @@
+"""Where httpx2 meets the SDK: building requests, reading bodies, retrying, mapping errors.
+
+Both shells send a :class:`~client_sdk._core.ShardRequest` through :func:`send` (sync) or
+:func:`asend` (async). They return a :class:`~client_sdk._core.Reply` or the ``PSError`` that
+prevented one, and never raise httpx2 errors: every one is translated here, where it enters
+(``raise ... from exc``), to the most specific class of the SDK's tree.
+
+Request bodies are written as the encoder left them: the msgpack header and, for framed bodies,
+memoryviews of the arrays' own memory, with an explicit ``Content-Length`` (so httpx2 does not
+switch to chunked encoding) and never joined into one buffer. Reply bodies are read into one
+``bytearray`` sized by ``Content-Length``, so framed tensors decode as views into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Union
+
+import httpx2
+
+from ._core import Core, Reply, ShardRequest
+from ._exceptions import ConfigError, ProtocolError, PSError, ShardUnavailableError
+from .wire import Encoded
+
+__all__ = ["asend", "limits", "send", "timeout"]
+
+#: Body chunks larger than this are handed to the connection in slices of this size: h11
+#: copies each chunk it is given, and small copies stay in cache.
+SLICE = 1 << 20
+#: Connect attempts fail fast so that retries (and wait_ready) notice a shard coming up.
+CONNECT_TIMEOUT = 5.0
+
+Result = Union[Reply, PSError]
+
+#: Transport errors after which the request certainly did not reach the shard.
+_UNSENT = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout)
+
+
+def timeout(seconds: float) -> httpx2.Timeout:
+    return httpx2.Timeout(seconds, connect=min(seconds, CONNECT_TIMEOUT))
+
+
+def limits(num_shards: int, max_inflight: int) -> httpx2.Limits:
+    """Enough kept-alive connections for every shard to serve a call, ``max_inflight``
+    background pushes and a long poll at the same time; no hard cap (callers bound the
+    concurrency themselves, and a cap would turn long polls into pool timeouts)."""
+    keep = num_shards * (max_inflight + 2)
+    return httpx2.Limits(max_connections=None, max_keepalive_connections=keep)
+
+
+def _slices(body: Encoded) -> Iterator[Union[bytes, memoryview]]:
+    for chunk in body.chunks:
+        if len(chunk) <= SLICE:
+            yield chunk  # type: ignore[misc]
+        else:
+            view = memoryview(chunk)
+            for start in range(0, len(view), SLICE):
+                yield view[start:start + SLICE]
+
+
+class _SyncBody:
+    """A re-iterable request body (so a retry can send it again)."""
+
+    def __init__(self, body: Encoded) -> None:
+        self.body = body
+
+    def __iter__(self) -> Iterator[Union[bytes, memoryview]]:
+        return _slices(self.body)
+
+
+class _AsyncBody:
+    def __init__(self, body: Encoded) -> None:
+        self.body = body
+
+    async def __aiter__(self) -> AsyncIterator[Union[bytes, memoryview]]:
+        for piece in _slices(self.body):
+            yield piece
+
+
+def _build(client: Union[httpx2.Client, httpx2.AsyncClient], core: Core, req: ShardRequest,
+           body: object) -> httpx2.Request:
+    headers = dict(req.headers)
+    extensions = {}
+    if req.body is not None:
+        headers["content-type"] = req.body.content_type
+        headers["content-length"] = str(req.body.nbytes)
+    if req.read_timeout is not None:
+        t = client.timeout
+        extensions["timeout"] = httpx2.Timeout(connect=t.connect, read=req.read_timeout,
+                                               write=t.write, pool=t.pool).as_dict()
+    request = client.build_request(req.method, core.url(req.shard) + req.path, headers=headers,
+                                   content=body if req.body is not None else None)
+    request.extensions.update(extensions)
+    return request
+
+
+def _sized_buffer(response: httpx2.Response) -> Union[bytearray, None]:
+    if response.headers.get("content-encoding", "identity") != "identity":
+        return None
+    length = response.headers.get("content-length")
+    if length is None or not length.isdigit():
+        return None
+    return bytearray(int(length))
+
+
+def _fill(buf: bytearray, pos: int, chunk: bytes, url: str) -> int:
+    end = pos + len(chunk)
+    if end > len(buf):
+        raise ProtocolError(f"shard {url} sent more bytes than its Content-Length ({len(buf)})",
+                            shard=url)
+    buf[pos:end] = chunk
+    return end
+
+
+def _short(pos: int, buf: bytearray, url: str) -> ProtocolError:
+    return ProtocolError(f"shard {url} sent {pos} of the {len(buf)} bytes it announced",
+                         shard=url)
+
+
+def _headers(response: httpx2.Response) -> dict[str, str]:
+    return {k.lower(): v for k, v in response.headers.items()}
+
+
+def _translate(exc: Exception, core: Core, req: ShardRequest, attempts: int,
+               started: float) -> PSError:
+    """Map an httpx2 error to the SDK's tree, saying what happened and what to do."""
+    url = core.url(req.shard)
+    took = time.monotonic() - started
+    tried = f" (after {attempts} attempt{'s' if attempts != 1 else ''} over {took:.1f}s)"
+    if isinstance(exc, PSError):
+        return exc
+    if isinstance(exc, (httpx2.UnsupportedProtocol, httpx2.InvalidURL)):
+        return ConfigError(f"cannot use shard URL {url}: {exc}", shard=url)
+    if isinstance(exc, httpx2.ConnectError):
+        msg = (f"cannot connect to shard {url}{tried}: {exc or type(exc).__name__}. Is the shard "
+               "running, and is the URL in PARAMSHARD_SHARDS (or the shards argument) right?")
+    elif isinstance(exc, httpx2.TimeoutException):
+        kind = type(exc).__name__
+        msg = f"shard {url} did not answer {req.verb} in time ({kind}){tried}"
+        if req.mutating and not isinstance(exc, _UNSENT):
+            msg += ("; the request may have been applied, so it was not retried. Raise "
+                    "timeout=... if the shard is just slow")
+        else:
+            msg += "; is it overloaded or stuck? Raise timeout=... if it is just slow"
+    elif isinstance(exc, httpx2.TransportError):
+        msg = f"lost the connection to shard {url} during {req.verb}{tried}: {exc!r}"
+        if req.mutating:
+            msg += ("; the request may have been applied, so it was not retried: pull to see "
+                    "the current state")
+    else:
+        return ProtocolError(f"unexpected HTTP failure talking to shard {url}: {exc!r}",
+                             shard=url)
+    return ShardUnavailableError(msg, shard=url)
+
+
+def send(client: httpx2.Client, core: Core, req: ShardRequest) -> Result:
+    """Send one request, retrying as :meth:`Core.retry_delay` allows. Blocks; thread-safe."""
+    body = _SyncBody(req.body) if req.body is not None else None
+    started = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            reply = _send_once(client, core, req, body)
+        except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
+            delay = core.retry_delay(req, attempt - 1, unsent=isinstance(exc, _UNSENT))
+            if delay is None:
+                return _chain(_translate(exc, core, req, attempt, started), exc)
+        except PSError as exc:
+            return exc
+        else:
+            delay = core.retry_delay(req, attempt - 1, status=reply.status,
+                                     retry_after=reply.headers.get("retry-after"))
+            if delay is None:
+                return reply
+        time.sleep(delay)
+
+
+def _send_once(client: httpx2.Client, core: Core, req: ShardRequest, body: object) -> Reply:
+    request = _build(client, core, req, body)
+    response = client.send(request, stream=True)
+    try:
+        buf = _sized_buffer(response)
+        if buf is None:
+            content: Union[bytes, bytearray] = response.read()
+        else:
+            pos = 0
+            for chunk in response.iter_raw():
+                pos = _fill(buf, pos, chunk, core.url(req.shard))
+            if pos != len(buf):
+                raise _short(pos, buf, core.url(req.shard))
+            content = buf
+    finally:
+        response.close()
+    return Reply(response.status_code, _headers(response), content)
+
+
+async def asend(client: httpx2.AsyncClient, core: Core, req: ShardRequest) -> Result:
+    """The async twin of :func:`send`."""
+    body = _AsyncBody(req.body) if req.body is not None else None
+    started = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            reply = await _asend_once(client, core, req, body)
+        except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
+            delay = core.retry_delay(req, attempt - 1, unsent=isinstance(exc, _UNSENT))
+            if delay is None:
+                return _chain(_translate(exc, core, req, attempt, started), exc)
+        except PSError as exc:
+            return exc
+        else:
+            delay = core.retry_delay(req, attempt - 1, status=reply.status,
+                                     retry_after=reply.headers.get("retry-after"))
+            if delay is None:
+                return reply
+        await asyncio.sleep(delay)
+
+
+async def _asend_once(client: httpx2.AsyncClient, core: Core, req: ShardRequest,
+                      body: object) -> Reply:
+    request = _build(client, core, req, body)
+    response = await client.send(request, stream=True)
+    try:
+        buf = _sized_buffer(response)
+        if buf is None:
+            content: Union[bytes, bytearray] = await response.aread()
+        else:
+            pos = 0
+            async for chunk in response.aiter_raw():
+                pos = _fill(buf, pos, chunk, core.url(req.shard))
+            if pos != len(buf):
+                raise _short(pos, buf, core.url(req.shard))
+            content = buf
+    finally:
+        await response.aclose()
+    return Reply(response.status_code, _headers(response), content)
+
+
+def _chain(err: PSError, cause: BaseException) -> PSError:
+    err.__cause__ = cause
+    return err

@@ -1,0 +1,372 @@
+"""``PSClient`` (threads) and ``AsyncPSClient`` (asyncio): the worker's view of a fleet.
+
+Both are thin shells over one sans-I/O :class:`~client_sdk._core.Core` and differ only by
+``await``: the core builds each shard's request and interprets the replies; a shell sends a
+batch (one request per shard, all shards concurrently) and hands the results back.
+
+    with PSClient(["http://127.0.0.1:7100", "http://127.0.0.1:7101"], worker_id="w0") as ps:
+        ps.init({"w": w0}, optimizer=Adagrad(lr=0.1))
+        ps.wait_ready(["w"], timeout=60)
+        w = ps.pull(["w"])["w"]
+        ps.push({"w": grad})
+
+Every method raises only :class:`~client_sdk.PSError` subclasses. Pulled arrays are read-only
+(they are also kept in the client's version cache): ``.copy()`` one before changing it in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
+
+import httpx2
+import numpy as np
+
+from . import _transport
+from ._core import Core, Flow, PushJob, Result, ShardRequest, load_settings
+from ._exceptions import PSError
+from ._pusher import AsyncPusher, Pusher, closed_error
+from .optimizers import Optimizer
+
+__all__ = ["AsyncPSClient", "PSClient"]
+
+Shards = Union[Sequence[str], str, None]
+OptimizerArg = Union[Optimizer, Mapping[str, Optimizer], None]
+
+
+class PSClient:
+    """A worker's connection to a paramshard fleet (blocking calls).
+
+    ``shards`` lists every shard's URL in ``--shard-index`` order (a list, or one
+    comma-separated string); without it ``PARAMSHARD_SHARDS`` is read. ``worker_id``
+    (``PARAMSHARD_WORKER_ID``, default ``"<hostname>-<pid>">``) names this worker in the shards'
+    records and numbers its pushes; give every concurrent worker its own. ``token``
+    (``PARAMSHARD_TOKEN``) is sent as ``Authorization: Bearer``.
+
+    ``timeout`` bounds each HTTP exchange (seconds); ``retry_deadline`` bounds how long one
+    call keeps retrying a shard that is unreachable or answers 429/503 (read-only calls retry
+    any transport failure; mutating ones only failures before the request left, so nothing is
+    applied twice). ``max_inflight`` bounds :meth:`push_async`. ``transport`` replaces httpx2's
+    network transport (e.g. ``httpx2.MockTransport`` in tests).
+
+    Constructing a client does no I/O, so it may be created before the fleet is up; the first
+    call checks ``GET /v1/cluster`` of every shard against the list (and again after a shard
+    restarts) and raises :class:`FleetMismatchError` if the order or size disagrees.
+
+    Thread safety: one client may be shared by all threads of a worker; calls from several
+    threads run concurrently. Use it as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        shards: Shards = None,
+        worker_id: Optional[str] = None,
+        *,
+        token: Optional[str] = None,
+        timeout: float = 30.0,
+        retry_deadline: float = 30.0,
+        max_inflight: int = 2,
+        transport: Optional[httpx2.BaseTransport] = None,
+    ) -> None:
+        settings = load_settings(shards, worker_id, token=token, timeout=timeout,
+                                 retry_deadline=retry_deadline, max_inflight=max_inflight)
+        self._core = Core(settings)
+        n = len(settings.shards)
+        self._http = httpx2.Client(timeout=_transport.timeout(settings.timeout),
+                                   limits=_transport.limits(n, max_inflight),
+                                   transport=transport, trust_env=False)
+        # Threads for the other shards of a batch (the caller's thread sends one request
+        # itself); enough for a call from the caller, every background push and a long poll.
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, (n - 1) * (max_inflight + 2)),
+            thread_name_prefix="paramshard-shard")
+        self._pusher = Pusher(max_inflight, self._push_job)
+        self._close_lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def shards(self) -> tuple[str, ...]:
+        """The shard URLs, in shard-index order."""
+        return self._core.shards
+
+    @property
+    def worker_id(self) -> str:
+        return self._core.settings.worker_id
+
+    # -- driving the core -------------------------------------------------------------------
+
+    def _drive(self, flow: Flow[Any]) -> Any:
+        if self._closed:
+            raise closed_error()
+        try:
+            batch = flow.send(None)
+            while True:
+                batch = flow.send(self._send_all(batch))
+        except StopIteration as stop:
+            return stop.value
+
+    def _send_all(self, batch: list[ShardRequest]) -> list[Result]:
+        send = _transport.send
+        futures = [self._pool.submit(send, self._http, self._core, r) for r in batch[1:]]
+        first = send(self._http, self._core, batch[0])
+        return [first] + [f.result() for f in futures]
+
+    # -- verbs ------------------------------------------------------------------------------
+
+    def init(self, values: Mapping[str, Any], optimizer: OptimizerArg = None) -> dict[str, dict]:
+        """Create each variable unless it exists: the first value wins; no chief is needed.
+
+        ``values`` maps names to array-likes; ``optimizer`` is one spec from
+        :mod:`client_sdk.optimizers` for all of them, or a dict name -> spec (default: the
+        shard's ``SGD(lr=0.01)``). Returns name -> ``{"version", "created"}``; a variable that
+        existed with the same shape and dtype keeps its value and optimizer (``created`` is
+        False). Blocks until every owning shard answered. Raises :class:`ConflictError` if a
+        variable exists with another shape or dtype (that shard then created nothing),
+        :class:`BadTensorError` for values the protocol cannot carry or non-finite floats.
+        """
+        return self._drive(self._core.init(values, optimizer))
+
+    def wait_ready(self, names: Sequence[str], timeout: Optional[float] = 60.0) -> None:
+        """Block until every named variable exists (some worker called :meth:`init`).
+
+        Tolerates shards that are not up yet: they are retried until ``timeout`` seconds
+        (``None``: forever). Raises :class:`NotReadyError`, whose ``missing`` lists the names
+        that never appeared (and whose message names unreachable shards), and
+        :class:`FleetMismatchError` if a shard disagrees with the shard list.
+        """
+        return self._drive(self._core.wait(names, timeout))
+
+    def pull(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Fetch the current values of ``names``: a dict name -> ndarray. Blocks.
+
+        The client keeps the last value and version it pulled of each variable and tells the
+        shards, so variables that did not change since are not sent again; their cached array
+        is returned. Returned arrays are therefore **read-only**: ``.copy()`` one before
+        changing it in place. Each value is consistent (never half-updated). Raises
+        :class:`UnknownVariableError` if a name does not exist.
+        """
+        return self._drive(self._core.pull(names))
+
+    def push(self, grads: Mapping[str, Any],
+             versions: Optional[Mapping[str, int]] = None) -> dict[str, dict]:
+        """Send gradients; returns once every owning shard applied them (blocks).
+
+        Each shard validates its whole part before applying any of it, then runs the
+        variable's optimizer. ``versions`` (name -> version the gradient was computed on)
+        defaults to the versions this client last pulled, so the shard measures staleness.
+        Returns name -> ``{"status", "version", "staleness"}``. Raises
+        :class:`BadTensorError` for a wrong shape/dtype or non-finite values,
+        :class:`UnknownVariableError` for a missing variable; if shards disagree, the error
+        says on which shards the push was applied. A push is not retried once it may have
+        reached a shard (it would be applied twice).
+        """
+        return self._drive(self._core.push(self._core.prepare_push(grads, versions)))
+
+    def push_async(self, grads: Mapping[str, Any],
+                   versions: Optional[Mapping[str, int]] = None) -> concurrent.futures.Future:
+        """Start a push in the background and return its ``concurrent.futures.Future``.
+
+        The gradients are copied first, so the caller may reuse its buffers at once. Returns
+        immediately unless ``max_inflight`` pushes are already running, then blocks until one
+        finishes. The future's result is what :meth:`push` returns. A failure is raised by the
+        future, by the next :meth:`flush` (as :class:`PushError`) and by :meth:`close`: never
+        dropped. Argument errors are raised here, before anything is sent.
+        """
+        if self._closed:
+            raise closed_error()
+        job = self._core.prepare_push(grads, versions, copy=True)
+        return self._pusher.submit(job)
+
+    def _push_job(self, job: PushJob) -> dict[str, dict]:
+        return self._drive(self._core.push(job))
+
+    def flush(self) -> None:
+        """Block until every :meth:`push_async` so far has finished; raise
+        :class:`PushError` (``errors``: each failure) if any failed since the last flush."""
+        self._pusher.flush()
+
+    def increment(self, name: str, delta: Union[int, float] = 1) -> Union[int, float]:
+        """Atomically add ``delta`` to counter ``name`` and return the new value. Blocks.
+
+        The counter is created at 0 on first use (an int64 for int deltas, float64 for float
+        ones). Concurrent callers, in any process, each get a distinct value: use it for
+        ``global_step``. Never retried once the request may have reached the shard.
+        """
+        return self._drive(self._core.increment(name, delta))
+
+    def assign(self, values: Mapping[str, Any]) -> dict[str, dict]:
+        """Overwrite existing variables (same shape; cast to the variable's dtype). Blocks.
+
+        Optimizer state is kept. Returns name -> ``{"version"}``. Raises
+        :class:`UnknownVariableError` for a variable that does not exist.
+        """
+        return self._drive(self._core.assign(values))
+
+    def variables(self) -> list[dict]:
+        """Summaries of every variable on every shard (``GET /v1/variables``), sorted by name,
+        each with the index of its ``shard``. Blocks."""
+        return self._drive(self._core.variables())
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Flush background pushes, then release connections and threads.
+
+        Blocks until in-flight pushes finish; raises :class:`PushError` if any failed and was
+        not yet raised by :meth:`flush` (the client is closed either way). Idempotent.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            try:
+                self._pusher.close()
+            finally:
+                self._closed = True
+                self._pool.shutdown(wait=True)
+                self._http.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except PSError:
+            pass  # the exception already propagating is the one to see
+
+    def __repr__(self) -> str:
+        return f"PSClient({list(self.shards)!r}, worker_id={self.worker_id!r})"
+
+
+class AsyncPSClient:
+    """The asyncio twin of :class:`PSClient`: the same verbs and arguments, ``await``-ed.
+
+    ``push_async`` returns an ``asyncio.Task`` (waiting first while ``max_inflight`` pushes run);
+    use ``async with AsyncPSClient(...) as ps`` or ``await ps.close()``. Requests to the shards
+    of one call run concurrently (``asyncio.gather``). Use a client from one event loop; it is
+    not for sharing across threads. ``transport`` takes an ``httpx2.AsyncBaseTransport``.
+    """
+
+    def __init__(
+        self,
+        shards: Shards = None,
+        worker_id: Optional[str] = None,
+        *,
+        token: Optional[str] = None,
+        timeout: float = 30.0,
+        retry_deadline: float = 30.0,
+        max_inflight: int = 2,
+        transport: Optional[httpx2.AsyncBaseTransport] = None,
+    ) -> None:
+        settings = load_settings(shards, worker_id, token=token, timeout=timeout,
+                                 retry_deadline=retry_deadline, max_inflight=max_inflight)
+        self._core = Core(settings)
+        self._http = httpx2.AsyncClient(timeout=_transport.timeout(settings.timeout),
+                                        limits=_transport.limits(len(settings.shards),
+                                                                 max_inflight),
+                                        transport=transport, trust_env=False)
+        self._pusher = AsyncPusher(max_inflight, self._push_job)
+        self._closed = False
+
+    @property
+    def shards(self) -> tuple[str, ...]:
+        return self._core.shards
+
+    @property
+    def worker_id(self) -> str:
+        return self._core.settings.worker_id
+
+    async def _drive(self, flow: Flow[Any]) -> Any:
+        if self._closed:
+            raise closed_error()
+        try:
+            batch = flow.send(None)
+            while True:
+                batch = flow.send(await self._send_all(batch))
+        except StopIteration as stop:
+            return stop.value
+
+    async def _send_all(self, batch: list[ShardRequest]) -> list[Result]:
+        if len(batch) == 1:
+            return [await _transport.asend(self._http, self._core, batch[0])]
+        return list(await asyncio.gather(
+            *(_transport.asend(self._http, self._core, r) for r in batch)))
+
+    async def init(self, values: Mapping[str, Any],
+                   optimizer: OptimizerArg = None) -> dict[str, dict]:
+        """See :meth:`PSClient.init`."""
+        return await self._drive(self._core.init(values, optimizer))
+
+    async def wait_ready(self, names: Sequence[str], timeout: Optional[float] = 60.0) -> None:
+        """See :meth:`PSClient.wait_ready`."""
+        return await self._drive(self._core.wait(names, timeout))
+
+    async def pull(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """See :meth:`PSClient.pull` (returned arrays are read-only)."""
+        return await self._drive(self._core.pull(names))
+
+    async def push(self, grads: Mapping[str, Any],
+                   versions: Optional[Mapping[str, int]] = None) -> dict[str, dict]:
+        """See :meth:`PSClient.push`."""
+        return await self._drive(self._core.push(self._core.prepare_push(grads, versions)))
+
+    async def push_async(self, grads: Mapping[str, Any],
+                         versions: Optional[Mapping[str, int]] = None) -> asyncio.Task:
+        """Start a push as an ``asyncio.Task`` and return it; waits only while
+        ``max_inflight`` pushes are running. Failures surface on the task, on the next
+        :meth:`flush` and on :meth:`close` (see :meth:`PSClient.push_async`)."""
+        if self._closed:
+            raise closed_error()
+        job = self._core.prepare_push(grads, versions, copy=True)
+        return await self._pusher.submit(job)
+
+    async def _push_job(self, job: PushJob) -> dict[str, dict]:
+        return await self._drive(self._core.push(job))
+
+    async def flush(self) -> None:
+        """See :meth:`PSClient.flush`."""
+        await self._pusher.flush()
+
+    async def increment(self, name: str, delta: Union[int, float] = 1) -> Union[int, float]:
+        """See :meth:`PSClient.increment`."""
+        return await self._drive(self._core.increment(name, delta))
+
+    async def assign(self, values: Mapping[str, Any]) -> dict[str, dict]:
+        """See :meth:`PSClient.assign`."""
+        return await self._drive(self._core.assign(values))
+
+    async def variables(self) -> list[dict]:
+        """See :meth:`PSClient.variables`."""
+        return await self._drive(self._core.variables())
+
+    async def close(self) -> None:
+        """Wait for background pushes, then close connections; raises :class:`PushError` for
+        failures not yet raised by :meth:`flush`. Idempotent."""
+        if self._closed:
+            return
+        try:
+            await self._pusher.close()
+        finally:
+            self._closed = True
+            await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncPSClient:
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            await self.close()
+            return
+        try:
+            await self.close()
+        except PSError:
+            pass
+
+    def __repr__(self) -> str:
+        return f"AsyncPSClient({list(self.shards)!r}, worker_id={self.worker_id!r})"
