@@ -407,6 +407,9 @@ class Core:
         if not message:
             message = (f"HTTP {status} without a paramshard error body: is {url} a paramshard "
                        "shard, and the URL right?")
+            if wire.HEADER_PROTOCOL.lower() not in headers and status not in (429, 502, 503, 504):
+                # Not a shard at all (another service on that port, a wrong path prefix...).
+                return ProtocolError(f"{request.verb}: {message}", shard=url, status=status)
         if status == 421:
             owners = details.get("owners")
             hint = ("the PARAMSHARD_SHARDS order (or the shards argument) must match each "

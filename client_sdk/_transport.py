@@ -164,7 +164,7 @@ def send(client: httpx2.Client, core: Core, req: ShardRequest) -> Result:
         attempt += 1
         try:
             reply = _send_once(client, core, req, body)
-        except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
+        except (httpx2.HTTPError, httpx2.InvalidURL, httpx2.StreamError) as exc:
             delay = core.retry_delay(req, attempt - 1, unsent=isinstance(exc, _UNSENT))
             if delay is None:
                 return _chain(_translate(exc, core, req, attempt, started), exc)
@@ -182,7 +182,7 @@ def _send_once(client: httpx2.Client, core: Core, req: ShardRequest, body: objec
     request = _build(client, core, req, body)
     response = client.send(request, stream=True)
     try:
-        buf = _sized_buffer(response)
+        buf = None if response.is_stream_consumed else _sized_buffer(response)
         if buf is None:
             content: Union[bytes, bytearray] = response.read()
         else:
@@ -206,7 +206,7 @@ async def asend(client: httpx2.AsyncClient, core: Core, req: ShardRequest) -> Re
         attempt += 1
         try:
             reply = await _asend_once(client, core, req, body)
-        except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
+        except (httpx2.HTTPError, httpx2.InvalidURL, httpx2.StreamError) as exc:
             delay = core.retry_delay(req, attempt - 1, unsent=isinstance(exc, _UNSENT))
             if delay is None:
                 return _chain(_translate(exc, core, req, attempt, started), exc)
@@ -225,7 +225,7 @@ async def _asend_once(client: httpx2.AsyncClient, core: Core, req: ShardRequest,
     request = _build(client, core, req, body)
     response = await client.send(request, stream=True)
     try:
-        buf = _sized_buffer(response)
+        buf = None if response.is_stream_consumed else _sized_buffer(response)
         if buf is None:
             content: Union[bytes, bytearray] = await response.aread()
         else:

@@ -1,0 +1,530 @@
+"""The worker SDK end to end against real shards (``fleet2``), plus its retry policy.
+
+Most tests talk real HTTP to two shard processes. The retry tests at the end use
+``httpx2.MockTransport``: a real shard cannot be made to answer 429 or to time out on cue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import httpx2
+import numpy as np
+import pytest
+
+from client_sdk import (
+    AsyncPSClient,
+    BadRequestError,
+    BadTensorError,
+    ConfigError,
+    ConflictError,
+    OverloadedError,
+    ProtocolError,
+    PSClient,
+    PSError,
+    PushError,
+    ShardUnavailableError,
+    UnknownVariableError,
+)
+from client_sdk import wire
+from client_sdk.optimizers import SGD, Adagrad
+from client_sdk.placement import shard_for
+from conftest import free_port
+
+_ids = itertools.count()
+
+
+def unique(prefix: str) -> str:
+    """fleet2 is shared by the module: every test uses its own variable names."""
+    return f"{prefix}{next(_ids)}"
+
+
+def two_shard_names(prefix: str, n: int = 2) -> list[str]:
+    """Names that land on both shards of a 2-shard fleet."""
+    names: list[str] = []
+    seen: set[int] = set()
+    while len(names) < n or len(seen) < 2:
+        name = unique(prefix)
+        seen.add(shard_for(name, 2))
+        names.append(name)
+    return names
+
+
+class Recording(httpx2.BaseTransport):
+    """Real HTTP, recording (method, path, response Content-Length) of every exchange."""
+
+    def __init__(self) -> None:
+        self.inner = httpx2.HTTPTransport()
+        self.log: list[tuple[str, str, int]] = []
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = self.inner.handle_request(request)
+        size = int(response.headers.get("content-length", -1))
+        self.log.append((request.method, request.url.path, size))
+        return response
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# -- the API block of the issue ----------------------------------------------------------------
+
+
+def test_api_block_sync(fleet2):
+    w0 = np.ones((4, 3), np.float32)
+    b0 = np.zeros(3, np.float32)
+    gw = np.full((4, 3), 0.5, np.float32)
+    gb = np.full(3, 0.25, np.float32)
+    w, b, step_name = unique("api_w"), unique("api_b"), unique("api_step")
+    with PSClient(fleet2.urls, worker_id="w0") as ps:
+        created = ps.init({w: w0, b: b0}, optimizer=Adagrad(lr=0.1))
+        assert created == {w: {"version": 0, "created": True}, b: {"version": 0, "created": True}}
+        ps.wait_ready([w, b], timeout=60)
+        params = ps.pull([w, b])
+        assert set(params) == {w, b}
+        np.testing.assert_array_equal(params[w], w0)
+        np.testing.assert_array_equal(params[b], b0)
+        assert params[w].dtype == np.float32 and params[w].shape == (4, 3)
+
+        result = ps.push({w: gw, b: gb})
+        assert result[w]["status"] == "applied" and result[w]["version"] == 1
+        assert result[b]["status"] == "applied" and result[b]["version"] == 1
+
+        fut = ps.push_async({w: gw})
+        ps.flush()
+        assert fut.done() and fut.result()[w]["version"] == 2
+
+        assert ps.increment(step_name) == 1
+        assert ps.increment(step_name) == 2
+
+        new_w = np.full((4, 3), 7.0, np.float32)
+        assert ps.assign({w: new_w})[w]["version"] == 3
+        np.testing.assert_array_equal(ps.pull([w])[w], new_w)
+        summaries = {s["name"]: s for s in ps.variables()}
+        assert summaries[w]["shape"] == [4, 3] and summaries[w]["version"] == 3
+        assert summaries[w]["shard"] == shard_for(w, 2)
+        assert summaries[b]["optimizer"]["type"] == "adagrad"
+        # Adagrad moved b against its gradient.
+        assert (ps.pull([b])[b] < 0).all()
+
+
+def test_api_block_async(fleet2):
+    w, b, step_name = unique("aapi_w"), unique("aapi_b"), unique("aapi_step")
+    w0 = np.arange(6, dtype=np.float64).reshape(2, 3)
+    b0 = np.zeros(3)
+
+    async def main() -> None:
+        async with AsyncPSClient(fleet2.urls, worker_id="aw0") as ps:
+            await ps.init({w: w0, b: b0}, optimizer=SGD(lr=1.0))
+            await ps.wait_ready([w, b], timeout=60)
+            params = await ps.pull([w, b])
+            np.testing.assert_array_equal(params[w], w0)
+            await ps.push({w: np.ones((2, 3)), b: np.ones(3)})
+            task = await ps.push_async({w: np.ones((2, 3))})
+            assert isinstance(task, asyncio.Task)
+            await ps.flush()
+            assert task.done() and task.result()[w]["version"] == 2
+            values = await asyncio.gather(*(ps.increment(step_name) for _ in range(10)))
+            assert sorted(values) == list(range(1, 11))
+            await ps.assign({b: np.full(3, 5.0)})
+            params = await ps.pull([w, b])
+            np.testing.assert_array_equal(params[w], w0 - 2)
+            np.testing.assert_array_equal(params[b], np.full(3, 5.0))
+            names = {s["name"] for s in await ps.variables()}
+            assert {w, b, step_name} <= names
+
+    asyncio.run(main())
+
+
+# -- pull and the version cache ------------------------------------------------------------------
+
+
+def test_second_pull_of_unchanged_variables_transfers_no_values(fleet2):
+    names = two_shard_names("cache", 2)
+    values = {n: np.random.default_rng(i).random(250_000).astype(np.float32)
+              for i, n in enumerate(names)}
+    rec = Recording()
+    with PSClient(fleet2.urls, transport=rec) as ps:
+        ps.init(values)
+        first = ps.pull(names)
+        rec.log.clear()
+        second = ps.pull(names)
+        pulls = [size for method, path, size in rec.log if path == "/v1/pull"]
+        assert len(pulls) == 2  # one request per shard
+        assert all(0 < size < 1000 for size in pulls), pulls  # versions only, no values
+        for n in names:
+            assert second[n] is first[n]  # the cached array
+            np.testing.assert_array_equal(second[n], values[n])
+
+        # A changed variable is sent again (and only that one).
+        changed = names[0]
+        ps.assign({changed: np.zeros(250_000, np.float32)})
+        rec.log.clear()
+        third = ps.pull(names)
+        sizes = [size for _, path, size in rec.log if path == "/v1/pull"]
+        assert max(sizes) > 1_000_000 and min(sizes) < 1000
+        assert third[changed] is not first[changed]
+        np.testing.assert_array_equal(third[changed], 0)
+        assert third[names[1]] is first[names[1]]
+
+
+def test_pulled_arrays_are_read_only(fleet2):
+    small, big = unique("ro_small"), unique("ro_big")
+    with PSClient(fleet2.urls) as ps:
+        ps.init({small: np.ones(3), big: np.ones(100_000)})  # inline and framed replies
+        for name, value in ps.pull([small, big]).items():
+            assert not value.flags.writeable
+            with pytest.raises(ValueError):
+                value[0] = 5
+            mine = value.copy()
+            mine[0] = 5  # the documented way
+
+
+def test_push_math_with_sgd_lr1_is_exact(fleet2):
+    names = two_shard_names("sgd", 3)
+    w0 = {n: np.linspace(-1, 1, 12).reshape(3, 4) * (i + 1) for i, n in enumerate(names)}
+    grads = {n: np.full((3, 4), 0.125 * (i + 1)) for i, n in enumerate(names)}
+    with PSClient(fleet2.urls) as ps:
+        ps.init(w0, optimizer=SGD(lr=1.0))
+        ps.push(grads)
+        ps.push(grads)
+        got = ps.pull(names)
+    for n in names:
+        np.testing.assert_array_equal(got[n], w0[n] - 2 * grads[n])
+
+
+def test_push_sends_the_versions_last_pulled(fleet2):
+    w = unique("stale")
+    with PSClient(fleet2.urls) as ps:
+        ps.init({w: np.zeros(4)}, optimizer=SGD(lr=1.0))
+        ps.pull([w])  # version 0
+        assert ps.push({w: np.ones(4)})[w]["staleness"] == 0
+        assert ps.push({w: np.ones(4)})[w]["staleness"] == 1  # still computed on version 0
+        ps.pull([w])  # version 2
+        assert ps.push({w: np.ones(4)})[w]["staleness"] == 0
+        assert ps.push({w: np.ones(4)}, versions={w: 0})[w]["staleness"] == 3
+
+
+def test_big_framed_variables_round_trip(fleet2):
+    names = two_shard_names("big", 2)
+    rng = np.random.default_rng(0)
+    values = {n: rng.random(3_000_000).astype(np.float32) for n in names}
+    grad = np.full(3_000_000, 0.5, np.float32)
+    with PSClient(fleet2.urls) as ps:
+        ps.init(values, optimizer=SGD(lr=1.0))
+        got = ps.pull(names)
+        for n in names:
+            np.testing.assert_array_equal(got[n], values[n])
+        ps.push({n: grad for n in names})
+        got = ps.pull(names)
+        for n in names:
+            np.testing.assert_array_equal(got[n], values[n] - grad)
+
+    async def main() -> None:
+        async with AsyncPSClient(fleet2.urls) as aps:
+            await aps.push({names[0]: grad})
+            got = await aps.pull(names)
+            np.testing.assert_array_equal(got[names[0]], (values[names[0]] - grad) - grad)
+            np.testing.assert_array_equal(got[names[1]], values[names[1]] - grad)
+
+    asyncio.run(main())
+
+
+def test_values_may_be_array_likes_and_other_byte_orders(fleet2):
+    lst, be = unique("list"), unique("bigendian")
+    with PSClient(fleet2.urls) as ps:
+        ps.init({lst: [[1.5, 2.5], [3.5, 4.5]], be: np.arange(5, dtype=">f4")},
+                optimizer=SGD(lr=1.0))
+        ps.push({lst: [[1.0, 1.0], [1.0, 1.0]], be: np.ones(5, dtype=">f4")})
+        got = ps.pull([lst, be])
+    np.testing.assert_array_equal(got[lst], [[0.5, 1.5], [2.5, 3.5]])
+    assert got[be].dtype.isnative and got[be].dtype.kind == "f"
+    np.testing.assert_array_equal(got[be], np.arange(5) - 1)
+
+
+def test_one_request_per_shard_per_call(fleet2):
+    names = two_shard_names("batch", 10)
+    rec = Recording()
+    with PSClient(fleet2.urls, transport=rec) as ps:
+        ps.init({n: np.zeros(2) for n in names})
+        ps.push({n: np.ones(2) for n in names})
+        ps.pull(names)
+    paths = [path for _, path, _ in rec.log]
+    assert paths.count("/v1/cluster") == 2  # the first-contact check, once per shard
+    assert paths.count("/v1/init") == paths.count("/v1/push") == paths.count("/v1/pull") == 2
+
+
+# -- push_async --------------------------------------------------------------------------------
+
+
+def test_push_async_failure_surfaces_on_future_flush_and_close(fleet2):
+    w = unique("async_fail")
+    ps = PSClient(fleet2.urls)
+    ps.init({w: np.zeros((2, 2))})
+    bad = ps.push_async({w: np.ones(3)})  # wrong shape: 422 from the shard
+    good = ps.push_async({w: np.ones((2, 2))})
+    with pytest.raises(PushError) as info:
+        ps.flush()
+    assert len(info.value.errors) == 1
+    assert isinstance(info.value.errors[0], BadTensorError)
+    assert w in str(info.value)
+    assert isinstance(bad.exception(), BadTensorError)
+    assert good.result()[w]["status"] == "applied"
+    ps.flush()  # each failure is raised by one flush only
+
+    ps.push_async({w: np.ones(5)})  # never flushed: close() raises it
+    with pytest.raises(PushError) as info:
+        ps.close()
+    assert isinstance(info.value.errors[0], BadTensorError)
+    with pytest.raises(PSError, match="closed"):
+        ps.pull([w])
+
+
+def test_push_async_is_bounded_and_snapshots_gradients(fleet2):
+    w = unique("async_bound")
+    with PSClient(fleet2.urls, max_inflight=2) as ps:
+        ps.init({w: np.zeros(1000)}, optimizer=SGD(lr=1.0))
+        grad = np.ones(1000)
+        futures = []
+        for _ in range(20):
+            futures.append(ps.push_async({w: grad}))
+            assert ps._pusher.inflight <= 2
+            grad[:] = 1.0  # reusing the buffer at once must be safe...
+        grad[:] = 100.0  # ...even for the pushes still in flight
+        ps.flush()
+        assert all(f.result()[w]["status"] == "applied" for f in futures)
+        versions = sorted(f.result()[w]["version"] for f in futures)
+        assert versions == list(range(1, 21))
+        np.testing.assert_array_equal(ps.pull([w])[w], np.full(1000, -20.0))
+
+
+def test_async_client_push_async_failure(fleet2):
+    w = unique("aasync_fail")
+
+    async def main() -> None:
+        ps = AsyncPSClient(fleet2.urls)
+        await ps.init({w: np.zeros(2)})
+        task = await ps.push_async({w: np.ones(7)})
+        with pytest.raises(PushError) as info:
+            await ps.flush()
+        assert isinstance(info.value.errors[0], BadTensorError)
+        assert isinstance(task.exception(), BadTensorError)
+        await ps.push_async({w: np.ones(7)})
+        with pytest.raises(PushError):
+            await ps.close()
+
+    asyncio.run(main())
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def test_error_classes_for_404_409_422(fleet2):
+    w, missing = unique("err"), unique("nope")
+    with PSClient(fleet2.urls) as ps:
+        ps.init({w: np.zeros((2, 2), np.float32)})
+        with pytest.raises(UnknownVariableError) as info:
+            ps.pull([w, missing])
+        err = info.value
+        assert err.status == 404 and err.code == "not_found"
+        assert err.shard == fleet2.urls[shard_for(missing, 2)] and err.shard in str(err)
+        assert missing in str(err)
+
+        with pytest.raises(ConflictError) as info:
+            ps.init({w: np.zeros((3, 3), np.float32)})
+        assert info.value.status == 409 and info.value.shard in str(info.value)
+
+        with pytest.raises(BadTensorError) as info:
+            ps.push({w: np.ones(3, np.float32)})
+        assert info.value.status == 422
+
+        with pytest.raises(BadTensorError):
+            ps.init({unique("nan"): np.array([1.0, np.nan])})
+        with pytest.raises(UnknownVariableError):
+            ps.assign({missing: np.zeros(2)})
+        np.testing.assert_array_equal(ps.pull([w])[w], 0)  # nothing was changed
+
+
+def test_bad_arguments_are_refused_before_sending(fleet2):
+    rec = Recording()
+    with PSClient(fleet2.urls, transport=rec) as ps:
+        with pytest.raises(BadTensorError, match="complex"):
+            ps.init({"c": np.ones(2, complex)})
+        with pytest.raises(BadTensorError, match="dtype"):
+            ps.push({"o": np.array([object()])})
+        with pytest.raises(BadTensorError):
+            ps.push_async({"s": ["a", "b"]})
+        with pytest.raises(BadRequestError, match="invalid variable name"):
+            ps.pull(["bad name"])
+        with pytest.raises(BadRequestError, match="list of variable names"):
+            ps.pull("w")
+        with pytest.raises(BadRequestError):
+            ps.increment("c", delta="1")
+        with pytest.raises(BadRequestError, match="optimizer"):
+            ps.init({"x": np.ones(2)}, optimizer="sgd")
+    assert rec.log == []
+
+
+def test_unreachable_shard_is_reported_after_the_retry_deadline():
+    url = f"http://127.0.0.1:{free_port()}"
+    with PSClient([url], retry_deadline=0.5) as ps:
+        with pytest.raises(ShardUnavailableError, match="cannot connect") as info:
+            ps.pull(["w"])
+    assert info.value.shard == url
+
+
+def test_a_service_that_is_not_a_shard_is_a_protocol_error():
+    import http.server
+    import threading
+
+    class NotAShard(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<html>nothing here</html>"
+            self.send_response(404)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotAShard)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with PSClient([f"http://127.0.0.1:{server.server_address[1]}"]) as ps:
+            with pytest.raises(ProtocolError, match="paramshard shard"):
+                ps.pull(["w"])
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+def test_configuration_from_environment(fleet2, monkeypatch):
+    monkeypatch.setenv("PARAMSHARD_SHARDS", " , ".join(fleet2.urls))
+    monkeypatch.setenv("PARAMSHARD_WORKER_ID", "env-worker-7")
+    w = unique("env")
+    with PSClient() as ps:
+        assert ps.shards == tuple(fleet2.urls)
+        assert ps.worker_id == "env-worker-7"
+        ps.init({w: np.zeros(2)})
+        ps.push({w: np.ones(2)})
+        summary = next(s for s in ps.variables() if s["name"] == w)
+    assert summary["last_writer"] == "env-worker-7"
+
+
+def test_no_shards_is_a_config_error(monkeypatch):
+    monkeypatch.delenv("PARAMSHARD_SHARDS", raising=False)
+    with pytest.raises(ConfigError, match="PARAMSHARD_SHARDS"):
+        PSClient()
+    with pytest.raises(ConfigError, match="PARAMSHARD_SHARDS"):
+        PSClient([])
+    monkeypatch.setenv("PARAMSHARD_SHARDS", "localhost:7100")
+    with pytest.raises(ConfigError, match="http://host:port"):
+        PSClient()
+    with pytest.raises(ConfigError, match="invalid"):
+        PSClient(["ftp://127.0.0.1:7100"])
+    with pytest.raises(ConfigError, match="twice"):
+        PSClient(["http://a:1", "http://a:1/"])
+    with pytest.raises(ConfigError, match="max_inflight"):
+        PSClient(["http://a:1"], max_inflight=0)
+    with pytest.raises(ConfigError, match="worker_id"):
+        PSClient(["http://a:1"], worker_id="")
+
+
+def test_threads_may_share_a_client(fleet2):
+    import concurrent.futures
+
+    names = two_shard_names("threads", 4)
+    with PSClient(fleet2.urls) as ps:
+        ps.init({n: np.zeros(8) for n in names}, optimizer=SGD(lr=1.0))
+
+        def work(i: int) -> None:
+            for _ in range(10):
+                ps.pull(names)
+                ps.push({n: np.ones(8) for n in names})
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(work, range(4)))
+        for value in ps.pull(names).values():
+            np.testing.assert_array_equal(value, np.full(8, -40.0))
+
+
+# -- retries (MockTransport: a real shard cannot be made to fail on cue) -----------------------
+
+
+def scripted_shard(script: list):
+    """A one-shard fleet whose data-plane replies follow ``script``: each item is an int
+    status (answered with an error payload), an exception to raise, or "ok"."""
+    calls: list[str] = []
+    headers = {"x-paramshard-shard": "0/1", "x-paramshard-incarnation": "abc",
+               "x-paramshard-protocol": "1"}
+
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        if request.url.path == "/v1/cluster":
+            return httpx2.Response(200, headers=headers, json={
+                "shard_index": 0, "num_shards": 1, "incarnation": "abc", "protocol_version": 1})
+        calls.append(request.url.path)
+        step = script.pop(0) if script else "ok"
+        if isinstance(step, Exception):
+            raise step
+        if step == "ok":
+            msg = {"value": 1, "version": 1, "ready": ["w"], "missing": [],
+                   "variables": {"w": {"status": "applied", "version": 1, "staleness": 0}}}
+            return httpx2.Response(200, headers={**headers, "content-type": wire.MSGPACK},
+                                   content=wire.encode(msg).join())
+        code = {429: "overloaded", 503: "unavailable"}.get(step, "bad_request")
+        body = wire.encode(wire.error_payload(code, "busy, retry")).join()
+        return httpx2.Response(step, content=body, headers={
+            **headers, "content-type": wire.MSGPACK, "retry-after": "0"})
+
+    return httpx2.MockTransport(handler), calls
+
+
+def test_429_and_503_are_retried_for_every_verb():
+    transport, calls = scripted_shard([429, 503, "ok", 429, "ok"])
+    with PSClient(["http://shard0"], transport=transport) as ps:
+        assert ps.increment("c") == 1
+        assert ps.push({"w": np.ones(2)})["w"]["status"] == "applied"
+    assert calls == ["/v1/increment"] * 3 + ["/v1/push"] * 2
+
+
+def test_overload_past_the_deadline_raises_overloaded():
+    transport, calls = scripted_shard([429] * 1000)
+    with PSClient(["http://shard0"], transport=transport, retry_deadline=0.3) as ps:
+        with pytest.raises(OverloadedError, match="429"):
+            ps.increment("c")
+    assert len(calls) > 1
+
+
+def test_mutating_calls_are_not_retried_once_they_may_have_arrived():
+    transport, calls = scripted_shard([httpx2.ReadTimeout("slow"), "ok"])
+    with PSClient(["http://shard0"], transport=transport) as ps:
+        with pytest.raises(ShardUnavailableError, match="may have been applied"):
+            ps.push({"w": np.ones(2)})
+        assert calls == ["/v1/push"]
+        # ...but they are retried when the request never left.
+        script = [httpx2.ConnectError("refused"), "ok"]
+        transport2, calls2 = scripted_shard(script)
+    with PSClient(["http://shard0"], transport=transport2) as ps:
+        assert ps.increment("c") == 1
+    assert calls2 == ["/v1/increment"] * 2
+
+
+def test_read_only_calls_are_retried_after_any_transport_error():
+    transport, calls = scripted_shard([httpx2.ReadTimeout("slow"),
+                                       httpx2.RemoteProtocolError("gone"), "ok"])
+
+    async def main() -> None:
+        async with AsyncPSClient(["http://shard0"], transport=transport) as ps:
+            await ps.wait_ready(["w"], timeout=5)
+
+    asyncio.run(main())
+    assert calls == ["/v1/wait"] * 3
+
