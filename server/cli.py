@@ -125,7 +125,8 @@ def _config_from(args: argparse.Namespace) -> ShardConfig:
 def serve(config: ShardConfig) -> int:
     """Run one shard with uvicorn until SIGTERM/SIGINT; blocks; returns 0 after a clean stop.
 
-    Uses uvloop and httptools when installed. Exits 1 (via uvicorn) if the port cannot be bound.
+    Uses uvloop and httptools when installed. Returns 1 if the shard cannot start (e.g. its port
+    is taken).
     """
     import uvicorn
 
@@ -154,7 +155,14 @@ def serve(config: ShardConfig) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
-    server.run()
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits with 3 when it cannot start (e.g. port taken)
+        if exc.code in (None, 0):
+            return 0
+        print(f"{PROG} serve: error: shard {config.fleet} could not start on "
+              f"{config.host}:{config.port} (see the log above)", file=sys.stderr)
+        return 1
     return 0
 
 
