@@ -32,6 +32,12 @@ def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _rate(mb_per_s: float | None) -> str:
+    if mb_per_s is None:
+        return "-"
+    return format(mb_per_s, ",.0f" if mb_per_s >= 100 else ".3g")
+
+
 def table(rows: Sequence[dict], descriptions: dict[str, str]) -> str:
     """One block per case; inside it one line per system, grouped by (op, size)."""
     out: list[str] = []
@@ -48,9 +54,9 @@ def table(rows: Sequence[dict], descriptions: dict[str, str]) -> str:
         size = r.get("size")
         mb = r["bytes"] / 1e6 if "bytes" in r else None
         out.append(
-            (f"{r['op']:<6}{size:>12,}{_num(mb, '.1f'):>9}" if first and size is not None
+            (f"{r['op']:<6}{size:>12,}{_num(mb, '.3g'):>9}" if first and size is not None
              else f"{r['op'] if first else '':<6}{'':>12}{'':>9}")
-            + f"  {r['system']:<14}{_num(r.get('mb_per_s'), ',.0f'):>9}"
+            + f"  {r['system']:<14}{_rate(r.get('mb_per_s')):>9}"
             + f"{_num(r.get('vs_reference'), '.2f'):>7}x"
             + f"{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['reps']:>6}"
         )
