@@ -293,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "127.0.0.1)")
     p.add_argument("--base-port", type=int, default=0,
                    help="shard i listens on base-port + i; 0 (the default) picks free ports")
+    p.add_argument("--log-every", type=int, default=0,
+                   help="workers print progress every n steps (default: 5 lines per worker)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="give up if the workers have not finished after this many seconds")
     p.add_argument("--no-wait", action="store_true",
@@ -303,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name, lo in (("shards", 1), ("workers", 1), ("steps", 1), ("batch_size", 1),
-                     ("n_fetch", 1)):
+                     ("n_fetch", 1), ("log_every", 0)):
         if getattr(args, name) < lo:
             p.error(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(args, name)}")
     if args.shards > 64 or args.workers > 64:
@@ -355,6 +357,8 @@ def run_demo(argv: Sequence[str] | None = None, *, out: TextIO | None = None) ->
         say(f"\n{PROG}: interrupted ({signal.Signals(signum).name}); stopping the fleet")
         return 128 + signum
     finally:
+        for sig in previous:  # a second Ctrl-C must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
         try:
             stopped = fleet.stop()
             if stopped:
@@ -387,7 +391,7 @@ def _run(args: argparse.Namespace, fleet: _Fleet, say: _Printer) -> int:
     for i, (url, proc) in enumerate(zip(fleet.urls, fleet.shards)):
         say(f"  shard {i}/{args.shards}  {url}  (pid {proc.pid})")
 
-    log_every = max(1, args.steps // 5)
+    log_every = args.log_every or max(1, args.steps // 5)
     for i in range(args.workers):
         cmd = [sys.executable, str(script), "--shards", ",".join(fleet.urls),
                "--worker-index", str(i), "--num-workers", str(args.workers),
