@@ -36,33 +36,40 @@ def state_nbytes(state: dict[str, np.ndarray]) -> int:
 
 
 def apply(opt: Optimizer, value: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
-          *, scratch: bool = False) -> None:
-    """Apply one gradient to ``value`` (and ``state``) in place.
+          *, out: np.ndarray | None = None, scratch: bool = False) -> None:
+    """Apply one gradient: the new value goes to ``out`` (default: ``value``, in place), and the
+    optimizer's slots in ``state`` are updated in place.
 
-    ``grad`` must have ``value``'s shape and dtype. With ``scratch=True`` the function may
-    overwrite ``grad`` instead of allocating a temporary.
+    ``grad`` must have ``value``'s shape and dtype; ``out``, if given, too (and must not overlap
+    ``value``). With ``scratch=True`` the function may overwrite ``grad`` instead of allocating a
+    temporary. Writing to a fresh ``out`` costs no more than updating in place, which is how the
+    store moves a value that a reader still holds to new memory.
     """
+    if out is None:
+        out = value
     if isinstance(opt, Add):
-        np.add(value, grad, out=value)
+        np.add(value, grad, out=out)
     elif isinstance(opt, SGD):
-        _sgd(opt, value, grad, scratch)
+        _sgd(opt, value, grad, out, scratch)
     elif isinstance(opt, Adagrad):
-        _adagrad(opt, value, grad, state["accumulator"], scratch)
+        _adagrad(opt, value, grad, state["accumulator"], out, scratch)
     else:  # from_wire only builds the three above
         raise TypeError(f"no server-side math for optimizer {type(opt).__name__}")
 
 
-def _sgd(opt: SGD, value: np.ndarray, grad: np.ndarray, scratch: bool) -> None:
-    if opt.weight_decay:
-        # value - lr*(g + wd*value) == value*(1 - lr*wd) - lr*g, without a temporary for wd*value
-        np.multiply(value, 1.0 - opt.lr * opt.weight_decay, out=value)
+def _sgd(opt: SGD, value: np.ndarray, grad: np.ndarray, out: np.ndarray, scratch: bool) -> None:
     step = grad if scratch else np.empty_like(value)
     np.multiply(grad, opt.lr, out=step)
-    np.subtract(value, step, out=value)
+    if opt.weight_decay:
+        # value - lr*(g + wd*value) == value*(1 - lr*wd) - lr*g, without a temporary for wd*value
+        np.multiply(value, 1.0 - opt.lr * opt.weight_decay, out=out)
+        np.subtract(out, step, out=out)
+    else:
+        np.subtract(value, step, out=out)
 
 
 def _adagrad(opt: Adagrad, value: np.ndarray, grad: np.ndarray, acc: np.ndarray,
-             scratch: bool) -> None:
+             out: np.ndarray, scratch: bool) -> None:
     g = grad if scratch else grad.copy()
     tmp = np.empty_like(value)
     if opt.weight_decay:
@@ -74,4 +81,4 @@ def _adagrad(opt: Adagrad, value: np.ndarray, grad: np.ndarray, acc: np.ndarray,
     np.add(tmp, opt.epsilon, out=tmp)
     np.divide(g, tmp, out=g)
     np.multiply(g, opt.lr, out=g)
-    np.subtract(value, g, out=value)
+    np.subtract(value, g, out=out)

@@ -156,8 +156,10 @@ def _required(msg: Mapping[str, Any], key: str, verb: str) -> Any:
 
 
 def _bad_field(verb: str, key: str, expected: str, got: Any) -> ShardError:
-    return ShardError("bad_request", f"{verb}: field {key!r} must be {expected}, "
-                      f"got {type(got).__name__}", {"field": key})
+    shown = repr(got) if isinstance(got, (int, float, str)) and len(repr(got)) <= 40 \
+        else type(got).__name__
+    return ShardError("bad_request", f"{verb}: field {key!r} must be {expected}, got {shown}",
+                      {"field": key})
 
 
 def _name_list(msg: Mapping[str, Any], key: str, verb: str) -> list[str]:

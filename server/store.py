@@ -14,8 +14,9 @@ Rules every verb keeps:
   half-applied update. Thread-safety: none — call from one thread (the loop's).
 * **Copy on write.** ``pull`` hands out a read-only view of the live value (it may still be
   being written to a socket after the handler returns) and marks the variable shared; the next
-  write to a shared variable first moves it to a fresh buffer, so a response in flight never
-  changes under the reader. Many pulls of one version cost no copy at all.
+  update of a shared variable writes its result to a fresh buffer instead of in place, so a
+  response in flight never changes under the reader. Pulls cost no copy at all, and an update
+  after a pull costs no extra pass over the value.
 * **Work proportional to the request**, never to the number of variables the shard holds
   (``bytes`` and counts are kept up to date, not recomputed).
 """
@@ -75,12 +76,14 @@ class Variable:
         view.flags.writeable = False
         return view
 
-    def writable(self) -> np.ndarray:
-        """The value's buffer, moved to fresh memory first if a reader may still hold it."""
-        if self.shared:
-            self.value = self.value.copy()
-            self.shared = False
-        return self.value
+    def target(self) -> np.ndarray:
+        """Where the next value goes: the value's own buffer, or fresh memory if a reader may
+        still hold the current one. Pass it to the update, then :meth:`replace` with it."""
+        return np.empty_like(self.value) if self.shared else self.value
+
+    def replace(self, new: np.ndarray) -> None:
+        self.value = new
+        self.shared = False
 
     def touch(self, writer: str | None = None) -> None:
         self.version += 1
@@ -312,8 +315,11 @@ class ParameterStore:
         out = {}
         for var, grad, scratch in plans:
             before = var.version
+            target = var.target()
             with np.errstate(all="ignore"):
-                optim.apply(var.optimizer, var.writable(), grad, var.state, scratch=scratch)
+                optim.apply(var.optimizer, var.value, grad, var.state, out=target,
+                            scratch=scratch)
+            var.replace(target)
             var.updates += 1
             var.touch(worker_id)
             seen = held.get(var.name)
@@ -333,10 +339,9 @@ class ParameterStore:
                                     shape=list(var.value.shape))
             plans.append((var, _cast_checked(var.name, value, var.value.dtype)))
         for var, value in plans:
-            if var.shared:  # no need to copy the old value first: it is overwritten whole
-                var.value = np.empty_like(var.value)
-                var.shared = False
-            np.copyto(var.value, value, casting="unsafe")
+            target = var.target()
+            np.copyto(target, value, casting="unsafe")
+            var.replace(target)
             var.touch()
         return {var.name: {"version": var.version} for var, _ in plans}
 
@@ -375,8 +380,7 @@ class ParameterStore:
             var = Variable(name=name, value=np.zeros((), dtype=dtype), optimizer=Add(), state={},
                            kind="counter")
             self._add(var)
-        var.value = new_value  # a fresh 0-d array: no reader's view is touched
-        var.shared = False
+        var.replace(new_value)  # a fresh 0-d array: no reader's view is touched
         var.touch()
         return {"value": new_value.item(), "version": var.version}
 
