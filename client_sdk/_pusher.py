@@ -40,6 +40,11 @@ def _as_ps_error(exc: BaseException) -> PSError:
     return err
 
 
+def _cancelled() -> PSError:
+    return PSError("an asynchronous push was cancelled before it finished; it may or may not "
+                   "have been applied")
+
+
 def _push_error(failures: list[PSError]) -> PushError:
     n = len(failures)
     first = failures[0]
@@ -61,6 +66,7 @@ class Pusher:
             max_workers=max_inflight, thread_name_prefix="paramshard-push")
         self._lock = threading.Lock()
         self._inflight: set[concurrent.futures.Future] = set()
+        self._running = 0  # pushes holding a slot (exact, unlike the set of futures)
         self._failures: list[PSError] = []
         self._closed = False
 
@@ -69,15 +75,18 @@ class Pusher:
         if self._closed:
             raise closed_error()
         self._slots.acquire()
-        try:
-            with self._lock:
-                if self._closed:
-                    raise closed_error()
+        with self._lock:
+            if self._closed:
+                self._slots.release()
+                raise closed_error()
+            self._running += 1
+            try:
                 fut = self._executor.submit(self._call, job)
-                self._inflight.add(fut)
-        except BaseException:
-            self._slots.release()
-            raise
+            except BaseException:
+                self._running -= 1
+                self._slots.release()
+                raise
+            self._inflight.add(fut)
         fut.add_done_callback(self._forget)
         return fut
 
@@ -93,16 +102,25 @@ class Pusher:
                 raise
             raise err from exc
         finally:
+            with self._lock:
+                self._running -= 1
             self._slots.release()
 
     def _forget(self, fut: concurrent.futures.Future) -> None:
         with self._lock:
             self._inflight.discard(fut)
+            if not fut.cancelled():
+                return
+            # Cancelled before it ran: _call never started, so give its slot back here.
+            self._running -= 1
+            self._failures.append(_cancelled())
+        self._slots.release()
 
     @property
     def inflight(self) -> int:
+        """Pushes started and not yet finished (at most ``max_inflight``)."""
         with self._lock:
-            return len(self._inflight)
+            return self._running
 
     def flush(self) -> None:
         """Wait for every push submitted so far; raise :class:`PushError` for the failures
@@ -133,6 +151,7 @@ class AsyncPusher:
         self._max = max_inflight
         self._slots: Optional[asyncio.Semaphore] = None
         self._inflight: set[asyncio.Task] = set()
+        self._running = 0
         self._failures: list[PSError] = []
         self._closed = False
 
@@ -146,17 +165,19 @@ class AsyncPusher:
         if self._closed:
             self._slots.release()
             raise closed_error()
-        task = asyncio.get_running_loop().create_task(self._call(job))
+        self._running += 1
+        started: list[bool] = [False]
+        task = asyncio.get_running_loop().create_task(self._call(job, started))
         self._inflight.add(task)
-        task.add_done_callback(self._forget)
+        task.add_done_callback(lambda t: self._finished(t, started[0]))
         return task
 
-    async def _call(self, job: Any) -> Any:
+    async def _call(self, job: Any, started: list[bool]) -> Any:
+        started[0] = True
         try:
             return await self._run(job)
         except asyncio.CancelledError:
-            self._failures.append(PSError("an asynchronous push was cancelled before it "
-                                          "finished; it may or may not have been applied"))
+            self._failures.append(_cancelled())
             raise
         except BaseException as exc:
             err = _as_ps_error(exc)
@@ -164,18 +185,24 @@ class AsyncPusher:
             if err is exc:
                 raise
             raise err from exc
-        finally:
-            assert self._slots is not None
-            self._slots.release()
 
-    def _forget(self, task: asyncio.Task) -> None:
+    def _finished(self, task: asyncio.Task, started: bool) -> None:
+        # In a done callback, not in _call: a task cancelled before it started never runs
+        # _call's body, yet it must give its slot back (and count as a failure).
         self._inflight.discard(task)
-        if not task.cancelled():
+        self._running -= 1
+        assert self._slots is not None
+        self._slots.release()
+        if task.cancelled():
+            if not started:
+                self._failures.append(_cancelled())
+        else:
             task.exception()  # retrieved: flush() reports it, asyncio need not warn
 
     @property
     def inflight(self) -> int:
-        return len(self._inflight)
+        """Pushes started and not yet finished (at most ``max_inflight``)."""
+        return self._running
 
     async def flush(self) -> None:
         """Wait for every push started so far; raise :class:`PushError` for the failures
