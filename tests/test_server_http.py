@@ -169,6 +169,11 @@ def test_framed_request_and_framed_response(fleet2, http):
     assert rep.headers["content-type"] == wire.MSGPACK
     np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][name]["value"]), big + delta)
 
+    rep = post(http, url, "assign", {"values": {name: -big}}, frame=True, accept_frame=True)
+    assert rep.status == 200 and rep.msg == {"variables": {name: {"version": 2}}}
+    rep = post(http, url, "pull", {"names": [name]}, accept_frame=True)
+    np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][name]["value"]), -big)
+
 
 def test_small_pull_stays_msgpack_even_when_frames_are_accepted(fleet2, http):
     url = fleet2.urls[0]
