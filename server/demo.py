@@ -146,6 +146,15 @@ def _tail(path: Path, lines: int = 20) -> str:
     return "\n".join("    " + line for line in text) or "    (empty log)"
 
 
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
 class _Printer:
     """Prints lines from several threads without interleaving them."""
 
@@ -207,7 +216,7 @@ class _Fleet:
         if code is not None:
             hint = ("; is the port in use? pick another --base-port, or 0 for free ports"
                     if "address already in use" in _tail(self.shard_logs[i]).lower() else "")
-            raise DemoError(f"shard {i} ({self.urls[i]}) exited with status {code}{hint}; its log "
+            raise DemoError(f"shard {i} ({self.urls[i]}) {_exit_reason(code)}{hint}; its log "
                             f"ends with:\n{_tail(self.shard_logs[i])}")
 
     # workers
@@ -237,8 +246,8 @@ class _Fleet:
             for i, code in enumerate(codes):
                 if code not in (None, 0):
                     self.readers[i].join(2.0)
-                    raise DemoError(f"worker w{i} exited with status {code} (its output is "
-                                    "above)")
+                    raise DemoError(f"worker w{i} {_exit_reason(code)} (its output, if any, "
+                                    "is above)")
             if all(code == 0 for code in codes):
                 for r in self.readers:
                     r.join(5.0)
@@ -420,25 +429,31 @@ def _run(args: argparse.Namespace, fleet: _Fleet, say: _Printer) -> int:
     acc_ref = worker.accuracy(ref, data.X_test, data.y_test)
 
     diff = 100 * (acc_ps - acc_ref)
+    plural = "s" if args.workers > 1 else ""
     say("")
-    say(f"held-out accuracy on {len(data.y_test)} images, after {total} gradient steps each:")
-    say(f"  parameter server, {args.workers} async worker(s):  {100 * acc_ps:6.2f} %   "
-        f"({t_fleet:.1f} s incl. start-up; global_step {global_step})")
-    say(f"  one process, no parameter server:  {100 * acc_ref:6.2f} %   ({t_ref:.1f} s)")
-    say(f"  difference:                        {diff:+6.2f} points")
+    say(f"held-out accuracy ({len(data.y_test)} images) after {total} gradient steps of "
+        f"batch {args.batch_size}:")
+    say(f"  {f'parameter server, {args.workers} async worker{plural}':<36}{100 * acc_ps:6.2f} %   "
+        f"{t_fleet:.1f} s with start-up, global_step {global_step}")
+    say(f"  {'one process, no parameter server':<36}{100 * acc_ref:6.2f} %   {t_ref:.1f} s")
+    say(f"  {'difference':<36}{diff:+6.2f} points")
     if abs(diff) > 2:
         say("  (more than 2 points apart: stale gradients from many workers or a high --lr "
             "can do that; try --n-fetch 1 or a lower --lr)")
 
     name = worker.PARAM_NAMES[0]
-    owner = _owner(name, len(fleet.urls))
+    urls = fleet.urls
+    links = [(f"{urls[0]}/v1/variables", "the variables of shard 0"),
+             (f"{urls[_owner(name, len(urls))]}/v1/variables/{name}",
+              "one variable (add ?values=true)"),
+             (f"{urls[0]}/v1/cluster", "the shard itself"),
+             (f"{urls[0]}/docs", "every endpoint")]
+    width = max(len(url) for url, _ in links) + 3
     say("")
     say("look inside:")
-    say(f"  {fleet.urls[0]}/v1/variables                  the variables of shard 0")
-    say(f"  {fleet.urls[owner]}/v1/variables/{name}    one variable (add ?values=true)")
-    say(f"  {fleet.urls[0]}/v1/cluster                    the shard itself")
-    say(f"  {fleet.urls[0]}/docs                          every endpoint")
-    say(f"  paramshard status --shards {','.join(fleet.urls)}")
+    for url, what in links:
+        say(f"  {url:<{width}}{what}")
+    say(f"  paramshard status --shards {','.join(urls)}")
 
     if not args.no_wait and sys.stdin.isatty() and say.out.isatty():
         say("")
