@@ -26,9 +26,9 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Generator, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Optional, TypeVar, Union
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, Union
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -89,7 +89,7 @@ class Settings:
 
     shards: tuple[str, ...]
     worker_id: str
-    token: Optional[str] = None
+    token: str | None = None
     timeout: float = 30.0
     retry_deadline: float = 30.0
     max_inflight: int = 2
@@ -97,13 +97,13 @@ class Settings:
 
 def load_settings(
     shards: Union[Sequence[str], str, None] = None,
-    worker_id: Optional[str] = None,
+    worker_id: str | None = None,
     *,
-    token: Optional[str] = None,
+    token: str | None = None,
     timeout: float = 30.0,
     retry_deadline: float = 30.0,
     max_inflight: int = 2,
-    environ: Optional[Mapping[str, str]] = None,
+    environ: Mapping[str, str] | None = None,
 ) -> Settings:
     """Resolve arguments, falling back to ``PARAMSHARD_*`` environment variables.
 
@@ -195,12 +195,12 @@ class ShardRequest:
     method: str
     path: str
     headers: Mapping[str, str]
-    body: Optional[wire.Encoded]
+    body: wire.Encoded | None
     mutating: bool
     deadline: float
     verb: str
     names: tuple[str, ...] = ()
-    read_timeout: Optional[float] = None
+    read_timeout: float | None = None
 
 
 @dataclass
@@ -218,12 +218,12 @@ class _Message:
 
     msg: Any
     body: Union[bytes, bytearray]
-    incarnation: Optional[str]
+    incarnation: str | None
 
 
 @dataclass
 class _Cached:
-    incarnation: Optional[str]
+    incarnation: str | None
     version: int
     value: np.ndarray
 
@@ -231,10 +231,10 @@ class _Cached:
 # -- sequence numbers ------------------------------------------------------------------------
 
 _SEQ_LOCK = threading.Lock()
-_SEQS: dict[str, Iterable[int]] = {}
+_SEQS: dict[str, Iterator[int]] = {}
 
 
-def _seq_counter(worker_id: str) -> Iterable[int]:
+def _seq_counter(worker_id: str) -> Iterator[int]:
     """One counter per worker id and process, starting at the current time in microseconds,
     so a worker restarted under the same id never reuses a sequence number."""
     with _SEQ_LOCK:
@@ -254,7 +254,6 @@ class PushJob:
     grads: dict[str, np.ndarray]
     versions: dict[str, int]
     seq: int
-    started: float = field(default_factory=time.monotonic)
 
 
 class Core:
@@ -266,7 +265,7 @@ class Core:
         self.n = len(settings.shards)
         self._lock = threading.Lock()
         self._checked = [False] * self.n
-        self._incarnation: list[Optional[str]] = [None] * self.n
+        self._incarnation: list[str | None] = [None] * self.n
         self._cache: dict[str, _Cached] = {}
         self._seq = _seq_counter(settings.worker_id)
         base = {"accept": ACCEPT, "accept-encoding": "identity"}
@@ -280,8 +279,8 @@ class Core:
     # -- retry policy ------------------------------------------------------------------
 
     def retry_delay(self, request: ShardRequest, attempt: int, *, unsent: bool = False,
-                    status: Optional[int] = None,
-                    retry_after: Optional[str] = None) -> Optional[float]:
+                    status: int | None = None,
+                    retry_after: str | None = None) -> float | None:
         """Seconds to wait before retrying ``request``, or ``None`` to give up.
 
         A reply with status 429/503 is always retryable (the shard changed nothing). A transport
@@ -297,7 +296,7 @@ class Core:
         remaining = request.deadline - time.monotonic()
         if remaining <= 0:
             return None
-        backoff = min(2.0, 0.05 * (2 ** min(attempt, 10)))
+        backoff = min(1.0, 0.05 * (2 ** min(attempt, 10)))
         delay = backoff / 2 + random.uniform(0, backoff / 2)
         hinted = _parse_retry_after(retry_after)
         if hinted is not None:
@@ -309,12 +308,12 @@ class Core:
     def url(self, shard: int) -> str:
         return self.shards[shard]
 
-    def deadline(self, seconds: Optional[float] = None) -> float:
+    def deadline(self, seconds: float | None = None) -> float:
         seconds = self.settings.retry_deadline if seconds is None else seconds
         return time.monotonic() + seconds
 
     def _post(self, shard: int, verb: str, msg: Any, deadline: float, *, mutating: bool,
-              names: Iterable[str] = (), read_timeout: Optional[float] = None) -> ShardRequest:
+              names: Iterable[str] = (), read_timeout: float | None = None) -> ShardRequest:
         try:
             body = wire.encode(msg)
         except wire.WireError as exc:
@@ -381,7 +380,7 @@ class Core:
             raise FleetMismatchError(_mismatch_message(url, shard, self.n, index, total),
                                      shard=url, code="fleet_mismatch")
 
-    def _note_incarnation(self, shard: int, incarnation: Optional[str]) -> None:
+    def _note_incarnation(self, shard: int, incarnation: str | None) -> None:
         if incarnation is None:
             return
         with self._lock:
@@ -432,8 +431,8 @@ class Core:
     def _collect(self, batch: list[ShardRequest], results: list[Result]) -> list[_Message]:
         """Accept every result; if any failed, raise the first failure (by shard order),
         saying on which shards a mutating call was nevertheless applied."""
-        out: list[Optional[_Message]] = []
-        failure: Optional[PSError] = None
+        out: list[_Message | None] = []
+        failure: PSError | None = None
         for request, result in zip(batch, results):
             try:
                 out.append(self._accept(request, result))
@@ -468,7 +467,7 @@ class Core:
         batch = [self._get(i, "/v1/cluster", deadline, "cluster") for i in todo]
         results = yield batch
         unreachable: dict[int, PSError] = {}
-        mismatch: Optional[PSError] = None
+        mismatch: PSError | None = None
         for request, result in zip(batch, results):
             if isinstance(result, ShardUnavailableError):
                 unreachable[request.shard] = result
@@ -634,7 +633,7 @@ class Core:
             value = value.astype(value.dtype.newbyteorder("="))
         return value
 
-    def prepare_push(self, grads: Any, versions: Optional[Mapping[str, int]] = None, *,
+    def prepare_push(self, grads: Any, versions: Mapping[str, int] | None = None, *,
                      copy: bool = False) -> PushJob:
         """Convert gradients and choose versions and ``seq`` in the caller's thread.
 
@@ -656,7 +655,7 @@ class Core:
                                               f"got {v!r}")
                     chosen[k] = int(v)
         with _SEQ_LOCK:
-            seq = next(self._seq)  # type: ignore[call-overload]
+            seq = next(self._seq)
         return PushJob(arrays, chosen, seq)
 
     def push(self, job: PushJob) -> Flow[dict[str, dict]]:
@@ -708,7 +707,7 @@ class Core:
             raise ProtocolError(f"shard {url} sent an increment reply without a value", shard=url)
         return value
 
-    def wait(self, names: Any, timeout: Optional[float]) -> Flow[None]:
+    def wait(self, names: Any, timeout: float | None) -> Flow[None]:
         names = self.names(names, "wait_ready")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(
                 timeout, (int, float)) or math.isnan(timeout) or timeout < 0):
@@ -804,7 +803,7 @@ def _mismatch_message(url: str, position: int, n: int, index: Any, total: Any) -
             "shard's --shard-index")
 
 
-def _parse_retry_after(value: Optional[str]) -> Optional[float]:
+def _parse_retry_after(value: str | None) -> float | None:
     if value is None:
         return None
     try:
@@ -845,13 +844,13 @@ def as_array(name: str, value: Any, *, copy: bool = False) -> np.ndarray:
     return arr
 
 
-def _optimizers(optimizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, Optional[dict]]:
+def _optimizers(optimizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, dict | None]:
     """``optimizer`` is one spec for every variable, a dict name -> spec, or None."""
     if optimizer is None or isinstance(optimizer, Optimizer):
         spec = optimizer.to_wire() if optimizer is not None else None
         return {name: spec for name in arrays}
     if isinstance(optimizer, Mapping):
-        out: dict[str, Optional[dict]] = {}
+        out: dict[str, dict | None] = {}
         for name in arrays:
             o = optimizer.get(name)
             if o is not None and not isinstance(o, Optimizer):

@@ -19,7 +19,7 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, Optional, TypeVar
+from typing import Any, TypeVar
 
 from ._exceptions import PSError, PushError
 
@@ -149,7 +149,7 @@ class AsyncPusher:
     def __init__(self, max_inflight: int, run: Callable[[Any], Awaitable[Any]]) -> None:
         self._run = run
         self._max = max_inflight
-        self._slots: Optional[asyncio.Semaphore] = None
+        self._slots: asyncio.Semaphore | None = None
         self._inflight: set[asyncio.Task] = set()
         self._running = 0
         self._failures: list[PSError] = []

@@ -20,7 +20,7 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import httpx2
 import numpy as np
@@ -63,13 +63,13 @@ class PSClient:
     def __init__(
         self,
         shards: Shards = None,
-        worker_id: Optional[str] = None,
+        worker_id: str | None = None,
         *,
-        token: Optional[str] = None,
+        token: str | None = None,
         timeout: float = 30.0,
         retry_deadline: float = 30.0,
         max_inflight: int = 2,
-        transport: Optional[httpx2.BaseTransport] = None,
+        transport: httpx2.BaseTransport | None = None,
     ) -> None:
         settings = load_settings(shards, worker_id, token=token, timeout=timeout,
                                  retry_deadline=retry_deadline, max_inflight=max_inflight)
@@ -129,7 +129,7 @@ class PSClient:
         """
         return self._drive(self._core.init(values, optimizer))
 
-    def wait_ready(self, names: Sequence[str], timeout: Optional[float] = 60.0) -> None:
+    def wait_ready(self, names: Sequence[str], timeout: float | None = 60.0) -> None:
         """Block until every named variable exists (some worker called :meth:`init`).
 
         Tolerates shards that are not up yet: they are retried until ``timeout`` seconds
@@ -151,7 +151,7 @@ class PSClient:
         return self._drive(self._core.pull(names))
 
     def push(self, grads: Mapping[str, Any],
-             versions: Optional[Mapping[str, int]] = None) -> dict[str, dict]:
+             versions: Mapping[str, int] | None = None) -> dict[str, dict]:
         """Send gradients; returns once every owning shard applied them (blocks).
 
         Each shard validates its whole part before applying any of it, then runs the
@@ -166,7 +166,7 @@ class PSClient:
         return self._drive(self._core.push(self._core.prepare_push(grads, versions)))
 
     def push_async(self, grads: Mapping[str, Any],
-                   versions: Optional[Mapping[str, int]] = None) -> concurrent.futures.Future:
+                   versions: Mapping[str, int] | None = None) -> concurrent.futures.Future:
         """Start a push in the background and return its ``concurrent.futures.Future``.
 
         The gradients are copied first, so the caller may reuse its buffers at once. Returns
@@ -256,13 +256,13 @@ class AsyncPSClient:
     def __init__(
         self,
         shards: Shards = None,
-        worker_id: Optional[str] = None,
+        worker_id: str | None = None,
         *,
-        token: Optional[str] = None,
+        token: str | None = None,
         timeout: float = 30.0,
         retry_deadline: float = 30.0,
         max_inflight: int = 2,
-        transport: Optional[httpx2.AsyncBaseTransport] = None,
+        transport: httpx2.AsyncBaseTransport | None = None,
     ) -> None:
         settings = load_settings(shards, worker_id, token=token, timeout=timeout,
                                  retry_deadline=retry_deadline, max_inflight=max_inflight)
@@ -303,7 +303,7 @@ class AsyncPSClient:
         """See :meth:`PSClient.init`."""
         return await self._drive(self._core.init(values, optimizer))
 
-    async def wait_ready(self, names: Sequence[str], timeout: Optional[float] = 60.0) -> None:
+    async def wait_ready(self, names: Sequence[str], timeout: float | None = 60.0) -> None:
         """See :meth:`PSClient.wait_ready`."""
         return await self._drive(self._core.wait(names, timeout))
 
@@ -312,12 +312,12 @@ class AsyncPSClient:
         return await self._drive(self._core.pull(names))
 
     async def push(self, grads: Mapping[str, Any],
-                   versions: Optional[Mapping[str, int]] = None) -> dict[str, dict]:
+                   versions: Mapping[str, int] | None = None) -> dict[str, dict]:
         """See :meth:`PSClient.push`."""
         return await self._drive(self._core.push(self._core.prepare_push(grads, versions)))
 
     async def push_async(self, grads: Mapping[str, Any],
-                         versions: Optional[Mapping[str, int]] = None) -> asyncio.Task:
+                         versions: Mapping[str, int] | None = None) -> asyncio.Task:
         """Start a push as an ``asyncio.Task`` and return it; waits only while
         ``max_inflight`` pushes are running. Failures surface on the task, on the next
         :meth:`flush` and on :meth:`close` (see :meth:`PSClient.push_async`)."""

@@ -346,6 +346,17 @@ def test_error_classes_for_404_409_422(fleet2):
         np.testing.assert_array_equal(ps.pull([w])[w], 0)  # nothing was changed
 
 
+def test_a_body_above_the_shard_limit_is_a_bad_request(fleet_factory):
+    fleet = fleet_factory(1, "--max-request-bytes", "64KiB")
+    with PSClient(fleet.urls) as ps:
+        with pytest.raises(BadRequestError, match="max-request-bytes") as info:
+            ps.init({"big": np.zeros(5_000_000, np.float32)})  # refused before it is read
+        assert info.value.status == 413
+        ps.init({"small": np.zeros(10, np.float32)})  # the connection pool is still fine
+        with pytest.raises(UnknownVariableError):
+            ps.pull(["big"])
+
+
 def test_bad_arguments_are_refused_before_sending(fleet2):
     rec = Recording()
     with PSClient(fleet2.urls, transport=rec) as ps:
@@ -409,14 +420,27 @@ def test_a_service_that_is_not_a_shard_is_a_protocol_error():
 def test_configuration_from_environment(fleet2, monkeypatch):
     monkeypatch.setenv("PARAMSHARD_SHARDS", " , ".join(fleet2.urls))
     monkeypatch.setenv("PARAMSHARD_WORKER_ID", "env-worker-7")
+    monkeypatch.setenv("PARAMSHARD_TOKEN", "s3cret")
     w = unique("env")
-    with PSClient() as ps:
+    seen: list[httpx2.Request] = []
+
+    class Recording(httpx2.HTTPTransport):
+        def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+            seen.append(request)
+            return super().handle_request(request)
+
+    with PSClient(transport=Recording()) as ps:
         assert ps.shards == tuple(fleet2.urls)
         assert ps.worker_id == "env-worker-7"
         ps.init({w: np.zeros(2)})
         ps.push({w: np.ones(2)})
         summary = next(s for s in ps.variables() if s["name"] == w)
     assert summary["last_writer"] == "env-worker-7"
+    assert seen and all(r.headers["authorization"] == "Bearer s3cret" for r in seen)
+    data = [r for r in seen if r.url.path.startswith("/v1/") and r.method == "POST"]
+    assert data
+    for r in data:  # every data-plane request says which shard it is meant for
+        assert r.headers["x-paramshard-fleet"] == f"{fleet2.ports.index(r.url.port)}/2"
 
 
 def test_no_shards_is_a_config_error(monkeypatch):
