@@ -90,14 +90,18 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(sizes=args.sizes, reps=reps, min_reps=min_reps, warmup=args.warmup)
     rows: list[dict] = []
     started = time.time()
+    failed = True
     try:
         for name, module in modules.items():
             t0 = time.perf_counter()
             print(f"running {name} ...", file=sys.stderr, flush=True)
             rows += module.run(ctx)
             print(f"  {name} took {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        failed = False
     finally:
-        ctx.close()
+        ctx.close(keep_logs=failed)
+        if failed:
+            print(f"process logs kept in {ctx.logdir}", file=sys.stderr)
     add_ratios(rows)
     print(table(rows, descriptions))
     meta = {"started": started, "argv": sys.argv[1:] if argv is None else argv,

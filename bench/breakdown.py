@@ -118,9 +118,9 @@ def run(n: int, reps: int) -> list[tuple[str, str, float]]:
         rows.append((group, what, ms))
         print(f"{group:<6}{what:<62}{ms:>9.1f} ms", flush=True)
 
-    logdir = Path(tempfile.mkdtemp(prefix="paramshard-breakdown-"))
-    with processes.shards(1, logdir, "--log-level", "warning") as urls, \
-            processes.raw_server(logdir) as (host, port), \
+    with tempfile.TemporaryDirectory(prefix="paramshard-breakdown-") as tmp, \
+            processes.shards(1, Path(tmp), "--log-level", "warning") as urls, \
+            processes.raw_server(Path(tmp)) as (host, port), \
             PSClient(urls, worker_id="breakdown") as ps, RawClient(host, port) as raw, \
             httpx2.Client(base_url=urls[0], timeout=120) as http:
         value = np.random.default_rng(0).random(n, dtype=np.float32)

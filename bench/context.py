@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,5 +51,8 @@ class Context:
             self._raw = self._stack.enter_context(processes.raw_server(self.logdir))
         return self._raw
 
-    def close(self) -> None:
+    def close(self, keep_logs: bool = False) -> None:
+        """Stop the processes; remove their logs unless ``keep_logs`` (say, after a failure)."""
         self._stack.close()
+        if not keep_logs:
+            shutil.rmtree(self.logdir, ignore_errors=True)
