@@ -443,7 +443,7 @@ class Core:
         if failure is not None:
             done = [self.url(r.shard) for r, m in zip(batch, out) if m is not None]
             if batch[0].mutating and done:
-                note = f" (it was applied on {', '.join(done)}; the other shards changed nothing)"
+                note = f" (the {batch[0].verb} was nevertheless applied on {', '.join(done)})"
                 failure.message += note
                 failure.args = (failure.message,)
                 failure.details.setdefault("applied_on", done)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
@@ -33,6 +34,8 @@ from .optimizers import Optimizer
 
 __all__ = ["AsyncPSClient", "PSClient"]
 
+logger = logging.getLogger("client_sdk")
+
 Shards = Union[Sequence[str], str, None]
 OptimizerArg = Union[Optimizer, Mapping[str, Optimizer], None]
 
@@ -42,7 +45,7 @@ class PSClient:
 
     ``shards`` lists every shard's URL in ``--shard-index`` order (a list, or one
     comma-separated string); without it ``PARAMSHARD_SHARDS`` is read. ``worker_id``
-    (``PARAMSHARD_WORKER_ID``, default ``"<hostname>-<pid>">``) names this worker in the shards'
+    (``PARAMSHARD_WORKER_ID``, default ``"<hostname>-<pid>"``) names this worker in the shards'
     records and numbers its pushes; give every concurrent worker its own. ``token``
     (``PARAMSHARD_TOKEN``) is sent as ``Authorization: Bearer``.
 
@@ -237,8 +240,9 @@ class PSClient:
             return
         try:
             self.close()
-        except PSError:
-            pass  # the exception already propagating is the one to see
+        except PSError as err:
+            # The exception already propagating is the one to raise; still, say what failed.
+            logger.warning("while closing after %s: %s", type(exc).__name__, err)
 
     def __repr__(self) -> str:
         return f"PSClient({list(self.shards)!r}, worker_id={self.worker_id!r})"
@@ -365,8 +369,8 @@ class AsyncPSClient:
             return
         try:
             await self.close()
-        except PSError:
-            pass
+        except PSError as err:
+            logger.warning("while closing after %s: %s", type(exc).__name__, err)
 
     def __repr__(self) -> str:
         return f"AsyncPSClient({list(self.shards)!r}, worker_id={self.worker_id!r})"

@@ -211,7 +211,14 @@ def test_big_framed_variables_round_trip(fleet2):
     rng = np.random.default_rng(0)
     values = {n: rng.random(3_000_000).astype(np.float32) for n in names}
     grad = np.full(3_000_000, 0.5, np.float32)
-    with PSClient(fleet2.urls) as ps:
+    sent: list[httpx2.Request] = []
+
+    class Recording(httpx2.HTTPTransport):
+        def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+            sent.append(request)
+            return super().handle_request(request)
+
+    with PSClient(fleet2.urls, transport=Recording()) as ps:
         ps.init(values, optimizer=SGD(lr=1.0))
         got = ps.pull(names)
         for n in names:
@@ -221,14 +228,24 @@ def test_big_framed_variables_round_trip(fleet2):
         for n in names:
             np.testing.assert_array_equal(got[n], values[n] - grad)
 
+    class AsyncRecording(httpx2.AsyncHTTPTransport):
+        async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+            sent.append(request)
+            return await super().handle_async_request(request)
+
     async def main() -> None:
-        async with AsyncPSClient(fleet2.urls) as aps:
+        async with AsyncPSClient(fleet2.urls, transport=AsyncRecording()) as aps:
             await aps.push({names[0]: grad})
             got = await aps.pull(names)
             np.testing.assert_array_equal(got[names[0]], (values[names[0]] - grad) - grad)
             np.testing.assert_array_equal(got[names[1]], values[names[1]] - grad)
 
     asyncio.run(main())
+    framed = [r for r in sent if r.headers.get("content-type") == wire.FRAME]
+    assert {r.url.path for r in framed} == {"/v1/init", "/v1/push"}
+    for r in framed:  # written from the arrays' memory, with a length, not chunked
+        assert "transfer-encoding" not in r.headers
+        assert int(r.headers["content-length"]) > 12_000_000
 
 
 def test_values_may_be_array_likes_and_other_byte_orders(fleet2):
@@ -344,6 +361,22 @@ def test_error_classes_for_404_409_422(fleet2):
         with pytest.raises(UnknownVariableError):
             ps.assign({missing: np.zeros(2)})
         np.testing.assert_array_equal(ps.pull([w])[w], 0)  # nothing was changed
+
+
+def test_a_push_refused_by_one_shard_says_where_it_was_applied(fleet2):
+    names = two_shard_names("partial", 2)
+    by_shard = {shard_for(n, 2): n for n in names}
+    good, bad = by_shard[0], by_shard[1]
+    with PSClient(fleet2.urls) as ps:
+        ps.init({good: np.zeros(2), bad: np.zeros(2)}, optimizer=SGD(lr=1.0))
+        with pytest.raises(BadTensorError) as info:
+            ps.push({good: np.ones(2), bad: np.ones(3)})
+        assert info.value.shard == fleet2.urls[1]
+        assert f"nevertheless applied on {fleet2.urls[0]}" in str(info.value)
+        assert info.value.details["applied_on"] == [fleet2.urls[0]]
+        got = ps.pull([good, bad])
+    np.testing.assert_array_equal(got[good], -np.ones(2))
+    np.testing.assert_array_equal(got[bad], np.zeros(2))
 
 
 def test_a_body_above_the_shard_limit_is_a_bad_request(fleet_factory):
