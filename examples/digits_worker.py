@@ -21,6 +21,9 @@ What a worker does, in Downpour SGD (Dean et al., 2012):
 3. the shards apply every gradient as it arrives, with Adagrad, so workers never wait for
    each other; at the end ``flush`` waits until every push was applied.
 
+(``client_sdk.training.DownpourLoop`` packs the same bookkeeping into a helper, with gradient
+accumulation over ``n_push`` steps; this script writes it out so every call is in sight.)
+
 The model and the data are plain numpy and importable (``load_data``, ``init_params``,
 ``loss_and_grads``, ``accuracy``), so ``paramshard demo`` and the tests reuse them.
 

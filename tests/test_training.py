@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client_sdk import PSClient
+from client_sdk import ConfigError, PSClient
+from client_sdk.optimizers import Add
+from client_sdk.training import DownpourLoop
 from server.demo import find_worker_script, load_worker_module, train_one_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,3 +138,49 @@ def test_worker_reports_a_conflicting_fleet(fleet2):
     [(code, out)] = run_workers(fleet2.urls, 1, "--steps", "5")
     assert code == 1, out
     assert "[w0] error:" in out and "layer1/kernel" in out, out
+
+
+# -- client_sdk.training.DownpourLoop ---------------------------------------------------------
+
+def test_downpour_loop_schedule(fleet2):
+    with PSClient(fleet2.urls, worker_id="loop") as ps:
+        ps.init({"loop/x": np.zeros(3, np.float32), "loop/y": np.zeros(2, np.float32)},
+                optimizer=Add())
+        loop = DownpourLoop(ps, ["loop/x", "loop/y"], n_fetch=3, n_push=2, counter="loop/step")
+        fetched = []
+        for _ in range(5):
+            params = loop.params()
+            fetched.append(params)
+            loop.step({"loop/x": np.ones(3, np.float32)})  # "loop/y" gets no gradient
+        loop.finish()
+        assert [f is fetched[0] for f in fetched] == [True, True, True, False, False]
+        assert fetched[3] is fetched[4]
+        assert loop.steps == 5 and loop.global_step == 5
+        final = ps.pull(["loop/x", "loop/y"])
+        np.testing.assert_array_equal(final["loop/x"], np.full(3, 5.0))  # 2 + 2 + 1
+        np.testing.assert_array_equal(final["loop/y"], np.zeros(2))
+        updates = {v["name"]: v["updates"] for v in ps.variables()}
+        assert updates["loop/x"] == 3 and updates["loop/y"] == 0  # pushes, not steps
+
+        ps.init({"loop/avg": np.zeros(2, np.float32)}, optimizer=Add())
+        avg = DownpourLoop(ps, ["loop/avg"], n_push=2, average=True)
+        for value in (1.0, 3.0, 10.0):
+            avg.step({"loop/avg": np.full(2, value, np.float32)})
+        avg.finish()
+        assert avg.global_step is None
+        np.testing.assert_array_equal(ps.pull(["loop/avg"])["loop/avg"], np.full(2, 12.0))
+
+
+def test_downpour_loop_rejects_bad_arguments():
+    with PSClient(["http://127.0.0.1:9"], worker_id="loop") as ps:  # no I/O happens
+        for kwargs in ({"n_fetch": 0}, {"n_push": 1.5}, {"n_push": True}):
+            with pytest.raises(ConfigError):
+                DownpourLoop(ps, ["a"], **kwargs)
+        with pytest.raises(ConfigError):
+            DownpourLoop(ps, "a")
+        loop = DownpourLoop(ps, ["a"], n_push=5)
+        with pytest.raises(ConfigError, match="does not train"):
+            loop.step({"b": np.ones(1)})
+        loop.step({"a": np.ones(2)})
+        with pytest.raises(ConfigError, match="shape"):
+            loop.step({"a": np.ones(3)})
