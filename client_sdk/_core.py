@@ -209,7 +209,7 @@ class Reply:
 
     status: int
     headers: Mapping[str, str]
-    content: Union[bytes, bytearray]
+    content: bytes | bytearray | memoryview
 
 
 @dataclass
@@ -217,7 +217,7 @@ class _Message:
     """A decoded reply: the message and the body its framed tensors point into."""
 
     msg: Any
-    body: Union[bytes, bytearray]
+    body: bytes | bytearray | memoryview
     incarnation: str | None
 
 
@@ -349,7 +349,7 @@ class Core:
             if ctype in (wire.MSGPACK, wire.FRAME):
                 msg = wire.unpack(result.content, ctype)
             elif ctype == wire.JSON or ctype.endswith("+json"):
-                msg = json.loads(result.content)
+                msg = json.loads(bytes(result.content))
             elif result.status < 400:
                 raise ProtocolError(
                     f"shard {url} answered {request.verb} with content type {ctype or 'none'!r}: "
@@ -623,7 +623,7 @@ class Core:
                     self._cache[name] = _Cached(reply.incarnation, version, value)
         return again
 
-    def _tensor(self, url: str, name: str, obj: Any, body: Union[bytes, bytearray]) -> np.ndarray:
+    def _tensor(self, url: str, name: str, obj: Any, body: bytes | bytearray | memoryview) -> np.ndarray:
         try:
             value = wire.decode_tensor(obj, body)
         except wire.WireError as exc:

@@ -6,9 +6,11 @@ prevented one, and never raise httpx2 errors: every one is translated here, wher
 (``raise ... from exc``), to the most specific class of the SDK's tree.
 
 Request bodies are written as the encoder left them: the msgpack header and, for framed bodies,
-memoryviews of the arrays' own memory, with an explicit ``Content-Length`` (so httpx2 does not
-switch to chunked encoding) and never joined into one buffer. Reply bodies are read into one
-``bytearray`` sized by ``Content-Length``, so framed tensors decode as views into it.
+memoryviews of the arrays' own memory (in 1 MiB slices), with an explicit ``Content-Length`` (so
+httpx2 does not switch to chunked encoding) and never joined into one buffer. Reply bodies are
+read into one buffer sized by ``Content-Length``, so framed tensors decode as views into it.
+That buffer is ``np.empty`` memory, not a ``bytearray``: a bytearray is zero-filled first, which
+for 100 MB costs as much as copying the body in (numpy's large allocations skip that).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Union
 
 import httpx2
+import numpy as np
 
 from ._core import Core, Reply, ShardRequest
 from ._exceptions import ConfigError, ProtocolError, PSError, ShardUnavailableError
@@ -96,16 +99,16 @@ def _build(client: Union[httpx2.Client, httpx2.AsyncClient], core: Core, req: Sh
     return request
 
 
-def _sized_buffer(response: httpx2.Response) -> Union[bytearray, None]:
+def _sized_buffer(response: httpx2.Response) -> memoryview | None:
     if response.headers.get("content-encoding", "identity") != "identity":
         return None
     length = response.headers.get("content-length")
     if length is None or not length.isdigit():
         return None
-    return bytearray(int(length))
+    return memoryview(np.empty(int(length), np.uint8))
 
 
-def _fill(buf: bytearray, pos: int, chunk: bytes, url: str) -> int:
+def _fill(buf: memoryview, pos: int, chunk: bytes, url: str) -> int:
     end = pos + len(chunk)
     if end > len(buf):
         raise ProtocolError(f"shard {url} sent more bytes than its Content-Length ({len(buf)})",
@@ -114,7 +117,7 @@ def _fill(buf: bytearray, pos: int, chunk: bytes, url: str) -> int:
     return end
 
 
-def _short(pos: int, buf: bytearray, url: str) -> ProtocolError:
+def _short(pos: int, buf: memoryview, url: str) -> ProtocolError:
     return ProtocolError(f"shard {url} sent {pos} of the {len(buf)} bytes it announced",
                          shard=url)
 
@@ -184,7 +187,7 @@ def _send_once(client: httpx2.Client, core: Core, req: ShardRequest, body: objec
     try:
         buf = None if response.is_stream_consumed else _sized_buffer(response)
         if buf is None:
-            content: Union[bytes, bytearray] = response.read()
+            content: bytes | memoryview = response.read()
         else:
             pos = 0
             for chunk in response.iter_raw():
@@ -227,7 +230,7 @@ async def _asend_once(client: httpx2.AsyncClient, core: Core, req: ShardRequest,
     try:
         buf = None if response.is_stream_consumed else _sized_buffer(response)
         if buf is None:
-            content: Union[bytes, bytearray] = await response.aread()
+            content: bytes | memoryview = await response.aread()
         else:
             pos = 0
             async for chunk in response.aiter_raw():
