@@ -76,6 +76,8 @@ WAIT_READ_SLACK = 10.0
 
 T = TypeVar("T")
 Result = Union["Reply", PSError]
+#: A whole reply body: bytes, or a view of the buffer it was read into.
+Body = Union[bytes, bytearray, memoryview]
 #: A verb: yields batches of requests, receives their results, returns the verb's result.
 Flow = Generator[list["ShardRequest"], list[Result], T]
 
@@ -209,7 +211,7 @@ class Reply:
 
     status: int
     headers: Mapping[str, str]
-    content: bytes | bytearray | memoryview
+    content: Body
 
 
 @dataclass
@@ -217,7 +219,7 @@ class _Message:
     """A decoded reply: the message and the body its framed tensors point into."""
 
     msg: Any
-    body: bytes | bytearray | memoryview
+    body: Body
     incarnation: str | None
 
 
@@ -518,8 +520,8 @@ class Core:
     def names(self, names: Any, verb: str) -> list[str]:
         """Validate a list of names (duplicates dropped, order kept)."""
         if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
-            raise BadRequestError(f"{verb} takes a list of variable names, e.g. {verb}(['w', 'b']); "
-                                  f"got {type(names).__name__} {names!r:.80}")
+            raise BadRequestError(f"{verb} takes a list of variable names, e.g. "
+                                  f"{verb}(['w', 'b']); got {type(names).__name__} {names!r:.80}")
         out = list(dict.fromkeys(names))
         for name in out:
             _name(name)
@@ -598,8 +600,7 @@ class Core:
         if not isinstance(variables, Mapping):
             raise ProtocolError(f"shard {url} sent a pull reply without 'variables'", shard=url)
         again = []
-        wanted = request.names
-        for name in wanted:
+        for name in request.names:
             entry = variables.get(name)
             version = entry.get("version") if isinstance(entry, Mapping) else None
             if not isinstance(version, int):
@@ -623,7 +624,7 @@ class Core:
                     self._cache[name] = _Cached(reply.incarnation, version, value)
         return again
 
-    def _tensor(self, url: str, name: str, obj: Any, body: bytes | bytearray | memoryview) -> np.ndarray:
+    def _tensor(self, url: str, name: str, obj: Any, body: Body) -> np.ndarray:
         try:
             value = wire.decode_tensor(obj, body)
         except wire.WireError as exc:
@@ -711,7 +712,8 @@ class Core:
         names = self.names(names, "wait_ready")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(
                 timeout, (int, float)) or math.isnan(timeout) or timeout < 0):
-            raise BadRequestError(f"wait_ready timeout must be seconds >= 0 or None, got {timeout!r}")
+            raise BadRequestError(
+                f"wait_ready timeout must be seconds >= 0 or None, got {timeout!r}")
         started = time.monotonic()
         deadline = math.inf if timeout is None else started + timeout
         missing = self.split(names)
