@@ -156,16 +156,20 @@ def _exit_reason(code: int) -> str:
 
 
 class _Printer:
-    """Prints lines from several threads without interleaving them."""
+    """Prints lines from several threads without interleaving them (errors to ``err``)."""
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, err: TextIO) -> None:
         self.out = out
+        self.err = err
         self.lock = threading.Lock()
 
-    def __call__(self, text: str = "") -> None:
+    def __call__(self, text: str = "", *, error: bool = False) -> None:
+        stream = self.err if error else self.out
         with self.lock:
-            self.out.write(text + "\n")
-            self.out.flush()
+            if error:
+                self.out.flush()
+            stream.write(text + "\n")
+            stream.flush()
 
 
 class _Fleet:
@@ -339,7 +343,8 @@ def _on_signal(signum: int, frame: Any) -> None:
     raise _Interrupted(signum)
 
 
-def run_demo(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:
+def run_demo(argv: Sequence[str] | None = None, *, out: TextIO | None = None,
+             err: TextIO | None = None) -> int:
     """Run the demo (see the module docstring); returns the exit status.
 
     Blocks until the demo is over. Installs SIGINT/SIGTERM handlers while it runs (when called
@@ -348,7 +353,7 @@ def run_demo(argv: Sequence[str] | None = None, *, out: TextIO | None = None) ->
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     _check_args(parser, args)
-    say = _Printer(out or sys.stdout)
+    say = _Printer(out or sys.stdout, err or sys.stderr)
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -359,11 +364,12 @@ def run_demo(argv: Sequence[str] | None = None, *, out: TextIO | None = None) ->
         return _run(args, fleet, say)
     except DemoError as exc:
         keep_logs = True
-        say(f"{PROG}: error: {exc}")
+        say(f"{PROG}: error: {exc}", error=True)
         return 1
     except (_Interrupted, KeyboardInterrupt) as exc:
         signum = exc.signum if isinstance(exc, _Interrupted) else signal.SIGINT
-        say(f"\n{PROG}: interrupted ({signal.Signals(signum).name}); stopping the fleet")
+        say(f"\n{PROG}: interrupted ({signal.Signals(signum).name}); stopping the fleet",
+            error=True)
         return 128 + signum
     finally:
         for sig in previous:  # a second Ctrl-C must not cut the clean-up short
@@ -376,7 +382,7 @@ def run_demo(argv: Sequence[str] | None = None, *, out: TextIO | None = None) ->
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if keep_logs:
-                say(f"{PROG}: shard logs kept in {logdir}")
+                say(f"{PROG}: shard logs kept in {logdir}", error=True)
             else:
                 shutil.rmtree(logdir, ignore_errors=True)
 
@@ -458,7 +464,10 @@ def _run(args: argparse.Namespace, fleet: _Fleet, say: _Printer) -> int:
     if not args.no_wait and sys.stdin.isatty() and say.out.isatty():
         say("")
         say("The fleet is still up. Press Enter (or Ctrl-C) to stop it.")
-        _wait_for_enter(fleet)
+        try:
+            _wait_for_enter(fleet)
+        except (_Interrupted, KeyboardInterrupt):
+            say("")  # asked for: not an interruption
     say(f"{PROG}: stopping the fleet")
     return 0
 
