@@ -292,23 +292,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a local fleet, train a small network on scikit-learn's digits with "
                     "asynchronous workers (Downpour SGD), and compare its held-out accuracy with "
                     "the same training in one process.")
-    p.add_argument("--shards", type=int, default=2, help="shard processes (default 2)")
-    p.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
-    p.add_argument("--steps", type=int, default=500,
+    p.add_argument("--shards", type=int, metavar="N", default=2, help="shard processes (default 2)")
+    p.add_argument("--workers", type=int, metavar="M", default=4, help="worker processes (default 4)")
+    p.add_argument("--steps", type=int, metavar="S", default=500,
                    help="gradient steps per worker (default 500)")
-    p.add_argument("--batch-size", type=int, default=32, help="examples per step (default 32)")
-    p.add_argument("--n-fetch", type=int, default=1,
+    p.add_argument("--batch-size", type=int, metavar="B", default=32, help="examples per step (default 32)")
+    p.add_argument("--n-fetch", type=int, metavar="N", default=1,
                    help="workers pull fresh weights every n steps (default 1)")
-    p.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate (default 0.05)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--lr", type=float, metavar="LR", default=0.05, help="Adagrad learning rate (default 0.05)")
+    p.add_argument("--seed", type=int, metavar="SEED", default=0,
                    help="seeds the data split, initial weights and batches (default 0)")
     p.add_argument("--host", default="127.0.0.1", help="address the shards bind (default "
                    "127.0.0.1)")
-    p.add_argument("--base-port", type=int, default=0,
+    p.add_argument("--base-port", type=int, metavar="P", default=0,
                    help="shard i listens on base-port + i; 0 (the default) picks free ports")
-    p.add_argument("--log-every", type=int, default=0,
+    p.add_argument("--log-every", type=int, metavar="N", default=0,
                    help="workers print progress every n steps (default: 5 lines per worker)")
-    p.add_argument("--timeout", type=float, default=600.0,
+    p.add_argument("--timeout", type=float, metavar="SECONDS", default=600.0,
                    help="give up if the workers have not finished after this many seconds")
     p.add_argument("--no-wait", action="store_true",
                    help="stop the fleet at the end even on a terminal (default: on a terminal, "
