@@ -184,33 +184,41 @@ def train(ps: PSClient, data: Dataset, *, worker_index: int, num_workers: int, s
     return final
 
 
-def _env(name: str, default: object) -> str:
-    return os.environ.get(f"DIGITS_{name}", str(default))
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="A Downpour SGD worker training a small network on scikit-learn's digits "
                     "through a paramshard fleet. Each flag defaults to the DIGITS_<FLAG> "
                     "environment variable (e.g. DIGITS_STEPS).")
+
+    def env(flag: str, cast: type, default: object) -> object:
+        key = "DIGITS_" + flag.upper()
+        if key not in os.environ:
+            return default
+        try:
+            return cast(os.environ[key])
+        except ValueError:
+            p.error(f"{key} must be {'an integer' if cast is int else 'a number'} "
+                    f"(it sets --{flag.replace('_', '-')}), got {os.environ[key]!r}")
+
     p.add_argument("--shards", default=os.environ.get("PARAMSHARD_SHARDS"),
                    help="comma-separated shard URLs in shard-index order "
                         "(default: $PARAMSHARD_SHARDS)")
-    p.add_argument("--worker-index", type=int, default=int(_env("WORKER_INDEX", 0)),
+    p.add_argument("--worker-index", type=int, default=env("worker_index", int, 0),
                    help="this worker's index, 0..num-workers-1; picks its slice of the data")
-    p.add_argument("--num-workers", type=int, default=int(_env("NUM_WORKERS", 1)))
+    p.add_argument("--num-workers", type=int, default=env("num_workers", int, 1))
     p.add_argument("--worker-id", default=os.environ.get("PARAMSHARD_WORKER_ID"),
                    help="the id the shards see (default: $PARAMSHARD_WORKER_ID or w<index>)")
-    p.add_argument("--steps", type=int, default=int(_env("STEPS", 500)),
+    p.add_argument("--steps", type=int, default=env("steps", int, 500),
                    help="gradient steps this worker computes")
-    p.add_argument("--batch-size", type=int, default=int(_env("BATCH_SIZE", DEFAULT_BATCH_SIZE)))
-    p.add_argument("--n-fetch", type=int, default=int(_env("N_FETCH", 1)),
+    p.add_argument("--batch-size", type=int,
+                   default=env("batch_size", int, DEFAULT_BATCH_SIZE))
+    p.add_argument("--n-fetch", type=int, default=env("n_fetch", int, 1),
                    help="pull fresh weights every n steps")
-    p.add_argument("--lr", type=float, default=float(_env("LR", DEFAULT_LR)),
+    p.add_argument("--lr", type=float, default=env("lr", float, DEFAULT_LR),
                    help="Adagrad learning rate (used by whichever worker creates the variables)")
-    p.add_argument("--seed", type=int, default=int(_env("SEED", DEFAULT_SEED)),
+    p.add_argument("--seed", type=int, default=env("seed", int, DEFAULT_SEED),
                    help="seeds the data split and the initial weights: the same on every worker")
-    p.add_argument("--log-every", type=int, default=int(_env("LOG_EVERY", 100)),
+    p.add_argument("--log-every", type=int, default=env("log_every", int, 100),
                    help="print a progress line every n steps")
     args = p.parse_args(argv)
     if args.num_workers < 1:
@@ -220,8 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "n_fetch", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.lr > 0:
-        p.error(f"--lr must be > 0, got {args.lr}")
+    if not 0 < args.lr < float("inf"):
+        p.error(f"--lr must be a finite number > 0, got {args.lr}")
     return args
 
 

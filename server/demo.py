@@ -1,4 +1,4 @@
-"""``paramshard demo``: a local fleet trains a classifier; the result is checked against one process.
+"""``paramshard demo``: a local fleet trains a classifier, checked against one process.
 
     paramshard demo                      # 2 shards, 4 workers, then keeps the fleet up (on a TTY)
     paramshard demo --shards 3 --workers 2 --steps 300 --no-wait
@@ -292,14 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a local fleet, train a small network on scikit-learn's digits with "
                     "asynchronous workers (Downpour SGD), and compare its held-out accuracy with "
                     "the same training in one process.")
-    p.add_argument("--shards", type=int, metavar="N", default=2, help="shard processes (default 2)")
-    p.add_argument("--workers", type=int, metavar="M", default=4, help="worker processes (default 4)")
+    p.add_argument("--shards", type=int, metavar="N", default=2,
+                   help="shard processes (default 2)")
+    p.add_argument("--workers", type=int, metavar="M", default=4,
+                   help="worker processes (default 4)")
     p.add_argument("--steps", type=int, metavar="S", default=500,
                    help="gradient steps per worker (default 500)")
-    p.add_argument("--batch-size", type=int, metavar="B", default=32, help="examples per step (default 32)")
+    p.add_argument("--batch-size", type=int, metavar="B", default=32,
+                   help="examples per step (default 32)")
     p.add_argument("--n-fetch", type=int, metavar="N", default=1,
                    help="workers pull fresh weights every n steps (default 1)")
-    p.add_argument("--lr", type=float, metavar="LR", default=0.05, help="Adagrad learning rate (default 0.05)")
+    p.add_argument("--lr", type=float, metavar="LR", default=0.05,
+                   help="Adagrad learning rate (default 0.05)")
     p.add_argument("--seed", type=int, metavar="SEED", default=0,
                    help="seeds the data split, initial weights and batches (default 0)")
     p.add_argument("--host", default="127.0.0.1", help="address the shards bind (default "
@@ -323,8 +327,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(args, name)}")
     if args.shards > 64 or args.workers > 64:
         p.error("--shards and --workers are at most 64 in the demo")
-    if not args.lr > 0:
-        p.error(f"--lr must be > 0, got {args.lr}")
+    if not 0 < args.lr < float("inf"):
+        p.error(f"--lr must be a finite number > 0, got {args.lr}")
     if args.base_port and not 1 <= args.base_port <= 65535 - args.shards + 1:
         p.error(f"--base-port must be 0 (free ports) or 1..{65535 - args.shards + 1}, "
                 f"got {args.base_port}")

@@ -123,7 +123,8 @@ def test_worker_rejects_bad_arguments():
     for args, message in ((["--worker-index", "3", "--num-workers", "3"],
                            "--worker-index must be in 0..2"),
                           (["--steps", "0"], "--steps must be >= 1"),
-                          (["--lr", "-1"], "--lr must be > 0")):
+                          (["--lr", "-1"], "--lr must be a finite number > 0"),
+                          (["--lr", "nan"], "--lr must be a finite number > 0")):
         proc = subprocess.run([sys.executable, str(SCRIPT), "--shards", "http://127.0.0.1:9",
                                *args], cwd=ROOT, env=worker_env(), capture_output=True,
                               text=True, timeout=60)
