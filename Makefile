@@ -1,10 +1,15 @@
 # make demo | make test | make bench  -- each creates .venv if missing and installs what it needs.
+# make bench-peers: the same bench next to TensorFlow, PyTorch RPC, Ray and Redis, from its own
+# virtualenv (.venv-peers, ~3 GB) so their pins stay out of .venv.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: demo test bench lint clean
+PEERS_VENV := .venv-peers
+PEERS_BIN  := $(PEERS_VENV)/bin
+
+.PHONY: demo test bench bench-peers redis-server lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,5 +29,21 @@ test: $(VENV)/.stamp-test
 bench: $(VENV)/.stamp-bench
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
+# torch is pinned in the `peers` extra to the CPU wheel these machines carry.
+$(PEERS_VENV)/.stamp: pyproject.toml
+	test -x $(PEERS_BIN)/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_BIN)/python -m pip --disable-pip-version-check -q install --upgrade pip
+	$(PEERS_BIN)/python -m pip --disable-pip-version-check -q install -e '.[peers]'
+	@touch $@
+
+# Debian's redis-server; installed with apt-get when missing and we are root.
+redis-server:
+	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] \
+	  && apt-get update -q && apt-get install -y -q redis-server; } \
+	  || { echo "bench-peers needs redis-server: apt-get install -y redis-server" >&2; exit 1; }
+
+bench-peers: $(PEERS_VENV)/.stamp redis-server
+	$(PEERS_BIN)/python -m bench --peers $(BENCH_ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis bench/results
+	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info .pytest_cache .hypothesis bench/results

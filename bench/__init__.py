@@ -15,9 +15,10 @@ A **case** is a module listed in :data:`CASES` with
   The row with ``reference: True`` in a group of the same (case, op, size) is what the others
   are compared with.
 
-``ctx`` starts shared processes lazily (``ctx.shard_urls(n)``, ``ctx.raw_address()``) and stops
-them at the end. A new case (small-request latency, many variables per step, several workers,
-TensorFlow / Redis / Ray as peers) is a new module plus one line here.
+``ctx`` starts shared processes lazily (``ctx.fleet(n)``, ``ctx.raw()``, ``ctx.peers()``) and
+stops them at the end. A new case is a new module plus one line here. After the tables come
+the server CPU per GB, the GOALS (:mod:`bench.goals`) and the SCALE estimate
+(:mod:`bench.scale`).
 """
 
 from __future__ import annotations
@@ -27,4 +28,6 @@ __all__ = ["CASES"]
 #: case name -> module; run in this order.
 CASES: dict[str, str] = {
     "transfer": "bench.transfer",
+    "step": "bench.step",
+    "workers": "bench.workers",
 }

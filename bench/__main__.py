@@ -2,10 +2,14 @@
 
     python -m bench                          # every case, default sizes
     python -m bench --quick                  # fewer repetitions: a smoke run
+    python -m bench --peers                  # with TF, PyTorch RPC, Ray, Redis (make bench-peers)
+    python -m bench --peers tf,redis --cases transfer,step
     python -m bench --sizes 1e5,2.5e7 --reps 20
     python -m bench --cases transfer --list
 
-Results go to ``bench/results/<UTC timestamp>.json`` (``--out`` to change the directory).
+Prints one table per case, the servers' CPU-seconds per GB, the GOALS and the SCALE
+estimate. Results go to ``bench/results/<UTC timestamp>.json`` (``--out`` to change the
+directory).
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-from . import CASES
+from . import CASES, goals, scale
 from .context import Context
-from .report import add_ratios, machine, table, write_json
+from .peers import missing, parse_peers
+from .report import add_ratios, cpu_table, machine, table, write_json
+from .workers import busy_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -55,6 +61,23 @@ def _cases(text: str) -> list[str]:
     return names
 
 
+def _peers(text: str) -> tuple[str, ...]:
+    try:
+        return parse_peers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--peers: {exc}") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0.05 <= value <= 600:
+        raise argparse.ArgumentTypeError(f"expected seconds between 0.05 and 600, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     p.add_argument("--cases", type=_cases, default=list(CASES),
@@ -68,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-reps", dest="min_reps", type=_positive, default=None,
                    help="fewest timed repetitions of any size (default 10, --quick 2)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")
+    p.add_argument("--seconds", type=_seconds, default=None,
+                   help="how long each phase of the workers case runs (default 1.5, --quick 0.3)")
+    p.add_argument("--rounds", type=_positive, default=None,
+                   help="how often the workers case repeats its phases (default 2, --quick 1)")
+    p.add_argument("--peers", type=_peers, nargs="?", const="all", default=(),
+                   help="also measure the peers: 'all' (the default when given without a value) "
+                        "or a comma-separated subset of tf,torch,ray,redis. They install with "
+                        "`make bench-peers` (its own virtualenv, .venv-peers)")
     p.add_argument("--quick", action="store_true", help="few repetitions: check that it runs")
     p.add_argument("--out", type=Path, default=RESULTS, help=f"JSON directory (default {RESULTS})")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -85,9 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup < 0:
         print("--warmup must be >= 0", file=sys.stderr)
         return 2
+    if args.peers and (lacking := missing(args.peers)):
+        print("--peers: this environment lacks what they need:\n  " + "\n  ".join(lacking)
+              + "\nRun `make bench-peers` (installs the `peers` extra into .venv-peers and "
+              "redis-server from Debian), or use that virtualenv: .venv-peers/bin/python -m "
+              "bench --peers", file=sys.stderr)
+        return 2
     reps = args.reps or (5 if args.quick else 30)
     min_reps = min(reps, args.min_reps or (2 if args.quick else 10))
-    ctx = Context(sizes=args.sizes, reps=reps, min_reps=min_reps, warmup=args.warmup)
+    ctx = Context(sizes=args.sizes, reps=reps, min_reps=min_reps, warmup=args.warmup,
+                  peer_names=args.peers,
+                  seconds=args.seconds or (0.3 if args.quick else 1.5),
+                  rounds=args.rounds or (1 if args.quick else 2))
     rows: list[dict] = []
     started = time.time()
     failed = True
@@ -104,10 +144,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"process logs kept in {ctx.logdir}", file=sys.stderr)
     add_ratios(rows)
     print(table(rows, descriptions))
+    print(cpu_table(rows))
+    print(busy_table(rows))
+    goal_list = goals.evaluate(rows)
+    estimate = scale.estimate(rows)
+    print(goals.render(goal_list))
+    print(scale.render(estimate))
     meta = {"started": started, "argv": sys.argv[1:] if argv is None else argv,
             "settings": {"sizes": args.sizes, "reps": reps, "min_reps": min_reps,
-                         "warmup": args.warmup, "cases": args.cases},
-            "machine": machine()}
+                         "warmup": args.warmup, "cases": args.cases, "peers": args.peers,
+                         "seconds": ctx.seconds, "rounds": ctx.rounds},
+            "machine": machine(), "goals": goal_list, "scale": estimate}
     path = write_json(rows, meta, args.out)
     print(f"\nwrote {path}")
     return 0

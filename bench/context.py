@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import processes
+from .peers.driver import Peer, start_peers
 
 __all__ = ["Context"]
 
@@ -18,38 +19,60 @@ class Context:
     """Settings of one ``python -m bench`` run plus the processes cases share.
 
     ``sizes`` is ``None`` unless ``--sizes`` was given (a case then uses its ``DEFAULT_SIZES``).
-    ``reps``/``min_reps`` feed :func:`bench.timing.reps_for`. Processes are started on first
-    use and stopped by :meth:`close`. Not thread-safe: call it from the main thread.
+    ``reps``/``min_reps`` feed :func:`bench.timing.reps_for`. ``peer_names`` are the peers
+    asked for with ``--peers`` (empty: none). ``seconds`` is how long one timed phase of a
+    load case runs, ``rounds`` how often each is repeated. Processes are started on first use
+    and stopped by :meth:`close`. Not thread-safe: call it from the main thread.
     """
 
     sizes: tuple[int, ...] | None
     reps: int
     min_reps: int
     warmup: int
+    peer_names: tuple[str, ...] = ()
+    seconds: float = 1.5
+    rounds: int = 2
     logdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="paramshard-bench-")))
     _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
-    _shards: dict[int, list[str]] = field(default_factory=dict, repr=False)
-    _raw: tuple[str, int] | None = field(default=None, repr=False)
+    _fleets: dict[int, processes.Fleet] = field(default_factory=dict, repr=False)
+    _raw: processes.RawServer | None = field(default=None, repr=False)
+    _peers: list[Peer] | None = field(default=None, repr=False)
 
     def sizes_for(self, defaults: tuple[int, ...]) -> tuple[int, ...]:
         return self.sizes if self.sizes is not None else defaults
 
-    def shard_urls(self, n: int = 1) -> list[str]:
-        """URLs of a fresh fleet of ``n`` shards, started once per run and shared by the cases
-        (use unique variable names). Blocks until the shards are healthy."""
-        if n not in self._shards:
+    def fleet(self, n: int = 1) -> processes.Fleet:
+        """A fleet of ``n`` shards (URLs and pids), started once per run and shared by the
+        cases (use unique variable names). Blocks until the shards are healthy."""
+        if n not in self._fleets:
             d = self.logdir / f"fleet{n}"
             d.mkdir(exist_ok=True)
             # --log-level warning: no per-request logging inside the timed path
-            self._shards[n] = self._stack.enter_context(
+            self._fleets[n] = self._stack.enter_context(
                 processes.shards(n, d, "--log-level", "warning"))
-        return self._shards[n]
+        return self._fleets[n]
 
-    def raw_address(self) -> tuple[str, int]:
-        """``(host, port)`` of the raw-socket reference server (:mod:`bench.rawsock`)."""
+    def shard_urls(self, n: int = 1) -> list[str]:
+        """URLs of :meth:`fleet` ``(n)``."""
+        return self.fleet(n).urls
+
+    def raw(self) -> processes.RawServer:
+        """The raw-socket reference server (:mod:`bench.rawsock`): address and pid."""
         if self._raw is None:
             self._raw = self._stack.enter_context(processes.raw_server(self.logdir))
         return self._raw
+
+    def raw_address(self) -> tuple[str, int]:
+        """``(host, port)`` of :meth:`raw`."""
+        raw = self.raw()
+        return raw.host, raw.port
+
+    def peers(self) -> list[Peer]:
+        """The peers asked for, each a driver process with its server(s) up, in the order
+        given; all start at once on first use. Empty without ``--peers``."""
+        if self._peers is None:
+            self._peers = self._stack.enter_context(start_peers(self.peer_names, self.logdir))
+        return self._peers
 
     def close(self, keep_logs: bool = False) -> None:
         """Stop the processes; remove their logs unless ``keep_logs`` (say, after a failure)."""

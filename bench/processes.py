@@ -1,8 +1,9 @@
-"""The processes a benchmark talks to: paramshard shards and the raw-socket reference server.
+"""The processes a benchmark talks to: paramshard shards, the raw-socket reference server, and
+whatever a peer adapter needs (:func:`spawn`).
 
 Each is a child process in its own session, started on a free loopback port and stopped
-(SIGTERM, then SIGKILL after a grace period) when its context exits, whatever happened inside.
-Their output goes to a log file whose tail is shown if one fails to start.
+(SIGTERM, then SIGKILL of its whole process group after a grace period) when its context
+exits, whatever happened inside. Output goes to a log file whose tail is shown if one fails.
 """
 
 from __future__ import annotations
@@ -10,19 +11,37 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import selectors
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
-__all__ = ["ROOT", "free_port", "raw_server", "shards"]
+__all__ = ["Fleet", "LineReader", "ROOT", "RawServer", "env", "free_port", "raw_server", "shards",
+           "spawn", "stop", "tail"]
 
 ROOT = Path(__file__).resolve().parent.parent
 _START_TIMEOUT = 60.0
+
+
+class Fleet(NamedTuple):
+    """Running shards: their URLs and process ids, both in ``--shard-index`` order."""
+
+    urls: list[str]
+    pids: list[int]
+
+
+class RawServer(NamedTuple):
+    """The running raw-socket reference server."""
+
+    host: str
+    port: int
+    pid: int
 
 
 def free_port() -> int:
@@ -31,27 +50,68 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict[str, str]:
+def env(**extra: str) -> dict[str, str]:
+    """This process's environment with the repository on ``PYTHONPATH`` (children import
+    ``bench``, ``server`` and ``client_sdk`` from this checkout) plus ``extra``."""
     path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+    return {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else ""), **extra}
 
 
-def _tail(log: Path, lines: int = 30) -> str:
+def tail(log: Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a log file, for error messages."""
     try:
         return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
 
 
-def _stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+def spawn(cmd: Sequence[str], log: Path, *, pipes: bool = False,
+          extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``cmd`` in its own session, in the repository root, output appended to ``log``.
+
+    With ``pipes`` its stdin and stdout are pipes (a line protocol); otherwise stdin is
+    ``/dev/null`` and stdout goes to the log too. Stop it with :func:`stop`."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            list(cmd), cwd=ROOT, env=env(**(extra_env or {})),
+            stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if pipes else out, stderr=out, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """Close its stdin, SIGTERM it, wait up to ``grace`` seconds, then SIGKILL it; then SIGKILL
+    anything still left in its process group (helpers a peer started). Blocks."""
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # a child that serves until stdin closes stops here
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for pid in _group(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _group(pgid: int) -> list[int]:
+    """Processes whose process group is ``pgid`` (read from /proc)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ...
+                members.append(int(entry.name))
+    return members
 
 
 def _healthy(url: str) -> bool:
@@ -63,9 +123,9 @@ def _healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def shards(n: int, logdir: Path, *extra_args: str) -> Iterator[list[str]]:
-    """Start ``n`` shards (``python -m server.cli serve``) and yield their URLs in index order,
-    once every ``/healthz`` answers. Blocks while starting; stops them all on exit."""
+def shards(n: int, logdir: Path, *extra_args: str) -> Iterator[Fleet]:
+    """Start ``n`` shards (``python -m server.cli serve``) and yield their URLs and pids in
+    index order, once every ``/healthz`` answers. Blocks while starting; stops them on exit."""
     ports = [free_port() for _ in range(n)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs: list[subprocess.Popen] = []
@@ -75,36 +135,61 @@ def shards(n: int, logdir: Path, *extra_args: str) -> Iterator[list[str]]:
             cmd = [sys.executable, "-m", "server.cli", "serve", "--shard-index", str(i),
                    "--num-shards", str(n), "--host", "127.0.0.1", "--port", str(port),
                    *extra_args]
-            with open(logs[i], "ab") as log:
-                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(spawn(cmd, logs[i]))
         deadline = time.monotonic() + _START_TIMEOUT
         for i, url in enumerate(urls):
             while not _healthy(url):
                 if procs[i].poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"shard {i} did not start (exit {procs[i].poll()}):\n"
-                                       f"{_tail(logs[i])}")
+                                       f"{tail(logs[i])}")
                 time.sleep(0.05)
-        yield urls
+        yield Fleet(urls, [p.pid for p in procs])
     finally:
         for proc in procs:
-            _stop(proc)
+            stop(proc)
+
+
+class LineReader:
+    """Reads a child's stdout pipe line by line with a timeout (a line protocol). Not
+    thread-safe."""
+
+    def __init__(self, proc: subprocess.Popen, log: Path, what: str) -> None:
+        assert proc.stdout is not None, "spawn(..., pipes=True) first"
+        self._proc, self._log, self._what = proc, log, what
+        self._fd = proc.stdout.fileno()
+        self._buf = bytearray()
+
+    def readline(self, timeout: float) -> str:
+        """The next line, without its newline. Blocks up to ``timeout`` seconds; raises
+        RuntimeError with the log's tail if the child exits or stays silent."""
+        deadline = time.monotonic() + timeout
+        while (end := self._buf.find(b"\n")) < 0:
+            left = deadline - time.monotonic()
+            with selectors.DefaultSelector() as sel:
+                sel.register(self._fd, selectors.EVENT_READ)
+                ready = left > 0 and sel.select(left)
+            if not ready:
+                raise RuntimeError(f"{self._what}: no answer within {timeout:.0f} s; its log "
+                                   f"ends:\n{tail(self._log)}")
+            chunk = os.read(self._fd, 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"{self._what} exited (code {self._proc.wait()}); its log "
+                                   f"ends:\n{tail(self._log)}")
+            self._buf += chunk
+        line = bytes(self._buf[:end])
+        del self._buf[:end + 1]
+        return line.decode(errors="replace")
 
 
 @contextlib.contextmanager
-def raw_server(logdir: Path) -> Iterator[tuple[str, int]]:
-    """Start ``python -m bench.rawsock`` and yield ``(host, port)``; stop it on exit."""
+def raw_server(logdir: Path) -> Iterator[RawServer]:
+    """Start ``python -m bench.rawsock`` and yield its address and pid; stop it on exit."""
     log = logdir / "rawsock.log"
-    with open(log, "ab") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "bench.rawsock"], cwd=ROOT, env=_env(),
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                start_new_session=True)
+    proc = spawn([sys.executable, "-m", "bench.rawsock"], log, pipes=True)
     try:
-        line = proc.stdout.readline().decode().split()
-        if len(line) != 2 or line[0] != "port":
-            raise RuntimeError(f"raw socket server did not start:\n{_tail(log)}")
-        yield "127.0.0.1", int(line[1])
+        words = LineReader(proc, log, "raw socket server").readline(_START_TIMEOUT).split()
+        if len(words) != 2 or words[0] != "port":
+            raise RuntimeError(f"raw socket server did not start:\n{tail(log)}")
+        yield RawServer("127.0.0.1", int(words[1]), proc.pid)
     finally:
-        proc.stdin.close()
-        _stop(proc, grace=5.0)
-        proc.stdout.close()
+        stop(proc, grace=5.0)

@@ -1,8 +1,8 @@
 """Repetition counts and summaries of timed samples.
 
 A result row is a plain dict (so it goes to JSON as is) made by :func:`summarize`:
-``median_s``, ``p50_ms``, ``p99_ms``, ``min_ms``, ``max_ms``, ``reps`` and, for transfers,
-``mb_per_s`` = bytes / median time (MB = 10^6 bytes). With few repetitions p99 is close to the
+``median_s``, ``p50_ms``, ``p99_ms``, ``min_ms``, ``max_ms``, ``reps``, ``ops_per_s`` =
+1 / median time and, for transfers, ``mb_per_s`` = bytes / median time (MB = 10^6 bytes). With few repetitions p99 is close to the
 maximum: read it as "the slow end", not as a tail estimate.
 """
 
@@ -40,6 +40,7 @@ def summarize(seconds: Sequence[float], nbytes: int | None = None) -> dict:
         "p99_ms": float(np.percentile(s, 99)) * 1e3,
         "min_ms": float(s.min()) * 1e3,
         "max_ms": float(s.max()) * 1e3,
+        "ops_per_s": 1.0 / median if median > 0 else float("inf"),
     }
     if nbytes is not None:
         row["bytes"] = int(nbytes)

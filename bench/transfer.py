@@ -1,5 +1,5 @@
 """Pull and push of one float32 variable: ``PSClient`` against one shard, next to a raw TCP
-socket moving the same bytes, on loopback.
+socket moving the same bytes (and, with ``--peers``, the peers), on loopback.
 
 Per size, one variable is created with the ``Add`` optimizer (the shard adds the pushed tensor
 to the value: the cheapest apply there is). Each repetition then does, in this order:
@@ -10,54 +10,108 @@ to the value: the cheapest apply there is). Each repetition then does, in this o
 2. ``ps.pull([name])`` — timed as a pull. The push before it raised the variable's version,
    so the version the client holds is stale and the shard has to send the whole value: the
    SDK's version cache never short-cuts a timed pull, yet it is used exactly as in training.
-3. the raw socket does the same: a push of the same array, then a pull of as many bytes.
+3. the raw socket does the same: a push of the same array, then a pull of as many bytes;
+4. each peer does the same through its driver (:mod:`bench.peers.driver`), which times it.
 
-Interleaving the two systems rep by rep lets both see the same background load. The first
+Interleaving the systems rep by rep lets all see the same background load. The first
 ``ctx.warmup`` repetitions of each size are not counted.
+
+Around every timed call the server's CPU time is read from ``/proc`` (:mod:`bench.cpu`), so
+each row also says how many CPU-seconds the server spent per GB it sent or received.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 
 from .context import Context
+from .cpu import CpuMeter
 from .rawsock import RawClient
 from .timing import Stopwatch, reps_for, summarize
 
-__all__ = ["DEFAULT_SIZES", "DESCRIPTION", "run"]
+__all__ = ["DEFAULT_SIZES", "DESCRIPTION", "RAW", "SDK", "run"]
 
-DESCRIPTION = ("one float32 variable, 1 shard on loopback; pull and push through PSClient vs "
-               "a raw TCP socket")
-DEFAULT_SIZES = (100_000, 1_000_000, 25_000_000)
+DESCRIPTION = ("one float32 variable, 1 shard on loopback; pull and push+apply through PSClient "
+               "vs a raw TCP socket (and peers)")
+DEFAULT_SIZES = (1_000, 100_000, 1_000_000, 10_000_000, 25_000_000)
 SDK, RAW = "paramshard", "raw socket"
+
+
+class _Series:
+    """The samples and server CPU of one (op, system) at one size."""
+
+    def __init__(self, server_pids: list[int]) -> None:
+        self.watch = Stopwatch()
+        self.cpu = CpuMeter(server_pids)
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        with self.cpu, self.watch:
+            yield
+
+    def add(self, seconds: float) -> None:
+        self.watch.samples.append(seconds)
+
+    def forget_warmup(self) -> None:
+        self.watch.samples.clear()
+        if self.cpu.seconds is not None:
+            self.cpu.seconds = 0.0
+
+
+def cpu_fields(cpu_seconds: float | None, nbytes: int, reps: int) -> dict:
+    """``server_cpu_s``, ``server_gb`` and ``server_cpu_s_per_gb`` of a row (``None`` where
+    the CPU time could not be read)."""
+    gb = nbytes * reps / 1e9
+    return {"server_cpu_s": cpu_seconds, "server_gb": gb,
+            "server_cpu_s_per_gb": cpu_seconds / gb if cpu_seconds is not None and gb else None}
 
 
 def run(ctx: Context) -> list[dict]:
     from client_sdk import PSClient  # the SDK is what is measured: import it when running
     from client_sdk.optimizers import Add
 
-    urls = ctx.shard_urls(1)
-    host, port = ctx.raw_address()
+    fleet = ctx.fleet(1)
+    raw_server = ctx.raw()
+    peers = ctx.peers()
     rows: list[dict] = []
-    with PSClient(urls, worker_id="bench-transfer") as ps, RawClient(host, port) as raw:
+    with PSClient(fleet.urls, worker_id="bench-transfer") as ps, \
+            RawClient(raw_server.host, raw_server.port) as raw:
         for n in ctx.sizes_for(DEFAULT_SIZES):
             name = f"bench/transfer/f32-{n}"
             value = np.random.default_rng(n).random(n, dtype=np.float32)
             grad = np.zeros(n, dtype=np.float32)
             nbytes = value.nbytes
             ps.init({name: value}, optimizer=Add())
+            for peer in peers:
+                peer.init([name], n)
             reps = reps_for(nbytes, ctx.reps, ctx.min_reps)
-            timers = {(op, sys): Stopwatch() for op in ("pull", "push") for sys in (SDK, RAW)}
+            series: dict[tuple[str, str], _Series] = {}
+            pids = {SDK: fleet.pids, RAW: [raw_server.pid],
+                    **{p.label: p.server_pids for p in peers}}
+            for op in ("push", "pull"):
+                for system, server_pids in pids.items():
+                    series[op, system] = _Series(server_pids)
             last_version = None
             for i in range(ctx.warmup + reps):
-                with timers["push", SDK]:
+                if i == ctx.warmup:
+                    for s in series.values():
+                        s.forget_warmup()
+                with series["push", SDK].timed():
                     version = ps.push({name: grad})[name]["version"]
-                with timers["pull", SDK]:
+                with series["pull", SDK].timed():
                     pulled = ps.pull([name])[name]
-                with timers["push", RAW]:
+                with series["push", RAW].timed():
                     raw.push(grad)
-                with timers["pull", RAW]:
+                with series["pull", RAW].timed():
                     got = raw.pull(nbytes)
+                for peer in peers:
+                    with series["push", peer.label].cpu:
+                        series["push", peer.label].add(peer.push([name]))
+                    with series["pull", peer.label].cpu:
+                        series["pull", peer.label].add(peer.pull([name]))
                 if last_version is not None and version != last_version + 1:
                     raise RuntimeError(f"{name}: push {i} moved the version from {last_version} "
                                        f"to {version}; pulls may have been served from cache")
@@ -68,9 +122,18 @@ def run(ctx: Context) -> list[dict]:
                 del pulled, got
             if not np.array_equal(ps.pull([name])[name], value):
                 raise RuntimeError(f"{name}: value changed by pushing zeros through Add")
-            for (op, system), sw in timers.items():
+            for peer in peers:
+                peer.check([name])
+            for (op, system), s in series.items():
+                peer = next((p for p in peers if p.label == system), None)
+                label = system
+                if op == "push" and peer is not None and not peer.applies:
+                    label = f"{system} (no apply)"
                 rows.append({"case": "transfer", "op": op, "size": n, "dtype": "float32",
-                             "system": system, "reference": system == RAW,
-                             **summarize(sw.samples[ctx.warmup:], nbytes)})
-    rows.sort(key=lambda r: (r["op"] != "pull", r["size"], not r["reference"]))
+                             "system": label, "reference": system == RAW,
+                             **summarize(s.watch.samples, nbytes),
+                             **cpu_fields(s.cpu.seconds, nbytes, reps)})
+    order = {system: k for k, system in enumerate([RAW, SDK, *(p.label for p in peers)])}
+    rows.sort(key=lambda r: (r["op"] != "pull", r["size"],
+                             order.get(r["system"].removesuffix(" (no apply)"), 99)))
     return rows

@@ -1,0 +1,94 @@
+"""The GOALS section: issue 3's speed goals, each a ratio of two figures from the same run.
+
+* pull and push+apply of >= 10^6 elements: >= 0.5 x the raw socket's MB/s, and >= 1.2 x
+  TensorFlow's gRPC parameter server's;
+* a 4 KB pull's p50 latency <= 0.5 x TensorFlow's;
+* 100 x 4 KB pulled in one step: >= 10 x TensorFlow's steps/s;
+* 4 workers pushing 4 MB against 2 shards: aggregate >= 1.3 x the same against 1 shard.
+
+:func:`evaluate` returns one dict per goal (JSON-ready); :func:`render` prints them. A goal
+whose figures were not measured in this run says what would measure it (``--peers`` for the
+TensorFlow ones, a size of 10^6 or more for the bandwidth ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .peers import PEERS
+from .transfer import RAW, SDK
+
+__all__ = ["evaluate", "render"]
+
+TF = PEERS["tf"].label
+ONE_SHARD, TWO_SHARDS = "paramshard 1 shard", "paramshard 2 shards"
+
+
+def _find(rows: Sequence[dict], case: str, op: str, size: int, system: str) -> dict | None:
+    return next((r for r in rows if r["case"] == case and r["op"] == op
+                 and r.get("size") == size and r["system"] == system), None)
+
+
+def _goal(what: str, versus: str, measure: str, mine: dict | None, theirs: dict | None,
+          key: str, at_least: bool, target: float, missing: str) -> dict:
+    goal = {"goal": what, "versus": versus, "measure": measure,
+            "target": f"{'>=' if at_least else '<='} {target:g}x"}
+    if mine is None or theirs is None or not theirs.get(key) or not mine.get(key):
+        return {**goal, "ratio": None, "met": None, "note": missing}
+    ratio = mine[key] / theirs[key]
+    met = ratio >= target if at_least else ratio <= target
+    if met:
+        note = ""
+    elif at_least:
+        note = f"missed: needs {target / ratio:.2f}x the {measure} it has"
+    else:
+        note = f"missed: needs {ratio / target:.2f}x less {measure}"
+    return {**goal, "ratio": ratio, "met": met, "note": note}
+
+
+def evaluate(rows: Sequence[dict]) -> list[dict]:
+    """One dict per goal: ``goal``, ``versus``, ``measure``, ``target``, ``ratio`` (or
+    ``None``), ``met`` (or ``None`` if not measured) and a ``note``."""
+    out: list[dict] = []
+    big = sorted({r["size"] for r in rows if r["case"] == "transfer" and r["size"] >= 10**6})
+    for op in ("pull", "push"):
+        if not big:
+            for versus in (RAW, TF):
+                out.append(_goal(f"{op} >= 10^6 elements", versus, "MB/s", None, None,
+                                 "mb_per_s", True, 0.5 if versus == RAW else 1.2,
+                                 "not measured: run with a size >= 1e6"))
+        for n in big:
+            what = f"{op} {n:,} elements"
+            mine = _find(rows, "transfer", op, n, SDK)
+            out.append(_goal(what, RAW, "MB/s", mine, _find(rows, "transfer", op, n, RAW),
+                             "mb_per_s", True, 0.5, "not measured"))
+            out.append(_goal(what, TF, "MB/s", mine, _find(rows, "transfer", op, n, TF),
+                             "mb_per_s", True, 1.2, "needs --peers"))
+    out.append(_goal("4 KB pull latency", TF, "p50", _find(rows, "transfer", "pull", 1000, SDK),
+                     _find(rows, "transfer", "pull", 1000, TF), "p50_ms", False, 0.5,
+                     "needs --peers" if _find(rows, "transfer", "pull", 1000, SDK)
+                     else "not measured: run the transfer case with size 1e3 and --peers"))
+    out.append(_goal("100 x 4 KB pull in one step", TF, "steps/s",
+                     _find(rows, "step", "pull", 1000, SDK), _find(rows, "step", "pull", 1000, TF),
+                     "ops_per_s", True, 10.0,
+                     "needs --peers" if _find(rows, "step", "pull", 1000, SDK)
+                     else "not measured: run the step case with --peers"))
+    out.append(_goal("4 workers, 4 MB pushes, 2 shards", "1 shard", "aggregate MB/s",
+                     _find(rows, "workers", "push", 10**6, TWO_SHARDS),
+                     _find(rows, "workers", "push", 10**6, ONE_SHARD), "mb_per_s", True, 1.3,
+                     "not measured: run the workers case at size 1e6"))
+    return out
+
+
+def render(goals: Sequence[dict]) -> str:
+    met = sum(1 for g in goals if g["met"])
+    measured = sum(1 for g in goals if g["met"] is not None)
+    lines = ["", f"GOALS: {met} of {measured} measured goals met ({len(goals) - measured} not "
+                 "measured in this run)",
+             f"{'':<8}{'goal':<34}{'vs':<14}{'measure':<16}{'ratio':>7}  {'target':<8}"]
+    for g in goals:
+        status = "-" if g["met"] is None else ("met" if g["met"] else "MISSED")
+        ratio = "-" if g["ratio"] is None else f"{g['ratio']:.2f}x"
+        lines.append(f"{status:<8}{g['goal']:<34}{g['versus']:<14}{g['measure']:<16}"
+                     f"{ratio:>7}  {g['target']:<8}  {g['note']}".rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""Many small variables in one step: 100 float32 variables of 1,000 elements (4 KB each)
+pulled, and pushed, in one call, next to a raw TCP socket moving the same 400 KB in one message
+(and, with ``--peers``, the peers, each in one call: TF one ``tf.function``, PyTorch one RPC,
+Ray one actor call, Redis one ``MGET``/``MSET``).
+
+This is the per-variable cost of a step: a model is many tensors, and a worker pulls and
+pushes all of them every step. ``ops/s`` in the table is steps per second.
+
+As in :mod:`bench.transfer`, the variables use the ``Add`` optimizer and each repetition
+pushes zeros to all 100 (timed as push), then pulls all 100 (timed as pull): the push made
+every cached version stale, so every pull receives all 400 KB.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .context import Context
+from .rawsock import RawClient
+from .timing import Stopwatch, summarize
+from .transfer import RAW, SDK
+
+__all__ = ["COUNT", "DEFAULT_SIZES", "DESCRIPTION", "run"]
+
+COUNT = 100
+DESCRIPTION = (f"{COUNT} float32 variables in one step, 1 shard; ops/s is steps/s; raw socket: "
+               "the same bytes in one message")
+DEFAULT_SIZES = (1_000,)
+
+
+def run(ctx: Context) -> list[dict]:
+    from client_sdk import PSClient
+    from client_sdk.optimizers import Add
+
+    fleet = ctx.fleet(1)
+    raw_server = ctx.raw()
+    peers = ctx.peers()
+    rows: list[dict] = []
+    with PSClient(fleet.urls, worker_id="bench-step") as ps, \
+            RawClient(raw_server.host, raw_server.port) as raw:
+        for n in ctx.sizes_for(DEFAULT_SIZES):
+            names = [f"bench/step/f32-{n}/v{i:03d}" for i in range(COUNT)]
+            value = np.random.default_rng(n).random(n, dtype=np.float32)
+            zeros = np.zeros(n, dtype=np.float32)
+            grads = {name: zeros for name in names}
+            flat = np.zeros(n * COUNT, dtype=np.float32)
+            nbytes = flat.nbytes
+            ps.init({name: value for name in names}, optimizer=Add())
+            for peer in peers:
+                peer.init(names, n)
+            systems = [SDK, RAW, *(p.label for p in peers)]
+            watches = {(op, s): Stopwatch() for op in ("push", "pull") for s in systems}
+            for i in range(ctx.warmup + ctx.reps):
+                if i == ctx.warmup:
+                    for w in watches.values():
+                        w.samples.clear()
+                with watches["push", SDK]:
+                    ps.push(grads)
+                with watches["pull", SDK]:
+                    pulled = ps.pull(names)
+                with watches["push", RAW]:
+                    raw.push(flat)
+                with watches["pull", RAW]:
+                    raw.pull(nbytes)
+                for peer in peers:
+                    watches["push", peer.label].samples.append(peer.push(names))
+                    watches["pull", peer.label].samples.append(peer.pull(names))
+                if len(pulled) != COUNT or any(v.shape != (n,) for v in pulled.values()):
+                    raise RuntimeError(f"pulled {len(pulled)} variables; expected {COUNT} of "
+                                       f"({n},)")
+            if not all(np.array_equal(v, value) for v in ps.pull(names).values()):
+                raise RuntimeError("values changed by pushing zeros through Add")
+            for peer in peers:
+                peer.check(names)
+            for (op, system), w in watches.items():
+                peer = next((p for p in peers if p.label == system), None)
+                label = system
+                if op == "push" and peer is not None and not peer.applies:
+                    label = f"{system} (no apply)"
+                rows.append({"case": "step", "op": op, "size": n, "variables": COUNT,
+                             "label": f"{COUNT}x{n:,}", "system": label,
+                             "reference": system == RAW, **summarize(w.samples, nbytes)})
+    rows.sort(key=lambda r: (r["op"] != "pull", r["size"], not r["reference"]))
+    return rows
