@@ -119,10 +119,11 @@ def run(n: int, reps: int) -> list[tuple[str, str, float]]:
         print(f"{group:<6}{what:<62}{ms:>9.1f} ms", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="paramshard-breakdown-") as tmp, \
-            processes.shards(1, Path(tmp), "--log-level", "warning") as urls, \
-            processes.raw_server(Path(tmp)) as (host, port), \
-            PSClient(urls, worker_id="breakdown") as ps, RawClient(host, port) as raw, \
-            httpx2.Client(base_url=urls[0], timeout=120) as http:
+            processes.shards(1, Path(tmp), "--log-level", "warning") as fleet, \
+            processes.raw_server(Path(tmp)) as raw_server, \
+            PSClient(fleet.urls, worker_id="breakdown") as ps, \
+            RawClient(raw_server.host, raw_server.port) as raw, \
+            httpx2.Client(base_url=fleet.urls[0], timeout=120) as http:
         value = np.random.default_rng(0).random(n, dtype=np.float32)
         grad = np.zeros(n, dtype=np.float32)
         ps.init({"x": value}, optimizer=Add())
@@ -152,7 +153,7 @@ def run(n: int, reps: int) -> list[tuple[str, str, float]]:
         add("pull", "  of which: body read", float(np.median(marks["body"][1:])) * 1e3)
         add("pull", "httpx2, Response.read() (joins the chunks)",
             _median_ms(bare_pull(lambda r: r.read()), reps))
-        host_port = urls[0].removeprefix("http://").split(":")
+        host_port = fleet.urls[0].removeprefix("http://").split(":")
         bare = _SocketHTTP(host_port[0], int(host_port[1]))
         add("pull", "HTTP over a bare socket (recv_into; no client library)",
             _median_ms(lambda: bare.post("/v1/pull", [pull_body], wire.MSGPACK, wire.FRAME),
@@ -183,11 +184,14 @@ def run(n: int, reps: int) -> list[tuple[str, str, float]]:
 
         touched = np.ones(nbytes, dtype=np.uint8)
         src = value.view(np.uint8)
-        add("local", "bytearray(n): allocate and zero-fill", _median_ms(lambda: bytearray(nbytes), reps))
+        add("local", "bytearray(n): allocate and zero-fill",
+            _median_ms(lambda: bytearray(nbytes), reps))
         add("local", "copy into fresh memory (value.copy())", _median_ms(value.copy, reps))
-        add("local", "copy into memory already touched", _median_ms(lambda: np.copyto(touched, src), reps))
+        add("local", "copy into memory already touched",
+            _median_ms(lambda: np.copyto(touched, src), reps))
         v2 = value.copy()
-        add("local", "value += grad (the Add optimizer)", _median_ms(lambda: np.add(v2, grad, out=v2), reps))
+        add("local", "value += grad (the Add optimizer)",
+            _median_ms(lambda: np.add(v2, grad, out=v2), reps))
     return rows
 
 

@@ -136,7 +136,7 @@ class RawClient:
     def close(self) -> None:
         self._sock.close()
 
-    def __enter__(self) -> "RawClient":
+    def __enter__(self) -> RawClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

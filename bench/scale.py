@@ -83,7 +83,7 @@ def render(est: dict | None) -> str:
         f"  shard CPU measured here (sizes {sizes}): {est['cpu_s_per_gb_pull']:.3f} CPU-s/GB "
         f"pulled + {est['cpu_s_per_gb_push']:.3f} CPU-s/GB pushed",
         f"  cores: {g:g} x ({est['cpu_s_per_gb_pull']:.3f} + {est['cpu_s_per_gb_push']:.3f}) = "
-        f"{est['cores']:.0f} cores; at {CORES_PER_SHARD:g} core per shard: {est['shards']} shards "
+        f"{est['cores']:.1f} cores; at {CORES_PER_SHARD:g} core per shard: {est['shards']} shards "
         f"({est['per_shard_gb_per_s_each_way']:.2f} GB/s each way per shard)",
         f"  hosts ({HOST_CORES} cores, {HOST_NIC_GB_S * 8:g} Gb/s NIC): {est['hosts_by_cpu']} by "
         f"CPU, {est['hosts_by_nic']} by NIC ({g:g} / {HOST_NIC_GB_S:g} GB/s): "

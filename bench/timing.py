@@ -2,8 +2,9 @@
 
 A result row is a plain dict (so it goes to JSON as is) made by :func:`summarize`:
 ``median_s``, ``p50_ms``, ``p99_ms``, ``min_ms``, ``max_ms``, ``reps``, ``ops_per_s`` =
-1 / median time and, for transfers, ``mb_per_s`` = bytes / median time (MB = 10^6 bytes). With few repetitions p99 is close to the
-maximum: read it as "the slow end", not as a tail estimate.
+1 / median time and, for transfers, ``mb_per_s`` = bytes / median time (MB = 10^6 bytes).
+With few repetitions p99 is close to the maximum: read it as "the slow end", not as a tail
+estimate.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Stopwatch:
         self.samples: list[float] = []
         self._t0 = 0.0
 
-    def __enter__(self) -> "Stopwatch":
+    def __enter__(self) -> Stopwatch:
         self._t0 = time.perf_counter()
         return self
 

@@ -109,7 +109,7 @@ class Adapter:
 
             @tf.function
             def fn(gs):
-                for v, g in zip(variables, gs):
+                for v, g in zip(variables, gs, strict=True):
                     v.assign_add(g, read_value=False)
                 with tf.device(_WORKER):
                     return tf.constant(0)
