@@ -66,38 +66,52 @@ def tail(log: Path, lines: int = 30) -> str:
 
 
 def spawn(cmd: Sequence[str], log: Path, *, pipes: bool = False,
-          extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``cmd`` in its own session, in the repository root, output appended to ``log``.
+          extra_env: dict[str, str] | None = None, own_session: bool = True) -> subprocess.Popen:
+    """Start ``cmd`` in the repository root, output appended to ``log``.
 
     With ``pipes`` its stdin and stdout are pipes (a line protocol); otherwise stdin is
-    ``/dev/null`` and stdout goes to the log too. Stop it with :func:`stop`."""
+    ``/dev/null`` and stdout goes to the log too. ``own_session`` puts it in a session (and
+    process group) of its own; a peer's server started by its driver stays in the driver's
+    group instead, so that stopping the driver sweeps it up too. Stop it with :func:`stop`."""
     with open(log, "ab") as out:
         return subprocess.Popen(
             list(cmd), cwd=ROOT, env=env(**(extra_env or {})),
             stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
-            stdout=subprocess.PIPE if pipes else out, stderr=out, start_new_session=True)
+            stdout=subprocess.PIPE if pipes else out, stderr=out,
+            start_new_session=own_session)
 
 
 def stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
-    """Close its stdin, SIGTERM it, wait up to ``grace`` seconds, then SIGKILL it; then SIGKILL
-    anything still left in its process group (helpers a peer started). Blocks."""
+    """Stop a child and wait for it. Blocks up to about twice ``grace`` seconds.
+
+    A child with a stdin pipe is first asked to leave by closing it (it cleans up after
+    itself), then gets SIGTERM, then SIGKILL, ``grace`` seconds apart. Whatever is left in
+    its process group afterwards (helpers it started) is killed too, if it leads a group."""
+    steps: list[object] = []
     if proc.stdin is not None:
+        steps.append("close")
+    steps += [signal.SIGTERM, signal.SIGKILL]
+    for step in steps:
+        if proc.poll() is not None:
+            break
         with contextlib.suppress(OSError):
-            proc.stdin.close()  # a child that serves until stdin closes stops here
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
+            if step == "close":
+                proc.stdin.close()
+            else:
+                proc.send_signal(step)
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
+    if os.getpgid(0) != proc.pid:  # never our own group
+        for pid in _group(proc.pid):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    for pid in _group(proc.pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    if proc.stdout is not None:
-        proc.stdout.close()
+                os.kill(pid, signal.SIGKILL)
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
 
 
 def _group(pgid: int) -> list[int]:

@@ -28,6 +28,7 @@ import contextlib
 import importlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -200,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    # SIGTERM unwinds like an exception, so the adapter still stops the peer's servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     _drive(argv[1], Path(argv[2]), proto)
 
 

@@ -41,7 +41,7 @@ class Adapter:
         self._server = processes.spawn(
             [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(logdir), "--daemonize", "no"],
-            logdir / "redis-server.log")
+            logdir / "redis-server.log", own_session=False)
         self.server_pids = [self._server.pid]
         # hiredis parses replies (a big GET is read into one buffer instead of being joined
         # from chunks); commands are packed by redis-py's own serializer, which sends a

@@ -44,7 +44,7 @@ def _cluster(ps_port: int, worker_port: int):  # -> tf.train.ClusterSpec
 
 def serve(argv: list[str]) -> None:
     """The PS process: ``serve([ps_port, worker_port])``; prints ``ready`` and serves until
-    killed. Blocks."""
+    its stdin closes (or it is killed). Blocks."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
@@ -52,7 +52,8 @@ def serve(argv: list[str]) -> None:
     server = tf.distribute.Server(_cluster(ps_port, worker_port), job_name="ps", task_index=0,
                                   protocol="grpc", start=True)
     print("ready", flush=True)
-    server.join()
+    sys.stdin.read()  # the server runs on its own threads until the process exits
+    del server
 
 
 class Adapter:
@@ -63,7 +64,7 @@ class Adapter:
         log = logdir / "tf-ps.log"
         self._server = processes.spawn(
             [sys.executable, "-m", "bench.peers.driver", "serve", "tf", str(ps_port),
-             str(worker_port)], log, pipes=True)
+             str(worker_port)], log, pipes=True, own_session=False)
         self.server_pids = [self._server.pid]
         line = processes.LineReader(self._server, log, "TF parameter server").readline(240)
         if line != "ready":

@@ -71,7 +71,7 @@ class Adapter:
         port = processes.free_port()
         self._server = processes.spawn(
             [sys.executable, "-m", "bench.peers.driver", "serve", "torch", str(port)],
-            logdir / "torch-ps.log", extra_env={"PYTHONUNBUFFERED": "1"})
+            logdir / "torch-ps.log", own_session=False)
         self.server_pids = [self._server.pid]
         import torch
         from torch.distributed import rpc
