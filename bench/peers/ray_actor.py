@@ -1,8 +1,8 @@
 """A Ray actor as a parameter server.
 
-The driver process starts a one-node Ray cluster (``ray.init`` bound to 127.0.0.1, no
-dashboard, a 2 GB object store, logs under the run's log directory) and one actor that holds
-the variables as numpy arrays:
+The driver process starts a one-node Ray cluster (``ray.init``; every Ray process listening on
+127.0.0.1 only; no dashboard; a 2 GB object store; logs under the run's log directory) and one
+actor that holds the variables as numpy arrays:
 
 * **pull**: ``ray.get(actor.pull.remote(names))``. The actor returns the arrays; Ray puts
   big results into its object store (one copy) and the driver maps them from there without
@@ -18,6 +18,7 @@ daemons (GCS, raylet with the object store) are not counted.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +35,6 @@ class _Store:
         self._values: dict[str, np.ndarray] = {}
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
     def init(self, values: dict[str, np.ndarray]) -> None:
@@ -54,12 +53,15 @@ class Adapter:
     """See :mod:`bench.peers`. Blocking; not thread-safe."""
 
     def __init__(self, logdir: Path) -> None:
+        # A one-machine Ray: its daemons and workers listen on 127.0.0.1. (By default Ray
+        # advertises the host's first non-loopback address, even when given 127.0.0.1.) Read
+        # when ray is first imported.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
 
         self._ray = ray
         ray.init(num_cpus=2, include_dashboard=False, object_store_memory=_OBJECT_STORE_BYTES,
-                 _node_ip_address="127.0.0.1", _temp_dir=str(logdir / "ray"),
-                 log_to_driver=False, logging_level="warning")
+                 _temp_dir=str(logdir / "ray"), log_to_driver=False, logging_level="warning")
         self._actor = ray.remote(_Store).remote()
         self.server_pids = [ray.get(self._actor.pid.remote())]
 
