@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["CpuMeter", "cpu_seconds"]
+__all__ = ["CpuMeter", "MachineMeter", "cpu_seconds", "machine_busy_seconds"]
 
 _TICK = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
@@ -30,6 +30,39 @@ def cpu_seconds(pid: int) -> float | None:
     fields = stat.rsplit(b")", 1)[1].split()
     utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of the whole line
     return (utime + stime) * _TICK
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds all cores of the machine have spent busy so far (``/proc/stat``: every
+    state but idle and iowait), or ``None`` without /proc."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return (sum(ticks[:8]) - idle) * _TICK  # guest time is already in user
+
+
+class MachineMeter:
+    """Busy CPU seconds of the whole machine (every process, ours or not) inside ``with``
+    blocks; ``seconds`` is ``None`` without /proc. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self.seconds: float | None = 0.0
+        self._before: float | None = None
+
+    def __enter__(self) -> MachineMeter:
+        self._before = machine_busy_seconds()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = machine_busy_seconds()
+        if self.seconds is None or after is None or self._before is None:
+            self.seconds = None
+        else:
+            self.seconds += after - self._before
 
 
 class CpuMeter:

@@ -17,8 +17,8 @@ Aggregate MB/s = all bytes the four moved / (end of the last operation - the com
 Latency percentiles are over every operation of every worker. Targets and operations take
 turns, ``ctx.rounds`` times over, and the figures add the rounds up. The CPU the servers and
 the workers burnt from the common start until the last worker answered is read from
-``/proc`` and reported as cores busy (CPU-seconds per wall second): on a 2-core machine it
-says what held the aggregate back.
+``/proc``, with the whole machine's, and reported as cores busy (CPU-seconds per wall
+second): on a 2-core machine it says what held the aggregate back.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import numpy as np
 
 from . import processes
 from .context import Context
-from .cpu import CpuMeter
+from .cpu import CpuMeter, MachineMeter
 from .timing import summarize
 from .transfer import RAW
 
@@ -83,7 +83,7 @@ class _Workers:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def run(self, target: str, op: str, seconds: float, meters: list[CpuMeter]
+    def run(self, target: str, op: str, seconds: float, meters: list[CpuMeter | MachineMeter]
             ) -> tuple[float, list[dict]]:
         """All workers do ``op`` against ``target`` for ``seconds`` from a common start;
         returns the start time and each worker's answer. ``meters`` run from the start until
@@ -125,13 +125,15 @@ def run(ctx: Context) -> list[dict]:
         workers = _Workers(ctx.logdir, targets, names, per_var)
         try:
             acc = {(op, t): {"samples": [], "bytes": 0, "wall": 0.0, "server_cpu": 0.0,
-                             "worker_cpu": 0.0, "cpu_wall": 0.0}
+                             "worker_cpu": 0.0, "machine_cpu": 0.0, "cpu_wall": 0.0}
                    for op in ("push", "step") for t in targets}
             for _ in range(ctx.rounds):
                 for op in ("push", "step"):
                     for target in targets:
                         servers, clients = CpuMeter(server_pids[target]), CpuMeter(workers.pids)
-                        start, answers = workers.run(target, op, ctx.seconds, [servers, clients])
+                        machine = MachineMeter()
+                        start, answers = workers.run(target, op, ctx.seconds,
+                                                     [servers, clients, machine])
                         a = acc[op, target]
                         a["cpu_wall"] += time.monotonic() - start
                         a["wall"] += max(x["end"] for x in answers) - start
@@ -140,6 +142,7 @@ def run(ctx: Context) -> list[dict]:
                             a["bytes"] += x["bytes"]
                         a["server_cpu"] += servers.seconds or 0.0
                         a["worker_cpu"] += clients.seconds or 0.0
+                        a["machine_cpu"] += machine.seconds or 0.0
         finally:
             workers.close()
         for (op, target), a in acc.items():
@@ -154,6 +157,7 @@ def run(ctx: Context) -> list[dict]:
             row["wall_s"] = a["wall"]
             row["servers_cores_busy"] = a["server_cpu"] / a["cpu_wall"]
             row["workers_cores_busy"] = a["worker_cpu"] / a["cpu_wall"]
+            row["machine_cores_busy"] = a["machine_cpu"] / a["cpu_wall"]
             rows.append(row)
     rows.sort(key=lambda r: (r["op"] != "push", r["size"], not r["reference"]))
     return rows
@@ -165,9 +169,9 @@ def busy_table(rows: list[dict]) -> str:
     if not mine:
         return ""
     out = ["", f"workers: cores busy during each phase (CPU-s per wall second; this machine has "
-               f"{os.cpu_count()})",
-           f"{'op':<6}{'system':<24}{'servers':>9}{'workers':>9}{'total':>8}"]
+               f"{os.cpu_count()}; 'machine' counts every process, other people's too)",
+           f"{'op':<6}{'system':<24}{'servers':>9}{'workers':>9}{'machine':>9}"]
     for r in mine:
-        s, w = r["servers_cores_busy"], r["workers_cores_busy"]
-        out.append(f"{r['op']:<6}{r['system']:<24}{s:>9.2f}{w:>9.2f}{s + w:>8.2f}")
+        out.append(f"{r['op']:<6}{r['system']:<24}{r['servers_cores_busy']:>9.2f}"
+                   f"{r['workers_cores_busy']:>9.2f}{r['machine_cores_busy']:>9.2f}")
     return "\n".join(out)
