@@ -60,7 +60,9 @@ def estimate(rows: Sequence[dict]) -> dict | None:
     out = {"cpu_s_per_gb_pull": pull[0], "cpu_s_per_gb_push": push[0], "sizes": pull[1],
            "gb_per_s_each_way": gb_each_way, "cores": cores, "shards": shards,
            "hosts_by_cpu": hosts_cpu, "hosts_by_nic": hosts_nic,
-           "binds": "CPU" if hosts_cpu >= hosts_nic else "NIC",
+           "binds": "CPU" if hosts_cpu > hosts_nic else "NIC",
+           # pull+push CPU per GB at which the hosts the NIC needs have just enough cores
+           "nic_binds_at_cpu_s_per_gb": hosts_nic * HOST_CORES * CORES_PER_SHARD / gb_each_way,
            "per_shard_gb_per_s_each_way": gb_each_way / shards}
     raw_pull, raw_push = _pooled(rows, RAW, "pull"), _pooled(rows, RAW, "push")
     if raw_pull and raw_push and raw_pull[0] is not None and raw_push[0] is not None:
@@ -87,7 +89,8 @@ def render(est: dict | None) -> str:
         f"({est['per_shard_gb_per_s_each_way']:.2f} GB/s each way per shard)",
         f"  hosts ({HOST_CORES} cores, {HOST_NIC_GB_S * 8:g} Gb/s NIC): {est['hosts_by_cpu']} by "
         f"CPU, {est['hosts_by_nic']} by NIC ({g:g} / {HOST_NIC_GB_S:g} GB/s): "
-        f"{est['binds']} binds first",
+        f"{est['binds']} binds first (the NIC binds once pull+push costs <= "
+        f"{est['nic_binds_at_cpu_s_per_gb']:.2f} CPU-s/GB)",
     ]
     if "raw_shards" in est:
         lines.append(f"  floor: the raw socket server spends {est['raw_cpu_s_per_gb']:.3f} CPU-s "
