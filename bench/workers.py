@@ -169,9 +169,12 @@ def busy_table(rows: list[dict]) -> str:
     if not mine:
         return ""
     out = ["", f"workers: cores busy during each phase (CPU-s per wall second; this machine has "
-               f"{os.cpu_count()}; 'machine' counts every process, other people's too)",
-           f"{'op':<6}{'system':<24}{'servers':>9}{'workers':>9}{'machine':>9}"]
+               f"{os.cpu_count()}; 'machine' counts every process, other people's too), and CPU "
+               f"ms per MB moved",
+           f"{'op':<6}{'system':<24}{'servers':>9}{'workers':>9}{'machine':>9}"
+           f"{'servers ms/MB':>15}{'workers ms/MB':>15}"]
     for r in mine:
-        out.append(f"{r['op']:<6}{r['system']:<24}{r['servers_cores_busy']:>9.2f}"
-                   f"{r['workers_cores_busy']:>9.2f}{r['machine_cores_busy']:>9.2f}")
+        s, w, mb = r["servers_cores_busy"], r["workers_cores_busy"], r["mb_per_s"]
+        out.append(f"{r['op']:<6}{r['system']:<24}{s:>9.2f}{w:>9.2f}"
+                   f"{r['machine_cores_busy']:>9.2f}{1e3 * s / mb:>15.2f}{1e3 * w / mb:>15.2f}")
     return "\n".join(out)
