@@ -13,12 +13,17 @@ every cached version stale, so every pull receives all 400 KB.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 
 from .context import Context
+from .peers.driver import Peer
 from .rawsock import RawClient
 from .timing import Stopwatch, summarize
-from .transfer import RAW, SDK
+from .transfer import RAW, SDK, push_label, rotated
 
 __all__ = ["COUNT", "DEFAULT_SIZES", "DESCRIPTION", "run"]
 
@@ -30,7 +35,6 @@ DEFAULT_SIZES = (1_000,)
 
 def run(ctx: Context) -> list[dict]:
     from client_sdk import PSClient
-    from client_sdk.optimizers import Add
 
     fleet = ctx.fleet(1)
     raw_server = ctx.raw()
@@ -39,46 +43,57 @@ def run(ctx: Context) -> list[dict]:
     with PSClient(fleet.urls, worker_id="bench-step") as ps, \
             RawClient(raw_server.host, raw_server.port) as raw:
         for n in ctx.sizes_for(DEFAULT_SIZES):
-            names = [f"bench/step/f32-{n}/v{i:03d}" for i in range(COUNT)]
-            value = np.random.default_rng(n).random(n, dtype=np.float32)
-            zeros = np.zeros(n, dtype=np.float32)
-            grads = {name: zeros for name in names}
-            flat = np.zeros(n * COUNT, dtype=np.float32)
-            nbytes = flat.nbytes
-            ps.init({name: value for name in names}, optimizer=Add())
-            for peer in peers:
-                peer.init(names, n)
-            systems = [SDK, RAW, *(p.label for p in peers)]
-            watches = {(op, s): Stopwatch() for op in ("push", "pull") for s in systems}
-            for i in range(ctx.warmup + ctx.reps):
-                if i == ctx.warmup:
-                    for w in watches.values():
-                        w.samples.clear()
-                with watches["push", SDK]:
-                    ps.push(grads)
-                with watches["pull", SDK]:
-                    pulled = ps.pull(names)
-                with watches["push", RAW]:
-                    raw.push(flat)
-                with watches["pull", RAW]:
-                    raw.pull(nbytes)
-                for peer in peers:
-                    watches["push", peer.label].samples.append(peer.push(names))
-                    watches["pull", peer.label].samples.append(peer.pull(names))
-                if len(pulled) != COUNT or any(v.shape != (n,) for v in pulled.values()):
-                    raise RuntimeError(f"pulled {len(pulled)} variables; expected {COUNT} of "
-                                       f"({n},)")
-            if not all(np.array_equal(v, value) for v in ps.pull(names).values()):
-                raise RuntimeError("values changed by pushing zeros through Add")
-            for peer in peers:
-                peer.check(names)
-            for (op, system), w in watches.items():
-                peer = next((p for p in peers if p.label == system), None)
-                label = system
-                if op == "push" and peer is not None and not peer.applies:
-                    label = f"{system} (no apply)"
-                rows.append({"case": "step", "op": op, "size": n, "variables": COUNT,
-                             "label": f"{COUNT}x{n:,}", "system": label,
-                             "reference": system == RAW, **summarize(w.samples, nbytes)})
+            rows += _one_size(ctx, n, ps, raw, peers)
     rows.sort(key=lambda r: (r["op"] != "pull", r["size"], not r["reference"]))
     return rows
+
+
+def _one_size(ctx: Context, n: int, ps: Any, raw: RawClient, peers: Sequence[Peer]
+              ) -> list[dict]:
+    from client_sdk.optimizers import Add
+
+    names = [f"bench/step/f32-{n}/v{i:03d}" for i in range(COUNT)]
+    value = np.random.default_rng(n).random(n, dtype=np.float32)
+    zeros = np.zeros(n, dtype=np.float32)
+    grads = {name: zeros for name in names}
+    flat = np.zeros(n * COUNT, dtype=np.float32)
+    nbytes = flat.nbytes
+    ps.init({name: value for name in names}, optimizer=Add())
+    for peer in peers:
+        peer.init(names, n)
+    systems = [SDK, RAW, *(p.label for p in peers)]
+    watches = {(op, s): Stopwatch() for op in ("push", "pull") for s in systems}
+
+    def sdk_turn() -> None:
+        with watches["push", SDK]:
+            ps.push(grads)
+        with watches["pull", SDK]:
+            pulled = ps.pull(names)
+        if len(pulled) != COUNT or any(v.shape != (n,) for v in pulled.values()):
+            raise RuntimeError(f"pulled {len(pulled)} variables; expected {COUNT} of ({n},)")
+
+    def raw_turn() -> None:
+        with watches["push", RAW]:
+            raw.push(flat)
+        with watches["pull", RAW]:
+            raw.pull(nbytes)
+
+    def peer_turn(peer: Peer) -> None:
+        watches["push", peer.label].samples.append(peer.push(names))
+        watches["pull", peer.label].samples.append(peer.pull(names))
+
+    turns = [sdk_turn, raw_turn, *(functools.partial(peer_turn, p) for p in peers)]
+    for i in range(ctx.warmup + ctx.reps):
+        if i == ctx.warmup:
+            for w in watches.values():
+                w.samples.clear()
+        for turn in rotated(turns, i):
+            turn()
+    if not all(np.array_equal(v, value) for v in ps.pull(names).values()):
+        raise RuntimeError("values changed by pushing zeros through Add")
+    for peer in peers:
+        peer.check(names)
+    return [{"case": "step", "op": op, "size": n, "variables": COUNT, "label": f"{COUNT}x{n:,}",
+             "system": push_label(system, peers) if op == "push" else system,
+             "reference": system == RAW, **summarize(w.samples, nbytes)}
+            for (op, system), w in watches.items()]

@@ -2,7 +2,7 @@
 socket moving the same bytes (and, with ``--peers``, the peers), on loopback.
 
 Per size, one variable is created with the ``Add`` optimizer (the shard adds the pushed tensor
-to the value: the cheapest apply there is). Each repetition then does, in this order:
+to the value: the cheapest apply there is). In each repetition the SDK does:
 
 1. ``ps.push({name: zeros})`` — timed as a push. It returns when the shard has applied it, so
    it includes the shard's ``value += grad`` (one pass over the bytes) besides the transfer.
@@ -10,11 +10,13 @@ to the value: the cheapest apply there is). Each repetition then does, in this o
 2. ``ps.pull([name])`` — timed as a pull. The push before it raised the variable's version,
    so the version the client holds is stale and the shard has to send the whole value: the
    SDK's version cache never short-cuts a timed pull, yet it is used exactly as in training.
-3. the raw socket does the same: a push of the same array, then a pull of as many bytes;
-4. each peer does the same through its driver (:mod:`bench.peers.driver`), which times it.
 
-Interleaving the systems rep by rep lets all see the same background load. The first
-``ctx.warmup`` repetitions of each size are not counted.
+The raw socket does the same (a push of the same array, then a pull of as many bytes),
+and each peer too, through its driver (:mod:`bench.peers.driver`), which times it.
+
+Interleaving the systems rep by rep lets all see the same background load; the order of the
+turns rotates from one repetition to the next. The first ``ctx.warmup`` repetitions of each
+size are not counted.
 
 Around every timed call the server's CPU time is read from ``/proc`` (:mod:`bench.cpu`), so
 each row also says how many CPU-seconds the server spent per GB it sent or received.
@@ -23,21 +25,35 @@ each row also says how many CPU-seconds the server spent per GB it sent or recei
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .context import Context
 from .cpu import CpuMeter
+from .peers.driver import Peer
 from .rawsock import RawClient
 from .timing import Stopwatch, reps_for, summarize
 
-__all__ = ["DEFAULT_SIZES", "DESCRIPTION", "RAW", "SDK", "run"]
+__all__ = ["DEFAULT_SIZES", "DESCRIPTION", "RAW", "SDK", "cpu_fields", "push_label", "rotated",
+           "run"]
 
 DESCRIPTION = ("one float32 variable, 1 shard on loopback; pull and push+apply through PSClient "
                "vs a raw TCP socket (and peers)")
 DEFAULT_SIZES = (1_000, 100_000, 1_000_000, 10_000_000, 25_000_000)
 SDK, RAW = "paramshard", "raw socket"
+
+
+T = TypeVar("T")
+
+
+def rotated(items: Sequence[T], i: int) -> list[T]:
+    """``items`` starting at position ``i`` (mod its length): in repetition ``i`` the systems
+    take their turns in this order, so none always goes first or right after another."""
+    k = i % len(items)
+    return [*items[k:], *items[:k]]
 
 
 class _Series:
@@ -69,9 +85,14 @@ def cpu_fields(cpu_seconds: float | None, nbytes: int, reps: int) -> dict:
             "server_cpu_s_per_gb": cpu_seconds / gb if cpu_seconds is not None and gb else None}
 
 
+def push_label(system: str, peers: Sequence[Peer]) -> str:
+    """How a push row names ``system``: a peer whose push cannot apply says so."""
+    peer = next((p for p in peers if p.label == system), None)
+    return f"{system} (no apply)" if peer is not None and not peer.applies else system
+
+
 def run(ctx: Context) -> list[dict]:
     from client_sdk import PSClient  # the SDK is what is measured: import it when running
-    from client_sdk.optimizers import Add
 
     fleet = ctx.fleet(1)
     raw_server = ctx.raw()
@@ -79,61 +100,72 @@ def run(ctx: Context) -> list[dict]:
     rows: list[dict] = []
     with PSClient(fleet.urls, worker_id="bench-transfer") as ps, \
             RawClient(raw_server.host, raw_server.port) as raw:
+        pids = {SDK: fleet.pids, RAW: [raw_server.pid], **{p.label: p.server_pids for p in peers}}
         for n in ctx.sizes_for(DEFAULT_SIZES):
-            name = f"bench/transfer/f32-{n}"
-            value = np.random.default_rng(n).random(n, dtype=np.float32)
-            grad = np.zeros(n, dtype=np.float32)
-            nbytes = value.nbytes
-            ps.init({name: value}, optimizer=Add())
-            for peer in peers:
-                peer.init([name], n)
-            reps = reps_for(nbytes, ctx.reps, ctx.min_reps)
-            series: dict[tuple[str, str], _Series] = {}
-            pids = {SDK: fleet.pids, RAW: [raw_server.pid],
-                    **{p.label: p.server_pids for p in peers}}
-            for op in ("push", "pull"):
-                for system, server_pids in pids.items():
-                    series[op, system] = _Series(server_pids)
-            last_version = None
-            for i in range(ctx.warmup + reps):
-                if i == ctx.warmup:
-                    for s in series.values():
-                        s.forget_warmup()
-                with series["push", SDK].timed():
-                    version = ps.push({name: grad})[name]["version"]
-                with series["pull", SDK].timed():
-                    pulled = ps.pull([name])[name]
-                with series["push", RAW].timed():
-                    raw.push(grad)
-                with series["pull", RAW].timed():
-                    got = raw.pull(nbytes)
-                for peer in peers:
-                    with series["push", peer.label].cpu:
-                        series["push", peer.label].add(peer.push([name]))
-                    with series["pull", peer.label].cpu:
-                        series["pull", peer.label].add(peer.pull([name]))
-                if last_version is not None and version != last_version + 1:
-                    raise RuntimeError(f"{name}: push {i} moved the version from {last_version} "
-                                       f"to {version}; pulls may have been served from cache")
-                last_version = version
-                if pulled.shape != (n,) or pulled.dtype != np.float32 or got.nbytes != nbytes:
-                    raise RuntimeError(f"{name}: pulled {pulled.dtype}{pulled.shape}, raw "
-                                       f"{got.nbytes} bytes; expected float32 ({n},)")
-                del pulled, got
-            if not np.array_equal(ps.pull([name])[name], value):
-                raise RuntimeError(f"{name}: value changed by pushing zeros through Add")
-            for peer in peers:
-                peer.check([name])
-            for (op, system), s in series.items():
-                peer = next((p for p in peers if p.label == system), None)
-                label = system
-                if op == "push" and peer is not None and not peer.applies:
-                    label = f"{system} (no apply)"
-                rows.append({"case": "transfer", "op": op, "size": n, "dtype": "float32",
-                             "system": label, "reference": system == RAW,
-                             **summarize(s.watch.samples, nbytes),
-                             **cpu_fields(s.cpu.seconds, nbytes, reps)})
+            rows += _one_size(ctx, n, ps, raw, peers, pids)
     order = {system: k for k, system in enumerate([RAW, SDK, *(p.label for p in peers)])}
     rows.sort(key=lambda r: (r["op"] != "pull", r["size"],
                              order.get(r["system"].removesuffix(" (no apply)"), 99)))
     return rows
+
+
+def _one_size(ctx: Context, n: int, ps: Any, raw: RawClient, peers: Sequence[Peer],
+              pids: dict[str, list[int]]) -> list[dict]:
+    from client_sdk.optimizers import Add
+
+    name = f"bench/transfer/f32-{n}"
+    value = np.random.default_rng(n).random(n, dtype=np.float32)
+    grad = np.zeros(n, dtype=np.float32)
+    nbytes = value.nbytes
+    ps.init({name: value}, optimizer=Add())
+    for peer in peers:
+        peer.init([name], n)
+    reps = reps_for(nbytes, ctx.reps, ctx.min_reps)
+    series = {(op, system): _Series(server_pids)
+              for op in ("push", "pull") for system, server_pids in pids.items()}
+    last_version: int | None = None
+
+    def sdk_turn(i: int) -> None:
+        nonlocal last_version
+        with series["push", SDK].timed():
+            version = ps.push({name: grad})[name]["version"]
+        with series["pull", SDK].timed():
+            pulled = ps.pull([name])[name]
+        if last_version is not None and version != last_version + 1:
+            raise RuntimeError(f"{name}: push {i} moved the version from {last_version} to "
+                               f"{version}; pulls may have been served from cache")
+        last_version = version
+        if pulled.shape != (n,) or pulled.dtype != np.float32:
+            raise RuntimeError(f"{name}: pulled {pulled.dtype}{pulled.shape}; expected float32 "
+                               f"({n},)")
+
+    def raw_turn(i: int) -> None:
+        with series["push", RAW].timed():
+            raw.push(grad)
+        with series["pull", RAW].timed():
+            got = raw.pull(nbytes)
+        if got.nbytes != nbytes:
+            raise RuntimeError(f"raw socket pulled {got.nbytes} bytes, not {nbytes}")
+
+    def peer_turn(peer: Peer, i: int) -> None:
+        with series["push", peer.label].cpu:
+            series["push", peer.label].add(peer.push([name]))
+        with series["pull", peer.label].cpu:
+            series["pull", peer.label].add(peer.pull([name]))
+
+    turns = [sdk_turn, raw_turn, *(functools.partial(peer_turn, p) for p in peers)]
+    for i in range(ctx.warmup + reps):
+        if i == ctx.warmup:
+            for s in series.values():
+                s.forget_warmup()
+        for turn in rotated(turns, i):
+            turn(i)
+    if not np.array_equal(ps.pull([name])[name], value):
+        raise RuntimeError(f"{name}: value changed by pushing zeros through Add")
+    for peer in peers:
+        peer.check([name])
+    return [{"case": "transfer", "op": op, "size": n, "dtype": "float32",
+             "system": push_label(system, peers) if op == "push" else system,
+             "reference": system == RAW, **summarize(s.watch.samples, nbytes),
+             **cpu_fields(s.cpu.seconds, nbytes, reps)}
+            for (op, system), s in series.items()]
