@@ -53,15 +53,15 @@ PEERS: dict[str, PeerInfo] = {
 
 
 def parse_peers(text: str) -> tuple[str, ...]:
-    """``"all"`` or a comma-separated subset of :data:`PEERS`; raises ValueError naming the
-    known ones otherwise."""
+    """``"all"`` or a comma-separated subset of :data:`PEERS`, returned in :data:`PEERS` order;
+    raises ValueError naming the known ones otherwise."""
     if text.strip() == "all":
         return tuple(PEERS)
     names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
     unknown = [p for p in names if p not in PEERS]
     if unknown or not names:
         raise ValueError(f"unknown peer(s) {unknown or [text]}; known: all, {', '.join(PEERS)}")
-    return names
+    return tuple(p for p in PEERS if p in names)
 
 
 def missing(names: tuple[str, ...]) -> list[str]:
