@@ -12,6 +12,14 @@ is the verb's result. The sync shell drives a flow with threads, the async shell
 ``asyncio.gather``; neither knows anything about the protocol. The retry policy
 (:meth:`Core.retry_delay`) is decided here too, so both shells retry alike.
 
+Every write (push, assign, increment) carries this worker's id and a ``seq`` from one counter per
+worker; the shard applies each seq once and answers a repeat ``"duplicate"``. So writes, like
+reads, are retried after *any* transport failure (the body, seq included, is sent again as it
+was), and after 429/503, with exponential backoff and jitter, until the call's deadline.
+
+When a shard's incarnation changes (it restarted), the core logs one warning naming the shard and
+the state version it came back at, drops the values it cached from that shard, and carries on.
+
 The core is thread-safe: its shared state (fleet checks, incarnations, version cache, push
 sequence numbers) is guarded by one lock that is never held across I/O.
 """
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import os
 import random
@@ -73,6 +82,10 @@ ACCEPT = f"{wire.FRAME}, {wire.MSGPACK}"
 WAIT_POLL_SECONDS = 10.0
 #: Extra read time for a long-poll beyond the time the shard was asked to hold it.
 WAIT_READ_SLACK = 10.0
+#: The longest a fleet checkpoint may take (a shard's pause lease is at most 600 s).
+MAX_CHECKPOINT_SECONDS = 570.0
+
+logger = logging.getLogger("client_sdk")
 
 T = TypeVar("T")
 Result = Union["Reply", PSError]
@@ -188,9 +201,10 @@ def _check_url(url: Any, position: int, source: str) -> str:
 class ShardRequest:
     """One HTTP request to shard ``shard``, as the shells send it.
 
-    ``mutating`` requests are retried only when they certainly did not reach the shard;
-    ``deadline`` (``time.monotonic()`` seconds) bounds every retry; ``read_timeout``
-    overrides the client's read timeout (long polls).
+    ``mutating`` requests change state; unless ``retry_safe`` (the shard applies a repeat at
+    most once: writes with a seq, init) they are retried only when they certainly did not
+    reach the shard. ``deadline`` (``time.monotonic()`` seconds) bounds every retry;
+    ``read_timeout`` overrides the client's read timeout (long polls).
     """
 
     shard: int
@@ -203,6 +217,7 @@ class ShardRequest:
     verb: str
     names: tuple[str, ...] = ()
     read_timeout: float | None = None
+    retry_safe: bool = False
 
 
 @dataclass
@@ -268,6 +283,10 @@ class Core:
         self._lock = threading.Lock()
         self._checked = [False] * self.n
         self._incarnation: list[str | None] = [None] * self.n
+        #: Per shard: the last state version seen, and (old incarnation, that version) while
+        #: a restart is noticed but not yet reported.
+        self._state_version: list[int | None] = [None] * self.n
+        self._restarted: dict[int, tuple[str, int | None]] = {}
         self._cache: dict[str, _Cached] = {}
         self._seq = _seq_counter(settings.worker_id)
         base = {"accept": ACCEPT, "accept-encoding": "identity"}
@@ -286,14 +305,15 @@ class Core:
         """Seconds to wait before retrying ``request``, or ``None`` to give up.
 
         A reply with status 429/503 is always retryable (the shard changed nothing). A transport
-        failure is retryable for read-only requests, and for mutating ones only when ``unsent``
-        (the request certainly never reached the shard). Backoff is exponential with jitter,
-        ``Retry-After`` is honoured, and no wait reaches past the request's deadline.
+        failure (connection refused or lost, timeout) is retryable for read-only and retry-safe
+        requests, and for other mutating ones only when ``unsent`` (the request certainly never
+        reached the shard). Backoff is exponential with jitter, ``Retry-After`` is honoured, and
+        no wait reaches past the request's deadline.
         """
         if status is not None:
             if status not in (429, 503):
                 return None
-        elif request.mutating and not unsent:
+        elif request.mutating and not request.retry_safe and not unsent:
             return None
         remaining = request.deadline - time.monotonic()
         if remaining <= 0:
@@ -315,14 +335,20 @@ class Core:
         return time.monotonic() + seconds
 
     def _post(self, shard: int, verb: str, msg: Any, deadline: float, *, mutating: bool,
-              names: Iterable[str] = (), read_timeout: float | None = None) -> ShardRequest:
+              names: Iterable[str] = (), read_timeout: float | None = None,
+              retry_safe: bool = False) -> ShardRequest:
         try:
             body = wire.encode(msg)
         except wire.WireError as exc:
             raise BadTensorError(f"cannot encode the {verb} request: {exc.message}",
                                  code=exc.code, details=exc.details) from exc
         return ShardRequest(shard, "POST", f"/v1/{verb}", self._data_headers[shard], body,
-                            mutating, deadline, verb, tuple(names), read_timeout)
+                            mutating, deadline, verb, tuple(names), read_timeout, retry_safe)
+
+    def next_seq(self) -> int:
+        """A new sequence number for one write of this worker."""
+        with _SEQ_LOCK:
+            return next(self._seq)
 
     def _get(self, shard: int, path: str, deadline: float, verb: str) -> ShardRequest:
         return ShardRequest(shard, "GET", path, self._base_headers, None, False, deadline, verb)
@@ -344,7 +370,8 @@ class Core:
         headers = result.headers
         self._check_identity(request.shard, headers)
         incarnation = headers.get(wire.HEADER_INCARNATION.lower())
-        self._note_incarnation(request.shard, incarnation)
+        self._note_incarnation(request.shard, incarnation,
+                               headers.get(wire.HEADER_STATE_VERSION.lower()))
         ctype = (headers.get("content-type") or "").split(";")[0].strip().lower()
         msg: Any = None
         try:
@@ -382,17 +409,42 @@ class Core:
             raise FleetMismatchError(_mismatch_message(url, shard, self.n, index, total),
                                      shard=url, code="fleet_mismatch")
 
-    def _note_incarnation(self, shard: int, incarnation: str | None) -> None:
+    def _note_incarnation(self, shard: int, incarnation: str | None,
+                          state_version: str | None = None) -> None:
+        """Track the shard's incarnation and state version; on a restart drop what was cached
+        from it, check the fleet again before the next call, and log one warning once the
+        restarted shard has said which state version it came back at."""
         if incarnation is None:
             return
+        version = int(state_version) if state_version and state_version.isdigit() else None
+        report = None
         with self._lock:
             known = self._incarnation[shard]
             if known != incarnation:
-                # A restarted shard: check the fleet again before the next call. Cached values
-                # carry their incarnation, so the old ones are never offered again.
                 self._incarnation[shard] = incarnation
                 if known is not None:
                     self._checked[shard] = False
+                    self._restarted[shard] = (known, self._state_version[shard])
+                    self._drop_cached(shard)
+                self._state_version[shard] = None
+            if version is not None:
+                self._state_version[shard] = version
+                if shard in self._restarted:
+                    report = self._restarted.pop(shard)
+        if report is not None:
+            old, last_seen = report
+            seen = "" if last_seen is None else f"; this client last saw it at {last_seen}"
+            lost = "" if last_seen is None or last_seen <= version else \
+                f", so up to {last_seen - version} update(s) since its last snapshot were lost"
+            logger.warning(
+                "shard %d (%s) restarted (incarnation %s -> %s) and came back at state version "
+                "%d%s%s; dropped the values cached from it and carrying on",
+                shard, self.url(shard), old, incarnation, version, seen, lost)
+
+    def _drop_cached(self, shard: int) -> None:
+        """Forget cached values of variables placed on ``shard`` (hold the lock)."""
+        for name in [k for k in self._cache if shard_for(k, self.n) == shard]:
+            del self._cache[name]
 
     def _error(self, request: ShardRequest, status: int, msg: Any,
                headers: Mapping[str, str]) -> PSError:
@@ -425,7 +477,8 @@ class Core:
         elif status in (429, 503):
             cls = OverloadedError if status == 429 else ShardUnavailableError
             message = (f"shard {url} kept answering {status} ({message}) until the retry "
-                       f"deadline: slow down, add shards, or raise retry_deadline")
+                       f"deadline, so the {request.verb} was not applied: slow down, add "
+                       "shards, or raise retry_deadline")
         else:
             message = f"{request.verb} refused by shard {url} (HTTP {status}): {message}"
         return cls(message, shard=url, status=status, code=code, details=details)
@@ -552,7 +605,7 @@ class Core:
                     entry["optimizer"] = specs[name]
                 variables[name] = entry
             batch.append(self._post(shard, "init", {"variables": variables}, deadline,
-                                    mutating=True, names=names))
+                                    mutating=True, names=names, retry_safe=True))
         replies = self._collect(batch, (yield batch))
         return self._per_variable(batch, replies, "variables")
 
@@ -655,9 +708,28 @@ class Core:
                         raise BadRequestError(f"push: version of {k!r} must be an int >= 0, "
                                               f"got {v!r}")
                     chosen[k] = int(v)
-        with _SEQ_LOCK:
-            seq = next(self._seq)
-        return PushJob(arrays, chosen, seq)
+        return PushJob(arrays, chosen, self.next_seq())
+
+    def merge_push(self, into: PushJob, new: PushJob) -> None:
+        """Add ``new``'s gradients into ``into`` (a push not yet sent), for coalescing. A
+        variable's version becomes the older of the two, so staleness is never understated."""
+        for name, grad in new.grads.items():
+            have = into.grads.get(name)
+            if have is None:
+                into.grads[name] = grad
+            elif have.shape != grad.shape:
+                raise BadTensorError(
+                    f"push_async(coalesce=True): gradient of {name!r} has shape "
+                    f"{list(grad.shape)}, but the push it would be added to has "
+                    f"{list(have.shape)}", code="bad_tensor", details={"variable": name})
+            elif have.dtype == grad.dtype:
+                np.add(have, grad, out=have)
+            else:
+                into.grads[name] = np.add(have, grad)
+            if name in new.versions:
+                old = into.versions.get(name)
+                into.versions[name] = new.versions[name] if old is None \
+                    else min(old, new.versions[name])
 
     def push(self, job: PushJob) -> Flow[dict[str, dict]]:
         if not job.grads:
@@ -671,7 +743,8 @@ class Core:
             versions = {k: job.versions[k] for k in names if k in job.versions}
             if versions:
                 msg["versions"] = versions
-            batch.append(self._post(shard, "push", msg, deadline, mutating=True, names=names))
+            batch.append(self._post(shard, "push", msg, deadline, mutating=True, names=names,
+                                    retry_safe=True))
         replies = self._collect(batch, (yield batch))
         return self._per_variable(batch, replies, "variables")
 
@@ -681,8 +754,10 @@ class Core:
             return {}
         deadline = self.deadline()
         yield from self._ready(deadline)
-        batch = [self._post(shard, "assign", {"values": {k: arrays[k] for k in names}},
-                            deadline, mutating=True, names=names)
+        seq = self.next_seq()
+        batch = [self._post(shard, "assign", {"values": {k: arrays[k] for k in names},
+                                              "worker_id": self.settings.worker_id, "seq": seq},
+                            deadline, mutating=True, names=names, retry_safe=True)
                  for shard, names in self.split(arrays).items()]
         replies = self._collect(batch, (yield batch))
         return self._per_variable(batch, replies, "variables")
@@ -699,8 +774,10 @@ class Core:
             raise BadRequestError(f"increment delta must fit in 64 bits, got {delta!r}")
         deadline = self.deadline()
         yield from self._ready(deadline)
-        batch = [self._post(shard_for(name, self.n), "increment", {"name": name, "delta": delta},
-                            deadline, mutating=True, names=[name])]
+        msg = {"name": name, "delta": delta, "worker_id": self.settings.worker_id,
+               "seq": self.next_seq()}
+        batch = [self._post(shard_for(name, self.n), "increment", msg, deadline, mutating=True,
+                            names=[name], retry_safe=True)]
         (reply,) = self._collect(batch, (yield batch))
         value = reply.msg.get("value")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -760,6 +837,44 @@ class Core:
             f"variables not ready after {waited:.1f}s: {'; '.join(parts)}. Make sure a worker "
             "calls init(...) for them and every shard is running, or wait longer (timeout=...)",
             missing=names)
+
+    def checkpoint(self, timeout: float) -> Flow[str]:
+        """Pause writes on every shard, snapshot each, resume; return the checkpoint's id.
+
+        If any step fails, every shard is told to resume (each would anyway once the pause's
+        lease runs out) and the failure is raised.
+        """
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not 0 < timeout <= MAX_CHECKPOINT_SECONDS):
+            raise BadRequestError(f"checkpoint timeout must be seconds in (0, "
+                                  f"{MAX_CHECKPOINT_SECONDS:g}], got {timeout!r}")
+        checkpoint_id = time.strftime("ckpt-%Y%m%dT%H%M%SZ-", time.gmtime()) + os.urandom(3).hex()
+        deadline = self.deadline(timeout)
+        yield from self._ready(deadline)
+        lease = min(MAX_CHECKPOINT_SECONDS, timeout + 30.0)
+        shards = range(self.n)
+
+        def round_(verb: str, msg: dict[str, Any]) -> list[ShardRequest]:
+            return [self._post(i, verb, msg, deadline, mutating=True, retry_safe=True,
+                               read_timeout=timeout) for i in shards]
+
+        msg = {"checkpoint": checkpoint_id}
+        try:
+            pause = round_("pause", {**msg, "lease": lease})
+            self._collect(pause, (yield pause))
+            snapshot = round_("snapshot", msg)
+            self._collect(snapshot, (yield snapshot))
+        except PSError:
+            resume = round_("resume", msg)
+            yield resume
+            raise
+        resume = round_("resume", msg)
+        for request, result in zip(resume, (yield resume)):
+            if isinstance(result, PSError) or result.status >= 400:
+                logger.warning("checkpoint %s: shard %s did not confirm the resume; its pause "
+                               "ends by itself after %gs", checkpoint_id, self.url(request.shard),
+                               lease)
+        return checkpoint_id
 
     def variables(self) -> Flow[list[dict]]:
         deadline = self.deadline()

@@ -142,19 +142,23 @@ def _translate(exc: Exception, core: Core, req: ShardRequest, attempts: int,
     elif isinstance(exc, httpx2.TimeoutException):
         kind = type(exc).__name__
         msg = f"shard {url} did not answer {req.verb} in time ({kind}){tried}"
-        if req.mutating and not isinstance(exc, _UNSENT):
+        if req.mutating and not req.retry_safe and not isinstance(exc, _UNSENT):
             msg += ("; the request may have been applied, so it was not retried. Raise "
                     "timeout=... if the shard is just slow")
         else:
             msg += "; is it overloaded or stuck? Raise timeout=... if it is just slow"
     elif isinstance(exc, httpx2.TransportError):
         msg = f"lost the connection to shard {url} during {req.verb}{tried}: {exc!r}"
-        if req.mutating:
+        if req.mutating and not req.retry_safe:
             msg += ("; the request may have been applied, so it was not retried: pull to see "
                     "the current state")
     else:
         return ProtocolError(f"unexpected HTTP failure talking to shard {url}: {exc!r}",
                              shard=url)
+    if req.mutating and req.retry_safe and not isinstance(exc, _UNSENT):
+        msg += ("; it was retried with the same seq until the retry deadline, so it was "
+                "applied at most once (maybe not at all): raise retry_deadline=... to ride out "
+                "longer outages")
     return ShardUnavailableError(msg, shard=url)
 
 

@@ -50,10 +50,15 @@ class PSClient:
     (``PARAMSHARD_TOKEN``) is sent as ``Authorization: Bearer``.
 
     ``timeout`` bounds each HTTP exchange (seconds); ``retry_deadline`` bounds how long one
-    call keeps retrying a shard that is unreachable or answers 429/503 (read-only calls retry
-    any transport failure; mutating ones only failures before the request left, so nothing is
-    applied twice). ``max_inflight`` bounds :meth:`push_async`. ``transport`` replaces httpx2's
-    network transport (e.g. ``httpx2.MockTransport`` in tests).
+    call keeps retrying a shard that is unreachable, restarting, times out or answers 429/503,
+    with exponential backoff and jitter (and ``Retry-After``). Every call is safe to retry:
+    writes carry this worker's id and a sequence number, and a shard applies each one once.
+    ``max_inflight`` bounds :meth:`push_async`. ``transport`` replaces httpx2's network
+    transport (e.g. ``httpx2.MockTransport`` in tests).
+
+    A shard that restarts comes back with a new incarnation: the client logs one warning (the
+    shard and the state version it came back at), forgets the values it cached from it, and
+    carries on.
 
     Constructing a client does no I/O, so it may be created before the fleet is up; the first
     call checks ``GET /v1/cluster`` of every shard against the list (and again after a shard
@@ -86,7 +91,7 @@ class PSClient:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, (n - 1) * (max_inflight + 2)),
             thread_name_prefix="paramshard-shard")
-        self._pusher = Pusher(max_inflight, self._push_job)
+        self._pusher = Pusher(max_inflight, self._push_job, self._core.merge_push)
         self._close_lock = threading.Lock()
         self._closed = False
 
@@ -160,28 +165,32 @@ class PSClient:
         Each shard validates its whole part before applying any of it, then runs the
         variable's optimizer. ``versions`` (name -> version the gradient was computed on)
         defaults to the versions this client last pulled, so the shard measures staleness.
-        Returns name -> ``{"status", "version", "staleness"}``. Raises
-        :class:`BadTensorError` for a wrong shape/dtype or non-finite values,
+        Returns name -> ``{"status", "version", "staleness"}``; ``status`` is ``"applied"``, or
+        ``"duplicate"`` when a retry found the push already applied (its reply had been lost).
+        Raises :class:`BadTensorError` for a wrong shape/dtype or non-finite values,
         :class:`UnknownVariableError` for a missing variable; if shards disagree, the error
-        says on which shards the push was applied. A push is not retried once it may have
-        reached a shard (it would be applied twice).
+        says on which shards the push was applied. Retried (same seq) after any connection
+        failure, timeout, 429 or 503 until ``retry_deadline``: applied at most once.
         """
         return self._drive(self._core.push(self._core.prepare_push(grads, versions)))
 
-    def push_async(self, grads: Mapping[str, Any],
-                   versions: Mapping[str, int] | None = None) -> concurrent.futures.Future:
+    def push_async(self, grads: Mapping[str, Any], versions: Mapping[str, int] | None = None,
+                   *, coalesce: bool = False) -> concurrent.futures.Future:
         """Start a push in the background and return its ``concurrent.futures.Future``.
 
         The gradients are copied first, so the caller may reuse its buffers at once. Returns
-        immediately unless ``max_inflight`` pushes are already running, then blocks until one
-        finishes. The future's result is what :meth:`push` returns. A failure is raised by the
-        future, by the next :meth:`flush` (as :class:`PushError`) and by :meth:`close`: never
-        dropped. Argument errors are raised here, before anything is sent.
+        immediately unless ``max_inflight`` pushes are already running; then it blocks until
+        one finishes, or, with ``coalesce=True``, returns at once and the push waits for a free
+        slot, and later ``coalesce=True`` pushes are *added* into that waiting push (one push,
+        one future, the oldest ``versions``): a worker faster than its shards keeps its memory
+        flat and loses no gradient. The future's result is what :meth:`push` returns. A failure
+        is raised by the future, by the next :meth:`flush` (as :class:`PushError`) and by
+        :meth:`close`: never dropped. Argument errors are raised here, before anything is sent.
         """
         if self._closed:
             raise closed_error()
         job = self._core.prepare_push(grads, versions, copy=True)
-        return self._pusher.submit(job)
+        return self._pusher.submit(job, coalesce=coalesce)
 
     def _push_job(self, job: PushJob) -> dict[str, dict]:
         return self._drive(self._core.push(job))
@@ -196,7 +205,8 @@ class PSClient:
 
         The counter is created at 0 on first use (an int64 for int deltas, float64 for float
         ones). Concurrent callers, in any process, each get a distinct value: use it for
-        ``global_step``. Never retried once the request may have reached the shard.
+        ``global_step``. Retried like a push: a retry of an increment already applied gets the
+        value the first attempt got.
         """
         return self._drive(self._core.increment(name, delta))
 
@@ -212,6 +222,18 @@ class PSClient:
         """Summaries of every variable on every shard (``GET /v1/variables``), sorted by name,
         each with the index of its ``shard``. Blocks."""
         return self._drive(self._core.variables())
+
+    def checkpoint(self, timeout: float = 300.0) -> str:
+        """Snapshot the whole fleet at one instant and return the checkpoint's id. Blocks.
+
+        Pauses writes on every shard (pushes wait, or get 503 and are retried), has each
+        write a snapshot to its ``--data-dir`` labelled with the id, then resumes them. Start
+        the shards with ``--restore <id>`` to bring the fleet back to exactly this state, or
+        ``paramshard reshard`` it onto another number of shards. ``timeout`` bounds the whole
+        checkpoint (seconds). Raises :class:`ConflictError` if a shard has no ``--data-dir``;
+        after any failure the shards are resumed.
+        """
+        return self._drive(self._core.checkpoint(timeout))
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -275,7 +297,7 @@ class AsyncPSClient:
                                         limits=_transport.limits(len(settings.shards),
                                                                  max_inflight),
                                         transport=transport, trust_env=False)
-        self._pusher = AsyncPusher(max_inflight, self._push_job)
+        self._pusher = AsyncPusher(max_inflight, self._push_job, self._core.merge_push)
         self._closed = False
 
     @property
@@ -321,14 +343,16 @@ class AsyncPSClient:
         return await self._drive(self._core.push(self._core.prepare_push(grads, versions)))
 
     async def push_async(self, grads: Mapping[str, Any],
-                         versions: Mapping[str, int] | None = None) -> asyncio.Task:
+                         versions: Mapping[str, int] | None = None, *,
+                         coalesce: bool = False) -> asyncio.Task:
         """Start a push as an ``asyncio.Task`` and return it; waits only while
-        ``max_inflight`` pushes are running. Failures surface on the task, on the next
-        :meth:`flush` and on :meth:`close` (see :meth:`PSClient.push_async`)."""
+        ``max_inflight`` pushes are running, and not even then with ``coalesce=True``.
+        Failures surface on the task, on the next :meth:`flush` and on :meth:`close` (see
+        :meth:`PSClient.push_async`)."""
         if self._closed:
             raise closed_error()
         job = self._core.prepare_push(grads, versions, copy=True)
-        return await self._pusher.submit(job)
+        return await self._pusher.submit(job, coalesce=coalesce)
 
     async def _push_job(self, job: PushJob) -> dict[str, dict]:
         return await self._drive(self._core.push(job))
@@ -348,6 +372,10 @@ class AsyncPSClient:
     async def variables(self) -> list[dict]:
         """See :meth:`PSClient.variables`."""
         return await self._drive(self._core.variables())
+
+    async def checkpoint(self, timeout: float = 300.0) -> str:
+        """See :meth:`PSClient.checkpoint`."""
+        return await self._drive(self._core.checkpoint(timeout))
 
     async def close(self) -> None:
         """Wait for background pushes, then close connections; raises :class:`PushError` for

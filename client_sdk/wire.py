@@ -45,6 +45,7 @@ __all__ = [
     "HEADER_INCARNATION",
     "HEADER_PROTOCOL",
     "HEADER_SHARD",
+    "HEADER_STATE_VERSION",
     "JSON",
     "MSGPACK",
     "PROTOCOL_VERSION",
@@ -68,6 +69,8 @@ JSON = "application/json"
 HEADER_SHARD = "x-paramshard-shard"  # "<index>/<num_shards>"
 HEADER_INCARNATION = "x-paramshard-incarnation"
 HEADER_PROTOCOL = "x-paramshard-protocol"
+#: The shard's state version (sum of its variables' versions), once it has restored its state.
+HEADER_STATE_VERSION = "x-paramshard-state-version"
 
 FRAME_MAGIC = b"PSF1"
 ALIGN = 64
@@ -90,6 +93,8 @@ ERROR_STATUS = {
     "forbidden": 403,
     "not_found": 404,
     "conflict": 409,
+    "seq_expired": 409,
+    "no_data_dir": 409,
     "too_large": 413,
     "unsupported_media_type": 415,
     "not_owner": 421,

@@ -1,7 +1,11 @@
 """``create_app(config)``: one shard as an ASGI application (FastAPI).
 
 The app holds one :class:`~server.store.ParameterStore` and serves the msgpack data plane
-(``server/routes_data.py``) and the JSON inspection endpoints (``server/routes_inspect.py``).
+(``server/routes_data.py``), the fleet-checkpoint verbs (``server/routes_checkpoint.py``) and the
+JSON inspection endpoints (``server/routes_inspect.py``). Its lifespan runs
+:class:`~server.durability.Durability` (restore, periodic and final snapshots), and
+:class:`~server.admission.AdmissionMiddleware` decides what gets in (restore, drain, pauses,
+bounded work).
 
 Errors are rendered in one place, :func:`error_response`: ``{"error": {"code", "message",
 "details"}}`` as msgpack for data-plane requests (``POST /v1/...``) and as JSON for everything
@@ -13,11 +17,12 @@ exception that escapes a handler (a bug, never bad input) into a logged 500 ``in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import msgpack
@@ -30,7 +35,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from client_sdk import wire
 
 from . import __version__
+from .admission import AdmissionMiddleware, Gate
 from .config import ShardConfig
+from .durability import Durability
 from .errors import ShardError
 from .store import ParameterStore
 
@@ -40,6 +47,7 @@ logger = logging.getLogger("paramshard.server")
 
 #: Request header a client may send to say which shard it means: ``"<index>/<num_shards>"``.
 FLEET_HEADER = "x-paramshard-fleet"
+_STATE_VERSION = wire.HEADER_STATE_VERSION.encode()
 
 
 def is_data_plane(scope: Scope) -> bool:
@@ -78,16 +86,18 @@ class ShardMiddleware:
     """Pure ASGI middleware around the whole app (inside Starlette's own error middleware).
 
     * adds ``x-paramshard-shard``, ``x-paramshard-incarnation``, ``x-paramshard-protocol`` to
-      every response;
+      every response, and ``x-paramshard-state-version`` once the shard's state is restored;
     * answers 421 ``fleet_mismatch`` (400 if malformed) when ``x-paramshard-fleet`` names
       another shard or fleet size;
     * logs any exception that escapes the app and answers 500 ``internal`` if no response has
       started yet.
     """
 
-    def __init__(self, app: ASGIApp, config: ShardConfig, incarnation: str) -> None:
+    def __init__(self, app: ASGIApp, config: ShardConfig, incarnation: str,
+                 state: Any = None) -> None:
         self.app = app
         self.config = config
+        self.state = state
         self.headers = [
             (wire.HEADER_SHARD.encode(), config.fleet.encode()),
             (wire.HEADER_INCARNATION.encode(), incarnation.encode()),
@@ -104,7 +114,8 @@ class ShardMiddleware:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message["headers"] = [*message.get("headers", ()), *self.headers]
+                message["headers"] = [*message.get("headers", ()), *self.headers,
+                                      *self._state_header()]
             await send(message)
 
         refusal = self._check_fleet(scope)
@@ -122,6 +133,12 @@ class ShardMiddleware:
                 "the shard hit an internal error (a bug: please report it with the shard's log); "
                 "nothing was changed unless the response says otherwise")
             await response(scope, receive, send_with_headers)
+
+    def _state_header(self) -> list[tuple[bytes, bytes]]:
+        state = self.state
+        if state is None or state.gate.phase not in ("ready", "draining"):
+            return []
+        return [(_STATE_VERSION, str(state.store.state_version).encode())]
 
     def _check_fleet(self, scope: Scope) -> Response | None:
         raw = None
@@ -176,7 +193,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         method, path = request.method, request.url.path
         if exc.status_code == 404:
-            verbs = "init, pull, push, assign, increment, wait"
+            verbs = "init, pull, push, assign, increment, wait, pause, snapshot, resume"
             hint = (f"the data-plane verbs are POST /v1/{{{verbs}}}" if is_data_plane(request.scope)
                     else "see /docs for the endpoints")
             return error_response(request.scope, 404, "not_found",
@@ -192,12 +209,30 @@ def _install_error_handlers(app: FastAPI) -> None:
                               exc.headers)
 
 
-def create_app(config: ShardConfig) -> FastAPI:
-    """Build the ASGI app of one shard. Cheap and synchronous; the store starts empty.
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    durability: Durability = app.state.durability
+    await durability.start()
+    try:
+        yield
+    finally:
+        try:
+            await durability.stop()
+        except Exception as exc:
+            app.state.shutdown_error = f"the final snapshot failed: {exc!r}"
+            logger.exception("shard %s: final snapshot failed", app.state.config.fleet)
+            raise
 
-    ``app.state`` carries ``config``, ``store``, ``incarnation`` (random hex, new per call, so new
-    per process start) and ``started_at`` (Unix seconds).
+
+def create_app(config: ShardConfig) -> FastAPI:
+    """Build the ASGI app of one shard. Cheap and synchronous; the store starts empty and is
+    restored (with ``--data-dir``) when the app's lifespan starts.
+
+    ``app.state`` carries ``config``, ``store``, ``gate`` (admission), ``durability``
+    (snapshots), ``incarnation`` (random hex, new per call, so new per process start),
+    ``started_at`` (Unix seconds) and ``shutdown_error`` (set if the final snapshot failed).
     """
+    from .routes_checkpoint import router as checkpoint_router
     from .routes_data import router as data_router
     from .routes_inspect import router as inspect_router
 
@@ -209,13 +244,22 @@ def create_app(config: ShardConfig) -> FastAPI:
             "One shard of a paramshard fleet. The data plane (`POST /v1/<verb>`) speaks msgpack "
             "or the framed encoding of docs/PROTOCOL.md; the `GET` endpoints are JSON for people."
         ),
+        lifespan=_lifespan,
     )
+    store = ParameterStore(config.shard_index, config.num_shards)
+    gate = Gate(config.max_queued_bytes, config.max_queued_requests)
     app.state.config = config
-    app.state.store = ParameterStore(config.shard_index, config.num_shards)
+    app.state.store = store
+    app.state.gate = gate
+    app.state.durability = Durability(config, store, gate, incarnation)
     app.state.incarnation = incarnation
     app.state.started_at = time.time()
+    app.state.shutdown_error = None
     _install_error_handlers(app)
     app.include_router(data_router)
+    app.include_router(checkpoint_router)
     app.include_router(inspect_router)
-    app.add_middleware(ShardMiddleware, config=config, incarnation=incarnation)
+    app.add_middleware(AdmissionMiddleware, gate=gate, render=error_response,
+                       max_body=config.max_request_bytes)
+    app.add_middleware(ShardMiddleware, config=config, incarnation=incarnation, state=app.state)
     return app

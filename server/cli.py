@@ -4,15 +4,18 @@
     paramshard up --shards 2 --base-port 7100                      # a local fleet of 2 shards
     paramshard status --shards http://127.0.0.1:7100,http://127.0.0.1:7101
     paramshard demo [...]                                          # train a model on a local fleet
+    paramshard reshard --from d0 d1 --to fleet3 --shards 3         # rewrite a checkpoint, offline
 
 ``serve`` settings come from flags or ``PARAMSHARD_*`` environment variables (flags win); a bad
 value exits with status 2 and one line naming the flag or variable. ``serve`` and ``up`` stop
-cleanly on SIGTERM or SIGINT (Ctrl-C) and exit 0.
+cleanly on SIGTERM or SIGINT (Ctrl-C): requests in flight finish, a shard with ``--data-dir``
+writes a final snapshot, and they exit 0 (1 if that snapshot could not be written).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import logging
 import os
@@ -27,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .config import LOG_LEVELS, ConfigError, ShardConfig, env_name
+from .config import LOG_LEVELS, ConfigError, ShardConfig, env_name, flag_name
+from .reshard import ReshardError, reshard, shard_dir
 
 __all__ = ["build_parser", "main", "serve"]
 
@@ -58,11 +62,34 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
                    help=f"{'|'.join(LOG_LEVELS)} [{env_name('log_level')}, default info]")
     p.add_argument("--access-log", dest="access_log", action=argparse.BooleanOptionalAction,
                    default=None, help=f"log every request [{env_name('access_log')}, default off]")
+    if fleet:
+        p.add_argument("--data-dir", dest="data_dir", metavar="DIR",
+                       help=f"write snapshots here and restore the newest valid one at start "
+                            f"[{env_name('data_dir')}, default: none, state is lost on exit]")
+    else:
+        p.add_argument("--data-dir", dest="data_dir", metavar="DIR",
+                       help="snapshots of shard i go to DIR/shard-i (default: none)")
+    p.add_argument("--snapshot-interval", dest="snapshot_interval", metavar="SECONDS",
+                   help=f"snapshot this often when something changed, 0 for never (still on "
+                        f"shutdown and on request) [{env_name('snapshot_interval')}, default 30]")
+    p.add_argument("--keep-snapshots", dest="keep_snapshots", metavar="K",
+                   help=f"snapshots kept, and checkpoint snapshots kept besides "
+                        f"[{env_name('keep_snapshots')}, default 3]")
+    p.add_argument("--restore", dest="restore", metavar="CHECKPOINT",
+                   help=f"restore this fleet checkpoint's snapshot instead of the newest "
+                        f"[{env_name('restore')}]")
+    p.add_argument("--max-queued-bytes", dest="max_queued_bytes", metavar="SIZE",
+                   help=f"request bodies admitted at once; more wait, then get 429 "
+                        f"[{env_name('max_queued_bytes')}, default max(2GiB, "
+                        "--max-request-bytes)]")
+    p.add_argument("--max-queued-requests", dest="max_queued_requests", metavar="N",
+                   help=f"pushes/pulls admitted at once [{env_name('max_queued_requests')}, "
+                        "default 64]")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="paramshard parameter-server shards")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,up,status,demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,up,status,reshard,demo}")
 
     p = sub.add_parser("serve", help="run one shard in the foreground",
                        description="Run one shard. Flags override PARAMSHARD_* variables.")
@@ -83,6 +110,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", metavar="URL,URL,...",
                    help=f"the fleet's shard URLs in order [{_SHARDS_ENV}]")
     p.add_argument("--timeout", default="3", help="seconds to wait per shard (default 3)")
+
+    p = sub.add_parser("reshard", help="rewrite a fleet checkpoint for another number of shards",
+                       description="Offline: read the snapshots of a fleet checkpoint from every "
+                                   "shard's data dir and write them for M shards under --to "
+                                   "(shard j's data dir is TO/shard-j). Values, versions and "
+                                   "optimizer state are kept.")
+    p.add_argument("--from", dest="sources", nargs="+", required=True, metavar="DIR",
+                   help="the data dir of every shard of the old fleet (any order)")
+    p.add_argument("--to", dest="dest", required=True, metavar="DIR",
+                   help="a new (or empty) directory for the new fleet's data dirs")
+    p.add_argument("--shards", required=True, metavar="M", help="shards of the new fleet")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--checkpoint", metavar="ID",
+                       help="the fleet checkpoint to read (default: the newest every dir holds)")
+    which.add_argument("--latest", action="store_true",
+                       help="use each dir's newest snapshot (after stopping the fleet cleanly)")
 
     sub.add_parser("demo", help="train a small model on a local fleet (see `paramshard demo -h`)",
                    add_help=False)
@@ -106,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _up(args)
         if args.command == "status":
             return _status(args)
+        if args.command == "reshard":
+            return _reshard(args)
     except (ConfigError, UsageError) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -115,9 +160,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _config_from(args: argparse.Namespace) -> ShardConfig:
     flags = {k: getattr(args, k, None) for k in
-             ("shard_index", "num_shards", "host", "port", "max_request_bytes", "log_level",
-              "access_log")}
+             ("shard_index", "num_shards", "host", "port", *_PASSED_ON, "data_dir")}
     return ShardConfig.from_sources(flags, os.environ)
+
+
+#: Flags ``up`` passes on to every shard unchanged (``--data-dir`` becomes DIR/shard-i).
+_PASSED_ON = ("max_request_bytes", "log_level", "access_log", "snapshot_interval",
+              "keep_snapshots", "restore", "max_queued_bytes", "max_queued_requests")
 
 
 # -- serve ----------------------------------------------------------------------------------
@@ -135,8 +184,9 @@ def serve(config: ShardConfig) -> int:
     logging.basicConfig(level=logging.DEBUG if config.log_level == "trace"
                         else getattr(logging, config.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(config)
     uv_config = uvicorn.Config(
-        create_app(config),
+        app,
         host=config.host,
         port=config.port,
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
@@ -146,7 +196,8 @@ def serve(config: ShardConfig) -> int:
         server_header=False,
         timeout_graceful_shutdown=10,
     )
-    server = uvicorn.Server(uv_config)
+    server = _draining_server(uv_config, app.state.gate)
+    app.state.durability.on_fatal = lambda reason: setattr(server, "should_exit", True)
 
     def stop(signum: int, frame: Any) -> None:
         # Before uvicorn installs its handlers (startup) and after it restores these ones: uvicorn
@@ -163,7 +214,39 @@ def serve(config: ShardConfig) -> int:
         print(f"{PROG} serve: error: shard {config.fleet} could not start on "
               f"{config.host}:{config.port} (see the log above)", file=sys.stderr)
         return 1
+    failure = app.state.durability.failed or app.state.shutdown_error
+    if failure:
+        print(f"{PROG} serve: error: shard {config.fleet}: {failure}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _draining_server(config: Any, gate: Any) -> Any:
+    """A uvicorn server for ``config`` that also drains ``gate`` on SIGTERM/SIGINT."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, which also turns the shard's gate to ``draining`` on SIGTERM or
+        SIGINT, so ``/readyz`` says 503 and new data-plane requests are refused while the
+        requests in flight finish."""
+
+        def __init__(self, config: Any, gate: Any) -> None:
+            super().__init__(config)
+            self.gate = gate
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            loop.call_soon_threadsafe(self._drain)
+
+        def _drain(self) -> None:
+            if self.gate.phase in ("ready", "restoring"):
+                self.gate.set_phase("draining", "shutting down")
+
+    return DrainingServer(config, gate)
 
 
 # -- up -------------------------------------------------------------------------------------
@@ -221,16 +304,17 @@ def _up(args: argparse.Namespace) -> int:
     base = _positive_int(args.base_port, "--base-port", 1, 65535 - n + 1)
     host = args.host
     # validate pass-through flags here, so a bad one is one message rather than N dead children
-    ShardConfig.from_sources({"host": host, "port": base, "num_shards": n,
-                              "max_request_bytes": args.max_request_bytes,
-                              "log_level": args.log_level, "access_log": args.access_log}, {})
+    passed = {k: getattr(args, k) for k in _PASSED_ON}
+    ShardConfig.from_sources({"host": host, "port": base, "num_shards": n, **passed,
+                              "data_dir": args.data_dir}, {})
     extra: list[str] = []
-    if args.max_request_bytes is not None:
-        extra += ["--max-request-bytes", args.max_request_bytes]
-    if args.log_level is not None:
-        extra += ["--log-level", args.log_level]
-    if args.access_log is not None:
-        extra.append("--access-log" if args.access_log else "--no-access-log")
+    for key, value in passed.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            extra.append(flag_name(key) if value else "--no-" + flag_name(key)[2:])
+        else:
+            extra += [flag_name(key), str(value)]
 
     ports = [base + i for i in range(n)]
     taken = [(i, p) for i, p in enumerate(ports) if not _port_free(host, p)]
@@ -253,6 +337,8 @@ def _up(args: argparse.Namespace) -> int:
         for i, port in enumerate(ports):
             cmd = [sys.executable, "-m", "server.cli", "serve", "--shard-index", str(i),
                    "--num-shards", str(n), "--host", host, "--port", str(port), *extra]
+            if args.data_dir is not None:
+                cmd += ["--data-dir", str(shard_dir(Path(args.data_dir), i))]
             procs.append(subprocess.Popen(cmd, env=env))
         failed = _wait_until_up(procs, urls, stop)
         if failed is None and stop.signal is None:
@@ -379,6 +465,29 @@ def _status(args: argparse.Namespace) -> int:
         if "error" in res:
             print(f"{url}: {res['error']}", file=sys.stderr)
     return 0 if ok else 1
+
+
+# -- reshard --------------------------------------------------------------------------------
+
+def _reshard(args: argparse.Namespace) -> int:
+    m = _positive_int(args.shards, "--shards", 1, 65536)
+    logging.basicConfig(level=logging.WARNING, format=f"{PROG} reshard: %(levelname)s: "
+                                                      "%(message)s")
+    try:
+        result = reshard([Path(d) for d in args.sources], Path(args.dest), m,
+                         checkpoint=args.checkpoint, latest=args.latest)
+    except ReshardError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        print(f"{PROG} reshard: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{PROG}: checkpoint {result.checkpoint}: {result.variables} variable(s) from "
+          f"{result.source_shards} shard(s) rewritten for {m} in {result.seconds:.1f}s")
+    for i, snap in enumerate(result.snapshots):
+        print(f"  shard {i}/{m}  --data-dir {snap.manifest_path.parent}  "
+              f"({len(snap.manifest['variables'])} variables, "
+              f"{_human_bytes(snap.manifest['values_bytes'])})")
+    return 0
 
 
 # -- demo -----------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ __all__ = ["ENV_PREFIX", "LOG_LEVELS", "ConfigError", "ShardConfig", "parse_size
 ENV_PREFIX = "PARAMSHARD_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_MAX_REQUEST_BYTES = 1 << 30  # 1 GiB
+DEFAULT_MAX_QUEUED_BYTES = 2 << 30  # 2 GiB
+_CHECKPOINT_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -90,6 +92,30 @@ def _log_level(text: str) -> str:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ValueError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"must be a finite number of seconds >= 0 (0 turns it off), got {text!r}")
+    return value
+
+
+def _path(text: str) -> str:
+    if not text.strip():
+        raise ValueError("expected a directory path, got an empty string")
+    return text
+
+
+def _checkpoint(text: str) -> str:
+    text = text.strip()
+    if not _CHECKPOINT_RE.fullmatch(text):
+        raise ValueError(f"expected a checkpoint id (1-64 characters from A-Z a-z 0-9 _ -, as "
+                         f"ps.checkpoint() returns), got {text!r}")
+    return text
+
+
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in _TRUE:
@@ -110,6 +136,15 @@ class ShardConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     log_level: str = "info"
     access_log: bool = False
+    #: Where snapshots go; ``None``: no snapshots (state lives only in memory).
+    data_dir: str | None = None
+    snapshot_interval: float = 30.0
+    keep_snapshots: int = 3
+    #: Restore this fleet checkpoint's snapshot instead of the newest one.
+    restore: str | None = None
+    #: Body bytes admitted at once; 0: the larger of 2 GiB and ``max_request_bytes``.
+    max_queued_bytes: int = 0
+    max_queued_requests: int = 64
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard_index < self.num_shards:
@@ -118,6 +153,19 @@ class ShardConfig:
                 f"shard index must be in 0..{self.num_shards - 1} for a fleet of "
                 f"{self.num_shards} shard(s) ({flag_name('num_shards')}), got {self.shard_index}",
             )
+        if self.max_queued_bytes == 0:
+            object.__setattr__(self, "max_queued_bytes",
+                               max(DEFAULT_MAX_QUEUED_BYTES, self.max_request_bytes))
+        if self.max_queued_bytes < self.max_request_bytes:
+            raise ConfigError(
+                f"{flag_name('max_queued_bytes')} / {env_name('max_queued_bytes')}",
+                f"must be at least {flag_name('max_request_bytes')} ({self.max_request_bytes}), "
+                f"or a request of the largest allowed size could never be admitted; got "
+                f"{self.max_queued_bytes}")
+        if self.restore is not None and self.data_dir is None:
+            raise ConfigError(f"{flag_name('restore')} / {env_name('restore')}",
+                              f"restoring a checkpoint needs {flag_name('data_dir')} (the "
+                              "directory holding its snapshot)")
 
     @property
     def fleet(self) -> str:
@@ -171,4 +219,10 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "max_request_bytes": _size,
     "log_level": _log_level,
     "access_log": _bool,
+    "data_dir": _path,
+    "snapshot_interval": _seconds,
+    "keep_snapshots": _int(1, 1000),
+    "restore": _checkpoint,
+    "max_queued_bytes": _size,
+    "max_queued_requests": _int(1, 65536),
 }

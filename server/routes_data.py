@@ -224,17 +224,25 @@ async def pull(request: Request) -> Response:
     return _reply(request, {"variables": _store(request).pull(names, versions)})
 
 
+def _writer(msg: Mapping[str, Any], verb: str, required: bool) -> tuple[Any, Any]:
+    """``(worker_id, seq)`` of a write (both or neither when optional), checked."""
+    if not required and "worker_id" not in msg and "seq" not in msg:
+        return None, None
+    worker_id = _required(msg, "worker_id", verb)
+    if not isinstance(worker_id, str) or not 0 < len(worker_id) <= 256:
+        raise _bad_field(verb, "worker_id", "a string of 1-256 characters", worker_id)
+    seq = _required(msg, "seq", verb)
+    if not _int(seq) or seq < 0:
+        raise _bad_field(verb, "seq", "an int >= 0", seq)
+    return worker_id, seq
+
+
 @router.post("/push", openapi_extra=_BODY_DOC)
 async def push(request: Request) -> Response:
-    """Apply gradients: `{"worker_id", "seq", "grads": {name: tensor}, "versions"?}` ->
-    `{"variables": {name: {"status", "version", "staleness"}}}`."""
+    """Apply gradients once per (worker_id, seq): `{"worker_id", "seq", "grads": {name:
+    tensor}, "versions"?}` -> `{"variables": {name: {"status", "version", "staleness"}}}`."""
     msg, body = await _message(request)
-    worker_id = _required(msg, "worker_id", "push")
-    if not isinstance(worker_id, str) or not 0 < len(worker_id) <= 256:
-        raise _bad_field("push", "worker_id", "a string of 1-256 characters", worker_id)
-    seq = _required(msg, "seq", "push")
-    if not _int(seq) or seq < 0:
-        raise _bad_field("push", "seq", "an int >= 0", seq)
+    worker_id, seq = _writer(msg, "push", required=True)
     versions = _versions(msg, "push")
     grads = _tensor_map(msg, "grads", "push", body)
     return _reply(request, {"variables": _store(request).push(worker_id, seq, grads, versions)})
@@ -242,16 +250,20 @@ async def push(request: Request) -> Response:
 
 @router.post("/assign", openapi_extra=_BODY_DOC)
 async def assign(request: Request) -> Response:
-    """Overwrite values: `{"values": {name: tensor}}` -> `{"variables": {name: {"version"}}}`."""
+    """Overwrite values: `{"values": {name: tensor}, "worker_id"?, "seq"?}` ->
+    `{"variables": {name: {"status", "version"}}}`."""
     msg, body = await _message(request)
+    worker_id, seq = _writer(msg, "assign", required=False)
     values = _tensor_map(msg, "values", "assign", body)
-    return _reply(request, {"variables": _store(request).assign(values)})
+    return _reply(request, {"variables": _store(request).assign(values, worker_id, seq)})
 
 
 @router.post("/increment", openapi_extra=_BODY_DOC)
 async def increment(request: Request) -> Response:
-    """Atomic fetch-and-add: `{"name", "delta"?}` -> `{"value", "version"}`."""
+    """Atomic fetch-and-add: `{"name", "delta"?, "worker_id"?, "seq"?}` -> `{"value",
+    "version", "status"}`."""
     msg, _ = await _message(request)
+    worker_id, seq = _writer(msg, "increment", required=False)
     name = _required(msg, "name", "increment")
     if not isinstance(name, str):
         raise _bad_field("increment", "name", "a variable name (string)", name)
@@ -260,7 +272,7 @@ async def increment(request: Request) -> Response:
         delta = 1
     if isinstance(delta, bool) or not isinstance(delta, (int, float)):
         raise _bad_field("increment", "delta", "an int or a float", delta)
-    return _reply(request, _store(request).increment(name, delta))
+    return _reply(request, _store(request).increment(name, delta, worker_id, seq))
 
 
 @router.post("/wait", openapi_extra=_BODY_DOC)

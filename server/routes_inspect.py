@@ -1,4 +1,5 @@
-"""JSON endpoints for people and dashboards: cluster, variables, one variable, health.
+"""JSON endpoints for people and dashboards: cluster, variables, one variable, workers,
+health and readiness.
 
 All are coroutines that run on the event loop and read the store synchronously, so what they
 report is one consistent state. Statistics are computed in float64 over blocks, so inspecting a
@@ -65,7 +66,19 @@ async def cluster(request: Request) -> dict[str, Any]:
         "variables": len(store),
         "bytes": store.nbytes,
         "max_request_bytes": state.config.max_request_bytes,
+        "state_version": store.state_version,
+        "data_dir": state.config.data_dir,
+        "restored": state.durability.restored,
+        "last_snapshot": state.durability.last,
+        "admission": state.gate.stats(),
     }
+
+
+@router.get("/v1/workers")
+async def workers(request: Request) -> dict[str, Any]:
+    """Every worker that wrote with a seq: when last seen, writes applied, duplicates (retries
+    of writes already applied, answered without applying them again), highest seq."""
+    return {"workers": _store(request).dedup.summaries()}
 
 
 @router.get("/v1/variables")
@@ -106,5 +119,18 @@ async def variable(
 
 @router.get("/healthz")
 async def healthz() -> dict[str, str]:
-    """200 while the process serves."""
+    """200 while the process serves (liveness: also while restoring or draining)."""
     return {"status": "ok"}
+
+
+@router.get("/readyz", response_model=None)
+async def readyz(request: Request) -> JSONResponse:
+    """200 once the shard's state is restored and while it takes requests; 503 while it
+    restores, after a failed restore, and while it drains on shutdown."""
+    gate = request.app.state.gate
+    body = {"status": "ready" if gate.ready else gate.phase,
+            "paused_for": gate.paused_for}
+    if gate.phase == "failed":
+        body["error"] = gate.reason
+    return JSONResponse(body, status_code=200 if gate.ready else 503,
+                        headers=None if gate.ready else {"Retry-After": "1"})

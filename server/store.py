@@ -19,6 +19,13 @@ Rules every verb keeps:
   after a pull costs no extra pass over the value.
 * **Work proportional to the request**, never to the number of variables the shard holds
   (``bytes`` and counts are kept up to date, not recomputed).
+* **Applied once.** A write that carries ``worker_id`` and ``seq`` is checked against the
+  :class:`~server.dedup.DedupTable` after validation: a seq already applied is answered
+  ``"duplicate"`` and changes nothing (a retried increment gets the value it got the first
+  time); a seq too old to tell is refused (409 ``seq_expired``).
+* **Snapshots see one instant.** :meth:`ParameterStore.capture` takes read-only views of every
+  value and optimizer slot at once and marks them shared, so later updates go to fresh memory
+  (as after a pull) and the snapshot writer reads a state no update touches.
 """
 
 from __future__ import annotations
@@ -36,9 +43,10 @@ from client_sdk.optimizers import SGD, Add, Optimizer, from_wire
 from client_sdk.placement import shard_for, validate_name
 
 from . import optim
+from .dedup import DedupTable
 from .errors import ShardError
 
-__all__ = ["DEFAULT_OPTIMIZER", "MAX_WAIT_SECONDS", "ParameterStore", "Variable"]
+__all__ = ["DEFAULT_OPTIMIZER", "MAX_WAIT_SECONDS", "Capture", "ParameterStore", "Variable"]
 
 DEFAULT_OPTIMIZER: Optimizer = SGD(lr=0.01)
 MAX_WAIT_SECONDS = 30.0
@@ -64,6 +72,7 @@ class Variable:
     last_update: float | None = None
     last_writer: str | None = None
     shared: bool = False
+    state_shared: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -84,6 +93,31 @@ class Variable:
     def replace(self, new: np.ndarray) -> None:
         self.value = new
         self.shared = False
+
+    def own_state(self) -> dict[str, np.ndarray]:
+        """The optimizer slots, copied first if a snapshot still reads the current ones."""
+        if self.state_shared:
+            self.state = {k: a.copy() for k, a in self.state.items()}
+            self.state_shared = False
+        return self.state
+
+    def frozen(self) -> dict[str, np.ndarray]:
+        """Read-only views of the value (key ``"value"``) and the optimizer slots, which no
+        later update will touch (the next ones go to fresh memory)."""
+        out = {"value": self.export()}
+        for slot, a in self.state.items():
+            view = a.view()
+            view.flags.writeable = False
+            out[slot] = view
+        self.state_shared = bool(self.state)
+        return out
+
+    def meta(self) -> dict[str, Any]:
+        """The bookkeeping a snapshot keeps besides the arrays."""
+        return {"kind": self.kind, "dtype": self.value.dtype.str, "shape": list(self.value.shape),
+                "version": self.version, "updates": self.updates,
+                "optimizer": self.optimizer.to_wire(), "created_at": self.created_at,
+                "last_update": self.last_update, "last_writer": self.last_writer}
 
     def touch(self, writer: str | None = None) -> None:
         self.version += 1
@@ -129,6 +163,37 @@ def _tensor_error(name: str, message: str, **details: Any) -> ShardError:
     return ShardError("bad_tensor", f"{name}: {message}", {"variable": name, **details})
 
 
+def _expired(verb: str, worker_id: str, seq: int, high: int) -> ShardError:
+    return ShardError(
+        "seq_expired",
+        f"{verb} seq {seq} of worker {worker_id!r} is too far below the highest seq this shard "
+        f"applied for it ({high}) to tell whether it was applied already, so it was not applied. "
+        "Two processes sharing one worker_id, or a worker restarted with its clock set back, "
+        "cause this: give every worker process its own worker_id",
+        {"worker_id": worker_id, "seq": seq, "high_seq": high})
+
+
+@dataclass
+class Capture:
+    """A shard's whole state at one instant (:meth:`ParameterStore.capture`).
+
+    ``variables`` maps name -> (bookkeeping, arrays); the arrays are read-only and no later
+    update changes them, so a writer thread may read them while the shard goes on.
+    """
+
+    shard_index: int
+    num_shards: int
+    state_version: int
+    mutations: int
+    variables: dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]]
+    dedup: dict[str, Any]
+    taken_at: float = field(default_factory=time.time)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for _, arrays in self.variables.values() for a in arrays.values())
+
+
 class ParameterStore:
     """The variables of shard ``shard_index`` of a fleet of ``num_shards``.
 
@@ -144,6 +209,10 @@ class ParameterStore:
         self._vars: dict[str, Variable] = {}
         self._nbytes = 0
         self._waiters: dict[str, set[asyncio.Event]] = {}
+        self.dedup = DedupTable()
+        self._state_version = 0
+        #: Changes of any kind (init included); a snapshot is due when it moved.
+        self.mutations = 0
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -160,6 +229,12 @@ class ParameterStore:
     def nbytes(self) -> int:
         """Bytes held in values and optimizer slots, kept current (O(1))."""
         return self._nbytes
+
+    @property
+    def state_version(self) -> int:
+        """The sum of every variable's version: +1 per applied change anywhere on the shard.
+        It survives restarts (a restored shard comes back at its snapshot's state version)."""
+        return self._state_version
 
     def owner(self, name: str) -> int:
         return shard_for(name, self.num_shards)
@@ -281,7 +356,8 @@ class ParameterStore:
 
     def push(self, worker_id: str, seq: int, grads: Mapping[str, np.ndarray],
              versions: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
-        """Apply one gradient per variable with the variable's optimizer.
+        """Apply one gradient per variable with the variable's optimizer, once per
+        ``(worker_id, seq)``: a seq already applied is answered ``"duplicate"``.
 
         Writable gradient arrays (views of a framed request's own buffer, or cast copies) may be
         overwritten as scratch space.
@@ -311,24 +387,31 @@ class ParameterStore:
                 raise _tensor_error(var.name, "gradient has NaN or infinite entries (in "
                                     f"{var.value.dtype.str}): skip or clip this step")
             plans.append((var, grad, scratch))
+        duplicate = self._seen("push", worker_id, seq)
+        if duplicate:
+            return {var.name: {"status": "duplicate", "version": var.version, "staleness": None}
+                    for var, _, _ in plans}
         # -- apply --
         out = {}
         for var, grad, scratch in plans:
             before = var.version
             target = var.target()
             with np.errstate(all="ignore"):
-                optim.apply(var.optimizer, var.value, grad, var.state, out=target,
+                optim.apply(var.optimizer, var.value, grad, var.own_state(), out=target,
                             scratch=scratch)
             var.replace(target)
             var.updates += 1
-            var.touch(worker_id)
+            self._touch(var, worker_id)
             seen = held.get(var.name)
             out[var.name] = {"status": "applied", "version": var.version,
                              "staleness": None if seen is None else before - seen}
+        self.dedup.record(worker_id, seq)
         return out
 
-    def assign(self, values: Mapping[str, np.ndarray]) -> dict[str, dict[str, Any]]:
-        """Overwrite existing variables (same shape; cast to the variable's dtype)."""
+    def assign(self, values: Mapping[str, np.ndarray], worker_id: str | None = None,
+               seq: int | None = None) -> dict[str, dict[str, Any]]:
+        """Overwrite existing variables (same shape; cast to the variable's dtype); once per
+        ``(worker_id, seq)`` when both are given."""
         variables = self._existing(self.check_names(values))
         plans = []
         for var in variables:
@@ -338,21 +421,39 @@ class ParameterStore:
                                     f"variable's {list(var.value.shape)}",
                                     shape=list(var.value.shape))
             plans.append((var, _cast_checked(var.name, value, var.value.dtype)))
+        if worker_id is not None and seq is not None and self._seen("assign", worker_id, seq):
+            return {var.name: {"status": "duplicate", "version": var.version} for var, _ in plans}
         for var, value in plans:
             target = var.target()
             np.copyto(target, value, casting="unsafe")
             var.replace(target)
-            var.touch()
-        return {var.name: {"version": var.version} for var, _ in plans}
+            self._touch(var, worker_id)
+        if worker_id is not None and seq is not None:
+            self.dedup.record(worker_id, seq)
+        return {var.name: {"status": "applied", "version": var.version} for var, _ in plans}
 
-    def increment(self, name: str, delta: int | float = 1) -> dict[str, Any]:
-        """Atomic fetch-and-add on a scalar; creates an ``i8`` (int delta) or ``f8`` counter."""
+    def increment(self, name: str, delta: int | float = 1, worker_id: str | None = None,
+                  seq: int | None = None) -> dict[str, Any]:
+        """Atomic fetch-and-add on a scalar; creates an ``i8`` (int delta) or ``f8`` counter.
+
+        With ``worker_id`` and ``seq``, a retry of an increment already applied answers the
+        value the first attempt got (``status: "duplicate"``) and adds nothing.
+        """
         self.check_names([name])
         if isinstance(delta, bool) or not isinstance(delta, (int, float)):
             raise ShardError("bad_request", f"'delta' must be an int or a float, got "
                              f"{type(delta).__name__}")
         if isinstance(delta, float) and not math.isfinite(delta):
             raise _tensor_error(name, f"delta must be finite, got {delta}")
+        keyed = worker_id is not None and seq is not None
+        if keyed and self.dedup.check(worker_id, seq) != "new":
+            earlier = self.dedup.result(worker_id, seq)
+            if earlier is not None:
+                self.dedup.count(worker_id, "duplicate")
+                return {"value": earlier[0], "version": earlier[1], "status": "duplicate"}
+            record = self.dedup.get(worker_id)
+            self.dedup.count(worker_id, "expired")
+            raise _expired("increment", worker_id, seq, record.high if record else -1)
         var = self._vars.get(name)
         dtype = var.value.dtype if var is not None else np.dtype(
             "<i8" if isinstance(delta, int) else "<f8")
@@ -381,8 +482,10 @@ class ParameterStore:
                            kind="counter")
             self._add(var)
         var.replace(new_value)  # a fresh 0-d array: no reader's view is touched
-        var.touch()
-        return {"value": new_value.item(), "version": var.version}
+        self._touch(var, worker_id)
+        if keyed:
+            self.dedup.record(worker_id, seq, [new_value.item(), var.version])
+        return {"value": new_value.item(), "version": var.version, "status": "applied"}
 
     async def wait(self, names: Iterable[str], timeout: float) -> dict[str, list[str]]:
         """Wait until every name exists or ``timeout`` seconds (at most 30) pass.
@@ -417,13 +520,53 @@ class ParameterStore:
         return {"ready": [n for n in ordered if n not in missing],
                 "missing": [n for n in ordered if n in missing]}
 
+    # -- snapshots --------------------------------------------------------------------------
+
+    def capture(self) -> Capture:
+        """The whole state at this instant: read-only arrays no later update touches, and
+        copies of the bookkeeping and the dedup table. Synchronous and cheap (no array is
+        copied); call it on the event-loop thread while no update is being applied."""
+        return Capture(
+            shard_index=self.shard_index, num_shards=self.num_shards,
+            state_version=self._state_version, mutations=self.mutations,
+            variables={name: (var.meta(), var.frozen()) for name, var in self._vars.items()},
+            dedup=self.dedup.export())
+
+    def restore(self, variables: Iterable[Variable], dedup: DedupTable) -> None:
+        """Replace the whole state with restored ``variables`` and ``dedup`` table (at start,
+        before any request is served). The state version becomes the sum of their versions."""
+        self._vars = {}
+        self._nbytes = 0
+        for var in variables:
+            self._add(var)
+        self.dedup = dedup
+        self._state_version = sum(v.version for v in self._vars.values())
+
     # -- internals --------------------------------------------------------------------------
 
     def _add(self, var: Variable) -> None:
         self._vars[var.name] = var
         self._nbytes += var.nbytes
+        self.mutations += 1
         for event in self._waiters.pop(var.name, ()):
             event.set()
+
+    def _touch(self, var: Variable, writer: str | None) -> None:
+        var.touch(writer)
+        self._state_version += 1
+        self.mutations += 1
+
+    def _seen(self, verb: str, worker_id: str, seq: int) -> bool:
+        """True if ``seq`` was applied already (counted as a duplicate); raises
+        ``seq_expired`` when it is too old to tell."""
+        outcome = self.dedup.check(worker_id, seq)
+        if outcome == "new":
+            return False
+        self.dedup.count(worker_id, outcome)
+        if outcome == "duplicate":
+            return True
+        record = self.dedup.get(worker_id)
+        raise _expired(verb, worker_id, seq, record.high if record else -1)
 
 
 def _cast_checked(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -518,7 +518,8 @@ def test_threads_may_share_a_client(fleet2):
 
 def scripted_shard(script: list):
     """A one-shard fleet whose data-plane replies follow ``script``: each item is an int
-    status (answered with an error payload), an exception to raise, or "ok"."""
+    status (answered with an error payload), an exception to raise, or "ok". ``calls`` records
+    (path, decoded body) of each data-plane request."""
     calls: list[str] = []
     headers = {"x-paramshard-shard": "0/1", "x-paramshard-incarnation": "abc",
                "x-paramshard-protocol": "1"}
@@ -527,7 +528,9 @@ def scripted_shard(script: list):
         if request.url.path == "/v1/cluster":
             return httpx2.Response(200, headers=headers, json={
                 "shard_index": 0, "num_shards": 1, "incarnation": "abc", "protocol_version": 1})
-        calls.append(request.url.path)
+        body = request.read()
+        ctype = request.headers.get("content-type", wire.MSGPACK)
+        calls.append((request.url.path, wire.unpack(bytearray(body), ctype) if body else None))
         step = script.pop(0) if script else "ok"
         if isinstance(step, Exception):
             raise step
@@ -549,7 +552,7 @@ def test_429_and_503_are_retried_for_every_verb():
     with PSClient(["http://shard0"], transport=transport) as ps:
         assert ps.increment("c") == 1
         assert ps.push({"w": np.ones(2)})["w"]["status"] == "applied"
-    assert calls == ["/v1/increment"] * 3 + ["/v1/push"] * 2
+    assert [path for path, _ in calls] == ["/v1/increment"] * 3 + ["/v1/push"] * 2
 
 
 def test_overload_past_the_deadline_raises_overloaded():
@@ -560,18 +563,25 @@ def test_overload_past_the_deadline_raises_overloaded():
     assert len(calls) > 1
 
 
-def test_mutating_calls_are_not_retried_once_they_may_have_arrived():
-    transport, calls = scripted_shard([httpx2.ReadTimeout("slow"), "ok"])
-    with PSClient(["http://shard0"], transport=transport) as ps:
-        with pytest.raises(ShardUnavailableError, match="may have been applied"):
-            ps.push({"w": np.ones(2)})
-        assert calls == ["/v1/push"]
-        # ...but they are retried when the request never left.
-        script = [httpx2.ConnectError("refused"), "ok"]
-        transport2, calls2 = scripted_shard(script)
-    with PSClient(["http://shard0"], transport=transport2) as ps:
+def test_writes_are_retried_after_any_transport_error_with_the_same_seq():
+    transport, calls = scripted_shard([httpx2.ReadTimeout("slow"),
+                                       httpx2.RemoteProtocolError("gone"), "ok",
+                                       httpx2.WriteError("reset"), "ok"])
+    with PSClient(["http://shard0"], transport=transport, worker_id="w") as ps:
+        assert ps.push({"w": np.ones(2)})["w"]["status"] == "applied"
         assert ps.increment("c") == 1
-    assert calls2 == ["/v1/increment"] * 2
+    assert [path for path, _ in calls] == ["/v1/push"] * 3 + ["/v1/increment"] * 2
+    seqs = [msg["seq"] for _, msg in calls]
+    assert seqs[0] == seqs[1] == seqs[2] < seqs[3] == seqs[4]  # a retry repeats its seq
+    assert {msg["worker_id"] for _, msg in calls} == {"w"}
+
+
+def test_a_write_that_keeps_failing_says_it_was_applied_at_most_once():
+    transport, calls = scripted_shard([httpx2.ReadTimeout("slow")] * 1000)
+    with PSClient(["http://shard0"], transport=transport, retry_deadline=0.3) as ps:
+        with pytest.raises(ShardUnavailableError, match="applied at most once"):
+            ps.push({"w": np.ones(2)})
+    assert len(calls) > 1
 
 
 def test_read_only_calls_are_retried_after_any_transport_error():
@@ -583,5 +593,5 @@ def test_read_only_calls_are_retried_after_any_transport_error():
             await ps.wait_ready(["w"], timeout=5)
 
     asyncio.run(main())
-    assert calls == ["/v1/wait"] * 3
+    assert [path for path, _ in calls] == ["/v1/wait"] * 3
 

@@ -48,6 +48,12 @@ def http():
         yield client
 
 
+def worker() -> str:
+    """A fresh worker id: the shards apply each (worker_id, seq) once, and fleet2 is shared by
+    the whole module."""
+    return "w-" + uuid.uuid4().hex[:10]
+
+
 def owned(shard: int, num_shards: int = 2, prefix: str | None = None) -> str:
     """A fresh variable name that places on ``shard``."""
     prefix = prefix or uuid.uuid4().hex[:10]
@@ -129,7 +135,8 @@ def test_init_pull_push_assign_msgpack(fleet2, http):
     np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][name]["value"]), w0)
 
     g = np.ones((2, 3), np.float32)
-    rep = post(http, url, "push", {"worker_id": "w1", "seq": 0, "grads": {name: g},
+    wid = worker()
+    rep = post(http, url, "push", {"worker_id": wid, "seq": 0, "grads": {name: g},
                                    "versions": {name: 0}})
     assert rep.status == 200
     assert rep.msg["variables"][name] == {"status": "applied", "version": 1, "staleness": 0}
@@ -137,10 +144,10 @@ def test_init_pull_push_assign_msgpack(fleet2, http):
     np.testing.assert_allclose(rep.tensor(rep.msg["variables"][name]["value"]), w0 - 0.5)
 
     rep = post(http, url, "assign", {"values": {name: np.full((2, 3), 7, np.int32)}})
-    assert rep.msg == {"variables": {name: {"version": 2}}}
+    assert rep.msg == {"variables": {name: {"status": "applied", "version": 2}}}
     state = inspect(http, url, name)
     assert state["values"] == [[7.0] * 3] * 2 and state["dtype"] == "<f4"
-    assert state["version"] == 2 and state["updates"] == 1 and state["last_writer"] == "w1"
+    assert state["version"] == 2 and state["updates"] == 1 and state["last_writer"] == wid
 
 
 def test_framed_request_and_framed_response(fleet2, http):
@@ -159,7 +166,7 @@ def test_framed_request_and_framed_response(fleet2, http):
     np.testing.assert_array_equal(got, big)
 
     delta = np.full_like(big, 0.25)
-    rep = post(http, url, "push", {"worker_id": "w", "seq": 3, "grads": {name: delta}},
+    rep = post(http, url, "push", {"worker_id": worker(), "seq": 3, "grads": {name: delta}},
                frame=True, accept_frame=True)
     assert rep.status == 200
     assert rep.msg["variables"][name]["version"] == 1
@@ -170,7 +177,8 @@ def test_framed_request_and_framed_response(fleet2, http):
     np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][name]["value"]), big + delta)
 
     rep = post(http, url, "assign", {"values": {name: -big}}, frame=True, accept_frame=True)
-    assert rep.status == 200 and rep.msg == {"variables": {name: {"version": 2}}}
+    assert rep.status == 200 and rep.msg == {"variables": {name: {"status": "applied",
+                                                                    "version": 2}}}
     rep = post(http, url, "pull", {"names": [name]}, accept_frame=True)
     np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][name]["value"]), -big)
 
@@ -188,7 +196,7 @@ def test_pull_with_versions_leaves_out_unchanged_values(fleet2, http):
     a, b = owned(0), owned(0)
     init(http, url, a, np.zeros(3, np.float32))
     init(http, url, b, np.zeros(3, np.float32))
-    post(http, url, "push", {"worker_id": "w", "seq": 0, "grads": {b: np.ones(3, np.float32)}})
+    post(http, url, "push", {"worker_id": worker(), "seq": 0, "grads": {b: np.ones(3, np.float32)}})
     rep = post(http, url, "pull", {"names": [a, b], "versions": {a: 0, b: 0}})
     assert rep.msg["variables"][a] == {"version": 0}
     assert rep.msg["variables"][b]["version"] == 1 and "value" in rep.msg["variables"][b]
@@ -199,7 +207,7 @@ def test_init_is_idempotent_and_conflicts_create_nothing(fleet2, http):
     name, fresh = owned(0), owned(0)
     w0 = np.ones((2, 2), np.float32)
     init(http, url, name, w0)
-    post(http, url, "push", {"worker_id": "w", "seq": 0, "grads": {name: w0}})
+    post(http, url, "push", {"worker_id": worker(), "seq": 0, "grads": {name: w0}})
 
     # same shape and dtype (even in the other byte order): the existing variable, unchanged
     rep = post(http, url, "init", {"variables": {name: {"value": np.zeros((2, 2), ">f4")}}})
@@ -236,11 +244,11 @@ def test_increment_counts_atomically(fleet2, http):
     state = inspect(http, url, name)
     assert state["dtype"] == "<i8" and state["shape"] == [] and state["values"] == 20
     rep = post(http, url, "increment", {"name": name, "delta": -20})
-    assert rep.msg == {"value": 0, "version": 21}
+    assert rep.msg == {"value": 0, "version": 21, "status": "applied"}
 
     fname = owned(1)
     rep = post(http, url, "increment", {"name": fname, "delta": 0.5})
-    assert rep.msg == {"value": 0.5, "version": 1}
+    assert rep.msg == {"value": 0.5, "version": 1, "status": "applied"}
     assert inspect(http, url, fname)["dtype"] == "<f8"
 
 
@@ -270,9 +278,10 @@ def test_push_reports_staleness(fleet2, http):
     name = owned(0)
     init(http, url, name, np.zeros(2, np.float32), {"type": "add"})
     g = np.ones(2, np.float32)
+    a = worker()
     for seq in range(3):
-        post(http, url, "push", {"worker_id": "a", "seq": seq, "grads": {name: g}})
-    rep = post(http, url, "push", {"worker_id": "b", "seq": 0, "grads": {name: g},
+        post(http, url, "push", {"worker_id": a, "seq": seq, "grads": {name: g}})
+    rep = post(http, url, "push", {"worker_id": worker(), "seq": 0, "grads": {name: g},
                                    "versions": {name: 1}})
     assert rep.msg["variables"][name] == {"status": "applied", "version": 4, "staleness": 2}
 
@@ -295,7 +304,7 @@ def test_a_pull_in_flight_never_sees_later_pushes(fleet2, http):
             chunks = r.iter_raw()
             received = bytearray(next(chunks))
             for seq in range(3):  # while the rest of the response waits in the shard
-                rep = post(http, url, "push", {"worker_id": "w", "seq": seq, "grads": {
+                rep = post(http, url, "push", {"worker_id": worker(), "seq": seq, "grads": {
                     n: np.ones_like(zeros) for n in names}}, frame=True)
                 assert rep.status == 200
             for chunk in chunks:
@@ -348,7 +357,7 @@ def test_optimizer_math_matches_numpy(fleet2, http, opt, shape, frame):
     # gradients in several encodings: native f4, big-endian f8 and f2 are cast to the variable's
     grads = [rng.standard_normal(shape).astype(dt) for dt in ("<f4", ">f8", "<f2", ">f4")]
     for seq, g in enumerate(grads):
-        rep = post(http, url, "push", {"worker_id": "w", "seq": seq, "grads": {name: g}},
+        rep = post(http, url, "push", {"worker_id": worker(), "seq": seq, "grads": {name: g}},
                    frame=frame)
         assert rep.status == 200, rep.msg
     expected = _reference(opt, w0, [g.astype(np.float32) for g in grads])
@@ -367,7 +376,7 @@ def victim(fleet2, http):
     name = owned(0)
     value = np.arange(6, dtype=np.float32).reshape(2, 3)
     init(http, url, name, value)
-    post(http, url, "push", {"worker_id": "w", "seq": 0, "grads": {name: np.ones((2, 3),
+    post(http, url, "push", {"worker_id": worker(), "seq": 0, "grads": {name: np.ones((2, 3),
                                                                                    np.float32)}})
     before = inspect(http, url, name)
     yield url, name
@@ -380,7 +389,7 @@ def victim(fleet2, http):
 def _bad_requests(name: str, other: str) -> list[tuple[str, str, Any, int, str]]:
     """(id, verb, body, status, code); ``body`` is a message or raw ``bytes`` (msgpack)."""
     g = np.ones((2, 3), np.float32)
-    push = {"worker_id": "w", "seq": 1}
+    push = {"worker_id": worker(), "seq": 1}
     return [
         ("garbage-bytes", "push", b"\xc1\xff\x00not msgpack", 400, "bad_request"),
         ("empty-body", "pull", b"", 400, "bad_request"),
@@ -458,7 +467,7 @@ def test_a_bad_gradient_refuses_the_whole_push(fleet2, http, victim):
     url, name = victim
     good = owned(0)
     init(http, url, good, np.zeros(3, np.float32))
-    rep = post(http, url, "push", {"worker_id": "w", "seq": 9, "grads": {
+    rep = post(http, url, "push", {"worker_id": worker(), "seq": 9, "grads": {
         good: np.ones(3, np.float32), name: np.full((2, 3), np.nan, np.float32)}})
     assert_refused(rep, 422, "bad_tensor")
     assert rep.msg["error"]["details"]["variable"] == name
@@ -469,7 +478,7 @@ def test_push_to_an_integer_variable_is_refused(fleet2, http):
     url = fleet2.urls[0]
     name = owned(0)
     init(http, url, name, np.arange(4, dtype=np.int64))
-    rep = post(http, url, "push", {"worker_id": "w", "seq": 0,
+    rep = post(http, url, "push", {"worker_id": worker(), "seq": 0,
                                    "grads": {name: np.ones(4, np.float32)}})
     assert_refused(rep, 422, "bad_tensor")
     state = inspect(http, url, name)
@@ -493,7 +502,7 @@ def test_bad_frames_are_refused(victim, http, case):
     url, name = victim
     g = np.ones((64, 64), np.float32)
     other = owned(0)
-    good = frame_bytes({"worker_id": "w", "seq": 1, "grads": {name: np.ones((2, 3), np.float32),
+    good = frame_bytes({"worker_id": worker(), "seq": 1, "grads": {name: np.ones((2, 3), np.float32),
                                                               other: g}})
     (hlen,) = struct.unpack_from("<I", good, 4)
     header = msgpack.unpackb(good[8:8 + hlen])
@@ -538,7 +547,7 @@ def test_not_owner_is_421_with_owners(fleet2, http):
         ("init", {"variables": {theirs: {"value": np.zeros(2, np.float32)},
                                 mine: {"value": np.zeros(2, np.float32)}}}),
         ("pull", {"names": [mine, theirs]}),
-        ("push", {"worker_id": "w", "seq": 0, "grads": {mine: np.ones(2, np.float32),
+        ("push", {"worker_id": worker(), "seq": 0, "grads": {mine: np.ones(2, np.float32),
                                                         theirs: np.ones(2, np.float32)}}),
         ("assign", {"values": {theirs: np.ones(2, np.float32)}}),
         ("increment", {"name": theirs}),
@@ -583,7 +592,7 @@ def test_too_large_body_is_413(fleet_factory, http):
     url = fleet.urls[0]
     name = owned(0, 1)
     init(http, url, name, np.zeros(8, np.float32))
-    big = {"worker_id": "w", "seq": 0, "grads": {name: np.zeros(2048, np.float32)}}
+    big = {"worker_id": worker(), "seq": 0, "grads": {name: np.zeros(2048, np.float32)}}
     assert_refused(post(http, url, "push", big), 413, "too_large")
     assert_refused(post(http, url, "push", big, frame=True), 413, "too_large")
 

@@ -1,0 +1,357 @@
+"""Admission control: what a shard lets in, and when. Bounded work, pauses, restore and drain.
+
+:class:`Gate` holds the state; :class:`AdmissionMiddleware` applies it to data-plane requests
+(``POST /v1/<verb>``) before any handler runs, so the handlers know nothing about it:
+
+* **Phase.** Until its snapshot is restored (``restoring``), after SIGTERM (``draining``) and
+  after a failed restore (``failed``) the shard answers data-plane requests 503 ``unavailable``
+  with ``Retry-After``; ``/readyz`` says the same. ``/healthz`` and the JSON endpoints answer
+  throughout.
+* **Bounded work.** Writes and pulls are admitted while fewer than ``max_requests`` are in
+  flight and their declared bodies (``Content-Length``) sum to at most ``max_bytes``. Others
+  wait, first come first served, before their body is read (so waiting costs no memory), for at
+  most :data:`ADMIT_WAIT` seconds; then, or when :data:`MAX_WAITING` already wait, they get 429
+  ``overloaded`` with ``Retry-After``. Long polls (``/v1/wait``) and control verbs are not
+  counted.
+* **Pauses.** While the gate is closed (a fleet checkpoint's pause, or the instant a snapshot
+  is captured), a write that has read its body waits before its handler sees the last byte, so
+  nothing is applied; :meth:`Gate.quiesce` and :meth:`Gate.pause` return once every write
+  already past that point has answered. A write that arrives during a checkpoint's pause waits
+  up to :data:`PAUSE_WAIT` seconds, then gets 503 with ``Retry-After``.
+
+Everything runs on the event loop; nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import ShardError
+
+__all__ = ["ADMIT_WAIT", "MAX_WAITING", "PAUSE_WAIT", "AdmissionMiddleware", "Gate"]
+
+logger = logging.getLogger("paramshard.server")
+
+#: Longest a request waits for room before it is answered 429.
+ADMIT_WAIT = 1.0
+#: Requests that may wait for room at once; more are answered 429 at once.
+MAX_WAITING = 1024
+#: Longest a write arriving during a checkpoint's pause waits before it is answered 503.
+PAUSE_WAIT = 1.0
+#: Longest a pause waits for writes already past the gate to answer.
+DRAIN_WRITES = 10.0
+RETRY_AFTER = "1"
+
+WRITES = frozenset({"init", "push", "assign", "increment"})
+READS = frozenset({"pull"})
+CONTROL = frozenset({"pause", "snapshot", "resume"})
+
+Render = Callable[..., Response]
+
+
+class Gate:
+    """The admission state of one shard: phase, room for work, pauses (see the module)."""
+
+    def __init__(self, max_bytes: int, max_requests: int) -> None:
+        self.max_bytes = max_bytes
+        self.max_requests = max_requests
+        #: ``restoring`` -> ``ready`` -> ``draining``; or ``failed`` when the restore failed.
+        self.phase = "restoring"
+        self.reason = "restoring its snapshot"
+        #: The fleet checkpoint this shard is paused for, if any.
+        self.paused_for: str | None = None
+        self.requests = 0
+        self.bytes = 0
+        self.refused = 0
+        self._waiters: deque[list[Any]] = deque()
+        self._holds = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._applying = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._lease: asyncio.TimerHandle | None = None
+
+    # -- phase ------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready"
+
+    def set_phase(self, phase: str, reason: str = "") -> None:
+        self.phase = phase
+        self.reason = reason
+        if phase != "ready":
+            for entry in self._waiters:  # they are answered 503 now, not after ADMIT_WAIT
+                if not entry[1].done():
+                    entry[1].set_result(False)
+            self._waiters.clear()
+
+    def refusal(self) -> ShardError | None:
+        """Why data-plane requests are refused now (503), or ``None``."""
+        if self.phase == "ready":
+            return None
+        what = {"restoring": "is restoring its snapshot",
+                "draining": "is shutting down",
+                "failed": "could not restore its state"}.get(self.phase, self.phase)
+        message = f"the shard {what}"
+        message += f" ({self.reason})" if self.reason and self.phase == "failed" else ""
+        message += ": retry in a moment" if self.phase != "failed" else \
+            ": see the shard's log, fix the data dir and restart it"
+        return ShardError("unavailable", message, {"reason": self.phase},
+                          headers={"Retry-After": RETRY_AFTER})
+
+    # -- bounded work -----------------------------------------------------------------------
+
+    def _fits(self, nbytes: int) -> bool:
+        if self.requests == 0:
+            return True
+        return self.requests < self.max_requests and self.bytes + nbytes <= self.max_bytes
+
+    def _take(self, nbytes: int) -> None:
+        self.requests += 1
+        self.bytes += nbytes
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            nbytes, fut = self._waiters.popleft()
+            if not fut.done():
+                self._take(nbytes)
+                fut.set_result(True)
+
+    async def admit(self, nbytes: int) -> bool:
+        """Take room for a request of ``nbytes``, waiting up to :data:`ADMIT_WAIT` seconds in
+        line; ``False`` if there was none (answer 429). Pair a ``True`` with :meth:`release`."""
+        if not self._waiters and self._fits(nbytes):
+            self._take(nbytes)
+            return True
+        if len(self._waiters) >= MAX_WAITING:
+            return False
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        entry = [nbytes, fut]
+        self._waiters.append(entry)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), ADMIT_WAIT)
+        except asyncio.TimeoutError:
+            return self._give_up(entry)
+        except asyncio.CancelledError:
+            if self._give_up(entry):
+                self.release(nbytes)
+            raise
+
+    def _give_up(self, entry: list[Any]) -> bool:
+        """Leave the line; True if room was granted meanwhile (it is then ours)."""
+        fut = entry[1]
+        if fut.done():
+            return bool(fut.result())
+        fut.cancel()
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(entry)
+        self._wake()
+        return False
+
+    def release(self, nbytes: int) -> None:
+        self.requests -= 1
+        self.bytes -= nbytes
+        self._wake()
+
+    # -- pauses -----------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._holds > 0
+
+    async def enter_apply(self) -> None:
+        """Called by a write whose body is complete: wait while the gate is closed, then count
+        it as applying until :meth:`exit_apply`."""
+        while self._holds:
+            await self._open.wait()
+        self._applying += 1
+        self._idle.clear()
+
+    def exit_apply(self) -> None:
+        self._applying -= 1
+        if self._applying == 0:
+            self._idle.set()
+
+    def _hold(self) -> None:
+        self._holds += 1
+        self._open.clear()
+
+    def _unhold(self) -> None:
+        self._holds -= 1
+        if self._holds == 0:
+            self._open.set()
+
+    async def _drain_writes(self, timeout: float) -> None:
+        if self._applying:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+
+    @contextlib.asynccontextmanager
+    async def quiesce(self, timeout: float = DRAIN_WRITES) -> AsyncIterator[None]:
+        """Inside the block no write is being applied: new ones wait at the gate.
+
+        Raises ``asyncio.TimeoutError`` if writes already applying do not answer in time.
+        """
+        self._hold()
+        try:
+            await self._drain_writes(timeout)
+            yield
+        finally:
+            self._unhold()
+
+    async def pause(self, checkpoint: str, lease: float) -> None:
+        """Stop applying writes for fleet checkpoint ``checkpoint`` until :meth:`resume` or
+        ``lease`` seconds pass. Idempotent for the same checkpoint (the lease restarts)."""
+        if self.paused_for is not None and self.paused_for != checkpoint:
+            raise ShardError("conflict", f"the shard is paused for checkpoint "
+                             f"{self.paused_for!r}; retry when it has finished",
+                             {"paused_for": self.paused_for})
+        if self.paused_for is None:
+            self.paused_for = checkpoint
+            self._hold()
+        self._restart_lease(checkpoint, lease)
+        try:
+            await self._drain_writes(DRAIN_WRITES)
+        except asyncio.TimeoutError:
+            self.resume(checkpoint)
+            raise ShardError("unavailable", f"could not pause for checkpoint {checkpoint!r}: "
+                             f"writes in flight did not finish within {DRAIN_WRITES:g}s; retry",
+                             headers={"Retry-After": RETRY_AFTER}) from None
+
+    def _restart_lease(self, checkpoint: str, lease: float) -> None:
+        if self._lease is not None:
+            self._lease.cancel()
+        self._lease = asyncio.get_running_loop().call_later(lease, self._expire, checkpoint,
+                                                            lease)
+
+    def _expire(self, checkpoint: str, lease: float) -> None:
+        if self.paused_for == checkpoint:
+            logger.warning("checkpoint %s: no resume within its %gs lease; resuming writes",
+                           checkpoint, lease)
+            self.resume(checkpoint)
+
+    def resume(self, checkpoint: str) -> bool:
+        """End the pause of ``checkpoint``; False if the shard was not paused for it."""
+        if self.paused_for != checkpoint:
+            return False
+        self.paused_for = None
+        if self._lease is not None:
+            self._lease.cancel()
+            self._lease = None
+        self._unhold()
+        return True
+
+    async def wait_unpaused(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a checkpoint's pause to end; True if it did."""
+        if self.paused_for is None:
+            return True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._open.wait(), timeout)
+        return self.paused_for is None
+
+    def stats(self) -> dict[str, Any]:
+        return {"phase": self.phase, "paused_for": self.paused_for,
+                "requests_in_flight": self.requests, "bytes_in_flight": self.bytes,
+                "waiting": len(self._waiters), "refused_overloaded": self.refused,
+                "max_queued_requests": self.max_requests, "max_queued_bytes": self.max_bytes}
+
+
+def _content_length(scope: Scope) -> int | None:
+    for key, value in scope.get("headers", ()):
+        if key == b"content-length":
+            try:
+                return max(0, int(value))
+            except ValueError:
+                return None
+    return None
+
+
+class AdmissionMiddleware:
+    """Applies a :class:`Gate` to ``POST /v1/<verb>`` (pure ASGI, inside ShardMiddleware).
+
+    ``render(scope, status, code, message, details, headers)`` builds refusals in the
+    request's format (``server.app.error_response``); ``max_body`` is the shard's request
+    limit (a body declared above it is let through: its handler answers 413 unread).
+    """
+
+    def __init__(self, app: ASGIApp, gate: Gate, render: Render, max_body: int) -> None:
+        self.app = app
+        self.gate = gate
+        self.render = render
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        verb = path[4:] if scope.get("method") == "POST" and path.startswith("/v1/") else ""
+        if verb not in WRITES and verb not in READS and verb not in CONTROL:
+            await self.app(scope, receive, send)  # long polls, inspection, unknown paths
+            return
+        gate = self.gate
+        refusal = gate.refusal()
+        if refusal is None and verb in WRITES and gate.paused_for is not None:
+            if not await gate.wait_unpaused(PAUSE_WAIT):
+                refusal = ShardError(
+                    "unavailable", f"the shard is paused for fleet checkpoint "
+                    f"{gate.paused_for!r}: retry in a moment",
+                    {"reason": "paused", "checkpoint": gate.paused_for},
+                    headers={"Retry-After": RETRY_AFTER})
+        if refusal is None and verb in CONTROL:
+            await self.app(scope, receive, send)
+            return
+        nbytes = 0
+        if refusal is None:
+            declared = _content_length(scope)
+            nbytes = self.max_body if declared is None else declared
+            if nbytes > self.max_body:
+                nbytes = 0  # refused unread by the handler (413)
+            if not await gate.admit(nbytes):
+                refusal = gate.refusal() or self._overloaded()
+        if refusal is not None:
+            await self.render(scope, refusal.status, refusal.code, refusal.message,
+                              refusal.details, refusal.headers)(scope, receive, send)
+            return
+        applying = False
+
+        async def gated_receive() -> Message:
+            nonlocal applying
+            message = await receive()
+            if (verb in WRITES and message["type"] == "http.request"
+                    and not message.get("more_body", False) and not applying):
+                await gate.enter_apply()
+                applying = True
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal applying
+            if message["type"] == "http.response.start" and applying:
+                applying = False
+                gate.exit_apply()
+            await send(message)
+
+        try:
+            await self.app(scope, gated_receive, tracked_send)
+        finally:
+            if applying:
+                gate.exit_apply()
+            gate.release(nbytes)
+
+    def _overloaded(self) -> ShardError:
+        gate = self.gate
+        gate.refused += 1
+        return ShardError(
+            "overloaded",
+            f"the shard has {gate.requests} requests ({gate.bytes} body bytes) in flight and "
+            f"{len(gate._waiters)} waiting, its limit (--max-queued-requests "
+            f"{gate.max_requests}, --max-queued-bytes {gate.max_bytes}): retry after "
+            f"{RETRY_AFTER}s, or add shards",
+            {"requests_in_flight": gate.requests, "bytes_in_flight": gate.bytes},
+            headers={"Retry-After": RETRY_AFTER})

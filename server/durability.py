@@ -1,0 +1,180 @@
+"""A shard's life around its snapshots: restore at start, snapshot periodically, on request and
+on shutdown.
+
+:class:`Durability` is driven by the app's lifespan (``server/app.py``):
+
+* :meth:`start` runs the restore in a background task: the newest valid snapshot of
+  ``--data-dir`` (or the one of ``--restore <checkpoint>``) is read in a worker thread while
+  ``/healthz`` already answers, then installed in the store; the gate turns ``ready``. A data
+  dir that cannot be used turns it ``failed`` and asks the server to exit with status 1.
+* every ``--snapshot-interval`` seconds, if anything changed, :meth:`snapshot` writes one;
+* :meth:`snapshot` also serves ``POST /v1/snapshot`` (a fleet checkpoint's middle step);
+* :meth:`stop` (after uvicorn has finished the requests in flight) writes the final snapshot.
+
+A snapshot is captured while the gate is quiesced (no write being applied), which costs no
+copy (``ParameterStore.capture``), then written in a worker thread while the shard serves on.
+One snapshot is written at a time. Without ``--data-dir`` there are no snapshots and the shard
+is ready at once.
+
+Coroutines run on the event loop; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import persistence
+from .admission import Gate
+from .config import ShardConfig
+from .errors import ShardError
+from .store import ParameterStore
+
+__all__ = ["Durability"]
+
+logger = logging.getLogger("paramshard.server")
+
+
+class Durability:
+    """Snapshots of one shard (see the module). ``on_fatal`` is called when the shard cannot
+    go on (its data dir cannot be restored) and should make the server exit with status 1."""
+
+    def __init__(self, config: ShardConfig, store: ParameterStore, gate: Gate,
+                 incarnation: str, on_fatal: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.store = store
+        self.gate = gate
+        self.incarnation = incarnation
+        self.on_fatal = on_fatal
+        self.data_dir = Path(config.data_dir) if config.data_dir else None
+        #: What the shard came back from (``Snapshot.info()`` plus timings), or ``None``.
+        self.restored: dict[str, Any] | None = None
+        #: The last snapshot written by this process, or ``None``.
+        self.last: dict[str, Any] | None = None
+        self.failed: str | None = None
+        self._saved_mutations = 0
+        self._lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task] = []
+        self._number = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.data_dir is not None
+
+    # -- lifespan ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Begin the restore (in the background) and the periodic snapshots."""
+        if not self.enabled:
+            self.gate.set_phase("ready")
+            return
+        self._tasks.append(asyncio.create_task(self._restore(), name="paramshard-restore"))
+
+    async def _restore(self) -> None:
+        assert self.data_dir is not None
+        try:
+            found = await asyncio.to_thread(self._read)
+        except (persistence.SnapshotMismatch, OSError) as exc:
+            self.failed = str(exc)
+            logger.error("cannot restore shard %s from %s: %s", self.config.fleet,
+                         self.data_dir, exc)
+            self.gate.set_phase("failed", str(exc))
+            if self.on_fatal is not None:
+                self.on_fatal(str(exc))
+            return
+        if found is not None:
+            self.store.restore(found.variables, found.dedup)
+            self.restored = {**found.snapshot.info(), "seconds": found.seconds,
+                             "skipped": found.skipped}
+            logger.info("shard %s restored snapshot %s (%d variables, %d bytes, state version "
+                        "%d) in %.2fs", self.config.fleet, found.snapshot.manifest_path.name,
+                        len(found.variables), found.snapshot.manifest["values_bytes"],
+                        found.snapshot.state_version, found.seconds)
+        else:
+            logger.info("shard %s: no snapshot in %s, starting empty", self.config.fleet,
+                        self.data_dir)
+        self._saved_mutations = self.store.mutations
+        if self.gate.phase != "restoring":  # SIGTERM arrived meanwhile
+            return
+        self.gate.set_phase("ready")
+        if self.config.snapshot_interval > 0:
+            self._tasks.append(asyncio.create_task(self._periodic(),
+                                                   name="paramshard-snapshots"))
+
+    def _read(self) -> persistence.Restorable | None:
+        assert self.data_dir is not None
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        removed = persistence.clean(self.data_dir)
+        if removed:
+            logger.warning("removed leftovers of an interrupted snapshot write in %s: %s",
+                           self.data_dir, ", ".join(removed))
+        self._number = persistence.next_number(self.data_dir)
+        return persistence.find_restorable(self.data_dir, self.config.shard_index,
+                                           self.config.num_shards, self.config.restore)
+
+    async def _periodic(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.snapshot_interval)
+            if self.store.mutations == self._saved_mutations or self._lock.locked():
+                continue
+            try:
+                await self.snapshot(reason="periodic")
+            except Exception:  # noqa: BLE001 - logged; the next period tries again
+                logger.exception("periodic snapshot of shard %s failed", self.config.fleet)
+
+    async def stop(self) -> None:
+        """Stop the background tasks and write a final snapshot if anything changed since the
+        last one. Raises what the write raised (the server then exits non-zero)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - cancelled on purpose
+                pass
+        self._tasks.clear()
+        if (self.enabled and self.gate.phase in ("ready", "draining")
+                and self.store.mutations != self._saved_mutations):
+            await self.snapshot(reason="shutdown")
+
+    # -- snapshots --------------------------------------------------------------------------
+
+    def require(self) -> None:
+        """Raise :class:`ShardError` ``no_data_dir`` unless snapshots can be written."""
+        if self.data_dir is None:
+            raise ShardError("no_data_dir", f"shard {self.config.fleet} was started without "
+                             "--data-dir, so it cannot write snapshots: restart every shard "
+                             "with --data-dir DIR (or PARAMSHARD_DATA_DIR)")
+
+    async def snapshot(self, checkpoint: str | None = None, *, reason: str = "request"
+                       ) -> dict[str, Any]:
+        """Capture the state at one instant and write it; returns the snapshot's info.
+
+        One at a time (a second call waits for the first). Raises :class:`ShardError`
+        ``no_data_dir`` without ``--data-dir``, and ``OSError`` if the disk refuses.
+        """
+        self.require()
+        assert self.data_dir is not None
+        async with self._lock:
+            async with self.gate.quiesce():
+                capture = self.store.capture()
+            number = self._number
+            started = time.perf_counter()
+            snap = await asyncio.to_thread(
+                persistence.write_snapshot, self.data_dir, number, capture,
+                incarnation=self.incarnation, checkpoint=checkpoint)
+            seconds = time.perf_counter() - started
+            self._number = number + 1
+            self._saved_mutations = max(self._saved_mutations, capture.mutations)
+            removed = await asyncio.to_thread(persistence.prune, self.data_dir,
+                                              self.config.keep_snapshots)
+            self.last = {**snap.info(), "seconds": seconds, "reason": reason}
+            logger.info("shard %s wrote snapshot %s (%s: %d variables, %d bytes) in %.2fs%s",
+                        self.config.fleet, snap.manifest_path.name, reason,
+                        len(capture.variables), snap.manifest["values_bytes"], seconds,
+                        f"; removed {len(removed)} old file(s)" if removed else "")
+            return self.last

@@ -1,0 +1,545 @@
+"""Snapshots of one shard on disk: written atomically, the newest K kept, the newest valid one
+restored.
+
+A data dir belongs to one shard and holds numbered snapshots, each two files::
+
+    snapshot-00000012.safetensors            values and optimizer slots (safetensors format)
+    snapshot-00000012.json                   the manifest
+    snapshot-00000013-<checkpoint>.json      (and .safetensors) part of fleet checkpoint <id>
+
+The **manifest** says, per variable, its dtype, shape, version, update count, optimizer spec,
+bookkeeping and the safetensors key and CRC-32 of its value and of each optimizer slot; plus the
+dedup table, the shard's index, fleet size and incarnation, its state version, and when it was
+written. It carries a CRC-32 of its own canonical JSON form (``checksum``).
+
+**Writing** (:func:`write_snapshot`): the values go to a temporary file (safetensors' writer
+reads the arrays' own memory: no copy), which is fsynced and renamed; then the manifest the
+same way; then the directory is fsynced. The manifest is renamed last, so a snapshot exists
+exactly when its manifest does: a crash at any point leaves the earlier snapshots intact and at
+worst a temporary or orphan file, which :func:`clean` removes at the next start.
+
+**Reading** (:func:`read_manifest`, :func:`read_arrays`) checks everything it can: the
+manifest's checksum and structure, the safetensors header against the manifest, the file's
+length, and every array's CRC-32; a failure is a :class:`SnapshotError` saying what is wrong.
+Arrays are read with ``readinto`` into fresh memory (one copy, without holding the GIL) or, for
+resharding, memory-mapped. :func:`find_restorable` walks the snapshots newest first, logs a
+warning for each one that does not validate, and returns the first that does.
+
+All functions block on file I/O; run them off the event loop. None shares state between calls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import struct
+import time
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from client_sdk import wire
+from client_sdk.optimizers import from_wire
+from client_sdk.placement import validate_name
+
+from . import optim
+from .dedup import DedupTable
+from .store import Capture, Variable
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "Restorable",
+    "Snapshot",
+    "SnapshotError",
+    "SnapshotMismatch",
+    "checkpoint_id_error",
+    "clean",
+    "find_restorable",
+    "list_snapshots",
+    "next_number",
+    "prune",
+    "read_arrays",
+    "read_manifest",
+    "to_variables",
+    "write_snapshot",
+]
+
+logger = logging.getLogger("paramshard.server")
+
+FORMAT = "paramshard-snapshot"
+FORMAT_VERSION = 1
+_NAME_RE = re.compile(r"snapshot-(\d{8,})(?:-([A-Za-z0-9_-]{1,64}))?\.json")
+_CHECKPOINT_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_TMP_PREFIX = ".tmp-"
+#: numpy dtype kind+size -> safetensors dtype name.
+_ST_DTYPES = {"f2": "F16", "f4": "F32", "f8": "F64", "i1": "I8", "i2": "I16", "i4": "I32",
+              "i8": "I64", "u1": "U8", "u2": "U16", "u4": "U32", "u8": "U64"}
+_MAX_HEADER = 256 << 20
+_READ_BLOCK = 64 << 20
+
+
+class SnapshotError(ValueError):
+    """A snapshot that does not validate (torn, truncated, corrupt); the message says how."""
+
+
+class SnapshotMismatch(Exception):
+    """Valid snapshots of another shard or fleet size: starting on them would misplace
+    variables. The message says what to do."""
+
+
+def checkpoint_id_error(checkpoint: Any) -> str | None:
+    """Why ``checkpoint`` is not a usable checkpoint id, or ``None`` if it is."""
+    if not isinstance(checkpoint, str) or not _CHECKPOINT_RE.fullmatch(checkpoint):
+        return "a checkpoint id is 1-64 characters from A-Z a-z 0-9 _ -"
+    return None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A validated manifest and where its files are."""
+
+    manifest_path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def number(self) -> int:
+        return int(self.manifest["snapshot"])
+
+    @property
+    def checkpoint(self) -> str | None:
+        return self.manifest.get("checkpoint")
+
+    @property
+    def values_path(self) -> Path:
+        return self.manifest_path.parent / self.manifest["values_file"]
+
+    @property
+    def state_version(self) -> int:
+        return int(self.manifest["state_version"])
+
+    def info(self) -> dict[str, Any]:
+        """What the shard reports about this snapshot (``/v1/cluster``, checkpoint replies)."""
+        m = self.manifest
+        return {"snapshot": m["snapshot"], "checkpoint": m.get("checkpoint"),
+                "created_at": m["created_at"], "state_version": m["state_version"],
+                "variables": len(m["variables"]), "bytes": m["values_bytes"],
+                "path": str(self.manifest_path)}
+
+
+# -- listing ----------------------------------------------------------------------------------
+
+def list_snapshots(data_dir: Path) -> list[tuple[int, str | None, Path]]:
+    """``(number, checkpoint, manifest path)`` of every manifest in ``data_dir``, oldest first
+    (by name only: nothing is read)."""
+    out = []
+    try:
+        entries = list(os.scandir(data_dir))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        m = _NAME_RE.fullmatch(entry.name)
+        if m:
+            out.append((int(m.group(1)), m.group(2), Path(entry.path)))
+    return sorted(out)
+
+
+def next_number(data_dir: Path) -> int:
+    """One more than the highest snapshot number in ``data_dir`` (manifests or values)."""
+    highest = 0
+    for entry in _entries(data_dir):
+        m = re.match(r"(?:\.tmp-)?snapshot-(\d{8,})", entry)
+        if m:
+            highest = max(highest, int(m.group(1)))
+    return highest + 1
+
+
+def _entries(data_dir: Path) -> list[str]:
+    try:
+        return os.listdir(data_dir)
+    except FileNotFoundError:
+        return []
+
+
+def clean(data_dir: Path) -> list[str]:
+    """Remove leftovers of interrupted writes: temporary files, and values files whose
+    manifest never appeared. Returns the names removed."""
+    names = set(_entries(data_dir))
+    stems = {n[:-len(".json")] for n in names if _NAME_RE.fullmatch(n)}
+    removed = []
+    for name in sorted(names):
+        orphan = name.endswith(".safetensors") and name.startswith("snapshot-") \
+            and name[:-len(".safetensors")] not in stems
+        if name.startswith(_TMP_PREFIX + "snapshot-") or orphan:
+            try:
+                os.unlink(data_dir / name)
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    if removed:
+        _fsync_dir(data_dir)
+    return removed
+
+
+def prune(data_dir: Path, keep: int) -> list[str]:
+    """Keep the newest ``keep`` snapshots, and separately the newest ``keep`` that belong to a
+    fleet checkpoint; delete the rest (manifest first). Returns the names removed."""
+    plain = [(n, p) for n, c, p in list_snapshots(data_dir) if c is None]
+    ckpts = [(n, p) for n, c, p in list_snapshots(data_dir) if c is not None]
+    removed = []
+    for group in (plain, ckpts):
+        for _, manifest in group[:-keep] if keep > 0 else group:
+            values = manifest.with_suffix(".safetensors")
+            for path in (manifest, values):
+                try:
+                    os.unlink(path)
+                    removed.append(path.name)
+                except FileNotFoundError:
+                    pass
+    if removed:
+        _fsync_dir(data_dir)
+    return removed
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+def _canonical(manifest: Mapping[str, Any]) -> bytes:
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False).encode()
+
+
+def _crc(a: np.ndarray) -> int:
+    if a.nbytes == 0:
+        return 0
+    return zlib.crc32(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync_path(path)
+    except OSError:  # some filesystems cannot fsync a directory; the renames still happened
+        pass
+
+
+def write_snapshot(data_dir: Path, number: int, capture: Capture, *, incarnation: str,
+                   checkpoint: str | None = None) -> Snapshot:
+    """Write ``capture`` as snapshot ``number`` of ``data_dir`` (created if missing),
+    atomically and durably (see the module). Blocks; returns the written snapshot.
+
+    Raises ``OSError`` if the disk refuses (the earlier snapshots are untouched either way).
+    """
+    from safetensors.numpy import save_file
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"snapshot-{number:08d}" + (f"-{checkpoint}" if checkpoint else "")
+    tensors: dict[str, np.ndarray] = {}
+    variables: dict[str, Any] = {}
+    for name, (meta, arrays) in capture.variables.items():
+        entries = {}
+        for slot, array in arrays.items():
+            key = name if slot == "value" else f"{name}#{slot}"
+            tensors[key] = array
+            entries[slot] = {"key": key, "crc32": _crc(array)}
+        variables[name] = {**meta, "tensors": entries}
+    values_name = stem + ".safetensors"
+    tmp_values = data_dir / (_TMP_PREFIX + values_name)
+    tmp_manifest = data_dir / (_TMP_PREFIX + stem + ".json")
+    try:
+        save_file(tensors, tmp_values, metadata={"paramshard_snapshot": str(number)})
+        _fsync_path(tmp_values)
+        values_bytes = tmp_values.stat().st_size
+        os.replace(tmp_values, data_dir / values_name)
+        manifest: dict[str, Any] = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "snapshot": number,
+            "checkpoint": checkpoint,
+            "created_at": capture.taken_at,
+            "written_at": time.time(),
+            "shard_index": capture.shard_index,
+            "num_shards": capture.num_shards,
+            "incarnation": incarnation,
+            "state_version": capture.state_version,
+            "values_file": values_name,
+            "values_bytes": values_bytes,
+            "variables": variables,
+            "dedup": capture.dedup,
+        }
+        manifest["checksum"] = zlib.crc32(_canonical(manifest))
+        with open(tmp_manifest, "w", encoding="ascii") as f:
+            json.dump(manifest, f, sort_keys=True, indent=1, ensure_ascii=True, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        manifest_path = data_dir / (stem + ".json")
+        os.replace(tmp_manifest, manifest_path)
+        _fsync_dir(data_dir)
+    except BaseException:
+        for path in (tmp_values, tmp_manifest):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        raise
+    return Snapshot(manifest_path, manifest)
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+def _need(cond: bool, path: Path, message: str) -> None:
+    if not cond:
+        raise SnapshotError(f"{path.name}: {message}")
+
+
+def _is_int(value: Any, lo: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= lo
+
+
+def read_manifest(path: Path) -> Snapshot:
+    """Read and check a manifest (not yet its values file). Raises :class:`SnapshotError`."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise SnapshotError(f"{path.name}: cannot read it ({exc})") from None
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SnapshotError(f"{path.name}: not valid JSON (torn or corrupt: {exc})") from None
+    _need(isinstance(manifest, dict), path, "not a JSON object")
+    _need(manifest.get("format") == FORMAT, path, f"not a {FORMAT} manifest")
+    _need(manifest.get("format_version") == FORMAT_VERSION, path,
+          f"format version {manifest.get('format_version')!r}; this paramshard reads "
+          f"{FORMAT_VERSION}")
+    checksum = manifest.pop("checksum", None)
+    try:
+        actual = zlib.crc32(_canonical(manifest))
+    except ValueError:
+        actual = None
+    _need(checksum == actual, path, "checksum mismatch (corrupt)")
+    manifest["checksum"] = checksum
+    m = _NAME_RE.fullmatch(path.name)
+    _need(m is not None and _is_int(manifest.get("snapshot"), 1)
+          and int(m.group(1)) == manifest["snapshot"] and m.group(2) == manifest.get("checkpoint"),
+          path, "file name and contents disagree")
+    for key in ("shard_index", "num_shards", "state_version", "values_bytes"):
+        _need(_is_int(manifest.get(key)), path, f"bad {key!r}")
+    _need(0 <= manifest["shard_index"] < manifest["num_shards"], path, "bad shard index")
+    _need(isinstance(manifest.get("created_at"), (int, float)), path, "bad 'created_at'")
+    _need(manifest.get("values_file") == path.stem + ".safetensors", path, "bad 'values_file'")
+    _need(isinstance(manifest.get("variables"), dict), path, "bad 'variables'")
+    _need(isinstance(manifest.get("dedup"), dict), path, "bad 'dedup'")
+    for name, meta in manifest["variables"].items():
+        _check_variable(path, name, meta)
+    return Snapshot(path, manifest)
+
+
+def _check_variable(path: Path, name: str, meta: Any) -> None:
+    try:
+        validate_name(name)
+    except ValueError as exc:
+        raise SnapshotError(f"{path.name}: {exc}") from None
+    where = f"variable {name!r}"
+    _need(isinstance(meta, dict), path, f"{where}: not an object")
+    _need(meta.get("kind") in ("tensor", "counter"), path, f"{where}: bad kind")
+    try:
+        dtype = wire.parse_dtype(meta.get("dtype"))
+    except wire.WireError as exc:
+        raise SnapshotError(f"{path.name}: {where}: {exc.message}") from None
+    _need(dtype.isnative, path, f"{where}: dtype {dtype.str} is not this machine's byte order")
+    shape = meta.get("shape")
+    _need(isinstance(shape, list) and len(shape) <= wire.MAX_NDIM
+          and all(_is_int(d) for d in shape), path, f"{where}: bad shape")
+    _need(_is_int(meta.get("version")) and _is_int(meta.get("updates")), path,
+          f"{where}: bad version or update count")
+    tensors = meta.get("tensors")
+    _need(isinstance(tensors, dict) and "value" in tensors and all(
+        isinstance(t, dict) and isinstance(t.get("key"), str) and _is_int(t.get("crc32"))
+        for t in tensors.values()), path, f"{where}: bad 'tensors'")
+
+
+def _values_header(snap: Snapshot, f: Any) -> tuple[dict[str, Any], int, int]:
+    path = snap.values_path
+    size = os.fstat(f.fileno()).st_size
+    _need(size == snap.manifest["values_bytes"], path,
+          f"{size} bytes, the manifest says {snap.manifest['values_bytes']} (truncated or torn)")
+    head = f.read(8)
+    _need(len(head) == 8, path, "shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", head)
+    _need(0 < n <= min(size - 8, _MAX_HEADER), path, "bad safetensors header length")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise SnapshotError(f"{path.name}: corrupt safetensors header") from None
+    _need(isinstance(header, dict), path, "corrupt safetensors header")
+    meta = header.get("__metadata__") or {}
+    _need(isinstance(meta, dict) and meta.get("paramshard_snapshot") == str(snap.number), path,
+          "belongs to another snapshot")
+    return header, 8 + n, size
+
+
+def _planned(snap: Snapshot, header: Mapping[str, Any], start: int, size: int
+             ) -> Iterator[tuple[str, str, np.dtype, tuple[int, ...], int, int]]:
+    """(variable, slot, dtype, shape, file offset, crc) of every array, checked against the
+    safetensors header."""
+    path = snap.values_path
+    for name, meta in snap.manifest["variables"].items():
+        dtype = np.dtype(meta["dtype"])
+        for slot, t in meta["tensors"].items():
+            entry = header.get(t["key"])
+            _need(isinstance(entry, dict), path, f"no tensor {t['key']!r}")
+            shape = entry.get("shape")
+            offsets = entry.get("data_offsets")
+            _need(entry.get("dtype") == _ST_DTYPES[dtype.kind + str(dtype.itemsize)]
+                  or slot != "value", path, f"{t['key']!r}: dtype differs from the manifest")
+            _need(isinstance(shape, list) and all(_is_int(d) for d in shape)
+                  and (slot != "value" or shape == meta["shape"]), path,
+                  f"{t['key']!r}: shape differs from the manifest")
+            st_dtype = {v: k for k, v in _ST_DTYPES.items()}.get(entry.get("dtype"))
+            _need(st_dtype is not None, path, f"{t['key']!r}: unknown dtype")
+            slot_dtype = np.dtype("<" + st_dtype if st_dtype[1] != "1" else "|" + st_dtype)
+            nbytes = math.prod(shape) * slot_dtype.itemsize
+            _need(isinstance(offsets, list) and len(offsets) == 2
+                  and all(_is_int(o) for o in offsets) and offsets[1] - offsets[0] == nbytes
+                  and start + offsets[1] <= size, path,
+                  f"{t['key']!r}: data out of the file's bounds (truncated?)")
+            yield name, slot, slot_dtype, tuple(shape), start + offsets[0], t["crc32"]
+
+
+def read_arrays(snap: Snapshot, *, mmap: bool = False
+                ) -> dict[str, dict[str, np.ndarray]]:
+    """Every variable's arrays (``{"value": ..., slot: ...}``), each checked against its
+    CRC-32. ``mmap=False`` reads them into fresh writable memory; ``mmap=True`` maps them
+    read-only (for resharding: the kernel pages them in as they are used). Blocks. Raises
+    :class:`SnapshotError`."""
+    path = snap.values_path
+    out: dict[str, dict[str, np.ndarray]] = {}
+    try:
+        with open(path, "rb", buffering=0) as f:
+            header, start, size = _values_header(snap, f)
+            for name, slot, dtype, shape, offset, crc in _planned(snap, header, start, size):
+                nbytes = math.prod(shape) * dtype.itemsize
+                if mmap and nbytes:
+                    array = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+                else:
+                    array = np.empty(shape, dtype=dtype)
+                    _read_into(f, offset, array, path)
+                _need(_crc(array) == crc, path, f"{name!r} ({slot}): CRC mismatch (corrupt)")
+                out.setdefault(name, {})[slot] = array
+    except OSError as exc:
+        raise SnapshotError(f"{path.name}: cannot read it ({exc})") from None
+    return out
+
+
+def _read_into(f: Any, offset: int, array: np.ndarray, path: Path) -> None:
+    view = memoryview(array.reshape(-1).view(np.uint8))
+    f.seek(offset)
+    pos = 0
+    while pos < len(view):
+        n = f.readinto(view[pos:pos + _READ_BLOCK])
+        _need(bool(n), path, "ends early (truncated)")
+        pos += n
+
+
+def to_variables(snap: Snapshot, arrays: Mapping[str, Mapping[str, np.ndarray]]
+                 ) -> list[Variable]:
+    """The store's variables from a snapshot's manifest and arrays (optimizer specs and slots
+    checked). Raises :class:`SnapshotError`."""
+    path = snap.manifest_path
+    out = []
+    for name, meta in snap.manifest["variables"].items():
+        try:
+            opt = from_wire(meta["optimizer"])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise SnapshotError(f"{path.name}: {name!r}: bad optimizer ({exc})") from None
+        value = arrays[name]["value"]
+        state = {k: a for k, a in arrays[name].items() if k != "value"}
+        expected = optim.init_state(opt, np.zeros((1,), value.dtype))
+        _need(set(state) == set(expected), path,
+              f"{name!r}: optimizer slots {sorted(state)}, expected {sorted(expected)}")
+        for slot, a in state.items():
+            want = value.shape if expected[slot].shape == (1,) else expected[slot].shape
+            _need(a.shape == want and a.dtype == expected[slot].dtype, path,
+                  f"{name!r}: slot {slot!r} has shape {a.shape} dtype {a.dtype}")
+        created = meta.get("created_at")
+        last = meta.get("last_update")
+        writer = meta.get("last_writer")
+        out.append(Variable(
+            name=name, value=value, optimizer=opt, state=dict(state), kind=meta["kind"],
+            version=meta["version"], updates=meta["updates"],
+            created_at=float(created) if isinstance(created, (int, float)) else time.time(),
+            last_update=float(last) if isinstance(last, (int, float)) else None,
+            last_writer=writer if isinstance(writer, str) else None))
+    return out
+
+
+@dataclass
+class Restorable:
+    """A snapshot read in full: what the store restores."""
+
+    snapshot: Snapshot
+    variables: list[Variable]
+    dedup: DedupTable
+    skipped: list[str]
+    seconds: float
+
+
+def find_restorable(data_dir: Path, shard_index: int, num_shards: int,
+                    checkpoint: str | None = None) -> Restorable | None:
+    """The newest snapshot in ``data_dir`` that validates, read in full; ``None`` if there is
+    no snapshot at all. Each one skipped is logged as a warning (and listed in ``skipped``).
+
+    With ``checkpoint``, only that fleet checkpoint's snapshot is considered. Raises
+    :class:`SnapshotMismatch` when the snapshots are another shard's or fleet size's, or when
+    snapshots exist but none validates (starting empty would silently drop the state).
+    """
+    started = time.perf_counter()
+    candidates = [(n, c, p) for n, c, p in list_snapshots(data_dir)
+                  if checkpoint is None or c == checkpoint]
+    if not candidates:
+        if checkpoint is not None:
+            raise SnapshotMismatch(
+                f"{data_dir} has no snapshot of checkpoint {checkpoint!r}: check the id "
+                "(ps.checkpoint() returned it), or start without --restore to use the newest "
+                "snapshot")
+        return None
+    skipped = []
+    for _, _, manifest_path in reversed(candidates):
+        try:
+            snap = read_manifest(manifest_path)
+            m = snap.manifest
+            if (m["shard_index"], m["num_shards"]) != (shard_index, num_shards):
+                raise SnapshotMismatch(
+                    f"{manifest_path} holds shard {m['shard_index']} of a {m['num_shards']}-"
+                    f"shard fleet, but this is shard {shard_index} of {num_shards}: start it "
+                    f"with --shard-index {m['shard_index']} --num-shards {m['num_shards']}, "
+                    "give it another --data-dir, or reshard the checkpoint (paramshard reshard)")
+            arrays = read_arrays(snap)
+            variables = to_variables(snap, arrays)
+            try:
+                dedup = DedupTable.load(m["dedup"])
+            except ValueError as exc:
+                raise SnapshotError(f"{manifest_path.name}: {exc}") from None
+        except SnapshotError as exc:
+            logger.warning("skipping snapshot %s: %s", manifest_path, exc)
+            skipped.append(f"{manifest_path.name}: {exc}")
+            continue
+        return Restorable(snap, variables, dedup, skipped, time.perf_counter() - started)
+    raise SnapshotMismatch(
+        f"none of the {len(candidates)} snapshot(s) in {data_dir} validates ({'; '.join(skipped)})"
+        ": move the damaged files away to start from an older copy, or move them all away to "
+        "start empty")

@@ -1,0 +1,128 @@
+"""Fleet checkpoints: ``POST /v1/pause``, ``/v1/snapshot``, ``/v1/resume`` (docs/PROTOCOL.md §3).
+
+A client checkpoints a fleet in three rounds, each sent to every shard at once: **pause** (stop
+applying writes; the reply comes once no write is being applied), **snapshot** (capture the
+state and write it to the data dir, labelled with the checkpoint id), **resume**. Because every
+shard is paused before any captures, the snapshots form one consistent cut of the fleet. A pause
+holds for ``lease`` seconds at most, so a client that dies mid-checkpoint cannot stop a fleet.
+
+The messages are small msgpack maps, read whole (at most :data:`MAX_BODY` bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from client_sdk import wire
+
+from .durability import Durability
+from .errors import ShardError
+from .persistence import checkpoint_id_error
+
+__all__ = ["DEFAULT_LEASE", "MAX_BODY", "MAX_LEASE", "router"]
+
+MAX_BODY = 64 * 1024
+DEFAULT_LEASE = 60.0
+MAX_LEASE = 600.0
+
+router = APIRouter(prefix="/v1", tags=["fleet checkpoints (msgpack)"])
+
+_DOC = {
+    "requestBody": {"required": True, "description": "one msgpack map; see docs/PROTOCOL.md",
+                    "content": {wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}}}},
+    "responses": {"200": {"description": "msgpack map", "content": {wire.MSGPACK: {}}}},
+}
+
+
+async def _message(request: Request, verb: str) -> dict[str, Any]:
+    content_type = request.headers.get("content-type", "")
+    kind = content_type.split(";")[0].strip().lower()
+    if kind not in (wire.MSGPACK, wire.FRAME):
+        raise ShardError("unsupported_media_type", f"unsupported Content-Type {content_type!r}: "
+                         f"send {wire.MSGPACK}", {"content_type": content_type})
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise ShardError("too_large", f"{verb}: a body of {declared} bytes is above the "
+                         f"{MAX_BODY} bytes a control message may have", {"limit": MAX_BODY})
+    body = await request.body()
+    if len(body) > MAX_BODY:
+        raise ShardError("too_large", f"{verb}: body above {MAX_BODY} bytes", {"limit": MAX_BODY})
+    msg = wire.unpack(body, kind)
+    if not isinstance(msg, dict):
+        raise ShardError("bad_request", f"{verb}: the body must be a msgpack map, got "
+                         f"{type(msg).__name__}")
+    return msg
+
+
+def _checkpoint(msg: dict[str, Any], verb: str, required: bool = True) -> str | None:
+    checkpoint = msg.get("checkpoint")
+    if checkpoint is None and not required:
+        return None
+    problem = checkpoint_id_error(checkpoint)
+    if problem is not None:
+        shown = repr(checkpoint) if isinstance(checkpoint, str) else type(checkpoint).__name__
+        raise ShardError("bad_request", f"{verb}: field 'checkpoint' must be set: {problem}; "
+                         f"got {shown}", {"field": "checkpoint"})
+    return checkpoint
+
+
+def _reply(msg: dict[str, Any]) -> Response:
+    return Response(wire.encode(msg, frame=False).join(), media_type=wire.MSGPACK)
+
+
+def _durability(request: Request) -> Durability:
+    return request.app.state.durability
+
+
+@router.post("/pause", openapi_extra=_DOC)
+async def pause(request: Request) -> Response:
+    """Stop applying writes for a fleet checkpoint: `{"checkpoint": id, "lease"?: seconds}` ->
+    `{"checkpoint", "paused": true, "state_version"}`, once no write is being applied."""
+    msg = await _message(request, "pause")
+    checkpoint = _checkpoint(msg, "pause")
+    lease = msg.get("lease", DEFAULT_LEASE)
+    if lease is None:
+        lease = DEFAULT_LEASE
+    if isinstance(lease, bool) or not isinstance(lease, (int, float)) \
+            or not math.isfinite(lease) or not 0 < lease <= MAX_LEASE:
+        raise ShardError("bad_request", f"pause: field 'lease' must be seconds in "
+                         f"(0, {MAX_LEASE:g}], got {lease!r}", {"field": "lease"})
+    _durability(request).require()  # before anything is paused
+    await request.app.state.gate.pause(checkpoint, float(lease))
+    return _reply({"checkpoint": checkpoint, "paused": True,
+                   "state_version": request.app.state.store.state_version})
+
+
+@router.post("/snapshot", openapi_extra=_DOC)
+async def snapshot(request: Request) -> Response:
+    """Write a snapshot now: `{"checkpoint"?: id}` -> `{"snapshot": {...}}`. With a checkpoint
+    id the shard must be paused for it (`/v1/pause`)."""
+    msg = await _message(request, "snapshot")
+    checkpoint = _checkpoint(msg, "snapshot", required=False)
+    gate = request.app.state.gate
+    if checkpoint is not None and gate.paused_for != checkpoint:
+        raise ShardError("conflict", f"snapshot: this shard is not paused for checkpoint "
+                         f"{checkpoint!r} (paused for: {gate.paused_for!r}); send /v1/pause "
+                         "first (its lease may have run out: use a longer one)",
+                         {"paused_for": gate.paused_for})
+    try:
+        info = await _durability(request).snapshot(checkpoint)
+    except OSError as exc:
+        raise ShardError("unavailable", f"snapshot: writing to the data dir failed: {exc}; "
+                         "check the disk (space, permissions) and retry",
+                         headers={"Retry-After": "1"}) from None
+    return _reply({"snapshot": info})
+
+
+@router.post("/resume", openapi_extra=_DOC)
+async def resume(request: Request) -> Response:
+    """End a checkpoint's pause: `{"checkpoint": id}` -> `{"checkpoint", "resumed": bool}`
+    (false if the shard was not paused for it, e.g. its lease ran out)."""
+    msg = await _message(request, "resume")
+    checkpoint = _checkpoint(msg, "resume")
+    resumed = request.app.state.gate.resume(checkpoint)
+    return _reply({"checkpoint": checkpoint, "resumed": resumed})
