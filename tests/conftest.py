@@ -1,8 +1,10 @@
 """One way to run real shards in tests: separate processes on free loopback ports.
 
 ``fleet_factory(n, *extra_args)`` starts ``paramshard serve`` n times (``python -m server.cli``),
-waits until every ``/healthz`` answers, and returns a :class:`Fleet`. Every process a test
-started is stopped when the test ends, killed if it does not stop in time.
+waits until every ``/healthz`` answers, and returns a :class:`Fleet`. With ``data=True`` shard i
+gets ``--data-dir <workdir>/data/shard-i`` (``Fleet.data_dirs``) and the factory waits until every
+``/readyz`` answers (its snapshot is restored). Every process a test started is stopped when the
+test ends, killed if it does not stop in time.
 ``fleet2`` is a module-scoped 2-shard fleet for tests that only add uniquely named variables.
 """
 
@@ -38,7 +40,7 @@ class Fleet:
     """n shard processes; ``urls[i]`` is shard i. Restart a shard with ``start(i)``."""
 
     def __init__(self, n: int, workdir: Path, extra_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, data: bool = False) -> None:
         self.n = n
         self.workdir = workdir
         self.extra_args = tuple(extra_args)
@@ -47,15 +49,35 @@ class Fleet:
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         self.procs: list[subprocess.Popen | None] = [None] * n
         self.logs = [workdir / f"shard{i}.log" for i in range(n)]
+        self.data_dirs = [workdir / "data" / f"shard-{i}" for i in range(n)] if data else None
         for i in range(n):
             self.start(i, wait=False)
         for i in range(n):
-            self.wait_healthy(i)
+            self.wait_ready(i) if data else self.wait_healthy(i)
 
     def command(self, i: int) -> list[str]:
+        data = ["--data-dir", str(self.data_dirs[i])] if self.data_dirs else []
         return [sys.executable, "-m", "server.cli", "serve", "--shard-index", str(i),
                 "--num-shards", str(self.n), "--host", "127.0.0.1", "--port", str(self.ports[i]),
-                *self.extra_args]
+                *data, *self.extra_args]
+
+    def wait_ready(self, i: int, timeout: float = 30.0) -> None:
+        """Wait until shard i answers ``/readyz`` with 200 (its state is restored)."""
+        self.wait_healthy(i, timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                http_json(self.urls[i] + "/readyz", timeout=1.0)
+                return
+            except OSError:
+                proc = self.procs[i]
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"shard {i} exited with {proc.returncode}:\n"
+                                       f"{self.log_tail(i)}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"shard {i} not ready after {timeout}s:\n"
+                                       f"{self.log_tail(i)}") from None
+                time.sleep(0.05)
 
     def start(self, i: int, wait: bool = True) -> None:
         assert self.procs[i] is None or self.procs[i].poll() is not None, f"shard {i} is running"
@@ -65,7 +87,7 @@ class Fleet:
                                          stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         if wait:
-            self.wait_healthy(i)
+            self.wait_ready(i) if self.data_dirs else self.wait_healthy(i)
 
     def wait_healthy(self, i: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -120,10 +142,11 @@ class Fleet:
 def fleet_factory(tmp_path):
     fleets: list[Fleet] = []
 
-    def make(n: int, *extra_args: str, env: dict[str, str] | None = None) -> Fleet:
+    def make(n: int, *extra_args: str, env: dict[str, str] | None = None,
+             data: bool = False) -> Fleet:
         d = tmp_path / f"fleet{len(fleets)}"
         d.mkdir()
-        f = Fleet(n, d, extra_args, env)
+        f = Fleet(n, d, extra_args, env, data)
         fleets.append(f)
         return f
 
