@@ -30,4 +30,5 @@ CASES: dict[str, str] = {
     "transfer": "bench.transfer",
     "step": "bench.step",
     "workers": "bench.workers",
+    "snapshot": "bench.snapshot",
 }

@@ -87,8 +87,13 @@ class Gate:
         return self.phase == "ready"
 
     def set_phase(self, phase: str, reason: str = "") -> None:
+        """Enter ``phase``. Leaving ``ready`` answers the requests waiting for room (503);
+        ``draining`` also ends a checkpoint's pause, so the writes in flight can finish."""
         self.phase = phase
         self.reason = reason
+        if phase == "draining" and self.paused_for is not None:
+            logger.warning("shutting down: ending the pause for checkpoint %s", self.paused_for)
+            self.resume(self.paused_for)
         if phase != "ready":
             for entry in self._waiters:  # they are answered 503 now, not after ADMIT_WAIT
                 if not entry[1].done():

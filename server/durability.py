@@ -78,10 +78,14 @@ class Durability:
         assert self.data_dir is not None
         try:
             found = await asyncio.to_thread(self._read)
-        except (persistence.SnapshotMismatch, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever it is, this shard cannot serve
             self.failed = str(exc)
-            logger.error("cannot restore shard %s from %s: %s", self.config.fleet,
-                         self.data_dir, exc)
+            if isinstance(exc, (persistence.SnapshotMismatch, OSError)):
+                logger.error("cannot restore shard %s from %s: %s", self.config.fleet,
+                             self.data_dir, exc)
+            else:
+                logger.exception("cannot restore shard %s from %s", self.config.fleet,
+                                 self.data_dir)
             self.gate.set_phase("failed", str(exc))
             if self.on_fatal is not None:
                 self.on_fatal(str(exc))

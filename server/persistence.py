@@ -39,6 +39,7 @@ import struct
 import time
 import zlib
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,9 @@ _TMP_PREFIX = ".tmp-"
 _ST_DTYPES = {"f2": "F16", "f4": "F32", "f8": "F64", "i1": "I8", "i2": "I16", "i4": "I32",
               "i8": "I64", "u1": "U8", "u2": "U16", "u4": "U32", "u8": "U64"}
 _MAX_HEADER = 256 << 20
-_READ_BLOCK = 64 << 20
+#: Reads go in blocks of this size; the CRC of one block is computed (in a helper thread) while
+#: the next one is read.
+_READ_BLOCK = 8 << 20
 
 
 class SnapshotError(ValueError):
@@ -254,13 +257,18 @@ def write_snapshot(data_dir: Path, number: int, capture: Capture, *, incarnation
         for slot, array in arrays.items():
             key = name if slot == "value" else f"{name}#{slot}"
             tensors[key] = array
-            entries[slot] = {"key": key, "crc32": _crc(array)}
+            entries[slot] = {"key": key, "crc32": 0}  # filled in below
         variables[name] = {**meta, "tensors": entries}
     values_name = stem + ".safetensors"
     tmp_values = data_dir / (_TMP_PREFIX + values_name)
     tmp_manifest = data_dir / (_TMP_PREFIX + stem + ".json")
     try:
-        save_file(tensors, tmp_values, metadata={"paramshard_snapshot": str(number)})
+        with ThreadPoolExecutor(1, thread_name_prefix="paramshard-crc") as pool:
+            crcs = pool.map(_crc, tensors.values())  # alongside the write: both read the arrays
+            save_file(tensors, tmp_values, metadata={"paramshard_snapshot": str(number)})
+            for key, crc in zip(tensors, crcs):
+                name, _, slot = key.partition("#")
+                variables[name]["tensors"][slot or "value"]["crc32"] = crc
         _fsync_path(tmp_values)
         values_bytes = tmp_values.stat().st_size
         os.replace(tmp_values, data_dir / values_name)
@@ -429,30 +437,39 @@ def read_arrays(snap: Snapshot, *, mmap: bool = False
     path = snap.values_path
     out: dict[str, dict[str, np.ndarray]] = {}
     try:
-        with open(path, "rb", buffering=0) as f:
+        with open(path, "rb", buffering=0) as f, \
+                ThreadPoolExecutor(1, thread_name_prefix="paramshard-crc") as pool:
             header, start, size = _values_header(snap, f)
             for name, slot, dtype, shape, offset, crc in _planned(snap, header, start, size):
                 nbytes = math.prod(shape) * dtype.itemsize
                 if mmap and nbytes:
                     array = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+                    actual = _crc(array)
                 else:
                     array = np.empty(shape, dtype=dtype)
-                    _read_into(f, offset, array, path)
-                _need(_crc(array) == crc, path, f"{name!r} ({slot}): CRC mismatch (corrupt)")
+                    actual = _read_checked(f, offset, array, path, pool)
+                _need(actual == crc, path, f"{name!r} ({slot}): CRC mismatch (corrupt)")
                 out.setdefault(name, {})[slot] = array
     except OSError as exc:
         raise SnapshotError(f"{path.name}: cannot read it ({exc})") from None
     return out
 
 
-def _read_into(f: Any, offset: int, array: np.ndarray, path: Path) -> None:
+def _read_checked(f: Any, offset: int, array: np.ndarray, path: Path,
+                  pool: ThreadPoolExecutor) -> int:
+    """Read ``array``'s bytes from ``offset``; return their CRC-32, computed block by block in
+    ``pool`` while the next block is read."""
     view = memoryview(array.reshape(-1).view(np.uint8))
     f.seek(offset)
-    pos = 0
+    pos, crc, pending = 0, 0, None
     while pos < len(view):
         n = f.readinto(view[pos:pos + _READ_BLOCK])
         _need(bool(n), path, "ends early (truncated)")
+        if pending is not None:
+            crc = pending.result()
+        pending = pool.submit(zlib.crc32, view[pos:pos + n], crc)
         pos += n
+    return pending.result() if pending is not None else 0
 
 
 def to_variables(snap: Snapshot, arrays: Mapping[str, Mapping[str, np.ndarray]]

@@ -42,6 +42,14 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0
     ([], {"PARAMSHARD_NUM_SHARDS": "2", "PARAMSHARD_SHARD_INDEX": "-1"}, "PARAMSHARD_SHARD_INDEX"),
     ([], {"PARAMSHARD_NUM_SHARDS": "3", "PARAMSHARD_SHARD_INDEX": "3"}, "PARAMSHARD_SHARD_INDEX"),
     ([], {"PARAMSHARD_ACCESS_LOG": "sometimes"}, "PARAMSHARD_ACCESS_LOG"),
+    (["--snapshot-interval", "-1"], {}, "--snapshot-interval"),
+    (["--snapshot-interval", "nan"], {}, "--snapshot-interval"),
+    (["--keep-snapshots", "0"], {}, "--keep-snapshots"),
+    ([], {"PARAMSHARD_DATA_DIR": ""}, "PARAMSHARD_DATA_DIR"),
+    (["--data-dir", "/tmp/x", "--restore", "no spaces"], {}, "--restore"),
+    (["--restore", "ckpt-1"], {}, "--restore"),
+    (["--max-queued-bytes", "1MiB"], {}, "--max-queued-bytes"),
+    (["--max-queued-requests", "0"], {}, "--max-queued-requests"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_config_exits_2_naming_the_key(args, env, key):
     done = run_cli("serve", *args, env=env)
@@ -210,9 +218,11 @@ def test_up_starts_shards_status_prints_them_and_sigint_stops_all(start_up):
             http_json(url + "/healthz", timeout=1.0)
 
 
-def test_up_sigterm_stops_cleanly(start_up):
-    up = start_up("--shards", "1", "--base-port", str(free_run(1)))
-    up.read_until("export PARAMSHARD_SHARDS=")
+def test_up_sigterm_stops_cleanly(start_up, tmp_path):
+    up = start_up("--shards", "1", "--base-port", str(free_run(1)), "--data-dir",
+                  str(tmp_path / "fleet"), "--snapshot-interval", "5")
+    url = up.read_until("export PARAMSHARD_SHARDS=").split("=", 1)[1]
+    assert http_json(url + "/v1/cluster")["data_dir"] == str(tmp_path / "fleet" / "shard-0")
     pids = _pids(up.seen)
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(30) == 0, up.stderr()

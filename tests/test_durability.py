@@ -7,6 +7,7 @@ process, by ``test_persistence.py``; here one damaged snapshot goes through a re
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -21,7 +22,7 @@ import httpx2
 import numpy as np
 import pytest
 
-from client_sdk import ConflictError, OverloadedError, PSClient, wire
+from client_sdk import AsyncPSClient, ConflictError, OverloadedError, PSClient, wire
 from client_sdk.optimizers import SGD, Adagrad, Add
 from client_sdk.placement import shard_for
 from conftest import ROOT, http_json
@@ -116,6 +117,28 @@ def test_sigterm_then_restart_keeps_every_value_version_and_slot(fleet_factory, 
     assert status == 200 and msg["variables"][names[0]]["status"] == "duplicate"
     workers = {w["worker_id"]: w for w in http_json(fleet.urls[0] + "/v1/workers")["workers"]}
     assert workers["raw"]["applied"] == 1 and workers["raw"]["duplicates"] == 1
+
+
+def test_sigterm_finishes_the_request_in_flight_then_snapshots_it(fleet_factory):
+    fleet = fleet_factory(1, "--snapshot-interval", "0", data=True)
+    with PSClient(fleet.urls, worker_id="t") as ps:
+        ps.init({"w": np.zeros(4, np.float32)}, optimizer=Add())
+    body = wire.encode({"worker_id": "slow", "seq": 1,
+                        "grads": {"w": np.ones(4, np.float32)}}).join()
+    with socket.create_connection(("127.0.0.1", fleet.ports[0])) as s:
+        s.sendall(f"POST /v1/push HTTP/1.1\r\nhost: x\r\ncontent-type: {wire.MSGPACK}\r\n"
+                  f"content-length: {len(body)}\r\n\r\n".encode() + body[:10])
+        time.sleep(0.3)
+        fleet.procs[0].send_signal(signal.SIGTERM)  # the push is half sent
+        time.sleep(0.3)
+        assert fleet.procs[0].poll() is None  # waiting for the request in flight
+        s.sendall(body[10:])
+        reply = s.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200")
+    assert fleet.procs[0].wait(15) == 0
+    fleet.start(0)
+    with PSClient(fleet.urls, worker_id="t") as ps:
+        np.testing.assert_array_equal(ps.pull(["w"])["w"], np.ones(4, np.float32))
 
 
 def test_a_damaged_newest_snapshot_is_skipped_on_restart(fleet_factory):
@@ -397,6 +420,20 @@ def test_paused_writes_wait_and_coalesced_pushes_add_up(fleet_factory):
         np.testing.assert_array_equal(ps.pull(["w"])["w"], np.full(3, 7.0))
     (worker,) = http_json(url + "/v1/workers")["workers"]
     assert worker["applied"] == 2  # two pushes carried three gradients
+
+    async def the_async_twin() -> str:
+        async with AsyncPSClient([url], worker_id="a", max_inflight=1) as ps:
+            assert post(url, "pause", {"checkpoint": "manual2"})[0] == 200
+            first = await ps.push_async({"w": np.ones(3)})
+            t2 = await ps.push_async({"w": np.ones(3)}, coalesce=True)
+            t3 = await ps.push_async({"w": np.ones(3)}, coalesce=True)
+            assert t2 is t3 and not first.done()
+            assert post(url, "resume", {"checkpoint": "manual2"})[0] == 200
+            await ps.flush()
+            np.testing.assert_array_equal((await ps.pull(["w"]))["w"], np.full(3, 10.0))
+            return await ps.checkpoint()
+
+    assert asyncio.run(the_async_twin()).startswith("ckpt-")
 
 
 def vm_kib(pid: int, key: str) -> int:

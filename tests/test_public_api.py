@@ -33,11 +33,11 @@ def test_every_exported_class_is_documented_and_every_error_is_a_pserror():
     for cls in (client_sdk.PSClient, client_sdk.AsyncPSClient):
         assert cls.__doc__
         for verb in ("init", "wait_ready", "pull", "push", "push_async", "flush",
-                     "increment", "assign", "variables", "close"):
+                     "increment", "assign", "variables", "checkpoint", "close"):
             method = getattr(cls, verb)
             assert method.__doc__, f"{cls.__name__}.{verb} has no docstring"
         for verb in ("init", "wait_ready", "pull", "push", "push_async", "flush",
-                     "increment", "assign", "variables", "close"):
+                     "increment", "assign", "variables", "checkpoint", "close"):
             is_async = inspect.iscoroutinefunction(getattr(cls, verb))
             assert is_async == (cls is client_sdk.AsyncPSClient), f"{cls.__name__}.{verb}"
 
