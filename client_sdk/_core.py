@@ -839,10 +839,11 @@ class Core:
             missing=names)
 
     def checkpoint(self, timeout: float) -> Flow[str]:
-        """Pause writes on every shard, snapshot each, resume; return the checkpoint's id.
+        """Pause writes on every shard, have each capture its state, resume, and wait until
+        every snapshot is on disk; return the checkpoint's id.
 
-        If any step fails, every shard is told to resume (each would anyway once the pause's
-        lease runs out) and the failure is raised.
+        If pausing or capturing fails, every shard is told to resume (each would anyway once
+        the pause's lease runs out) and the failure is raised; so is a failed write.
         """
         if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                 or not 0 < timeout <= MAX_CHECKPOINT_SECONDS):
@@ -869,11 +870,12 @@ class Core:
             yield resume
             raise
         resume = round_("resume", msg)
-        for request, result in zip(resume, (yield resume)):
-            if isinstance(result, PSError) or result.status >= 400:
-                logger.warning("checkpoint %s: shard %s did not confirm the resume; its pause "
-                               "ends by itself after %gs", checkpoint_id, self.url(request.shard),
-                               lease)
+        for request, reply in zip(resume, self._collect(resume, (yield resume))):
+            if not isinstance(reply.msg.get("snapshot"), Mapping):
+                url = self.url(request.shard)
+                raise PSError(f"checkpoint {checkpoint_id} is incomplete: shard {url} has no "
+                              "snapshot of it (did it restart during the checkpoint?); take "
+                              "another", shard=url)
         return checkpoint_id
 
     def variables(self) -> Flow[list[dict]]:

@@ -8,11 +8,13 @@ on shutdown.
   ``/healthz`` already answers, then installed in the store; the gate turns ``ready``. A data
   dir that cannot be used turns it ``failed`` and asks the server to exit with status 1.
 * every ``--snapshot-interval`` seconds, if anything changed, :meth:`snapshot` writes one;
-* :meth:`snapshot` also serves ``POST /v1/snapshot`` (a fleet checkpoint's middle step);
+* :meth:`begin_snapshot` serves a fleet checkpoint (``POST /v1/snapshot`` captures and starts
+  the write, ``POST /v1/resume`` waits for it: ``server/routes_checkpoint.py``);
 * :meth:`stop` (after uvicorn has finished the requests in flight) writes the final snapshot.
 
 A snapshot is captured while the gate is quiesced (no write being applied), which costs no
-copy (``ParameterStore.capture``), then written in a worker thread while the shard serves on.
+copy (``ParameterStore.capture``), then written in a worker thread while the shard serves on;
+so a fleet checkpoint pauses writes only while every shard captures, not while they write.
 One snapshot is written at a time. Without ``--data-dir`` there are no snapshots and the shard
 is ready at once.
 
@@ -32,11 +34,14 @@ from . import persistence
 from .admission import Gate
 from .config import ShardConfig
 from .errors import ShardError
-from .store import ParameterStore
+from .store import Capture, ParameterStore
 
 __all__ = ["Durability"]
 
 logger = logging.getLogger("paramshard.server")
+
+#: Checkpoint writes remembered, so that a retried resume still finds its snapshot.
+_RECENT_CHECKPOINTS = 8
 
 
 class Durability:
@@ -59,6 +64,7 @@ class Durability:
         self._saved_mutations = 0
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
+        self._checkpoints: dict[str, asyncio.Task] = {}
         self._number = 1
 
     @property
@@ -156,16 +162,43 @@ class Durability:
 
     async def snapshot(self, checkpoint: str | None = None, *, reason: str = "request"
                        ) -> dict[str, Any]:
-        """Capture the state at one instant and write it; returns the snapshot's info.
+        """Capture the state at one instant and write it; returns the snapshot's info once it
+        is on disk. Raises :class:`ShardError` ``no_data_dir`` without ``--data-dir``, and
+        ``OSError`` if the disk refuses."""
+        task = await self.begin_snapshot(checkpoint, reason=reason)
+        return await asyncio.shield(task)
 
-        One at a time (a second call waits for the first). Raises :class:`ShardError`
-        ``no_data_dir`` without ``--data-dir``, and ``OSError`` if the disk refuses.
-        """
+    async def begin_snapshot(self, checkpoint: str | None = None, *, reason: str = "request"
+                             ) -> asyncio.Task:
+        """Capture the state at one instant, now, and start writing it; returns the write's
+        task (its result: the snapshot's info). One write at a time: this waits for the one
+        before to finish before it captures. A checkpoint's write is found again with
+        :meth:`checkpoint_write`."""
         self.require()
-        assert self.data_dir is not None
-        async with self._lock:
+        await self._lock.acquire()
+        try:
             async with self.gate.quiesce():
                 capture = self.store.capture()
+            task = asyncio.create_task(self._write(capture, checkpoint, reason))
+        except BaseException:
+            self._lock.release()
+            raise
+        task.add_done_callback(self._log_failure)
+        if checkpoint is not None:
+            self._checkpoints[checkpoint] = task
+            while len(self._checkpoints) > _RECENT_CHECKPOINTS:
+                del self._checkpoints[next(iter(self._checkpoints))]
+        return task
+
+    def checkpoint_write(self, checkpoint: str) -> asyncio.Task | None:
+        """The write of ``checkpoint``'s snapshot, if this process captured one recently."""
+        return self._checkpoints.get(checkpoint)
+
+    async def _write(self, capture: Capture, checkpoint: str | None, reason: str
+                     ) -> dict[str, Any]:
+        """Write ``capture`` (holding the lock, which this releases)."""
+        assert self.data_dir is not None
+        try:
             number = self._number
             started = time.perf_counter()
             snap = await asyncio.to_thread(
@@ -182,3 +215,10 @@ class Durability:
                         len(capture.variables), snap.manifest["values_bytes"], seconds,
                         f"; removed {len(removed)} old file(s)" if removed else "")
             return self.last
+        finally:
+            self._lock.release()
+
+    def _log_failure(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("shard %s: writing a snapshot failed: %r", self.config.fleet,
+                         task.exception())

@@ -2,15 +2,18 @@
 
 A client checkpoints a fleet in three rounds, each sent to every shard at once: **pause** (stop
 applying writes; the reply comes once no write is being applied), **snapshot** (capture the
-state and write it to the data dir, labelled with the checkpoint id), **resume**. Because every
-shard is paused before any captures, the snapshots form one consistent cut of the fleet. A pause
-holds for ``lease`` seconds at most, so a client that dies mid-checkpoint cannot stop a fleet.
+state, at once and without a copy, and start writing it to the data dir, labelled with the
+checkpoint id), **resume** (writes go on; the reply comes once the snapshot is on disk).
+Because every shard is paused before any captures, the snapshots form one consistent cut of
+the fleet, and writes stop only for as long as capturing takes. A pause holds for ``lease``
+seconds at most, so a client that dies mid-checkpoint cannot stop a fleet.
 
 The messages are small msgpack maps, read whole (at most :data:`MAX_BODY` bytes).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
@@ -99,30 +102,47 @@ async def pause(request: Request) -> Response:
 
 @router.post("/snapshot", openapi_extra=_DOC)
 async def snapshot(request: Request) -> Response:
-    """Write a snapshot now: `{"checkpoint"?: id}` -> `{"snapshot": {...}}`. With a checkpoint
-    id the shard must be paused for it (`/v1/pause`)."""
+    """With a checkpoint id (the shard must be paused for it): capture the state now and start
+    writing it, `{"checkpoint": id}` -> `{"checkpoint", "captured": true}`. Without: snapshot
+    this shard and answer once written, `{}` -> `{"snapshot": {...}}`."""
     msg = await _message(request, "snapshot")
     checkpoint = _checkpoint(msg, "snapshot", required=False)
     gate = request.app.state.gate
-    if checkpoint is not None and gate.paused_for != checkpoint:
+    durability = _durability(request)
+    if checkpoint is None:
+        try:
+            return _reply({"snapshot": await durability.snapshot()})
+        except OSError as exc:
+            raise _write_failed(exc) from None
+    if gate.paused_for != checkpoint:
         raise ShardError("conflict", f"snapshot: this shard is not paused for checkpoint "
                          f"{checkpoint!r} (paused for: {gate.paused_for!r}); send /v1/pause "
                          "first (its lease may have run out: use a longer one)",
                          {"paused_for": gate.paused_for})
-    try:
-        info = await _durability(request).snapshot(checkpoint)
-    except OSError as exc:
-        raise ShardError("unavailable", f"snapshot: writing to the data dir failed: {exc}; "
-                         "check the disk (space, permissions) and retry",
-                         headers={"Retry-After": "1"}) from None
-    return _reply({"snapshot": info})
+    if durability.checkpoint_write(checkpoint) is None:  # a retry must not capture twice
+        await durability.begin_snapshot(checkpoint, reason="checkpoint")
+    return _reply({"checkpoint": checkpoint, "captured": True})
 
 
 @router.post("/resume", openapi_extra=_DOC)
 async def resume(request: Request) -> Response:
-    """End a checkpoint's pause: `{"checkpoint": id}` -> `{"checkpoint", "resumed": bool}`
-    (false if the shard was not paused for it, e.g. its lease ran out)."""
+    """End a checkpoint's pause, then wait until its snapshot is on disk: `{"checkpoint": id}`
+    -> `{"checkpoint", "resumed": bool, "snapshot": {...} | nil}` (`resumed` is false if the
+    shard was not paused for it; `snapshot` is nil if it captured none for it)."""
     msg = await _message(request, "resume")
     checkpoint = _checkpoint(msg, "resume")
     resumed = request.app.state.gate.resume(checkpoint)
-    return _reply({"checkpoint": checkpoint, "resumed": resumed})
+    write = _durability(request).checkpoint_write(checkpoint)
+    info = None
+    if write is not None:
+        try:
+            info = await asyncio.shield(write)
+        except OSError as exc:
+            raise _write_failed(exc) from None
+    return _reply({"checkpoint": checkpoint, "resumed": resumed, "snapshot": info})
+
+
+def _write_failed(exc: OSError) -> ShardError:
+    return ShardError("unavailable", f"writing the snapshot to the data dir failed: {exc}; "
+                      "check the disk (space, permissions) and retry",
+                      headers={"Retry-After": "1"})

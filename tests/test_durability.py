@@ -128,7 +128,7 @@ def test_sigterm_finishes_the_request_in_flight_then_snapshots_it(fleet_factory)
     with socket.create_connection(("127.0.0.1", fleet.ports[0])) as s:
         s.sendall(f"POST /v1/push HTTP/1.1\r\nhost: x\r\ncontent-type: {wire.MSGPACK}\r\n"
                   f"content-length: {len(body)}\r\n\r\n".encode() + body[:10])
-        time.sleep(0.3)
+        wait_in_flight(fleet.urls[0], 1)
         fleet.procs[0].send_signal(signal.SIGTERM)  # the push is half sent
         time.sleep(0.3)
         assert fleet.procs[0].poll() is None  # waiting for the request in flight
@@ -366,12 +366,23 @@ def test_kill_9_mid_training_and_restart_reaches_the_demos_accuracy(fleet_factor
 
 # -- bounded work -------------------------------------------------------------------------------
 
-def hold_a_request(port: int, path: str = "/v1/push") -> socket.socket:
+def in_flight(url: str) -> int:
+    return http_json(url + "/v1/cluster")["admission"]["requests_in_flight"]
+
+
+def wait_in_flight(url: str, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while in_flight(url) < n:
+        assert time.monotonic() < deadline, "the shard never admitted the request"
+        time.sleep(0.02)
+
+
+def hold_a_request(url: str, port: int, path: str = "/v1/push") -> socket.socket:
     """Start a request whose body never finishes: it holds one admission slot."""
     s = socket.create_connection(("127.0.0.1", port))
     s.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/msgpack\r\n"
               f"content-length: 1000\r\n\r\n".encode() + b"\x80")
-    time.sleep(0.3)  # let the shard admit it
+    wait_in_flight(url, 1)
     return s
 
 
@@ -380,7 +391,7 @@ def test_past_its_bound_a_shard_answers_429_with_retry_after(fleet_factory):
     url = fleet.urls[0]
     with PSClient([url], worker_id="t") as ps:
         ps.init({"w": np.zeros(4)}, optimizer=Add())
-        held = hold_a_request(fleet.ports[0])
+        held = hold_a_request(url, fleet.ports[0])
         try:
             status, msg, headers = post(url, "push", {"worker_id": "x", "seq": 1,
                                                       "grads": {"w": np.ones(4)}})
@@ -413,8 +424,8 @@ def test_paused_writes_wait_and_coalesced_pushes_add_up(fleet_factory):
         assert f3 is f2 and not first.done()
         time.sleep(1.5)
         assert not first.done()  # refused with 503 while paused, and retried
-        assert post(url, "resume", {"checkpoint": "manual"})[1] == {"checkpoint": "manual",
-                                                                    "resumed": True}
+        assert post(url, "resume", {"checkpoint": "manual"})[1] == {
+            "checkpoint": "manual", "resumed": True, "snapshot": None}  # none was captured
         ps.flush()
         assert first.result()["w"]["status"] == f2.result()["w"]["status"] == "applied"
         np.testing.assert_array_equal(ps.pull(["w"])["w"], np.full(3, 7.0))
