@@ -5,9 +5,12 @@
     app = create_app(ShardConfig(shard_index=0, num_shards=2, port=7100))
 
 Run it with ``paramshard serve`` (``server/cli.py``). Modules: ``config`` (flags + env),
-``store`` (variables and verbs, no HTTP), ``optim`` (in-place optimizer math), ``app``
-(create_app, error rendering, headers), ``routes_data`` (msgpack data plane),
-``routes_inspect`` (JSON for people), ``cli`` (serve | up | demo | status).
+``store`` (variables and verbs, no HTTP), ``dedup`` (which writes each worker had applied),
+``optim`` (in-place optimizer math), ``persistence`` (snapshot files), ``durability`` (restore,
+periodic and final snapshots), ``admission`` (restore/drain phases, bounded work, pauses),
+``app`` (create_app, error rendering, headers), ``routes_data`` (msgpack data plane),
+``routes_checkpoint`` (fleet checkpoints), ``routes_inspect`` (JSON for people), ``reshard``
+(offline resharding), ``cli`` (serve | up | demo | status | reshard).
 """
 
 from __future__ import annotations
