@@ -41,6 +41,12 @@ def _rate(x: float | None) -> str:
     return format(x, ",.0f" if x >= 100 else ".3g")
 
 
+def _mb(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return format(x, ",.0f" if x >= 100 else ".3g")
+
+
 def _size_label(row: dict) -> str:
     if row.get("label"):
         return row["label"]
@@ -50,7 +56,7 @@ def _size_label(row: dict) -> str:
 def table(rows: Sequence[dict], descriptions: dict[str, str]) -> str:
     """One block per case; inside it one line per system, grouped by (op, size)."""
     out: list[str] = []
-    head = (f"{'op':<6}{'elements':>14}{'MB':>7}  {'system':<22}{'MB/s':>8}{'ops/s':>8}"
+    head = (f"{'op':<8}{'elements':>14}{'MB':>8}  {'system':<22}{'MB/s':>8}{'ops/s':>8}"
             f"{'vs ref':>8}{'p50 ms':>10}{'p99 ms':>10}{'reps':>6}")
     case = group = None
     for r in rows:
@@ -62,8 +68,8 @@ def table(rows: Sequence[dict], descriptions: dict[str, str]) -> str:
         group = g
         mb = r["bytes"] / 1e6 if "bytes" in r else None
         out.append(
-            (f"{r['op']:<6}{_size_label(r):>14}{_num(mb, '.3g'):>7}" if first
-             else f"{'':<6}{'':>14}{'':>7}")
+            (f"{r['op']:<8}{_size_label(r):>14}{_mb(mb):>8}" if first
+             else f"{'':<8}{'':>14}{'':>8}")
             + f"  {r['system']:<22}{_rate(r.get('mb_per_s')):>8}{_rate(r.get('ops_per_s')):>8}"
             + f"{_num(r.get('vs_reference'), '.2f'):>7}x"
             + f"{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['reps']:>6}"
