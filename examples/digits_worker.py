@@ -29,6 +29,11 @@ The model and the data are plain numpy and importable (``load_data``, ``init_par
 
 Every setting is a flag with an environment variable behind it (``--steps`` /
 ``DIGITS_STEPS``); the shard list is ``PARAMSHARD_SHARDS`` (or ``--shards``).
+
+Identical replicas (``docker compose up --scale worker=3``, where no container knows its number)
+run with ``--worker-index auto``: each takes the next value of the fleet's ``digits/workers``
+counter, so every worker gets a distinct index (its batches, and its slice of the data modulo
+``--num-workers``) without being told one.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +56,8 @@ N_INPUT, N_HIDDEN, N_CLASSES = 64, 32, 10
 PARAM_NAMES = ("layer1/kernel", "layer1/bias", "layer2/kernel", "layer2/bias")
 #: The counter every worker bumps once per step.
 STEP_COUNTER = "global_step"
+#: The counter that hands out indices to workers started with ``--worker-index auto``.
+WORKER_COUNTER = "digits/workers"
 #: Defaults shared by the workers, ``paramshard demo`` and its one-process reference run.
 DEFAULT_LR = 0.05
 DEFAULT_BATCH_SIZE = 32
@@ -149,6 +157,9 @@ def train(ps: PSClient, data: Dataset, *, worker_index: int, num_workers: int, s
           seed: int = DEFAULT_SEED, log_every: int = 100, tag: str = "") -> dict[str, np.ndarray]:
     """Run ``steps`` Downpour SGD steps through ``ps`` on this worker's slice of ``data``.
 
+    The slice is ``worker_index % num_workers``; the batches are drawn from a generator seeded by
+    ``seed`` and ``worker_index``, so workers with distinct indices draw distinct batches.
+
     Blocks until every gradient this worker pushed has been applied; returns the weights pulled
     from the fleet at the end. Progress goes to stdout as ``[w1] step 100/400 loss 0.312 ...``.
     """
@@ -156,7 +167,7 @@ def train(ps: PSClient, data: Dataset, *, worker_index: int, num_workers: int, s
     ps.init(init_params(seed), optimizer=Adagrad(lr=lr))
     ps.wait_ready(list(PARAM_NAMES), timeout=60)
 
-    mine = worker_slice(len(data.y_train), worker_index, num_workers)
+    mine = worker_slice(len(data.y_train), worker_index % num_workers, num_workers)
     rng = np.random.default_rng([seed, worker_index])  # each worker draws its own batches
     tag = tag or f"[w{worker_index}]"
     losses: list[float] = []
@@ -184,27 +195,45 @@ def train(ps: PSClient, data: Dataset, *, worker_index: int, num_workers: int, s
     return final
 
 
+def claim_worker_index(ps: PSClient) -> int:
+    """A worker index no other worker of this fleet got (0, 1, 2, ...), from a fleet counter.
+
+    Blocks for one ``increment``. Indices keep counting up across runs against the same fleet,
+    which only changes which batches a worker draws.
+    """
+    return int(ps.increment(WORKER_COUNTER)) - 1
+
+
+def _worker_index(text: str) -> int | None:
+    if text.strip().lower() == "auto":
+        return None
+    return int(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="A Downpour SGD worker training a small network on scikit-learn's digits "
                     "through a paramshard fleet. Each flag defaults to the DIGITS_<FLAG> "
                     "environment variable (e.g. DIGITS_STEPS).")
 
-    def env(flag: str, cast: type, default: object) -> object:
+    def env(flag: str, cast: Callable[[str], object], default: object) -> object:
         key = "DIGITS_" + flag.upper()
         if key not in os.environ:
             return default
         try:
             return cast(os.environ[key])
         except ValueError:
-            p.error(f"{key} must be {'an integer' if cast is int else 'a number'} "
-                    f"(it sets --{flag.replace('_', '-')}), got {os.environ[key]!r}")
+            kind = {int: "an integer", float: "a number"}.get(cast, "an integer or 'auto'")
+            p.error(f"{key} must be {kind} (it sets --{flag.replace('_', '-')}), "
+                    f"got {os.environ[key]!r}")
 
     p.add_argument("--shards", default=os.environ.get("PARAMSHARD_SHARDS"),
                    help="comma-separated shard URLs in shard-index order "
                         "(default: $PARAMSHARD_SHARDS)")
-    p.add_argument("--worker-index", type=int, default=env("worker_index", int, 0),
-                   help="this worker's index, 0..num-workers-1; picks its slice of the data")
+    p.add_argument("--worker-index", type=_worker_index, metavar="I|auto",
+                   default=env("worker_index", _worker_index, 0),
+                   help="this worker's index, 0..num-workers-1; picks its slice of the data. "
+                        "'auto' takes the next value of a fleet counter (for identical replicas)")
     p.add_argument("--num-workers", type=int, default=env("num_workers", int, 1))
     p.add_argument("--worker-id", default=os.environ.get("PARAMSHARD_WORKER_ID"),
                    help="the id the shards see (default: $PARAMSHARD_WORKER_ID or w<index>)")
@@ -223,7 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.num_workers < 1:
         p.error(f"--num-workers must be >= 1, got {args.num_workers}")
-    if not 0 <= args.worker_index < args.num_workers:
+    if args.worker_index is not None and not 0 <= args.worker_index < args.num_workers:
         p.error(f"--worker-index must be in 0..{args.num_workers - 1}, got {args.worker_index}")
     for name in ("steps", "batch_size", "n_fetch", "log_every"):
         if getattr(args, name) < 1:
@@ -235,16 +264,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tag = f"[w{args.worker_index}]"
+    tag = "[w?]" if args.worker_index is None else f"[w{args.worker_index}]"
     data = load_data(args.seed)
     if args.num_workers > len(data.y_train):
         print(f"{tag} error: --num-workers {args.num_workers} leaves no training data for some "
               f"workers; use at most {len(data.y_train)}", file=sys.stderr)
         return 2
     shards = args.shards.split(",") if args.shards else None  # None: the SDK says what to set
+    # An auto-indexed worker keeps the SDK's default id (<hostname>-<pid>) unless given one.
+    worker_id = args.worker_id or (None if args.worker_index is None else f"w{args.worker_index}")
     try:
-        with PSClient(shards, worker_id=args.worker_id or f"w{args.worker_index}") as ps:
-            train(ps, data, worker_index=args.worker_index, num_workers=args.num_workers,
+        with PSClient(shards, worker_id=worker_id) as ps:
+            index = args.worker_index
+            if index is None:
+                index = claim_worker_index(ps)
+                tag = f"[w{index}]"
+                print(f"{tag} claimed worker index {index} ({WORKER_COUNTER})", flush=True)
+            train(ps, data, worker_index=index, num_workers=args.num_workers,
                   steps=args.steps, batch_size=args.batch_size, n_fetch=args.n_fetch,
                   lr=args.lr, seed=args.seed, log_every=args.log_every, tag=tag)
     except PSError as exc:  # every SDK failure; its message says what to do

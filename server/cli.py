@@ -5,6 +5,7 @@
     paramshard status --shards http://127.0.0.1:7100,http://127.0.0.1:7101
     paramshard demo [...]                                          # train a model on a local fleet
     paramshard reshard --from d0 d1 --to fleet3 --shards 3         # rewrite a checkpoint, offline
+    paramshard health [--ready]                                    # probe this host's shard
 
 ``serve`` settings come from flags or ``PARAMSHARD_*`` environment variables (flags win); a bad
 value exits with status 2 and one line naming the flag or variable. ``serve`` and ``up`` stop
@@ -24,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +52,9 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
     """Flags shared by ``serve`` and ``up`` (``up`` passes them on to every shard)."""
     if fleet:
         p.add_argument("--shard-index", dest="shard_index", metavar="I",
-                       help=f"this shard's index, 0..N-1 [{env_name('shard_index')}, default 0]")
+                       help=f"this shard's index, 0..N-1, or 'auto' for the number at the end "
+                            f"of the host name (a StatefulSet pod's ordinal) "
+                            f"[{env_name('shard_index')}, default 0]")
         p.add_argument("--num-shards", dest="num_shards", metavar="N",
                        help=f"shards in the fleet [{env_name('num_shards')}, default 1]")
         p.add_argument("--host", help=f"address to bind [{env_name('host')}, default 127.0.0.1]")
@@ -89,7 +93,7 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="paramshard parameter-server shards")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,up,status,reshard,demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,up,status,health,reshard,demo}")
 
     p = sub.add_parser("serve", help="run one shard in the foreground",
                        description="Run one shard. Flags override PARAMSHARD_* variables.")
@@ -126,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the fleet checkpoint to read (default: the newest every dir holds)")
     which.add_argument("--latest", action="store_true",
                        help="use each dir's newest snapshot (after stopping the fleet cleanly)")
+    p = sub.add_parser("health", help="exit 0 if this host's shard is healthy (container checks)",
+                       description="Probe the shard that `paramshard serve` runs on this host "
+                                   "with the same PARAMSHARD_HOST / PARAMSHARD_PORT: exit 0 if "
+                                   "GET /healthz (or /readyz) answers 200, else say why and exit "
+                                   "1. The container image's HEALTHCHECK runs it.")
+    p.add_argument("--ready", action="store_true",
+                   help="probe /readyz (restored and not draining) instead of /healthz (alive)")
+    p.add_argument("--port", help=f"the shard's port [{env_name('port')}, default 7100]")
+    p.add_argument("--timeout", default="2", help="seconds to wait (default 2)")
 
     sub.add_parser("demo", help="train a small model on a local fleet (see `paramshard demo -h`)",
                    add_help=False)
@@ -151,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _status(args)
         if args.command == "reshard":
             return _reshard(args)
+        if args.command == "health":
+            return _health(args)
     except (ConfigError, UsageError) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -487,6 +502,31 @@ def _reshard(args: argparse.Namespace) -> int:
         print(f"  shard {i}/{m}  --data-dir {snap.manifest_path.parent}  "
               f"({len(snap.manifest['variables'])} variables, "
               f"{_human_bytes(snap.manifest['values_bytes'])})")
+    return 0
+
+
+# -- health ---------------------------------------------------------------------------------
+
+def _health(args: argparse.Namespace) -> int:
+    keys = (env_name("host"), env_name("port"))
+    config = ShardConfig.from_sources({"port": args.port},
+                                      {k: v for k, v in os.environ.items() if k in keys})
+    try:
+        timeout = float(args.timeout)
+    except ValueError:
+        raise UsageError(f"--timeout must be a number of seconds, got {args.timeout!r}") from None
+    url = f"http://{_client_host(config.host)}:{config.port}/{'readyz' if args.ready else 'healthz'}"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as r:
+            r.read()
+    except urllib.error.HTTPError as exc:
+        print(f"{PROG} health: {url} answered {exc.code}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"{PROG} health: {url} did not answer: {exc}", file=sys.stderr)
+        return 1
+    print(f"{url} ok")
     return 0
 
 

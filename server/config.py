@@ -6,16 +6,21 @@ a flag given on the command line wins. Values are cast explicitly, and a bad one
 is, so ``paramshard serve`` can exit with status 2 and one line instead of a traceback.
 
     config = ShardConfig.from_sources({"shard_index": "1"}, os.environ)
+
+The shard index may be ``auto``: the trailing number of this host's name, so that every pod of a
+Kubernetes StatefulSet (``paramshard-0``, ``paramshard-1``, ...) runs the same command and env.
 """
 
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["ENV_PREFIX", "LOG_LEVELS", "ConfigError", "ShardConfig", "parse_size"]
+__all__ = ["ENV_PREFIX", "LOG_LEVELS", "ConfigError", "ShardConfig", "index_from_hostname",
+           "parse_size"]
 
 ENV_PREFIX = "PARAMSHARD_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -25,6 +30,7 @@ _CHECKPOINT_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_TRAILING_NUMBER = re.compile(r"(\d+)$")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -65,6 +71,28 @@ def _int(lo: int, hi: int | None = None) -> Callable[[str], int]:
                              else f"must be >= {lo}, got {value}")
         return value
     return cast
+
+
+def index_from_hostname(hostname: str) -> int:
+    """The trailing number of a host name's first label: ``paramshard-2`` -> 2, ``ps0`` -> 0.
+
+    That is a StatefulSet pod's ordinal. Raises ``ValueError`` saying what to do when there is
+    none.
+    """
+    label = hostname.strip().split(".", 1)[0]
+    m = _TRAILING_NUMBER.search(label)
+    if m is None:
+        raise ValueError(
+            f"'auto' takes the index from the number at the end of this host's name (a "
+            f"StatefulSet pod's ordinal, as in paramshard-2), but the host name is {hostname!r}: "
+            "give the index as a number instead")
+    return int(m.group(1))
+
+
+def _shard_index(text: str) -> int:
+    if text.strip().lower() == "auto":
+        return index_from_hostname(socket.gethostname())
+    return _int(0)(text)
 
 
 def _size(text: str) -> int:
@@ -203,16 +231,20 @@ class ShardConfig:
         index = values.get("shard_index", 0)
         num = values.get("num_shards", 1)
         if index >= num:
+            key = keys.get("shard_index", flag_name("shard_index"))
+            source = flags.get("shard_index") or environ.get(env_name("shard_index"), "")
+            came_from = (f" (from the host name {socket.gethostname()!r})"
+                         if str(source).strip().lower() == "auto" else "")
             raise ConfigError(
-                keys.get("shard_index", flag_name("shard_index")),
+                key,
                 f"shard index must be in 0..{num - 1} for a fleet of {num} shard(s) "
-                f"(set by {keys.get('num_shards', 'the default')}), got {index}",
+                f"(set by {keys.get('num_shards', 'the default')}), got {index}{came_from}",
             )
         return cls(**values)
 
 
 _CASTS: dict[str, Callable[[str], Any]] = {
-    "shard_index": _int(0),
+    "shard_index": _shard_index,
     "num_shards": _int(1, 65536),
     "host": _host,
     "port": _int(1, 65535),
