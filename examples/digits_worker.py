@@ -205,9 +205,13 @@ def claim_worker_index(ps: PSClient) -> int:
 
 
 def _worker_index(text: str) -> int | None:
+    """``"auto"`` -> ``None`` (claim one from the fleet), else the integer."""
     if text.strip().lower() == "auto":
         return None
-    return int(text)
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -222,7 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             return default
         try:
             return cast(os.environ[key])
-        except ValueError:
+        except (ValueError, argparse.ArgumentTypeError):
             kind = {int: "an integer", float: "a number"}.get(cast, "an integer or 'auto'")
             p.error(f"{key} must be {kind} (it sets --{flag.replace('_', '-')}), "
                     f"got {os.environ[key]!r}")

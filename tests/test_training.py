@@ -124,12 +124,35 @@ def test_worker_rejects_bad_arguments():
                            "--worker-index must be in 0..2"),
                           (["--steps", "0"], "--steps must be >= 1"),
                           (["--lr", "-1"], "--lr must be a finite number > 0"),
-                          (["--lr", "nan"], "--lr must be a finite number > 0")):
+                          (["--lr", "nan"], "--lr must be a finite number > 0"),
+                          (["--worker-index", "first"], "expected an integer or 'auto'"),
+                          (["DIGITS_WORKER_INDEX=first"],
+                           "DIGITS_WORKER_INDEX must be an integer or 'auto'")):
+        env = worker_env()
+        if args[0].startswith("DIGITS_"):
+            key, _, value = args.pop().partition("=")
+            env[key] = value
         proc = subprocess.run([sys.executable, str(SCRIPT), "--shards", "http://127.0.0.1:9",
-                               *args], cwd=ROOT, env=worker_env(), capture_output=True,
+                               *args], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=60)
         assert proc.returncode == 2, proc
         assert message in proc.stderr, proc.stderr
+
+
+def test_auto_indexed_replicas_claim_distinct_indices(fleet_factory):
+    # `docker compose up --scale worker=3`: identical containers, DIGITS_WORKER_INDEX=auto.
+    fleet = fleet_factory(2)
+    env = {**worker_env(), "PARAMSHARD_SHARDS": ",".join(fleet.urls),
+           "DIGITS_WORKER_INDEX": "auto", "DIGITS_STEPS": "20", "DIGITS_LOG_EVERY": "10"}
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT)], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(3)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    claimed = sorted(int(out.split("claimed worker index ")[1].split()[0]) for out in outs)
+    assert claimed == [0, 1, 2]
+    with PSClient(fleet.urls, worker_id="check") as ps:
+        assert ps.pull(["global_step"])["global_step"] == 3 * 20
+        assert ps.increment(digits.WORKER_COUNTER, 0) == 3
 
 
 def test_worker_reports_a_conflicting_fleet(fleet2):
