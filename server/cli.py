@@ -515,7 +515,8 @@ def _health(args: argparse.Namespace) -> int:
         timeout = float(args.timeout)
     except ValueError:
         raise UsageError(f"--timeout must be a number of seconds, got {args.timeout!r}") from None
-    url = f"http://{_client_host(config.host)}:{config.port}/{'readyz' if args.ready else 'healthz'}"
+    path = "/readyz" if args.ready else "/healthz"
+    url = f"http://{_client_host(config.host)}:{config.port}{path}"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(url, timeout=timeout) as r:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,16 @@ def in_stage(instructions: list[Instruction], stage: str, keyword: str) -> list[
     return [i for i in instructions if i.stage == stage and i.keyword == keyword]
 
 
+def image_env(instructions: list[Instruction], stage: str) -> dict[str, str]:
+    """The ``ENV`` a container of ``stage`` starts with (the ``base`` stage's, then its own)."""
+    env: dict[str, str] = {}
+    for ins in in_stage(instructions, "base", "ENV") + in_stage(instructions, stage, "ENV"):
+        for item in shlex.split(ins.args):
+            key, _, value = item.partition("=")
+            env[key] = value
+    return env
+
+
 def dockerignore_allows(path: str, patterns: list[str]) -> bool:
     """Whether ``path`` (relative, with ``/``) reaches the build context under these
     ``.dockerignore`` patterns: the last matching pattern wins, ``!`` re-includes, and a
@@ -131,7 +142,7 @@ def k8s_object(docs: list[tuple[Path, dict[str, Any]]], kind: str) -> dict[str, 
     return found[0]
 
 
-def container_env(container: dict[str, Any]) -> dict[str, Any]:
+def k8s_env(container: dict[str, Any]) -> dict[str, Any]:
     """name -> value (a string) or the ``valueFrom`` mapping."""
     return {e["name"]: e["value"] if "value" in e else e["valueFrom"]
             for e in container.get("env", [])}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -42,9 +41,9 @@ from server.config import ConfigError, ShardConfig, env_name
 from server.demo import find_worker_script, load_worker_module
 
 from deploy_files import (
-    DOCKERFILE, K8S_DIR, ROOT, container_env, dockerignore_allows, dockerignore_patterns,
-    environment, in_stage, k8s_object, load_compose, load_k8s, parse_dockerfile, shard_services,
-    stages,
+    DOCKERFILE, K8S_DIR, ROOT, dockerignore_allows, dockerignore_patterns, environment,
+    image_env, in_stage, k8s_env, k8s_object, load_compose, load_k8s, parse_dockerfile,
+    shard_services, stages,
 )
 
 SHARD_ENV = {env_name(f.name) for f in fields(ShardConfig)}
@@ -237,11 +236,7 @@ def test_shard_image_health_volume_port_and_env(dockerfile):
     probe = json.loads(command)
     assert probe[:2] == ["paramshard", "health"] and "--ready" not in probe  # liveness
     build_parser().parse_args(probe[1:])
-    env: dict[str, str] = {}
-    for ins in in_stage(dockerfile, "base", "ENV") + in_stage(dockerfile, "runtime", "ENV"):
-        for item in shlex.split(ins.args):
-            key, _, value = item.partition("=")
-            env[key] = value
+    env = image_env(dockerfile, "runtime")
     shard_env = {k: v for k, v in env.items() if k.startswith("PARAMSHARD_")}
     config = shard_config(shard_env)
     assert config.host == "0.0.0.0"
@@ -288,7 +283,8 @@ def test_every_copy_source_is_in_the_build_context(dockerfile):
             "packages"]:
         assert package in sources, f"the package {package} is not copied into the build stage"
     # and what must never ship
-    for private in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "server/__pycache__/x.pyc"):
+    for private in (".venv/bin/python", ".git/HEAD", "tests/conftest.py",
+                    "server/__pycache__/x.pyc"):
         assert not dockerignore_allows(private, patterns), private
 
 
@@ -331,7 +327,7 @@ def pod_spec(obj: dict) -> dict:
 def test_statefulset_shards_take_their_index_from_the_pod_ordinal(k8s, monkeypatch):
     sts = k8s_object(k8s, "StatefulSet")
     (container,) = pod_spec(sts)["containers"]
-    env = container_env(container)
+    env = k8s_env(container)
     assert env["PARAMSHARD_SHARD_INDEX"] == "auto"
     replicas = sts["spec"]["replicas"]
     name = sts["metadata"]["name"]
@@ -350,7 +346,7 @@ def test_statefulset_service_probes_volume_and_budget(k8s, dockerfile):
     pdb = k8s_object(k8s, "PodDisruptionBudget")
     labels = sts["spec"]["template"]["metadata"]["labels"]
     (container,) = pod_spec(sts)["containers"]
-    env = container_env(container)
+    env = k8s_env(container)
     port = int(env["PARAMSHARD_PORT"])
 
     assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
@@ -386,9 +382,9 @@ def test_worker_job_lists_every_shard_pod(k8s, compose, monkeypatch):
     job = k8s_object(k8s, "Job")
     secret = k8s_object(k8s, "Secret")
     (shard,) = pod_spec(sts)["containers"]
-    port = container_env(shard)["PARAMSHARD_PORT"]
+    port = k8s_env(shard)["PARAMSHARD_PORT"]
     (container,) = pod_spec(job)["containers"]
-    env = container_env(container)
+    env = k8s_env(container)
     name, service = sts["metadata"]["name"], svc["metadata"]["name"]
     expected = [f"http://{name}-{i}.{service}:{port}" for i in range(sts["spec"]["replicas"])]
     assert env[ENV_SHARDS].strip().split(",") == expected

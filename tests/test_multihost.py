@@ -35,7 +35,8 @@ from server.config import ShardConfig
 
 import netlab
 from deploy_files import (
-    DOCKERFILE, ROOT, environment, in_stage, load_compose, parse_dockerfile, shard_services,
+    DOCKERFILE, ROOT, environment, image_env, in_stage, load_compose, parse_dockerfile,
+    shard_services,
 )
 
 UNAVAILABLE = netlab.available()
@@ -59,12 +60,8 @@ def image(stage: str) -> tuple[list[str], dict[str, str]]:
     """The command (ENTRYPOINT + CMD, made runnable from this checkout) and the ENV of one
     target of docker/Dockerfile."""
     dockerfile = parse_dockerfile(DOCKERFILE.read_text())
-    env: dict[str, str] = {}
-    for ins in in_stage(dockerfile, "base", "ENV") + in_stage(dockerfile, stage, "ENV"):
-        for item in re.findall(r'(\S+?)=("[^"]*"|\S+)', ins.args):
-            key, value = item
-            if key != "PATH":  # the image's venv; here, this interpreter
-                env[key] = value.strip('"')
+    env = image_env(dockerfile, stage)
+    env.pop("PATH")  # the image's virtualenv; here, this interpreter's
     command: list[str] = []
     for keyword in ("ENTRYPOINT", "CMD"):
         found = in_stage(dockerfile, stage, keyword)
