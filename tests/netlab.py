@@ -172,11 +172,16 @@ class Netlab:
         self.procs.append(proc)
         return proc
 
+    def python(self, host: str, code: str, *args: str, env: dict[str, str] | None = None,
+               timeout: float = 60.0) -> subprocess.CompletedProcess:
+        """Run ``python -c code args...`` on ``host`` and wait for it."""
+        return subprocess.run(["ip", "netns", "exec", self.namespace(host), sys.executable,
+                               "-c", code, *args], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+
     def fetch(self, host: str, url: str, timeout: float = 2.0) -> str | None:
         """GET ``url`` from ``host``; the body, or ``None`` if there was no answer."""
-        done = subprocess.run(["ip", "netns", "exec", self.namespace(host), sys.executable,
-                               "-c", _FETCH, url, str(timeout)],
-                              capture_output=True, text=True, timeout=timeout + 30)
+        done = self.python(host, _FETCH, url, str(timeout), timeout=timeout + 30)
         return done.stdout if done.returncode == 0 else None
 
     def fetch_json(self, host: str, url: str, timeout: float = 2.0) -> dict | None:
