@@ -25,13 +25,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from client_sdk.placement import shard_for
-from server.config import ShardConfig
 
 import netlab
 from deploy_files import (
@@ -51,7 +49,6 @@ MIN_ACCURACY = 0.85
 OUTAGE = 3.0  # seconds the cable stays out
 PARAMS = ("layer1/kernel", "layer1/bias", "layer2/kernel", "layer2/bias")
 COUNTERS = ("global_step", "digits/workers")
-DURABLE = "data_dir" in {f.name for f in fields(ShardConfig)}
 
 
 # -- what a container would get -------------------------------------------------------------
@@ -139,8 +136,6 @@ class Fleet:
         """Run the compose healthcheck in the shard's "container" until it passes."""
         test = self.shards[name]["healthcheck"]["test"]
         assert test[:2] == ["CMD", "paramshard"]
-        if not DURABLE:  # TEMPORARY until /readyz exists
-            test = [t for t in test if t != "--ready"]
         cmd = ["ip", "netns", "exec", self.lab.namespace(name),
                sys.executable, "-m", "server.cli", *test[2:]]
         deadline = time.monotonic() + timeout
@@ -235,23 +230,25 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_shard(lab, tmp_pa
 
     # 2. checkpoint the fleet, train on, then kill (SIGKILL, as `docker kill`) a shard that
     #    holds weights but no counter, and start it again on its volume
-    restarted = False
-    if DURABLE:
-        mine = [p for p in PARAMS if owner[p] == victim]
-        fleet.checkpoint()
-        at_checkpoint = fleet.versions(victim)
-        fleet.wait_for_step(fleet.counter("global_step") + WORKERS * 50)
-        old = fleet.cluster(victim)
-        fleet.procs[victim].send_signal(signal.SIGKILL)
-        fleet.procs[victim].wait(10)
-        fleet.start_shard(victim)
-        fleet.wait_healthy(victim)
-        assert fleet.cluster(victim)["incarnation"] != old["incarnation"]
-        restored = fleet.versions(victim)
-        for p in mine:  # back from the snapshot, not created anew (that would be version 0)
-            assert p in restored, f"{victim} came back without {p}"
-            assert restored[p] >= at_checkpoint[p] > 0, (p, at_checkpoint, restored)
-        restarted = True
+    mine = [p for p in PARAMS if owner[p] == victim]
+    checkpoint = fleet.checkpoint()
+    at_checkpoint = fleet.versions(victim)
+    fleet.wait_for_step(fleet.counter("global_step") + WORKERS * 50)
+    old = fleet.cluster(victim)
+    fleet.procs[victim].send_signal(signal.SIGKILL)
+    fleet.procs[victim].wait(10)
+    fleet.start_shard(victim)
+    fleet.wait_healthy(victim)
+    new = fleet.cluster(victim)
+    assert new["incarnation"] != old["incarnation"]
+    restored_from = new["restored"]
+    assert restored_from is not None, f"{victim} came back empty:\n{fleet.log(victim)}"
+    assert Path(restored_from["path"]).parent == tmp_path / f"{victim}-data"  # its volume
+    assert restored_from["checkpoint"] in (checkpoint, None), restored_from  # None: periodic
+    versions = fleet.versions(victim)
+    for p in mine:  # back from the snapshot, not created anew (that would be version 0)
+        assert p in versions, f"{victim} came back without {p}"
+        assert versions[p] >= at_checkpoint[p] > 0, (p, at_checkpoint, versions)
 
     # 3. the workers finish by themselves, with every step counted once and a model that works
     outputs = {}
@@ -275,8 +272,3 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_shard(lab, tmp_pa
     assert fleet.cluster(cut)["incarnation"] == before["incarnation"]
     for name in fleet.names:
         assert fleet.procs[name].poll() is None, f"{name} died:\n{fleet.log(name)}"
-
-    if not restarted:
-        pytest.skip("cut-cable part passed; the kill-and-restart-from-volume part did not run: "
-                    "shards cannot snapshot yet (no --data-dir / PARAMSHARD_DATA_DIR in "
-                    "ShardConfig; it comes with the durability issue)")
