@@ -10,7 +10,8 @@ here, so that the run's length does not follow edits of the compose file.
 The run: two workers train; the cable of the shard that holds ``global_step`` is pulled for a few
 seconds and plugged back in; a shard holding only weights is killed (SIGKILL, as ``docker kill``)
 and started again on its volume; the workers must finish on their own with the right result:
-every step counted exactly once and the demo's accuracy reached.
+every step counted exactly once and the demo's accuracy reached. Then the shards are stopped as
+``docker compose stop`` stops them (SIGTERM) and must exit 0, their final snapshots written.
 
 Needs root and iproute2 (CI has both); skipped with the reason otherwise. Everything it creates
 (processes, namespaces, cables, the switch, hosts files) is removed at the end, even on failure.
@@ -272,3 +273,9 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_shard(lab, tmp_pa
     assert fleet.cluster(cut)["incarnation"] == before["incarnation"]
     for name in fleet.names:
         assert fleet.procs[name].poll() is None, f"{name} died:\n{fleet.log(name)}"
+
+    # 4. `docker compose stop`: SIGTERM; each shard drains, writes its final snapshot, exits 0
+    for name in fleet.names:
+        fleet.procs[name].send_signal(signal.SIGTERM)
+    for name in fleet.names:
+        assert fleet.procs[name].wait(30) == 0, f"{name} did not stop cleanly:\n{fleet.log(name)}"
