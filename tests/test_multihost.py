@@ -232,8 +232,8 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_shard(lab, tmp_pa
     # 2. checkpoint the fleet, train on, then kill (SIGKILL, as `docker kill`) a shard that
     #    holds weights but no counter, and start it again on its volume
     mine = [p for p in PARAMS if owner[p] == victim]
+    before_checkpoint = fleet.versions(victim)  # writes resume as soon as it returns
     checkpoint = fleet.checkpoint()
-    at_checkpoint = fleet.versions(victim)
     fleet.wait_for_step(fleet.counter("global_step") + WORKERS * 50)
     old = fleet.cluster(victim)
     fleet.procs[victim].send_signal(signal.SIGKILL)
@@ -249,7 +249,7 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_shard(lab, tmp_pa
     versions = fleet.versions(victim)
     for p in mine:  # back from the snapshot, not created anew (that would be version 0)
         assert p in versions, f"{victim} came back without {p}"
-        assert versions[p] >= at_checkpoint[p] > 0, (p, at_checkpoint, versions)
+        assert versions[p] >= before_checkpoint[p] > 0, (p, before_checkpoint, versions)
 
     # 3. the workers finish by themselves, with every step counted once and a model that works
     outputs = {}
