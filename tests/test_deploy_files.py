@@ -24,7 +24,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from dataclasses import fields
 from importlib.resources import files
 from pathlib import Path
@@ -33,6 +32,11 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: check-jsonschema brings tomli there
+    import tomli as tomllib
 
 from client_sdk._core import ENV_SHARDS, ENV_TOKEN, ENV_WORKER_ID, load_settings
 from server import config as config_module
@@ -301,6 +305,9 @@ def test_manifests_follow_the_kubernetes_api(k8s, version):
     for path, doc in k8s:
         try:
             kubernetes_validate.validate(doc, version, strict=True)
+        except (kubernetes_validate.SchemaNotFoundError,
+                kubernetes_validate.utils.VersionNotSupportedError):
+            pytest.skip(f"this kubernetes-validate has no schemas for Kubernetes {version}")
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(f"{path.name}: {doc['kind']}/{doc['metadata']['name']} is invalid for "
                         f"Kubernetes {version}: {str(exc).splitlines()[0]}")
