@@ -1,33 +1,58 @@
-"""Where httpx2 meets the SDK: building requests, reading bodies, retrying, mapping errors.
+"""Where HTTP meets the SDK: sending one request, retrying it, mapping transport errors.
 
 Both shells send a :class:`~client_sdk._core.ShardRequest` through :func:`send` (sync) or
-:func:`asend` (async). They return a :class:`~client_sdk._core.Reply` or the ``PSError`` that
-prevented one, and never raise httpx2 errors: every one is translated here, where it enters
-(``raise ... from exc``), to the most specific class of the SDK's tree.
+:func:`asend` (async), each with a *sender* that performs one HTTP exchange:
 
-Request bodies are written as the encoder left them: the msgpack header and, for framed bodies,
-memoryviews of the arrays' own memory (in 1 MiB slices), with an explicit ``Content-Length`` (so
-httpx2 does not switch to chunked encoding) and never joined into one buffer. Reply bodies are
-read into one buffer sized by ``Content-Length``, so framed tensors decode as views into it.
-That buffer is ``np.empty`` memory, not a ``bytearray``: a bytearray is zero-filled first, which
-for 100 MB costs as much as copying the body in (numpy's large allocations skip that).
+* :class:`NativeSender` / :class:`AsyncNativeSender`, the default when every shard is an
+  ``http://`` URL and no transport is injected: the SDK's own keep-alive HTTP/1.1 pools
+  (``_http11.py``, ``_pool.py``, ``_apool.py``), which write the body's own buffers with
+  ``sendmsg`` and read a reply body straight into one buffer. They cost a fraction of httpx2's
+  per-request Python and copy a big reply once, from the socket into its final buffer.
+* :class:`HTTPXSender` / :class:`AsyncHTTPXSender`: an ``httpx2.Client`` / ``AsyncClient``, for
+  ``https://`` shards and for a ``transport`` the caller injects (``httpx2.MockTransport`` in
+  tests). Request bodies are handed to httpx2 as the encoder left them (the msgpack header and
+  memoryviews of the arrays, in 1 MiB slices) with an explicit ``Content-Length`` (so httpx2
+  does not switch to chunked encoding); reply bodies are read into one ``np.empty`` buffer
+  sized by ``Content-Length`` (a ``bytearray`` would be zero-filled first, which for 100 MB
+  costs as much as copying the body in).
+
+:func:`send` and :func:`asend` return a :class:`~client_sdk._core.Reply` or the ``PSError``
+that prevented one, and never raise transport errors: both senders fail with httpx2's exception
+classes, and every one is translated here, where it enters (``raise ... from exc``), to the most
+specific class of the SDK's tree. Which of them mean "the request never left" (so that even a
+mutating request may be retried) is decided in one place, :data:`_UNSENT`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Union
 
 import httpx2
 import numpy as np
 
-from ._core import Core, Reply, ShardRequest
+from . import _http11
+from ._apool import AsyncHTTPPool
+from ._core import Core, Reply, Settings, ShardRequest
 from ._exceptions import ConfigError, ProtocolError, PSError, ShardUnavailableError
+from ._pool import HTTPPool
 from .wire import Encoded
 
-__all__ = ["asend", "limits", "send", "timeout"]
+__all__ = [
+    "AsyncHTTPXSender",
+    "AsyncNativeSender",
+    "HTTPXSender",
+    "NativeSender",
+    "asend",
+    "async_sender",
+    "limits",
+    "send",
+    "sync_sender",
+    "timeout",
+]
 
 #: Body chunks larger than this are handed to the connection in slices of this size: h11
 #: copies each chunk it is given, and small copies stay in cache.
@@ -49,8 +74,104 @@ def limits(num_shards: int, max_inflight: int) -> httpx2.Limits:
     """Enough kept-alive connections for every shard to serve a call, ``max_inflight``
     background pushes and a long poll at the same time; no hard cap (callers bound the
     concurrency themselves, and a cap would turn long polls into pool timeouts)."""
-    keep = num_shards * (max_inflight + 2)
-    return httpx2.Limits(max_connections=None, max_keepalive_connections=keep)
+    keep = num_shards * _idle_per_shard(max_inflight)
+    return httpx2.Limits(max_connections=None, max_keepalive_connections=keep,
+                         keepalive_expiry=_http11.IDLE_EXPIRY)
+
+
+def _idle_per_shard(max_inflight: int) -> int:
+    return max_inflight + 2
+
+
+def _native(settings: Settings, transport: object) -> bool:
+    return transport is None and all(url.startswith("http://") for url in settings.shards)
+
+
+def sync_sender(settings: Settings, transport: httpx2.BaseTransport | None) -> Sender:
+    """The sender a :class:`~client_sdk.PSClient` uses: native unless a transport is injected
+    or a shard is ``https://``. Does no I/O."""
+    if _native(settings, transport):
+        return NativeSender(settings)
+    return HTTPXSender(httpx2.Client(timeout=timeout(settings.timeout),
+                                     limits=limits(len(settings.shards), settings.max_inflight),
+                                     transport=transport, trust_env=False))
+
+
+def async_sender(settings: Settings,
+                 transport: httpx2.AsyncBaseTransport | None) -> AsyncSender:
+    """The sender an :class:`~client_sdk.AsyncPSClient` uses: native unless a transport is
+    injected, a shard is ``https://``, or the platform's event loop cannot wait for sockets
+    (Windows). Does no I/O."""
+    if _native(settings, transport) and sys.platform != "win32":
+        return AsyncNativeSender(settings)
+    return AsyncHTTPXSender(httpx2.AsyncClient(
+        timeout=timeout(settings.timeout),
+        limits=limits(len(settings.shards), settings.max_inflight),
+        transport=transport, trust_env=False))
+
+
+# -- the native senders -----------------------------------------------------------------------
+
+
+def _pool_args(settings: Settings) -> dict:
+    t = timeout(settings.timeout)
+    return {"max_idle": _idle_per_shard(settings.max_inflight), "connect_timeout": t.connect,
+            "read_timeout": t.read, "write_timeout": t.write}
+
+
+def _native_request(req: ShardRequest) -> tuple[Mapping[str, str], list]:
+    if req.body is None:
+        return req.headers, []
+    return ({**req.headers, "content-type": req.body.content_type,
+             "content-length": str(req.body.nbytes)}, req.body.chunks)
+
+
+def _native_reply(core: Core, req: ShardRequest, r: _http11.Response) -> Reply:
+    encoding = r.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        url = core.url(req.shard)
+        raise ProtocolError(f"shard {url} sent a body with Content-Encoding {encoding!r} "
+                            "although the SDK asked for identity: is it behind a proxy "
+                            "that compresses?", shard=url, status=r.status)
+    return Reply(r.status, r.headers, r.content)
+
+
+class NativeSender:
+    """One exchange over :class:`~client_sdk._pool.HTTPPool`: a connection per concurrent
+    request to a shard, ``max_inflight + 2`` kept idle per shard. Thread-safe."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.pool = HTTPPool(**_pool_args(settings))
+        self.origins = [_http11.Origin(url) for url in settings.shards]
+
+    def once(self, core: Core, req: ShardRequest) -> Reply:
+        headers, chunks = _native_request(req)
+        r = self.pool.request(self.origins[req.shard], req.method, req.path, headers, chunks,
+                              read_timeout=req.read_timeout)
+        return _native_reply(core, req, r)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class AsyncNativeSender:
+    """The async twin of :class:`NativeSender`, over :class:`~client_sdk._apool.AsyncHTTPPool`."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.pool = AsyncHTTPPool(**_pool_args(settings))
+        self.origins = [_http11.Origin(url) for url in settings.shards]
+
+    async def once(self, core: Core, req: ShardRequest) -> Reply:
+        headers, chunks = _native_request(req)
+        r = await self.pool.request(self.origins[req.shard], req.method, req.path, headers,
+                                    chunks, read_timeout=req.read_timeout)
+        return _native_reply(core, req, r)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+
+# -- the httpx2 senders -----------------------------------------------------------------------
 
 
 def _slices(body: Encoded) -> Iterator[Union[bytes, memoryview]]:
@@ -126,6 +247,74 @@ def _headers(response: httpx2.Response) -> dict[str, str]:
     return {k.lower(): v for k, v in response.headers.items()}
 
 
+class HTTPXSender:
+    """One exchange through an ``httpx2.Client``. Thread-safe."""
+
+    def __init__(self, client: httpx2.Client) -> None:
+        self.client = client
+
+    def once(self, core: Core, req: ShardRequest) -> Reply:
+        client = self.client
+        body = _SyncBody(req.body) if req.body is not None else None
+        response = client.send(_build(client, core, req, body), stream=True)
+        try:
+            buf = None if response.is_stream_consumed else _sized_buffer(response)
+            if buf is None:
+                content: bytes | memoryview = response.read()
+            else:
+                pos = 0
+                for chunk in response.iter_raw():
+                    pos = _fill(buf, pos, chunk, core.url(req.shard))
+                if pos != len(buf):
+                    raise _short(pos, buf, core.url(req.shard))
+                content = buf
+        finally:
+            response.close()
+        return Reply(response.status_code, _headers(response), content)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class AsyncHTTPXSender:
+    """The async twin of :class:`HTTPXSender`, over an ``httpx2.AsyncClient``."""
+
+    def __init__(self, client: httpx2.AsyncClient) -> None:
+        self.client = client
+
+    async def once(self, core: Core, req: ShardRequest) -> Reply:
+        client = self.client
+        body = _AsyncBody(req.body) if req.body is not None else None
+        response = await client.send(_build(client, core, req, body), stream=True)
+        try:
+            buf = None if response.is_stream_consumed else _sized_buffer(response)
+            if buf is None:
+                content: bytes | memoryview = await response.aread()
+            else:
+                pos = 0
+                async for chunk in response.aiter_raw():
+                    pos = _fill(buf, pos, chunk, core.url(req.shard))
+                if pos != len(buf):
+                    raise _short(pos, buf, core.url(req.shard))
+                content = buf
+        finally:
+            await response.aclose()
+        return Reply(response.status_code, _headers(response), content)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+Sender = Union[NativeSender, HTTPXSender]
+AsyncSender = Union[AsyncNativeSender, AsyncHTTPXSender]
+
+#: What a sender may raise for a failed exchange (the rest are bugs and propagate).
+_TRANSPORT_ERRORS = (httpx2.HTTPError, httpx2.InvalidURL, httpx2.StreamError)
+
+
+# -- retrying and translating -----------------------------------------------------------------
+
+
 def _translate(exc: Exception, core: Core, req: ShardRequest, attempts: int,
                started: float) -> PSError:
     """Map an httpx2 error to the SDK's tree, saying what happened and what to do."""
@@ -162,16 +351,15 @@ def _translate(exc: Exception, core: Core, req: ShardRequest, attempts: int,
     return ShardUnavailableError(msg, shard=url)
 
 
-def send(client: httpx2.Client, core: Core, req: ShardRequest) -> Result:
+def send(sender: Sender, core: Core, req: ShardRequest) -> Result:
     """Send one request, retrying as :meth:`Core.retry_delay` allows. Blocks; thread-safe."""
-    body = _SyncBody(req.body) if req.body is not None else None
     started = time.monotonic()
     attempt = 0
     while True:
         attempt += 1
         try:
-            reply = _send_once(client, core, req, body)
-        except (httpx2.HTTPError, httpx2.InvalidURL, httpx2.StreamError) as exc:
+            reply = sender.once(core, req)
+        except _TRANSPORT_ERRORS as exc:
             delay = core.retry_delay(req, attempt - 1, unsent=isinstance(exc, _UNSENT))
             if delay is None:
                 return _chain(_translate(exc, core, req, attempt, started), exc)
@@ -185,35 +373,15 @@ def send(client: httpx2.Client, core: Core, req: ShardRequest) -> Result:
         time.sleep(delay)
 
 
-def _send_once(client: httpx2.Client, core: Core, req: ShardRequest, body: object) -> Reply:
-    request = _build(client, core, req, body)
-    response = client.send(request, stream=True)
-    try:
-        buf = None if response.is_stream_consumed else _sized_buffer(response)
-        if buf is None:
-            content: bytes | memoryview = response.read()
-        else:
-            pos = 0
-            for chunk in response.iter_raw():
-                pos = _fill(buf, pos, chunk, core.url(req.shard))
-            if pos != len(buf):
-                raise _short(pos, buf, core.url(req.shard))
-            content = buf
-    finally:
-        response.close()
-    return Reply(response.status_code, _headers(response), content)
-
-
-async def asend(client: httpx2.AsyncClient, core: Core, req: ShardRequest) -> Result:
+async def asend(sender: AsyncSender, core: Core, req: ShardRequest) -> Result:
     """The async twin of :func:`send`."""
-    body = _AsyncBody(req.body) if req.body is not None else None
     started = time.monotonic()
     attempt = 0
     while True:
         attempt += 1
         try:
-            reply = await _asend_once(client, core, req, body)
-        except (httpx2.HTTPError, httpx2.InvalidURL, httpx2.StreamError) as exc:
+            reply = await sender.once(core, req)
+        except _TRANSPORT_ERRORS as exc:
             delay = core.retry_delay(req, attempt - 1, unsent=isinstance(exc, _UNSENT))
             if delay is None:
                 return _chain(_translate(exc, core, req, attempt, started), exc)
@@ -225,26 +393,6 @@ async def asend(client: httpx2.AsyncClient, core: Core, req: ShardRequest) -> Re
             if delay is None:
                 return reply
         await asyncio.sleep(delay)
-
-
-async def _asend_once(client: httpx2.AsyncClient, core: Core, req: ShardRequest,
-                      body: object) -> Reply:
-    request = _build(client, core, req, body)
-    response = await client.send(request, stream=True)
-    try:
-        buf = None if response.is_stream_consumed else _sized_buffer(response)
-        if buf is None:
-            content: bytes | memoryview = await response.aread()
-        else:
-            pos = 0
-            async for chunk in response.aiter_raw():
-                pos = _fill(buf, pos, chunk, core.url(req.shard))
-            if pos != len(buf):
-                raise _short(pos, buf, core.url(req.shard))
-            content = buf
-    finally:
-        await response.aclose()
-    return Reply(response.status_code, _headers(response), content)
 
 
 def _chain(err: PSError, cause: BaseException) -> PSError:

@@ -83,9 +83,7 @@ class PSClient:
                                  retry_deadline=retry_deadline, max_inflight=max_inflight)
         self._core = Core(settings)
         n = len(settings.shards)
-        self._http = httpx2.Client(timeout=_transport.timeout(settings.timeout),
-                                   limits=_transport.limits(n, max_inflight),
-                                   transport=transport, trust_env=False)
+        self._sender = _transport.sync_sender(settings, transport)
         # Threads for the other shards of a batch (the caller's thread sends one request
         # itself); enough for a call from the caller, every background push and a long poll.
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -118,8 +116,8 @@ class PSClient:
 
     def _send_all(self, batch: list[ShardRequest]) -> list[Result]:
         send = _transport.send
-        futures = [self._pool.submit(send, self._http, self._core, r) for r in batch[1:]]
-        first = send(self._http, self._core, batch[0])
+        futures = [self._pool.submit(send, self._sender, self._core, r) for r in batch[1:]]
+        first = send(self._sender, self._core, batch[0])
         return [first] + [f.result() for f in futures]
 
     # -- verbs ------------------------------------------------------------------------------
@@ -251,7 +249,7 @@ class PSClient:
             finally:
                 self._closed = True
                 self._pool.shutdown(wait=True)
-                self._http.close()
+                self._sender.close()
 
     def __enter__(self) -> PSClient:
         return self
@@ -293,10 +291,7 @@ class AsyncPSClient:
         settings = load_settings(shards, worker_id, token=token, timeout=timeout,
                                  retry_deadline=retry_deadline, max_inflight=max_inflight)
         self._core = Core(settings)
-        self._http = httpx2.AsyncClient(timeout=_transport.timeout(settings.timeout),
-                                        limits=_transport.limits(len(settings.shards),
-                                                                 max_inflight),
-                                        transport=transport, trust_env=False)
+        self._sender = _transport.async_sender(settings, transport)
         self._pusher = AsyncPusher(max_inflight, self._push_job, self._core.merge_push)
         self._closed = False
 
@@ -320,9 +315,9 @@ class AsyncPSClient:
 
     async def _send_all(self, batch: list[ShardRequest]) -> list[Result]:
         if len(batch) == 1:
-            return [await _transport.asend(self._http, self._core, batch[0])]
+            return [await _transport.asend(self._sender, self._core, batch[0])]
         return list(await asyncio.gather(
-            *(_transport.asend(self._http, self._core, r) for r in batch)))
+            *(_transport.asend(self._sender, self._core, r) for r in batch)))
 
     async def init(self, values: Mapping[str, Any],
                    optimizer: OptimizerArg = None) -> dict[str, dict]:
@@ -386,7 +381,7 @@ class AsyncPSClient:
             await self._pusher.close()
         finally:
             self._closed = True
-            await self._http.aclose()
+            await self._sender.close()
 
     async def __aenter__(self) -> AsyncPSClient:
         return self

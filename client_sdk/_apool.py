@@ -1,0 +1,220 @@
+"""Keep-alive connections to ``http://`` shards on the running event loop: :class:`AsyncHTTPPool`.
+
+The asyncio twin of ``_pool.py`` (for ``AsyncPSClient``), sharing its HTTP with it
+(``_http11.py``). Sockets are non-blocking and used directly: a send or receive is attempted at
+once, and only when the socket is not ready does the request wait on the loop, for readiness
+(``loop.add_reader``/``add_writer``, with a timer for the timeout), so a small request that the
+shard answers quickly costs no more than a couple of awaits. Bodies go out with ``sendmsg`` of
+their own buffers and come in with ``recv_into`` straight into their final buffer, as in the
+blocking pool. Needs a loop with ``add_reader`` (asyncio's selector loops and uvloop; not the
+Windows proactor loop, for which ``_transport.py`` uses httpx2).
+
+Not thread-safe: use a pool from the one event loop that runs its client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import socket
+import time
+from collections.abc import Mapping, Sequence
+
+import httpx2
+
+from ._http11 import HEAD_BUFFER, IDLE_EXPIRY, MAX_IOV, Buffer, Origin, Response, \
+    read_response, request_head
+
+__all__ = ["AsyncHTTPPool"]
+
+
+def _ready(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _expired(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
+class _AsyncConnection:
+    """One keep-alive TCP connection, non-blocking. Used by one request at a time."""
+
+    __slots__ = ("sock", "fd", "buf", "loop", "poller", "idle_since")
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.loop = loop
+        self.buf = bytearray(HEAD_BUFFER)
+        self.idle_since = 0.0
+        self.poller = None
+        if hasattr(select, "poll"):
+            self.poller = select.poll()
+            self.poller.register(sock, select.POLLIN)
+
+    @classmethod
+    async def open(cls, origin: Origin, timeout: float | None) -> _AsyncConnection:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await asyncio.wait_for(
+                loop.getaddrinfo(origin.host, origin.port, type=socket.SOCK_STREAM), timeout)
+            error: OSError | None = None
+            for family, kind, proto, _, address in infos:
+                sock = socket.socket(family, kind, proto)
+                sock.setblocking(False)
+                try:
+                    await asyncio.wait_for(loop.sock_connect(sock, address), timeout)
+                except BaseException as exc:
+                    sock.close()
+                    if not isinstance(exc, OSError) or isinstance(exc, TimeoutError):
+                        raise
+                    error = exc
+                    continue
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return cls(sock, loop)
+            raise error or OSError(f"no address for {origin.host_header}")
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            raise httpx2.ConnectTimeout(f"timed out connecting to {origin.host_header}") from exc
+        except OSError as exc:
+            raise httpx2.ConnectError(str(exc) or type(exc).__name__) from exc
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def reusable(self, now: float) -> bool:
+        """See ``_pool._Connection.reusable``."""
+        if now - self.idle_since > IDLE_EXPIRY:
+            return False
+        if self.poller is not None:
+            return not self.poller.poll(0)
+        return not select.select([self.sock], [], [], 0)[0]
+
+    async def _wait(self, writing: bool, timeout: float | None) -> None:
+        """Until the socket is ready to write (or read); ``TimeoutError`` after ``timeout``."""
+        loop = self.loop
+        fut = loop.create_future()
+        if writing:
+            loop.add_writer(self.fd, _ready, fut)
+        else:
+            loop.add_reader(self.fd, _ready, fut)
+        timer = loop.call_later(timeout, _expired, fut) if timeout is not None else None
+        try:
+            await fut
+        finally:
+            if writing:
+                loop.remove_writer(self.fd)
+            else:
+                loop.remove_reader(self.fd)
+            if timer is not None:
+                timer.cancel()
+
+    async def send(self, head: bytes, body: Sequence[Buffer], timeout: float | None) -> None:
+        """See ``_pool._Connection.send``."""
+        views = [head, *body]
+        sock = self.sock
+        first = 0
+        try:
+            while first < len(views):
+                try:
+                    sent = sock.sendmsg(views[first:first + MAX_IOV])
+                except (BlockingIOError, InterruptedError):
+                    await self._wait(True, timeout)
+                    continue
+                while sent:
+                    n = len(views[first])
+                    if sent >= n:
+                        sent -= n
+                        first += 1
+                    else:
+                        views[first] = memoryview(views[first])[sent:]
+                        sent = 0
+        except TimeoutError as exc:
+            raise httpx2.WriteTimeout("timed out sending the request") from exc
+        except OSError as exc:
+            raise httpx2.WriteError(str(exc) or type(exc).__name__) from exc
+
+    async def receive(self, timeout: float | None) -> tuple[Response, bool]:
+        """Read one response; return it and whether the connection may be reused."""
+        reading = read_response(self.buf)
+        recv_into = self.sock.recv_into
+        try:
+            target = next(reading)
+            while True:
+                try:
+                    n = recv_into(target)
+                except (BlockingIOError, InterruptedError):
+                    await self._wait(False, timeout)
+                    continue
+                target = reading.send(n)
+        except StopIteration as done:
+            return done.value
+        except TimeoutError as exc:
+            raise httpx2.ReadTimeout("timed out waiting for the response") from exc
+        except OSError as exc:
+            raise httpx2.ReadError(str(exc) or type(exc).__name__) from exc
+
+
+class AsyncHTTPPool:
+    """The asyncio twin of :class:`~client_sdk._pool.HTTPPool`: the same arguments and
+    behaviour, ``await``-ed. Use it from one event loop."""
+
+    def __init__(self, *, max_idle: int, connect_timeout: float | None,
+                 read_timeout: float | None, write_timeout: float | None) -> None:
+        self.max_idle = max_idle
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.write_timeout = write_timeout
+        self._idle: dict[tuple[str, int], list[_AsyncConnection]] = {}
+        self._closed = False
+
+    async def request(self, origin: Origin, method: str, target: str,
+                      headers: Mapping[str, str] | None, body: Sequence[Buffer] = (), *,
+                      read_timeout: float | None = None) -> Response:
+        """See :meth:`client_sdk._pool.HTTPPool.request`."""
+        head = request_head(origin, method, target, headers)
+        conn = await self._acquire(origin)
+        try:
+            await conn.send(head, body, self.write_timeout)
+            response, reusable = await conn.receive(
+                self.read_timeout if read_timeout is None else read_timeout)
+        except BaseException:  # cancelled too: the connection is mid-exchange
+            conn.close()
+            raise
+        self._release(origin, conn, reusable)
+        return response
+
+    async def _acquire(self, origin: Origin) -> _AsyncConnection:
+        if self._closed:
+            raise httpx2.ConnectError("the client is closed")
+        idle = self._idle.get(origin.key)
+        now = time.monotonic()
+        loop = asyncio.get_running_loop()
+        while idle:
+            conn = idle.pop()
+            if conn.loop is loop and conn.reusable(now):
+                return conn
+            conn.close()
+        return await _AsyncConnection.open(origin, self.connect_timeout)
+
+    def _release(self, origin: Origin, conn: _AsyncConnection, reusable: bool) -> None:
+        if reusable and not self._closed:
+            idle = self._idle.setdefault(origin.key, [])
+            if len(idle) < self.max_idle:
+                conn.idle_since = time.monotonic()
+                idle.append(conn)
+                return
+        conn.close()
+
+    def idle_count(self, origin: Origin) -> int:
+        """Connections to ``origin`` kept alive and waiting for a request."""
+        return len(self._idle.get(origin.key, ()))
+
+    async def close(self) -> None:
+        """Close the idle connections; those in use close when their request ends."""
+        self._closed = True
+        idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()

@@ -1,0 +1,246 @@
+"""HTTP/1.1 for the SDK's own connection pools, without I/O: request heads and response parsing.
+
+The SDK reaches ``http://`` shards through two small keep-alive pools, ``_pool.py`` (blocking
+sockets, for :class:`~client_sdk.PSClient`) and ``_apool.py`` (non-blocking sockets on the
+running event loop, for :class:`~client_sdk.AsyncPSClient`). Both speak the subset of
+HTTP/1.1 the data plane needs, with as little Python per request as they can, and share
+everything but the waiting, which lives here:
+
+* :func:`request_head` writes a request head; the pools then send it and the body's own buffers
+  (the msgpack header and memoryviews of the arrays' memory) in one ``sendmsg``, never joined;
+* :func:`read_response` is a generator that parses one response out of a connection's receive
+  buffer. It yields the memoryview to receive into next and is sent the byte count; a pool
+  does the receiving. A ``Content-Length`` body that is not already in the receive buffer is
+  received straight into one ``np.empty`` buffer of that size (framed tensors become views into
+  it, with no further copy; ``np.empty`` rather than ``bytearray``, which would zero-fill it
+  first). Chunked bodies and bodies delimited by the end of the connection are read too, for
+  servers that are not shards.
+
+Failures are httpx2's exception classes (the pools add the connect/read/write ones), so
+``_transport.py`` translates them and the retry policy tells "never sent" from "may have
+arrived" exactly as it does for httpx2 itself: :class:`httpx2.ConnectError` and
+:class:`httpx2.ConnectTimeout` before a byte of the request left; :class:`httpx2.WriteError`,
+:class:`httpx2.WriteTimeout`, :class:`httpx2.ReadError`, :class:`httpx2.ReadTimeout` and
+:class:`httpx2.RemoteProtocolError` after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from typing import Union
+
+import httpx2
+import numpy as np
+
+__all__ = ["HEAD_BUFFER", "IDLE_EXPIRY", "MAX_IOV", "Origin", "Response", "read_response",
+           "request_head"]
+
+Buffer = Union[bytes, bytearray, memoryview]
+#: What :func:`read_response` yields (where to receive) and is sent (how many bytes came).
+Reading = Generator[memoryview, int, "tuple[Response, bool]"]
+
+#: Size of each connection's receive buffer, and the most a response head may take.
+HEAD_BUFFER = 64 * 1024
+#: At most this many buffers per ``sendmsg`` call (Linux's IOV_MAX is 1024).
+MAX_IOV = 512
+#: An idle connection is not reused after this many seconds: servers close idle connections
+#: (uvicorn after 5 s), and one closing while a request is on its way loses that request.
+IDLE_EXPIRY = 4.0
+
+_NO_BODY = (204, 304)
+_CRLF2 = b"\r\n\r\n"
+
+
+class Origin:
+    """Where a shard listens, pre-split from its URL: ``host``, ``port``, the ``Host`` header
+    value and the URL's path prefix (``""`` or e.g. ``"/shard0"``)."""
+
+    __slots__ = ("host", "port", "host_header", "prefix")
+
+    def __init__(self, url: str) -> None:
+        parts = httpx2.URL(url)
+        if parts.scheme != "http":
+            raise ValueError(f"only http:// URLs, not {url!r}")
+        self.host = parts.host
+        self.port = parts.port or 80
+        netloc = f"[{self.host}]" if ":" in self.host else self.host
+        self.host_header = netloc if parts.port is None else f"{netloc}:{self.port}"
+        self.prefix = parts.raw_path.decode("ascii").rstrip("/")
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.host, self.port
+
+
+class Response:
+    """A whole response: status, headers (names lower-cased, repeats joined by ``", "``) and
+    the body (``bytes``, or a ``memoryview`` of the ``np.empty`` buffer it was read into)."""
+
+    __slots__ = ("status", "headers", "content")
+
+    def __init__(self, status: int, headers: dict[str, str], content: Buffer) -> None:
+        self.status = status
+        self.headers = headers
+        self.content = content
+
+
+def request_head(origin: Origin, method: str, target: str,
+                 headers: Mapping[str, str] | None) -> bytes:
+    """``method target`` (the path after the origin's prefix) with a ``Host`` header and
+    ``headers`` (give ``content-length`` for a body)."""
+    lines = [f"{method} {origin.prefix}{target} HTTP/1.1\r\nhost: {origin.host_header}\r\n"]
+    if headers:
+        lines += [f"{k}: {v}\r\n" for k, v in headers.items()]
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1")
+
+
+def read_response(buf: bytearray) -> Reading:
+    """Parse one response (not to a ``HEAD``: its body is taken by its headers) received
+    through ``buf``, the connection's receive buffer; return it and whether the connection may
+    carry another request."""
+    view = memoryview(buf)
+    end = 0
+    while True:  # skip interim (1xx) responses
+        start, end, status, version, headers = yield from _head(buf, view, end)
+        if not 100 <= status < 200:
+            break
+        view[:end - start] = view[start:end]
+        end -= start
+    reusable = version == "HTTP/1.1" and "close" not in headers.get("connection", "").lower()
+    if status in _NO_BODY:
+        return Response(status, headers, b""), reusable and start == end
+    if "transfer-encoding" in headers:
+        if headers["transfer-encoding"].strip().lower() != "chunked":
+            raise httpx2.RemoteProtocolError(
+                f"unsupported Transfer-Encoding {headers['transfer-encoding']!r}")
+        body, left_over = yield from _chunked(buf, view, start, end)
+        return Response(status, headers, body), reusable and not left_over
+    length = headers.get("content-length")
+    if length is None:
+        return Response(status, headers, (yield from _until_close(view, start, end))), False
+    if not length.isdigit():
+        raise httpx2.RemoteProtocolError(f"bad Content-Length {length!r}")
+    size = int(length)
+    have = end - start
+    if have >= size:
+        return Response(status, headers, bytes(view[start:start + size])), \
+            reusable and have == size
+    content = memoryview(np.empty(size, np.uint8))
+    content[:have] = view[start:end]
+    pos = have
+    while pos < size:
+        n = yield content[pos:]
+        if n == 0:
+            raise httpx2.RemoteProtocolError(
+                f"the server closed the connection after {pos} of {size} body bytes")
+        pos += n
+    return Response(status, headers, content), reusable
+
+
+def _head(buf: bytearray, view: memoryview, end: int
+          ) -> Generator[memoryview, int, tuple[int, int, int, str, dict[str, str]]]:
+    """Receive until the buffer holds a whole head; return (body start, buffered end, status,
+    version, headers)."""
+    searched = 0
+    while True:
+        at = buf.find(_CRLF2, searched, end)
+        if at >= 0:
+            break
+        searched = max(0, end - 3)
+        if end == len(buf):
+            raise httpx2.RemoteProtocolError(f"response head larger than {HEAD_BUFFER} bytes")
+        n = yield view[end:]
+        if n == 0:
+            raise httpx2.RemoteProtocolError(
+                "the server closed the connection without sending a (complete) response")
+        end += n
+    status, version, headers = _parse_head(bytes(view[:at]))
+    return at + 4, end, status, version, headers
+
+
+def _parse_head(raw: bytes) -> tuple[int, str, dict[str, str]]:
+    lines = raw.decode("latin-1").split("\r\n")
+    version, _, rest = lines[0].partition(" ")
+    code = rest[:3]
+    if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+        raise httpx2.RemoteProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not name or name[0] in " \t" or name[-1] in " \t":
+            raise httpx2.RemoteProtocolError(f"malformed response header line {line[:80]!r}")
+        name = name.lower()
+        value = value.strip(" \t")
+        if name in headers:
+            if name == "content-length" and headers[name] != value:
+                raise httpx2.RemoteProtocolError("conflicting Content-Length headers")
+            if name != "content-length":
+                headers[name] += ", " + value
+        else:
+            headers[name] = value
+    return int(code), version, headers
+
+
+def _fill(view: memoryview, start: int, end: int
+          ) -> Generator[memoryview, int, tuple[int, int]]:
+    """Move the unread bytes [start, end) to the front and receive more after them."""
+    if start:
+        view[:end - start] = view[start:end]
+        end -= start
+        start = 0
+    if end == len(view):
+        raise httpx2.RemoteProtocolError("chunk size line too long")
+    n = yield view[end:]
+    if n == 0:
+        raise httpx2.RemoteProtocolError(
+            "the server closed the connection in the middle of a chunked body")
+    return start, end + n
+
+
+def _line(buf: bytearray, view: memoryview, start: int, end: int
+          ) -> Generator[memoryview, int, tuple[bytes, int, int]]:
+    """The next CRLF-terminated line (without CRLF) and the positions after it."""
+    at = buf.find(b"\r\n", start, end)
+    while at < 0:
+        start, end = yield from _fill(view, start, end)
+        at = buf.find(b"\r\n", start, end)
+    return bytes(view[start:at]), at + 2, end
+
+
+def _chunked(buf: bytearray, view: memoryview, start: int, end: int
+             ) -> Generator[memoryview, int, tuple[bytes, bool]]:
+    out = bytearray()
+    while True:
+        line, start, end = yield from _line(buf, view, start, end)
+        text = line.split(b";", 1)[0].strip()
+        try:
+            size = int(text, 16)
+        except ValueError:
+            raise httpx2.RemoteProtocolError(f"bad chunk size line {text[:40]!r}") from None
+        if size == 0:  # trailers (ignored) end with an empty line
+            while True:
+                line, start, end = yield from _line(buf, view, start, end)
+                if not line:
+                    return bytes(out), start != end
+        while size:
+            if start == end:
+                start, end = yield from _fill(view, start, end)
+            take = min(end - start, size)
+            out += view[start:start + take]
+            start += take
+            size -= take
+        while end - start < 2:
+            start, end = yield from _fill(view, start, end)
+        if view[start:start + 2] != b"\r\n":
+            raise httpx2.RemoteProtocolError("chunk not followed by CRLF")
+        start += 2
+
+
+def _until_close(view: memoryview, start: int, end: int) -> Generator[memoryview, int, bytes]:
+    out = bytearray(view[start:end])
+    while True:
+        n = yield view
+        if n == 0:
+            return bytes(out)
+        out += view[:n]

@@ -1,0 +1,353 @@
+"""The SDK's own HTTP/1.1 pools (``_pool.py``, ``_apool.py``) and how their failures surface.
+
+Well-behaved exchanges are covered by every test that talks to a real shard. Here a scripted
+TCP server stands in for a shard that misbehaves on cue (closes idle connections, hangs up
+mid-request, never answers, sends chunked or malformed responses): a real shard cannot be made
+to do that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Callable
+
+import httpx2
+import numpy as np
+import pytest
+
+from client_sdk import AsyncPSClient, PSClient, ShardUnavailableError
+from client_sdk import _pool
+from client_sdk._apool import AsyncHTTPPool
+from client_sdk._http11 import Origin
+from client_sdk._pool import HTTPPool
+
+
+def read_request(conn: socket.socket, buf: bytearray) -> tuple[str, str] | None:
+    """One request (head and Content-Length body) off ``conn``; (method, path), or None at EOF."""
+    while b"\r\n\r\n" not in buf:
+        data = conn.recv(65536)
+        if not data:
+            return None
+        buf += data
+    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value)
+    while len(rest) < length:
+        data = conn.recv(65536)
+        if not data:
+            return None
+        rest += data
+    buf[:] = rest[length:]
+    method, path, _ = lines[0].split(" ", 2)
+    return method, path
+
+
+def response(status: int, body: bytes, ctype: str = "application/json",
+             extra: str = "") -> bytes:
+    return (f"HTTP/1.1 {status} X\r\ncontent-type: {ctype}\r\ncontent-length: {len(body)}\r\n"
+            f"{extra}\r\n").encode() + body
+
+
+CLUSTER = json.dumps({"shard_index": 0, "num_shards": 1, "protocol_version": 1}).encode()
+
+Handler = Callable[[socket.socket, str, str], bool]
+
+
+class ScriptedServer:
+    """Serves each connection in a thread: for every request, ``handler(conn, method, path)``
+    answers (or not) and returns whether to keep the connection open. ``GET /v1/cluster``
+    answers as shard 0 of 1. Counts connections and requests."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.connections = 0
+        self.requests: list[tuple[str, str]] = []
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            self._open.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = bytearray()
+        with conn:
+            while True:
+                try:
+                    request = read_request(conn, buf)
+                except OSError:
+                    return
+                if request is None:
+                    return
+                self.requests.append(request)
+                if request == ("GET", "/v1/cluster"):
+                    conn.sendall(response(200, CLUSTER))
+                    continue
+                if not self.handler(conn, *request):
+                    return
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self._open:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def scripted():
+    servers: list[ScriptedServer] = []
+
+    def make(handler: Handler) -> ScriptedServer:
+        servers.append(ScriptedServer(handler))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def ok(conn: socket.socket, method: str, path: str) -> bool:
+    conn.sendall(response(200, b'{"status": "ok"}'))
+    return True
+
+
+def pool(**kw) -> HTTPPool:
+    args = {"max_idle": 2, "connect_timeout": 5.0, "read_timeout": 5.0, "write_timeout": 5.0}
+    return HTTPPool(**{**args, **kw})
+
+
+# -- keep-alive ---------------------------------------------------------------------------------
+
+
+def test_one_connection_carries_sequential_requests(scripted):
+    server = scripted(ok)
+    p, origin = pool(), Origin(server.url)
+    for _ in range(3):
+        assert p.request(origin, "GET", "/x", None).status == 200
+    assert server.connections == 1
+    assert p.idle_count(origin) == 1
+    p.close()
+
+
+def test_concurrent_requests_get_their_own_connections_and_at_most_max_idle_stay(scripted):
+    gate = threading.Barrier(4)
+
+    def slow(conn: socket.socket, method: str, path: str) -> bool:
+        gate.wait(5)  # all four requests are in flight at once
+        return ok(conn, method, path)
+
+    server = scripted(slow)
+    p, origin = pool(max_idle=2), Origin(server.url)
+    threads = [threading.Thread(target=p.request, args=(origin, "GET", "/x", None))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert server.connections == 4
+    assert p.idle_count(origin) == 2
+    p.close()
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_reused(scripted):
+    closed = threading.Semaphore(0)
+
+    def once(conn: socket.socket, method: str, path: str) -> bool:
+        ok(conn, method, path)
+        conn.close()  # as a server does when its keep-alive timeout runs out
+        closed.release()
+        return False
+
+    server = scripted(once)
+    p, origin = pool(), Origin(server.url)
+    for _ in range(3):
+        assert p.request(origin, "GET", "/x", None).status == 200
+        assert closed.acquire(timeout=5)  # closed before the next request goes out
+    assert server.connections == 3
+
+
+def test_idle_connections_expire(scripted, monkeypatch):
+    monkeypatch.setattr(_pool, "IDLE_EXPIRY", -1.0)
+    server = scripted(ok)
+    p, origin = pool(), Origin(server.url)
+    p.request(origin, "GET", "/x", None)
+    p.request(origin, "GET", "/x", None)
+    assert server.connections == 2
+
+
+def test_a_connection_is_not_reused_after_connection_close(scripted):
+    def closing(conn: socket.socket, method: str, path: str) -> bool:
+        conn.sendall(response(200, b"{}", extra="connection: close\r\n"))
+        return False
+
+    server = scripted(closing)
+    p, origin = pool(), Origin(server.url)
+    p.request(origin, "GET", "/x", None)
+    assert p.idle_count(origin) == 0
+
+
+# -- response framing ---------------------------------------------------------------------------
+
+
+def test_chunked_and_close_delimited_bodies(scripted):
+    def chunked(conn: socket.socket, method: str, path: str) -> bool:
+        if path == "/chunked":
+            conn.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"5;ext=1\r\nhello\r\n1\r\n \r\n")
+            conn.sendall(b"5\r\nworld\r\n0\r\ntrailer: x\r\n\r\n")
+            return True
+        conn.sendall(b"HTTP/1.0 200 OK\r\n\r\nuntil the end")
+        return False
+
+    server = scripted(chunked)
+    p, origin = pool(), Origin(server.url)
+    r = p.request(origin, "GET", "/chunked", None)
+    assert (r.status, bytes(r.content)) == (200, b"hello world")
+    assert p.idle_count(origin) == 1
+    r = p.request(origin, "GET", "/close", None)
+    assert bytes(r.content) == b"until the end"
+    assert p.idle_count(origin) == 0
+
+
+def test_a_big_body_is_read_into_one_buffer(scripted):
+    payload = np.arange(300_000, dtype=np.uint8).tobytes()
+
+    def big(conn: socket.socket, method: str, path: str) -> bool:
+        conn.sendall(response(200, payload, "application/octet-stream"))
+        return True
+
+    server = scripted(big)
+    r = pool().request(Origin(server.url), "GET", "/big", None)
+    assert isinstance(r.content, memoryview) and r.content == payload
+
+
+@pytest.mark.parametrize("raw", [
+    b"SSH-2.0-OpenSSH\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nxx",
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+])
+def test_malformed_responses_are_protocol_errors(scripted, raw):
+    def bad(conn: socket.socket, method: str, path: str) -> bool:
+        conn.sendall(raw)
+        return False
+
+    server = scripted(bad)
+    with pytest.raises(httpx2.RemoteProtocolError):
+        pool().request(Origin(server.url), "GET", "/x", None)
+
+
+# -- failures through PSClient and AsyncPSClient -------------------------------------------------
+
+
+def hang_up(conn: socket.socket, method: str, path: str) -> bool:
+    return False  # the request arrived; no answer
+
+
+def test_a_lost_connection_is_retried_then_reported(scripted):
+    server = scripted(hang_up)
+    with PSClient([server.url], retry_deadline=0.5) as ps:
+        with pytest.raises(ShardUnavailableError, match="applied at most once") as info:
+            ps.push({"w": np.ones(3, np.float32)})  # retried with the same seq
+        assert isinstance(info.value.__cause__, httpx2.RemoteProtocolError)
+        assert server.requests.count(("POST", "/v1/push")) > 1
+        with pytest.raises(ShardUnavailableError, match="lost the connection"):
+            ps.pull(["w"])
+        assert server.requests.count(("POST", "/v1/pull")) > 1
+
+
+def test_a_shard_that_never_answers_is_a_timeout(scripted):
+    release = threading.Event()
+
+    def silent(conn: socket.socket, method: str, path: str) -> bool:
+        release.wait(10)
+        return False
+
+    server = scripted(silent)
+    try:
+        with PSClient([server.url], timeout=0.3, retry_deadline=0.1) as ps:
+            with pytest.raises(ShardUnavailableError, match="in time") as info:
+                ps.increment("c")
+        assert isinstance(info.value.__cause__, httpx2.ReadTimeout)
+    finally:
+        release.set()
+
+
+def test_async_client_failures_are_translated_alike(scripted):
+    server = scripted(hang_up)
+
+    async def main() -> None:
+        async with AsyncPSClient([server.url], retry_deadline=0.5) as ps:
+            with pytest.raises(ShardUnavailableError, match="applied at most once") as info:
+                await ps.push({"w": np.ones(3, np.float32)})
+            assert isinstance(info.value.__cause__, httpx2.RemoteProtocolError)
+            with pytest.raises(ShardUnavailableError, match="lost the connection"):
+                await ps.pull(["w"])
+
+    asyncio.run(main())
+    assert server.requests.count(("POST", "/v1/push")) > 1
+    assert server.requests.count(("POST", "/v1/pull")) > 1
+
+
+# -- the asyncio pool ---------------------------------------------------------------------------
+
+
+def test_async_pool_reuses_connections_and_closes_a_cancelled_one(scripted):
+    release = threading.Event()
+
+    def answer_or_hang(conn: socket.socket, method: str, path: str) -> bool:
+        if path == "/hang":
+            release.wait(10)
+            return False
+        return ok(conn, method, path)
+
+    server = scripted(answer_or_hang)
+    origin = Origin(server.url)
+
+    async def main() -> None:
+        p = AsyncHTTPPool(max_idle=2, connect_timeout=5.0, read_timeout=5.0, write_timeout=5.0)
+        for _ in range(3):
+            assert (await p.request(origin, "GET", "/x", None)).status == 200
+        assert server.connections == 1 and p.idle_count(origin) == 1
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(p.request(origin, "GET", "/hang", None), 0.2)
+        assert p.idle_count(origin) == 0  # the idle one was taken, and closed when cancelled
+        with pytest.raises(httpx2.ReadTimeout):
+            await p.request(origin, "GET", "/hang", None, read_timeout=0.2)
+        await p.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+
+
+def test_async_pool_connect_errors(scripted):
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()  # nothing listens there now
+
+    async def main() -> None:
+        p = AsyncHTTPPool(max_idle=2, connect_timeout=5.0, read_timeout=5.0, write_timeout=5.0)
+        with pytest.raises(httpx2.ConnectError):
+            await p.request(Origin(f"http://127.0.0.1:{port}"), "GET", "/x", None)
+
+    asyncio.run(main())
