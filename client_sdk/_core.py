@@ -78,6 +78,8 @@ ENV_TOKEN = "PARAMSHARD_TOKEN"
 
 #: What every data-plane request accepts back: framed bodies for big tensors, msgpack otherwise.
 ACCEPT = f"{wire.FRAME}, {wire.MSGPACK}"
+#: Most names whose validation and placement a core remembers (then it starts over).
+PLACEMENT_CACHE = 1 << 20
 #: The shard's own long-poll limit is 30 s; poll in shorter rounds so progress is visible.
 WAIT_POLL_SECONDS = 10.0
 #: Extra read time for a long-poll beyond the time the shard was asked to hold it.
@@ -238,11 +240,15 @@ class _Message:
     incarnation: str | None
 
 
-@dataclass
 class _Cached:
-    incarnation: str | None
-    version: int
-    value: np.ndarray
+    """A pulled value and the version (and shard incarnation) it belongs to."""
+
+    __slots__ = ("incarnation", "version", "value")
+
+    def __init__(self, incarnation: str | None, version: int, value: np.ndarray) -> None:
+        self.incarnation = incarnation
+        self.version = version
+        self.value = value
 
 
 # -- sequence numbers ------------------------------------------------------------------------
@@ -289,6 +295,8 @@ class Core:
         self._restarted: dict[int, tuple[str, int | None]] = {}
         self._cache: dict[str, _Cached] = {}
         self._seq = _seq_counter(settings.worker_id)
+        #: name -> owning shard, for names already validated and placed (see _place)
+        self._placed: dict[str, int] = {}
         base = {"accept": ACCEPT, "accept-encoding": "identity"}
         if settings.token:
             base["authorization"] = f"Bearer {settings.token}"
@@ -334,11 +342,14 @@ class Core:
         seconds = self.settings.retry_deadline if seconds is None else seconds
         return time.monotonic() + seconds
 
+    #: Verbs whose requests carry tensors (the others are packed without looking for any).
+    _TENSOR_VERBS = frozenset({"init", "push", "assign"})
+
     def _post(self, shard: int, verb: str, msg: Any, deadline: float, *, mutating: bool,
               names: Iterable[str] = (), read_timeout: float | None = None,
               retry_safe: bool = False) -> ShardRequest:
         try:
-            body = wire.encode(msg)
+            body = wire.encode(msg, tensors=verb in self._TENSOR_VERBS)
         except wire.WireError as exc:
             raise BadTensorError(f"cannot encode the {verb} request: {exc.message}",
                                  code=exc.code, details=exc.details) from exc
@@ -355,10 +366,30 @@ class Core:
 
     def split(self, names: Iterable[str]) -> dict[int, list[str]]:
         """Group names by owning shard, in shard order."""
+        if self.n == 1:
+            group = list(names)
+            return {0: group} if group else {}
+        placed = self._placed
         out: dict[int, list[str]] = {}
         for name in names:
-            out.setdefault(shard_for(name, self.n), []).append(name)
+            shard = placed.get(name)
+            if shard is None:
+                shard = self._place(name)
+            group = out.get(shard)
+            if group is None:
+                out[shard] = [name]
+            else:
+                group.append(name)
         return dict(sorted(out.items()))
+
+    def _place(self, name: str) -> int:
+        """Validate ``name`` and remember its shard (a worker uses the same names each step,
+        so hashing and validating them once is enough)."""
+        shard = shard_for(_name(name), self.n)
+        if len(self._placed) >= PLACEMENT_CACHE:
+            self._placed.clear()
+        self._placed[name] = shard
+        return shard
 
     # -- replies ------------------------------------------------------------------------
 
@@ -576,8 +607,10 @@ class Core:
             raise BadRequestError(f"{verb} takes a list of variable names, e.g. "
                                   f"{verb}(['w', 'b']); got {type(names).__name__} {names!r:.80}")
         out = list(dict.fromkeys(names))
+        placed = self._placed
         for name in out:
-            _name(name)
+            if name not in placed:
+                self._place(name)
         return out
 
     def arrays(self, values: Any, verb: str, *, copy: bool = False) -> dict[str, np.ndarray]:
@@ -585,7 +618,13 @@ class Core:
         if not isinstance(values, Mapping):
             raise BadRequestError(f"{verb} takes a dict of name -> array, e.g. "
                                   f"{verb}({{'w': w}}); got {type(values).__name__}")
-        return {_name(k): as_array(k, v, copy=copy) for k, v in values.items()}
+        placed = self._placed
+        out = {}
+        for k, v in values.items():
+            if k not in placed:
+                self._place(k)
+            out[k] = as_array(k, v, copy=copy)
+        return out
 
     # -- verbs -------------------------------------------------------------------------------
 
@@ -652,14 +691,20 @@ class Core:
         variables = reply.msg.get("variables")
         if not isinstance(variables, Mapping):
             raise ProtocolError(f"shard {url} sent a pull reply without 'variables'", shard=url)
+        # Arrays decoded from a read-only view of the body are read-only themselves.
+        body = reply.body
+        if isinstance(body, (bytearray, memoryview)):
+            body = memoryview(body).toreadonly()
         again = []
+        fresh = []
         for name in request.names:
             entry = variables.get(name)
-            version = entry.get("version") if isinstance(entry, Mapping) else None
-            if not isinstance(version, int):
+            version = entry.get("version") if isinstance(entry, dict) else None
+            if type(version) is not int:
                 raise ProtocolError(f"shard {url} sent no version for {name!r} in a pull reply",
                                     shard=url)
-            if entry.get("value") is None:
+            value = entry.get("value")
+            if value is None:
                 cached = held.get(name)
                 if (cached is None or cached.version != version
                         or cached.incarnation != reply.incarnation):
@@ -667,14 +712,20 @@ class Core:
                 else:
                     out[name] = cached.value
                 continue
-            value = self._tensor(url, name, entry["value"], reply.body)
-            value.flags.writeable = False
-            out[name] = value
+            array = wire.framed_view(value, body) if type(value) is dict else None
+            if array is None or not array.dtype.isnative:
+                array = self._tensor(url, name, value, body)
+            out[name] = array
+            fresh.append((name, version, array))
+        if fresh:
+            incarnation = reply.incarnation
             with self._lock:
-                current = self._cache.get(name)
-                if (current is None or current.incarnation != reply.incarnation
-                        or current.version <= version):
-                    self._cache[name] = _Cached(reply.incarnation, version, value)
+                cache = self._cache
+                for name, version, value in fresh:
+                    current = cache.get(name)
+                    if (current is None or current.incarnation != incarnation
+                            or current.version <= version):
+                        cache[name] = _Cached(incarnation, version, value)
         return again
 
     def _tensor(self, url: str, name: str, obj: Any, body: Body) -> np.ndarray:
@@ -685,6 +736,8 @@ class Core:
                                 shard=url) from exc
         if not value.dtype.isnative:
             value = value.astype(value.dtype.newbyteorder("="))
+        if value.flags.writeable:
+            value.flags.writeable = False
         return value
 
     def prepare_push(self, grads: Any, versions: Mapping[str, int] | None = None, *,

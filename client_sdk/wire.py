@@ -54,6 +54,7 @@ __all__ = [
     "decode_tensor",
     "encode",
     "error_payload",
+    "framed_view",
     "is_tensor",
     "parse_dtype",
     "unpack",
@@ -128,8 +129,16 @@ def error_payload(code: str, message: str, details: Mapping[str, Any] | None = N
     return {"error": {"code": code, "message": message, "details": dict(details or {})}}
 
 
+#: Type strings already parsed (only valid ones: at most the 11 kinds in each byte order).
+_PARSED: dict[str, np.dtype] = {}
+
+
 def parse_dtype(text: Any) -> np.dtype:
     """``"<f4"`` -> ``np.dtype``; anything off the allow-list raises :class:`WireError`."""
+    if type(text) is str:
+        known = _PARSED.get(text)
+        if known is not None:
+            return known
     m = _DTYPE_RE.fullmatch(text) if isinstance(text, str) else None
     if m is None or (m.group(2) + m.group(3)) not in DTYPES:
         raise WireError(
@@ -143,7 +152,8 @@ def parse_dtype(text: Any) -> np.dtype:
             f"dtype {text!r}: byte order must be '|' for one-byte types and '<' or '>' otherwise",
             code="bad_tensor",
         )
-    return np.dtype(text)
+    dtype = _PARSED[text] = np.dtype(text)
+    return dtype
 
 
 def is_tensor(obj: Any) -> bool:
@@ -156,7 +166,7 @@ def _parse_shape(shape: Any, itemsize: int) -> tuple[int, ...]:
     out = []
     span = itemsize  # bytes, counting zero dimensions as 1: what numpy checks for overflow
     for d in shape:
-        if not _is_int(d) or d < 0:
+        if (type(d) is not int and not _is_int(d)) or d < 0:
             raise WireError(f"tensor shape {shape!r}: dimensions must be ints >= 0", code="bad_tensor")
         span *= max(d, 1)
         if span > _MAX_ARRAY_BYTES:
@@ -180,7 +190,11 @@ def decode_tensor(obj: Any, body: Buffer | None = None) -> np.ndarray:
     Inline tensors view their ``data``; framed ones view ``body`` at ``offset``. The array is
     writable exactly when the underlying buffer is (``bytearray`` yes, ``bytes`` no).
     """
-    if not isinstance(obj, Mapping):
+    if type(obj) is dict and body is not None:
+        fast = framed_view(obj, body)
+        if fast is not None:
+            return fast
+    if type(obj) is not dict and not isinstance(obj, Mapping):
         raise WireError("expected a tensor map {dtype, shape, data}", code="bad_tensor")
     dtype = parse_dtype(obj.get("dtype"))
     shape = _parse_shape(obj.get("shape"), dtype.itemsize)
@@ -216,6 +230,30 @@ def decode_tensor(obj: Any, body: Buffer | None = None) -> np.ndarray:
     return np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
+def framed_view(obj: dict, body: Buffer) -> np.ndarray | None:
+    """:func:`decode_tensor` for the common framed tensor (known dtype, positive dimensions, in
+    bounds) with as little Python as possible; ``None`` for anything else, which the general
+    path then decodes or refuses with the right message."""
+    text, shape, offset = obj.get("dtype"), obj.get("shape"), obj.get("offset")
+    if type(text) is not str or type(shape) is not list or type(offset) is not int:
+        return None
+    dtype = _PARSED.get(text)
+    if dtype is None or len(shape) > MAX_NDIM or "data" in obj:
+        return None
+    count = 1
+    for d in shape:
+        if type(d) is not int or d <= 0:
+            return None
+        count *= d
+    nbytes = count * dtype.itemsize
+    declared = obj.get("nbytes")
+    if type(declared) is not int or declared != nbytes or nbytes > _MAX_ARRAY_BYTES \
+            or offset < 0 or offset + nbytes > _buffer_size(body):
+        return None
+    view = np.frombuffer(body, dtype, count, offset)
+    return view if len(shape) == 1 else view.reshape(shape)
+
+
 class Encoded:
     """An encoded body: its content type and the buffers to write, in order, without joining.
 
@@ -239,91 +277,109 @@ class Encoded:
         return iter(self.chunks)
 
 
-def _walk(obj: Any, visit) -> Any:
+#: dtype -> its type string, for the dtypes already found sendable (at most the 11 kinds of
+#: DTYPES in each byte order).
+_SENDABLE: dict[np.dtype, str] = {}
+
+
+def _dtype_str(dtype: np.dtype) -> str:
+    text = _SENDABLE.get(dtype)
+    if text is None:
+        if dtype.kind not in "fiu":
+            raise WireError(f"cannot send arrays of dtype {dtype}: use a float or int dtype",
+                            code="bad_tensor")
+        text = parse_dtype(dtype.str).str  # raises for e.g. float128
+        _SENDABLE[dtype] = text
+    return text
+
+
+def _collect(obj: Any, found: list[tuple[dict, np.ndarray]]) -> Any:
+    """``obj`` with its containers copied and each ndarray replaced by a new descriptor map
+    ``{"dtype", "shape"}``, appended to ``found`` with the (C-contiguous) array."""
+    kind = type(obj)
+    if kind is dict:
+        out = {}
+        for k, v in obj.items():
+            kind = type(v)
+            if kind is int or kind is str or kind is float or v is None:
+                out[k] = v
+            elif kind is np.ndarray:  # inline: pull replies hold one per variable
+                desc = out[k] = {"dtype": _SENDABLE.get(v.dtype) or _dtype_str(v.dtype),
+                                 "shape": list(v.shape)}
+                found.append((desc, v if v.flags.c_contiguous else v.copy(order="C")))
+            else:
+                out[k] = _collect(v, found)
+        return out
+    if kind is str or kind is int or kind is float or obj is None or kind is bool:
+        return obj
     if isinstance(obj, np.ndarray):
-        return visit(obj)
+        desc = {"dtype": _dtype_str(obj.dtype), "shape": list(obj.shape)}
+        # not np.ascontiguousarray: it turns 0-d arrays into 1-d ones
+        found.append((desc, obj if obj.flags.c_contiguous else obj.copy(order="C")))
+        return desc
     if isinstance(obj, Mapping):
-        return {k: _walk(v, visit) for k, v in obj.items()}
+        return {k: _collect(v, found) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_walk(v, visit) for v in obj]
+        return [_collect(v, found) for v in obj]
     if isinstance(obj, np.generic):
         return obj.item()
     return obj
 
 
-def _contiguous(arr: np.ndarray) -> np.ndarray:
-    if arr.dtype.kind not in "fiu":
-        raise WireError(f"cannot send arrays of dtype {arr.dtype}: use a float or int dtype",
-                        code="bad_tensor")
-    parse_dtype(arr.dtype.str)  # raises for e.g. float128
-    # not np.ascontiguousarray: it turns 0-d arrays into 1-d ones
-    return arr if arr.flags.c_contiguous else arr.copy(order="C")
+_PADDING = bytes(ALIGN)
 
 
-def _tensor_bytes(obj: Any) -> int:
-    total = 0
-
-    def visit(a: np.ndarray) -> None:
-        nonlocal total
-        total += a.nbytes
-
-    _walk(obj, visit)
-    return total
+def _scalar(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot encode {type(obj).__name__} in a message declared without tensors")
 
 
-def encode(msg: Any, frame: bool | None = None) -> Encoded:
+def encode(msg: Any, frame: bool | None = None, *, tensors: bool = True) -> Encoded:
     """Encode a message whose ndarrays (anywhere in it) become tensors.
 
     ``frame=None`` frames the body when its tensors hold :data:`FRAME_THRESHOLD` bytes or more.
+    One walk over the message; the arrays' bytes are never copied (but for a non-contiguous
+    array, which is made contiguous first). ``tensors=False`` promises a message without
+    arrays (numpy scalars are fine): it is packed as it is, without the walk.
     """
+    if not tensors:
+        body = msgpack.packb(msg, use_bin_type=True, default=_scalar)
+        return Encoded(MSGPACK, [body], len(body))
+    found: list[tuple[dict, np.ndarray]] = []
+    header_obj = _collect(msg, found)
     if frame is None:
-        frame = _tensor_bytes(msg) >= FRAME_THRESHOLD
+        frame = sum(a.nbytes for _, a in found) >= FRAME_THRESHOLD
     if not frame:
-        def inline(a: np.ndarray) -> dict:
-            a = _contiguous(a)
-            return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.data.cast("B")
-                    if a.nbytes else b""}
-
-        body = msgpack.packb(_walk(msg, inline), use_bin_type=True)
+        for d, a in found:
+            d["data"] = a.data.cast("B") if a.nbytes else b""
+        body = msgpack.packb(header_obj, use_bin_type=True)
         return Encoded(MSGPACK, [body], len(body))
 
-    arrays: list[np.ndarray] = []
-    sizes: list[int] = []
-
-    def describe(a: np.ndarray) -> dict:
-        a = _contiguous(a)
-        arrays.append(a)
-        sizes.append(a.nbytes)
-        # offsets are filled in below, once the header's own size is known
-        return {"dtype": a.dtype.str, "shape": list(a.shape), "offset": 0, "nbytes": a.nbytes}
-
-    descs: list[dict] = []
-
-    def describe_and_keep(a: np.ndarray) -> dict:
-        d = describe(a)
-        descs.append(d)
-        return d
-
-    header_obj = _walk(msg, describe_and_keep)
     # Offsets depend on the header's length, which depends on how wide the offsets encode.
     # Lay out with the widest placeholder (msgpack uint64, 9 bytes): the real header can only be
     # shorter, so the offsets computed from the placeholder stay past its end.
-    for d in descs:
-        d["offset"] = (1 << 64) - 1
+    widest = (1 << 64) - 1
+    for d, a in found:
+        d["offset"] = widest
+        d["nbytes"] = a.nbytes
     head = msgpack.packb(header_obj, use_bin_type=True)
     pos = _align(_HEAD.size + len(head))
-    for d, n in zip(descs, sizes):
+    for d, a in found:
         d["offset"] = pos
-        pos = _align(pos + n)
+        pos = (pos + a.nbytes + ALIGN - 1) // ALIGN * ALIGN
     head = msgpack.packb(header_obj, use_bin_type=True)
     chunks: list[Buffer] = [_HEAD.pack(FRAME_MAGIC, len(head)), head]
+    append = chunks.append
     at = _HEAD.size + len(head)
-    for d, a in zip(descs, arrays):
-        if d["offset"] > at:
-            chunks.append(bytes(d["offset"] - at))
-        if a.nbytes:
-            chunks.append(a.data.cast("B"))
-        at = d["offset"] + a.nbytes
+    for d, a in found:
+        offset = d["offset"]
+        if offset > at:
+            append(_PADDING[:offset - at] if offset - at <= ALIGN else bytes(offset - at))
+        size = d["nbytes"]
+        if size:
+            append(a.data.cast("B"))
+        at = offset + size
     return Encoded(FRAME, chunks, at)
 
 
