@@ -6,9 +6,11 @@
 
 Run it with ``paramshard serve`` (``server/cli.py``). Modules: ``config`` (flags + env),
 ``store`` (variables and verbs, no HTTP), ``dedup`` (which writes each worker had applied),
-``optim`` (in-place optimizer math), ``persistence`` (snapshot files), ``durability`` (restore,
+``optim`` (optimizer math), ``persistence`` (snapshot files), ``durability`` (restore,
 periodic and final snapshots), ``admission`` (restore/drain phases, bounded work, pauses),
-``app`` (create_app, error rendering, headers), ``routes_data`` (msgpack data plane),
+``app`` (create_app, serving_app, error rendering, headers), ``routes_data`` (msgpack data
+plane), ``fastpath`` (data-plane requests straight to their endpoints), ``protocol`` (uvicorn's
+httptools protocol without its body copies), ``memory`` (big buffers reused from the heap),
 ``routes_checkpoint`` (fleet checkpoints), ``routes_inspect`` (JSON for people), ``reshard``
 (offline resharding), ``cli`` (serve | up | demo | status | reshard).
 """

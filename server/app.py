@@ -13,6 +13,10 @@ else. Handlers map :class:`~server.errors.ShardError`, ``wire.WireError``, FastA
 errors and unknown routes/methods to it; :class:`ShardMiddleware` adds the shard headers to every
 response, refuses requests meant for another shard (``x-paramshard-fleet``), and turns any
 exception that escapes a handler (a bug, never bad input) into a logged 500 ``internal``.
+:func:`serving_app` is what a shard serves: the app, except that data-plane ``POST`` requests go through
+the app's middleware (:class:`ShardMiddleware`, admission) straight to their endpoints
+(:mod:`server.fastpath`), past FastAPI's per-request routing (the routes stay registered, and in
+``/docs``).
 """
 
 from __future__ import annotations
@@ -39,9 +43,10 @@ from .admission import AdmissionMiddleware, Gate
 from .config import ShardConfig
 from .durability import Durability
 from .errors import ShardError
+from .fastpath import DirectRoutes
 from .store import ParameterStore
 
-__all__ = ["FLEET_HEADER", "ShardMiddleware", "create_app", "error_response"]
+__all__ = ["FLEET_HEADER", "ShardMiddleware", "create_app", "error_response", "serving_app"]
 
 logger = logging.getLogger("paramshard.server")
 
@@ -263,3 +268,9 @@ def create_app(config: ShardConfig) -> FastAPI:
                        max_body=config.max_request_bytes)
     app.add_middleware(ShardMiddleware, config=config, incarnation=incarnation, state=app.state)
     return app
+
+
+def serving_app(app: FastAPI) -> ASGIApp:
+    """The ASGI app to serve for ``app`` (made by :func:`create_app`): the same responses, with
+    the data plane's ``POST`` requests handed straight to their endpoints (:mod:`server.fastpath`)."""
+    return DirectRoutes(app)

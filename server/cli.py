@@ -189,26 +189,31 @@ _PASSED_ON = ("max_request_bytes", "log_level", "access_log", "snapshot_interval
 def serve(config: ShardConfig) -> int:
     """Run one shard with uvicorn until SIGTERM/SIGINT; blocks; returns 0 after a clean stop.
 
-    Uses uvloop and httptools when installed. Returns 1 if the shard cannot start (e.g. its port
-    is taken).
+    Uses uvloop and httptools (through :mod:`server.protocol`) when installed. Returns 1 if the
+    shard cannot start (e.g. its port is taken).
     """
     import uvicorn
 
-    from .app import create_app
+    from .app import create_app, serving_app
+    from .memory import keep_big_buffers
+    from .protocol import protocol_class
+
+    keep_big_buffers()
 
     logging.basicConfig(level=logging.DEBUG if config.log_level == "trace"
                         else getattr(logging, config.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
     uv_config = uvicorn.Config(
-        app,
+        serving_app(app),
         host=config.host,
         port=config.port,
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        http="httptools" if importlib.util.find_spec("httptools") else "h11",
+        http=protocol_class(),
         log_level=config.log_level,
         access_log=config.access_log,
         server_header=False,
+        proxy_headers=False,  # X-Forwarded-* would only rename the client in logs; per-request work
         timeout_graceful_shutdown=10,
     )
     server = _draining_server(uv_config, app.state.gate)

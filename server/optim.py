@@ -10,8 +10,9 @@ The specs (``client_sdk/optimizers.py``) say *what* to do; this module does it:
 variables are the point of a parameter server, so the math is written with ``out=`` and allocates
 at most two temporaries the size of the variable (none when ``scratch`` says the gradient buffer
 may be overwritten, as a framed request's buffer may). Everything here is synchronous, pure CPU
-and not thread-safe: the caller serialises updates to one variable (the store runs them on the
-event-loop thread).
+(numpy releases the GIL) and not thread-safe: the caller serialises updates to one variable
+(the store runs small ones on the event-loop thread, in place, and big ones in a worker thread
+into fresh ``out``/``state_out`` buffers).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 
 from client_sdk.optimizers import SGD, Adagrad, Add, Optimizer
 
-__all__ = ["apply", "init_state", "state_nbytes"]
+__all__ = ["apply", "fresh_state", "init_state", "state_nbytes"]
 
 
 def init_state(opt: Optimizer, value: np.ndarray) -> dict[str, np.ndarray]:
@@ -36,14 +37,17 @@ def state_nbytes(state: dict[str, np.ndarray]) -> int:
 
 
 def apply(opt: Optimizer, value: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
-          *, out: np.ndarray | None = None, scratch: bool = False) -> None:
+          *, out: np.ndarray | None = None, state_out: dict[str, np.ndarray] | None = None,
+          scratch: bool = False) -> None:
     """Apply one gradient: the new value goes to ``out`` (default: ``value``, in place), and the
-    optimizer's slots in ``state`` are updated in place.
+    optimizer's new slots to ``state_out`` (default: ``state``, in place).
 
     ``grad`` must have ``value``'s shape and dtype; ``out``, if given, too (and must not overlap
-    ``value``). With ``scratch=True`` the function may overwrite ``grad`` instead of allocating a
-    temporary. Writing to a fresh ``out`` costs no more than updating in place, which is how the
-    store moves a value that a reader still holds to new memory.
+    ``value``); ``state_out``, if given, holds an array of the same shape as each slot (see
+    :func:`fresh_state`) and then ``value`` and ``state`` are only read. With ``scratch=True``
+    the function may overwrite ``grad`` instead of allocating a temporary. Writing to a fresh
+    ``out`` costs no more than updating in place, which is how the store moves a value that a
+    reader still holds to new memory, and how it computes an update off the event loop.
     """
     if out is None:
         out = value
@@ -52,9 +56,16 @@ def apply(opt: Optimizer, value: np.ndarray, grad: np.ndarray, state: dict[str, 
     elif isinstance(opt, SGD):
         _sgd(opt, value, grad, out, scratch)
     elif isinstance(opt, Adagrad):
-        _adagrad(opt, value, grad, state["accumulator"], out, scratch)
+        acc = state["accumulator"]
+        _adagrad(opt, value, grad, acc, acc if state_out is None else state_out["accumulator"],
+                 out, scratch)
     else:  # from_wire only builds the three above
         raise TypeError(f"no server-side math for optimizer {type(opt).__name__}")
+
+
+def fresh_state(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """New, uninitialised arrays shaped like each slot in ``state`` (for ``state_out``)."""
+    return {key: np.empty_like(slot) for key, slot in state.items()}
 
 
 def _sgd(opt: SGD, value: np.ndarray, grad: np.ndarray, out: np.ndarray, scratch: bool) -> None:
@@ -69,15 +80,15 @@ def _sgd(opt: SGD, value: np.ndarray, grad: np.ndarray, out: np.ndarray, scratch
 
 
 def _adagrad(opt: Adagrad, value: np.ndarray, grad: np.ndarray, acc: np.ndarray,
-             out: np.ndarray, scratch: bool) -> None:
+             acc_out: np.ndarray, out: np.ndarray, scratch: bool) -> None:
     g = grad if scratch else grad.copy()
     tmp = np.empty_like(value)
     if opt.weight_decay:
         np.multiply(value, opt.weight_decay, out=tmp)
         np.add(g, tmp, out=g)
     np.multiply(g, g, out=tmp)
-    np.add(acc, tmp, out=acc)
-    np.sqrt(acc, out=tmp)
+    np.add(acc, tmp, out=acc_out)
+    np.sqrt(acc_out, out=tmp)
     np.add(tmp, opt.epsilon, out=tmp)
     np.divide(g, tmp, out=g)
     np.multiply(g, opt.lr, out=g)

@@ -1,10 +1,13 @@
 """The data plane: ``POST /v1/{init,pull,push,assign,increment,wait}`` (docs/PROTOCOL.md §3).
 
-Each handler reads the body once into one preallocated buffer (:func:`read_body`), decodes the
-message (tensors become views of that buffer, never copied out), checks the verb's fields, calls
-the store, and answers in the request's encoding family with :class:`EncodedResponse`, which
-writes the encoded chunks (header, padding, the arrays' own memory) one by one without joining
-them. Handlers are coroutines on the event loop; the store calls they make are synchronous.
+Each handler reads the body once into one buffer (:func:`read_body`), decodes the message
+(tensors become views of that buffer, never copied out), checks the verb's fields, calls the
+store, and answers in the request's encoding family with :class:`EncodedResponse`, which writes
+big chunks (the arrays' own memory) as they are and joins only the small ones. Handlers are
+coroutines on the event loop; the store calls they make are synchronous, except a push (which
+may compute off the loop, :meth:`~server.store.ParameterStore.push_async`) and the wait before
+an assign or increment for such a push to finish (:meth:`~server.store.ParameterStore.settled`).
+On a shard the handlers are reached straight from :mod:`server.fastpath`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Request
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
@@ -23,7 +27,7 @@ from client_sdk import wire
 from .errors import ShardError
 from .store import MAX_WAIT_SECONDS, ParameterStore
 
-__all__ = ["EncodedResponse", "read_body", "router"]
+__all__ = ["COALESCE_BELOW", "EncodedResponse", "coalesce", "read_body", "router"]
 
 _BODY_DOC = {
     "requestBody": {
@@ -42,11 +46,18 @@ _BODY_DOC = {
 router = APIRouter(prefix="/v1", tags=["data plane (msgpack)"])
 
 
-class EncodedResponse(Response):
-    """Send a :class:`client_sdk.wire.Encoded` body chunk by chunk, never joined.
+#: Body chunks below this size are joined into one message with their small neighbours (one
+#: ASGI message and one socket write instead of two per small tensor); bigger ones go out as
+#: their own message, from the array's own memory.
+COALESCE_BELOW = 64 * 1024
 
-    ``Content-Length`` is the encoded size; each chunk (a memoryview of an array, for framed
-    bodies) goes out as its own ``http.response.body`` message.
+
+class EncodedResponse(Response):
+    """Send a :class:`client_sdk.wire.Encoded` body without joining its big chunks.
+
+    ``Content-Length`` is the encoded size. Each chunk of :data:`COALESCE_BELOW` bytes or more
+    (a memoryview of an array, for framed bodies) goes out as its own ``http.response.body``
+    message; runs of smaller chunks (header, padding, small tensors) are joined first.
     """
 
     def __init__(self, encoded: wire.Encoded, status_code: int = 200) -> None:
@@ -62,21 +73,44 @@ class EncodedResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
-        chunks = [c for c in self.encoded.chunks if len(c)]
-        if scope.get("method") == "HEAD" or not chunks:
+        pieces = [] if scope.get("method") == "HEAD" else coalesce(self.encoded.chunks)
+        if not pieces:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
-        last = len(chunks) - 1
-        for i, chunk in enumerate(chunks):
-            await send({"type": "http.response.body", "body": chunk, "more_body": i < last})
+        last = len(pieces) - 1
+        for i, piece in enumerate(pieces):
+            await send({"type": "http.response.body", "body": piece, "more_body": i < last})
 
 
-async def read_body(request: Request, limit: int) -> tuple[bytearray, str]:
+def coalesce(chunks: list[wire.Buffer], below: int = COALESCE_BELOW) -> list[wire.Buffer]:
+    """``chunks`` without empty ones, each run of chunks smaller than ``below`` joined."""
+    out: list[wire.Buffer] = []
+    run: list[wire.Buffer] = []
+    for chunk in chunks:
+        size = len(chunk)
+        if not size:
+            continue
+        if size < below:
+            run.append(chunk)
+            continue
+        if run:
+            out.append(run[0] if len(run) == 1 else b"".join(run))
+            run = []
+        out.append(chunk)
+    if run:
+        out.append(run[0] if len(run) == 1 else b"".join(run))
+    return out
+
+
+async def read_body(request: Request, limit: int) -> tuple[wire.Buffer, str]:
     """The request body in one buffer, and its content type.
 
-    415 for a content type that is neither msgpack nor frame (before reading); 413 for a
-    declared ``Content-Length`` above ``limit`` (before reading) or, without one, as soon as the
-    bytes received pass ``limit``; 400 for a body that ends early or runs long.
+    A body that arrives in one piece is that piece (``bytes``); a longer one is copied, piece
+    by piece as the server hands them over, into one writable buffer of ``Content-Length``
+    bytes (``np.empty`` memory: a ``bytearray`` would be zero-filled first, which costs as much
+    as the copy). 415 for a content type that is neither msgpack nor frame (before reading); 413
+    for a declared ``Content-Length`` above ``limit`` (before reading) or, without one, as soon
+    as the bytes received pass ``limit``; 400 for a body that ends early or runs long.
     """
     content_type = request.headers.get("content-type", "")
     kind = content_type.split(";")[0].strip().lower()
@@ -95,18 +129,7 @@ async def read_body(request: Request, limit: int) -> tuple[bytearray, str]:
                 raise ShardError("bad_request", f"bad Content-Length {declared!r}")
             if size > limit:
                 raise _too_large(size, limit)
-            buf = bytearray(size)
-            view = memoryview(buf)
-            pos = 0
-            async for chunk in request.stream():
-                end = pos + len(chunk)
-                if end > size:
-                    raise ShardError("bad_request", "body is longer than its Content-Length")
-                view[pos:end] = chunk
-                pos = end
-            if pos != size:
-                raise ShardError("bad_request", f"body ended after {pos} of {size} bytes")
-            return buf, kind
+            return await _read_sized(request, size), kind
         grown = bytearray()
         async for chunk in request.stream():
             grown += chunk
@@ -118,6 +141,31 @@ async def read_body(request: Request, limit: int) -> tuple[bytearray, str]:
             from None
 
 
+async def _read_sized(request: Request, size: int) -> wire.Buffer:
+    whole: bytes | None = None
+    buf: memoryview | None = None
+    pos = 0
+    async for chunk in request.stream():
+        n = len(chunk)
+        if not n:
+            continue
+        end = pos + n
+        if end > size:
+            raise ShardError("bad_request", "body is longer than its Content-Length")
+        if pos == 0 and end == size:
+            whole = chunk
+        else:
+            if buf is None:
+                buf = memoryview(np.empty(size, np.uint8))
+            buf[pos:end] = chunk
+        pos = end
+    if pos != size:
+        raise ShardError("bad_request", f"body ended after {pos} of {size} bytes")
+    if whole is not None:
+        return whole
+    return buf if buf is not None else b""
+
+
 def _too_large(size: int, limit: int, partial: bool = False) -> ShardError:
     what = f"more than {limit}" if partial else str(size)
     return ShardError("too_large",
@@ -127,7 +175,7 @@ def _too_large(size: int, limit: int, partial: bool = False) -> ShardError:
                       {"limit": limit, **({} if partial else {"size": size})})
 
 
-async def _message(request: Request) -> tuple[dict[str, Any], bytearray]:
+async def _message(request: Request) -> tuple[dict[str, Any], wire.Buffer]:
     body, kind = await read_body(request, request.app.state.config.max_request_bytes)
     msg = wire.unpack(body, kind)
     if not isinstance(msg, dict):
@@ -136,7 +184,10 @@ async def _message(request: Request) -> tuple[dict[str, Any], bytearray]:
     return msg, body
 
 
-def _reply(request: Request, msg: dict[str, Any]) -> EncodedResponse:
+def _reply(request: Request, msg: dict[str, Any], tensors: bool = False) -> EncodedResponse:
+    """The reply in the request's encoding family; only pull replies hold ``tensors``."""
+    if not tensors:
+        return EncodedResponse(wire.encode(msg, tensors=False))
     accept = request.headers.get("accept", "")
     framed_ok = wire.FRAME in accept.lower()
     return EncodedResponse(wire.encode(msg, frame=None if framed_ok else False))
@@ -178,12 +229,12 @@ def _versions(msg: Mapping[str, Any], verb: str) -> dict[str, int] | None:
     if versions is None:
         return None
     if not isinstance(versions, dict) or not all(
-            isinstance(k, str) and _int(v) and v >= 0 for k, v in versions.items()):
+            type(k) is str and type(v) is int and v >= 0 for k, v in versions.items()):
         raise _bad_field(verb, "versions", "a map of name -> int >= 0", versions)
     return versions
 
 
-def _tensor_map(msg: Mapping[str, Any], key: str, verb: str, body: bytearray
+def _tensor_map(msg: Mapping[str, Any], key: str, verb: str, body: wire.Buffer
                 ) -> dict[str, Any]:
     value = _required(msg, key, verb)
     if not isinstance(value, dict):
@@ -221,7 +272,7 @@ async def pull(request: Request) -> Response:
     msg, _ = await _message(request)
     names = _name_list(msg, "names", "pull")
     versions = _versions(msg, "pull")
-    return _reply(request, {"variables": _store(request).pull(names, versions)})
+    return _reply(request, {"variables": _store(request).pull(names, versions)}, tensors=True)
 
 
 def _writer(msg: Mapping[str, Any], verb: str, required: bool) -> tuple[Any, Any]:
@@ -245,7 +296,8 @@ async def push(request: Request) -> Response:
     worker_id, seq = _writer(msg, "push", required=True)
     versions = _versions(msg, "push")
     grads = _tensor_map(msg, "grads", "push", body)
-    return _reply(request, {"variables": _store(request).push(worker_id, seq, grads, versions)})
+    result = await _store(request).push_async(worker_id, seq, grads, versions)
+    return _reply(request, {"variables": result})
 
 
 @router.post("/assign", openapi_extra=_BODY_DOC)
@@ -255,7 +307,9 @@ async def assign(request: Request) -> Response:
     msg, body = await _message(request)
     worker_id, seq = _writer(msg, "assign", required=False)
     values = _tensor_map(msg, "values", "assign", body)
-    return _reply(request, {"variables": _store(request).assign(values, worker_id, seq)})
+    store = _store(request)
+    await store.settled(values)
+    return _reply(request, {"variables": store.assign(values, worker_id, seq)})
 
 
 @router.post("/increment", openapi_extra=_BODY_DOC)
@@ -272,7 +326,9 @@ async def increment(request: Request) -> Response:
         delta = 1
     if isinstance(delta, bool) or not isinstance(delta, (int, float)):
         raise _bad_field("increment", "delta", "an int or a float", delta)
-    return _reply(request, _store(request).increment(name, delta, worker_id, seq))
+    store = _store(request)
+    await store.settled([name])
+    return _reply(request, store.increment(name, delta, worker_id, seq))
 
 
 @router.post("/wait", openapi_extra=_BODY_DOC)

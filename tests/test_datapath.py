@@ -1,0 +1,294 @@
+"""The shard's data path under the hood: direct routes, body reading, updates off the loop.
+
+Real shard processes throughout (tests/conftest.py). Updates of at least
+``server.store.OFFLOAD_BYTES`` are computed in a worker thread into fresh buffers; these tests
+check that they do the same math as small ones, are never seen half-done, never lose a
+concurrent update, and refuse bad input without a trace.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx2
+import msgpack
+import numpy as np
+import pytest
+from fastapi import Depends, FastAPI, Request
+
+from client_sdk import BadTensorError, PSClient, wire
+from client_sdk.optimizers import SGD, Adagrad, Add
+from server.fastpath import direct_routes
+from server.routes_data import coalesce
+from server.store import OFFLOAD_BYTES
+
+BIG = OFFLOAD_BYTES // 4 + 1000  # float32 elements: just above the off-loop threshold
+
+
+def reference(opt, value: np.ndarray, acc: np.ndarray | None, grad: np.ndarray):
+    """The documented update rules (server/optim.py), step by step in float64."""
+    v, g = value.astype(np.float64), grad.astype(np.float64)
+    if isinstance(opt, Add):
+        return v + g, acc
+    g = g + opt.weight_decay * v
+    if isinstance(opt, SGD):
+        return v - opt.lr * g, acc
+    acc = acc + g * g
+    return v - opt.lr * g / (np.sqrt(acc) + opt.epsilon), acc
+
+
+@pytest.mark.parametrize("opt", [Add(), SGD(lr=0.1, weight_decay=0.01),
+                                 Adagrad(lr=0.5, weight_decay=0.02)])
+def test_big_and_small_updates_follow_the_same_math(fleet_factory, opt):
+    fleet = fleet_factory(1)
+    rng = np.random.default_rng(1)
+    start = rng.standard_normal(BIG).astype(np.float32)
+    grads = [rng.standard_normal(BIG).astype(np.float32) for _ in range(3)]
+    with PSClient(fleet.urls) as ps:
+        ps.init({"big": start, "small": start[:1000]}, optimizer=opt)
+        value = start.astype(np.float64)
+        acc = np.full(BIG, getattr(opt, "initial_accumulator_value", 0.0))
+        for g in grads:
+            ps.push({"big": g})  # computed off the event loop
+            ps.push({"small": g[:1000]})  # on it
+            value, acc = reference(opt, value, acc, g)
+            ps.pull(["big", "small"])  # a reader in between: the next update moves the value
+        got = ps.pull(["big", "small"])
+    np.testing.assert_allclose(got["big"], value, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(got["small"], got["big"][:1000])
+
+
+def test_concurrent_big_pushes_are_never_seen_torn_and_never_lost(fleet_factory):
+    fleet = fleet_factory(1)
+    pushes_per_thread, pushers = 8, 4
+    with PSClient(fleet.urls, worker_id="init") as ps:
+        ps.init({"w": np.zeros(BIG, np.float32)}, optimizer=Add())
+    seen: list[tuple[float, float]] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def push(k: int) -> None:
+        try:
+            with PSClient(fleet.urls, worker_id=f"pusher{k}") as ps:
+                for _ in range(pushes_per_thread):
+                    ps.push({"w": np.ones(BIG, np.float32)})
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def pull() -> None:
+        # Raw pulls without versions: every one transfers the value (the SDK's cache would
+        # skip the ones that find the version unchanged, i.e. the ones during a computation).
+        request = msgpack.packb({"names": ["w"]})
+        headers = {"content-type": wire.MSGPACK, "accept": wire.FRAME}
+        try:
+            with httpx2.Client(timeout=30) as http:
+                while not done.is_set():
+                    r = http.post(fleet.urls[0] + "/v1/pull", content=request, headers=headers)
+                    body = bytearray(r.content)
+                    msg = wire.unpack(body, r.headers["content-type"])
+                    w = wire.decode_tensor(msg["variables"]["w"]["value"], body)
+                    seen.append((float(w.min()), float(w.max())))
+        except BaseException as exc:
+            errors.append(exc)
+
+    reader = threading.Thread(target=pull)
+    reader.start()
+    threads = [threading.Thread(target=push, args=(k,)) for k in range(pushers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    reader.join()
+    assert not errors, errors
+    assert seen and all(lo == hi for lo, hi in seen), [s for s in seen if s[0] != s[1]][:3]
+    with PSClient(fleet.urls) as ps:
+        final = ps.pull(["w"])["w"]
+        version = next(s["version"] for s in ps.variables() if s["name"] == "w")
+    total = pushes_per_thread * pushers
+    assert version == total
+    assert final.min() == final.max() == total
+
+
+def test_a_refused_big_push_changes_nothing(fleet_factory):
+    fleet = fleet_factory(1)
+    with PSClient(fleet.urls) as ps:
+        ps.init({"w": np.ones(BIG, np.float32), "v": np.ones(BIG, np.float32)}, optimizer=Add())
+        bad = np.ones(BIG, np.float32)
+        bad[-1] = np.nan
+        with pytest.raises(BadTensorError, match="NaN or infinite"):
+            ps.push({"v": np.ones(BIG, np.float32), "w": bad})
+        got = ps.pull(["w", "v"])
+        versions = {s["name"]: s["version"] for s in ps.variables()}
+    assert versions == {"w": 0, "v": 0}
+    assert got["w"].min() == got["w"].max() == 1 and got["v"].min() == got["v"].max() == 1
+
+
+def test_a_body_that_trickles_in_is_read_whole(fleet_factory):
+    fleet = fleet_factory(1)
+    n = 30_000  # 120 KB: a framed body, received in many pieces
+    with PSClient(fleet.urls) as ps:
+        ps.init({"t": np.zeros(n, np.float32)}, optimizer=Add())
+    grad = np.arange(n, dtype=np.float32)
+    body = wire.encode({"worker_id": "trickle", "seq": 1, "grads": {"t": grad}}, frame=True)
+    data = body.join()
+    host, port = fleet.urls[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(f"POST /v1/push HTTP/1.1\r\nhost: x\r\ncontent-type: {wire.FRAME}\r\n"
+                     f"content-length: {len(data)}\r\n\r\n".encode())
+        for start in range(0, len(data), 4000):
+            sock.sendall(data[start:start + 4000])
+            time.sleep(0.002)  # let each piece arrive on its own
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+    with PSClient(fleet.urls) as ps:
+        np.testing.assert_array_equal(ps.pull(["t"])["t"], grad)
+
+
+def test_data_plane_routes_go_direct_and_stay_documented(fleet2):
+    spec = httpx2.get(fleet2.urls[0] + "/openapi.json").json()
+    for verb in ("init", "pull", "push", "assign", "increment", "wait"):
+        assert "post" in spec["paths"][f"/v1/{verb}"]
+
+    def needs_auth() -> None:
+        pass
+
+    app = FastAPI()
+
+    @app.post("/v1/plain")
+    async def plain(request: Request) -> None:
+        pass
+
+    @app.post("/v1/guarded", dependencies=[Depends(needs_auth)])
+    async def guarded(request: Request) -> None:
+        pass
+
+    @app.post("/v1/typed")
+    async def typed(request: Request, limit: int = 3) -> None:
+        pass
+
+    @app.post("/v1/blocking")
+    def blocking(request: Request) -> None:
+        pass
+
+    assert set(direct_routes(app)) == {"/v1/plain"}
+
+
+def test_the_direct_path_keeps_the_apps_middleware():
+    """Admission and the shard headers apply to data-plane requests that skip FastAPI's
+    routing exactly as to the others (the app is driven in this process, its lifespan not run,
+    so its gate stays where the test puts it)."""
+    import asyncio
+
+    from server.app import create_app, serving_app
+    from server.config import ShardConfig
+
+    app = create_app(ShardConfig())
+    served = serving_app(app)
+
+    async def main() -> None:
+        transport = httpx2.ASGITransport(app=served)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://shard") as c:
+            async def pull() -> httpx2.Response:
+                return await c.post("/v1/pull", content=msgpack.packb({"names": ["w"]}),
+                                    headers={"content-type": wire.MSGPACK})
+
+            r = await pull()  # restoring: the gate refuses it before the handler runs
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            app.state.gate.set_phase("ready")
+            r = await pull()
+            assert r.status_code == 404  # the handler ran: no such variable
+            assert r.headers["x-paramshard-shard"] == "0/1"
+            assert (await c.get("/healthz")).status_code == 200  # the rest: FastAPI's way
+
+    asyncio.run(main())
+
+
+def test_small_response_chunks_are_joined_and_big_ones_kept():
+    big = memoryview(bytes(100_000))
+    out = coalesce([b"head", b"", b"pad", big, b"a", b"b"], below=1000)
+    assert out == [b"headpad", big, b"ab"]
+    assert out[1] is big
+
+
+def test_a_pull_of_many_small_variables_is_one_framed_reply(fleet_factory):
+    fleet = fleet_factory(1)
+    names = [f"v{i}" for i in range(100)]
+    values = {n: np.full(1000, i, np.float32) for i, n in enumerate(names)}
+    with PSClient(fleet.urls) as ps:
+        ps.init(values)
+        got = ps.pull(names)
+    assert all(np.array_equal(got[n], values[n]) for n in names)
+    # the same through the raw protocol, as another language's client would see it
+    r = httpx2.post(fleet.urls[0] + "/v1/pull", content=msgpack.packb({"names": names}),
+                    headers={"content-type": wire.MSGPACK, "accept": wire.FRAME})
+    assert r.headers["content-type"] == wire.FRAME
+    body = bytearray(r.content)
+    msg = wire.unpack(body, wire.FRAME)
+    assert np.array_equal(wire.decode_tensor(msg["variables"]["v7"]["value"], body), values["v7"])
+
+
+def read_responses(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
+    """``count`` HTTP responses with Content-Length off ``sock``: (status, body) each."""
+    out, buf = [], b""
+    while len(out) < count:
+        while b"\r\n\r\n" not in buf:
+            data = sock.recv(65536)
+            assert data, "the shard closed the connection"
+            buf += data
+        head, _, buf = buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        length = next(int(v) for k, _, v in (ln.partition(":") for ln in lines[1:])
+                      if k.strip().lower() == "content-length")
+        while len(buf) < length:
+            buf += sock.recv(65536)
+        out.append((int(lines[0].split()[1]), buf[:length]))
+        buf = buf[length:]
+    return out
+
+
+def test_requests_after_a_big_body_on_the_same_connection(fleet_factory):
+    """A big body is read past the HTTP parser (server/protocol.py): whatever follows it on
+    the connection, sent at once, in pieces, or after an early refusal, is still parsed."""
+    fleet = fleet_factory(1)
+    n = 200_000  # 800 KB: more than the shard reads at once, so most comes after the head
+    with PSClient(fleet.urls) as ps:
+        ps.init({"t": np.zeros(n, np.float32)}, optimizer=Add())
+    grad = np.ones(n, np.float32)
+    def push(seq: int) -> bytes:
+        return wire.encode({"worker_id": "pipe", "seq": seq, "grads": {"t": grad}},
+                           frame=True).join()
+
+    pull = msgpack.packb({"names": ["t"]})
+
+    def request(body: bytes, ctype: str = wire.MSGPACK, path: str = "/v1/pull") -> bytes:
+        return (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: {ctype}\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+    host, port = fleet.urls[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        # a big push and a pull in one write: the pull starts inside the push's last piece
+        sock.sendall(request(push(1), wire.FRAME, "/v1/push") + request(pull))
+        (s1, _), (s2, body) = read_responses(sock, 2)
+        assert (s1, s2) == (200, 200)
+        msg = wire.unpack(body, wire.MSGPACK)
+        assert wire.decode_tensor(msg["variables"]["t"]["value"]).min() == 1
+        # a big body refused before it is read (wrong content type), then a pull
+        sock.sendall(request(push(2), "text/plain", "/v1/push"))
+        sock.sendall(request(pull))
+        (s3, _), (s4, _) = read_responses(sock, 2)
+        assert (s3, s4) == (415, 200)
+        # a big push whose last byte comes alone, then a pull
+        data = request(push(3), wire.FRAME, "/v1/push")
+        sock.sendall(data[:-1])
+        time.sleep(0.05)
+        sock.sendall(data[-1:] + request(pull))
+        (s5, _), (s6, body) = read_responses(sock, 2)
+        assert (s5, s6) == (200, 200)
+        msg = wire.unpack(body, wire.MSGPACK)
+        assert wire.decode_tensor(msg["variables"]["t"]["value"]).min() == 2
