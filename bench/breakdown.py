@@ -8,20 +8,23 @@ pull
     * ``PSClient.pull`` as a user sees it;
     * the same request through bare ``httpx2``: time to the response headers (the shard
       decodes the request, exports the value, encodes the reply), then the body read chunk by
-      chunk into one preallocated buffer (what the SDK does), and the body read by httpx2's own
-      ``Response.read()`` (which joins the chunks);
+      chunk into one preallocated buffer (what the SDK did before it had its own connection
+      pool for ``http://`` shards), and the body read by httpx2's own ``Response.read()``
+      (which joins the chunks);
+    * the same request over a bare socket, the body ``recv_into`` one buffer (no client
+      library: what the shard's side costs);
     * the raw socket moving the same bytes.
 push
     * ``PSClient.push`` (includes the shard's apply and, after a pull, its copy-on-write);
-    * the same framed body through bare ``httpx2`` to a variable that does not exist: the shard
-      reads the whole body before it looks at the names, so this is the transfer and the body
-      read without any apply (the answer is a 404);
+    * the same framed body through bare ``httpx2`` and over a bare socket to a variable that
+      does not exist: the shard reads the whole body before it looks at the names, so this is
+      the transfer and the body read without any apply (the answer is a 404);
     * the raw socket.
 local
     * memory costs on this machine for the same byte count: zero-filling a new ``bytearray``,
       copying into fresh memory, copying into memory already touched, ``value += grad``.
 
-Blocking; runs in about a minute at the default size.
+Blocking; runs in well under a minute at the default size.
 """
 
 from __future__ import annotations

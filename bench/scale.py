@@ -91,6 +91,8 @@ def render(est: dict | None) -> str:
         f"CPU, {est['hosts_by_nic']} by NIC ({g:g} / {HOST_NIC_GB_S:g} GB/s): "
         f"{est['binds']} binds first (the NIC binds once pull+push costs <= "
         f"{est['nic_binds_at_cpu_s_per_gb']:.2f} CPU-s/GB)",
+        f"  so: {est['shards']} shards on {max(est['hosts_by_cpu'], est['hosts_by_nic'])} hosts "
+        f"(~{math.ceil(est['shards'] / max(est['hosts_by_cpu'], est['hosts_by_nic']))} per host)",
     ]
     if "raw_shards" in est:
         lines.append(f"  floor: the raw socket server spends {est['raw_cpu_s_per_gb']:.3f} CPU-s "
