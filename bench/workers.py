@@ -26,8 +26,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -62,8 +64,10 @@ def _names(n: int) -> list[str]:
 class _Workers:
     """The worker processes; blocking; not thread-safe."""
 
-    def __init__(self, logdir, targets: dict[str, str], names: list[str], size: int) -> None:
-        self.procs, self.lines = [], []
+    def __init__(self, logdir: Path, targets: dict[str, str], names: list[str], size: int
+                 ) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.lines: list[processes.LineReader] = []
         try:
             for w in range(WORKERS):
                 log = logdir / f"worker{w}.log"
