@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Union
 
 import msgpack

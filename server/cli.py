@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shard_options(p, fleet=False)
 
     p = sub.add_parser("status", help="print a table of a fleet's shards",
-                       description=f"Ask every shard for /v1/cluster and /healthz. Exit 0 when all "
+                       description="Ask every shard for /v1/cluster and /healthz. Exit 0 when all "
                                    "are up and in fleet order, else 1.")
     p.add_argument("--shards", metavar="URL,URL,...",
                    help=f"the fleet's shard URLs in order [{_SHARDS_ENV}]")
@@ -292,7 +292,8 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def _client_host(host: str) -> str:
+def client_host(host: str) -> str:
+    """The host part of a URL that reaches a server bound to ``host``."""
     if host in ("0.0.0.0", ""):
         return "127.0.0.1"
     if host == "::":
@@ -300,7 +301,8 @@ def _client_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _healthy(url: str, timeout: float = 1.0) -> bool:
+def healthy(url: str, timeout: float = 1.0) -> bool:
+    """True if ``url``/healthz answers 200 (never through a proxy)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(url + "/healthz", timeout=timeout) as r:
@@ -346,7 +348,7 @@ def _up(args: argparse.Namespace) -> int:
 
     stop = _Stop()
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    urls = [f"http://{_client_host(host)}:{p}" for p in ports]
+    urls = [f"http://{client_host(host)}:{p}" for p in ports]
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
@@ -392,7 +394,7 @@ def _wait_until_up(procs: list[subprocess.Popen], urls: list[str], stop: _Stop
             code = procs[i].poll()
             if code is not None:
                 return i, code
-            if _healthy(urls[i], timeout=0.5):
+            if healthy(urls[i], timeout=0.5):
                 pending.discard(i)
         if time.monotonic() > deadline:
             i = min(pending)
@@ -521,7 +523,7 @@ def _health(args: argparse.Namespace) -> int:
     except ValueError:
         raise UsageError(f"--timeout must be a number of seconds, got {args.timeout!r}") from None
     path = "/readyz" if args.ready else "/healthz"
-    url = f"http://{_client_host(config.host)}:{config.port}{path}"
+    url = f"http://{client_host(config.host)}:{config.port}{path}"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(url, timeout=timeout) as r:

@@ -34,7 +34,6 @@ import tempfile
 import threading
 import time
 import types
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -44,6 +43,7 @@ import numpy as np
 from client_sdk.optimizers import Adagrad
 
 from . import optim
+from .cli import client_host, healthy
 
 __all__ = ["find_worker_script", "load_worker_module", "run_demo", "train_one_process"]
 
@@ -121,23 +121,6 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _url_host(host: str) -> str:
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
-
-
-def _healthy(url: str) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
-    try:
-        with opener.open(url + "/healthz", timeout=1.0) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 def _tail(path: Path, lines: int = 20) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()[-lines:]
@@ -198,7 +181,7 @@ class _Fleet:
                     cmd, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=f,
                     stderr=subprocess.STDOUT, start_new_session=True))
             self.shard_logs.append(log)
-            self.urls.append(f"http://{_url_host(host)}:{port}")
+            self.urls.append(f"http://{client_host(host)}:{port}")
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT
@@ -206,7 +189,7 @@ class _Fleet:
         while pending:
             for i in sorted(pending):
                 self.check_shard(i)
-                if _healthy(self.urls[i]):
+                if healthy(self.urls[i]):
                     pending.discard(i)
             if pending and time.monotonic() > deadline:
                 i = min(pending)
