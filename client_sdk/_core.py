@@ -240,15 +240,9 @@ class _Message:
     incarnation: str | None
 
 
-class _Cached:
-    """A pulled value and the version (and shard incarnation) it belongs to."""
-
-    __slots__ = ("incarnation", "version", "value")
-
-    def __init__(self, incarnation: str | None, version: int, value: np.ndarray) -> None:
-        self.incarnation = incarnation
-        self.version = version
-        self.value = value
+#: A pulled value as the cache keeps it: ``(shard incarnation, version, value)``. A plain tuple:
+#: a pull of many variables makes one per variable, and a tuple is the cheapest record to make.
+_Cached = tuple  # [str | None, int, np.ndarray]
 
 
 # -- sequence numbers ------------------------------------------------------------------------
@@ -659,12 +653,12 @@ class Core:
         for use_cache in (True, False):
             batch, held = [], {}
             for shard, group in self.split(todo).items():
-                msg: dict[str, Any] = {"names": group}
+                msg: dict[str, Any] = {"names": group, "layout": "table"}
                 if use_cache:
-                    held.update(self._cached(shard, group))
-                    versions = {k: held[k].version for k in group if k in held}
-                    if versions:
-                        msg["versions"] = versions
+                    cached = self._cached(shard, group)
+                    if cached:
+                        held.update(cached)
+                        msg["versions"] = {k: c[1] for k, c in cached.items()}
                 batch.append(self._post(shard, "pull", msg, deadline, mutating=False,
                                         names=group))
             replies = self._collect(batch, (yield batch))
@@ -675,26 +669,31 @@ class Core:
                 break
         if todo:  # pragma: no cover - a shard that omits values it was not asked to keep
             raise ProtocolError(f"shards did not send the values of {todo}")
+        if list(out) == names:
+            return out  # already in the caller's order (one shard, one round)
         return {name: out[name] for name in names}
 
     def _cached(self, shard: int, names: list[str]) -> dict[str, _Cached]:
         with self._lock:
             incarnation = self._incarnation[shard]
-            return {k: c for k in names if (c := self._cache.get(k)) is not None
-                    and c.incarnation == incarnation}
+            get = self._cache.get
+            return {k: c for k in names if (c := get(k)) is not None and c[0] == incarnation}
 
     def _take_pulled(self, request: ShardRequest, reply: _Message, held: dict[str, _Cached],
                      out: dict[str, np.ndarray]) -> list[str]:
         """Decode one shard's pull reply into ``out``; return names to pull again without
         versions (their cached value came from another incarnation of the shard)."""
         url = self.url(request.shard)
-        variables = reply.msg.get("variables")
-        if not isinstance(variables, Mapping):
-            raise ProtocolError(f"shard {url} sent a pull reply without 'variables'", shard=url)
         # Arrays decoded from a read-only view of the body are read-only themselves.
         body = reply.body
         if isinstance(body, (bytearray, memoryview)):
             body = memoryview(body).toreadonly()
+        table = reply.msg.get("table")
+        if table is not None:
+            return self._take_table(request, reply, table, body, held, out)
+        variables = reply.msg.get("variables")
+        if not isinstance(variables, Mapping):
+            raise ProtocolError(f"shard {url} sent a pull reply without 'variables'", shard=url)
         again = []
         fresh = []
         for name in request.names:
@@ -706,27 +705,67 @@ class Core:
             value = entry.get("value")
             if value is None:
                 cached = held.get(name)
-                if (cached is None or cached.version != version
-                        or cached.incarnation != reply.incarnation):
+                if cached is None or cached[1] != version or cached[0] != reply.incarnation:
                     again.append(name)
                 else:
-                    out[name] = cached.value
+                    out[name] = cached[2]
                 continue
             array = wire.framed_view(value, body) if type(value) is dict else None
             if array is None or not array.dtype.isnative:
                 array = self._tensor(url, name, value, body)
             out[name] = array
-            fresh.append((name, version, array))
-        if fresh:
-            incarnation = reply.incarnation
-            with self._lock:
-                cache = self._cache
-                for name, version, value in fresh:
-                    current = cache.get(name)
-                    if (current is None or current.incarnation != incarnation
-                            or current.version <= version):
-                        cache[name] = _Cached(incarnation, version, value)
+            fresh.append((name, (reply.incarnation, version, array)))
+        self._remember([n for n, _ in fresh], [e for _, e in fresh])
         return again
+
+    def _take_table(self, request: ShardRequest, reply: _Message, table: Any, body: Body,
+                    held: dict[str, _Cached], out: dict[str, np.ndarray]) -> list[str]:
+        """:meth:`_take_pulled` for a reply in the table layout (docs/PROTOCOL.md, pull)."""
+        url = self.url(request.shard)
+        try:
+            names, values = wire.table_rows(table, body, native=True)
+        except wire.WireError as exc:
+            raise ProtocolError(f"shard {url} sent a bad pull table: {exc.message}",
+                                shard=url) from exc
+        versions = table.get("versions")
+        if type(versions) is not list or len(versions) != len(names) \
+                or tuple(names) != request.names:
+            raise ProtocolError(f"shard {url} sent a pull table whose names or versions do not "
+                                "match the request", shard=url)
+        again: list[str] = []
+        fresh_names: list[str] = []
+        fresh: list[_Cached] = []
+        incarnation = reply.incarnation
+        for name, version, value in zip(names, versions, values):
+            if type(version) is not int:
+                raise ProtocolError(f"shard {url} sent no version for {name!r} in a pull "
+                                    "reply", shard=url)
+            if value is None:
+                cached = held.get(name)
+                if cached is None or cached[1] != version or cached[0] != incarnation:
+                    again.append(name)
+                else:
+                    out[name] = cached[2]
+                continue
+            # Views of a read-only body (see _take_pulled) are read-only already.
+            out[name] = value
+            fresh_names.append(name)
+            fresh.append((incarnation, version, value))
+        self._remember(fresh_names, fresh)
+        return again
+
+    def _remember(self, names: list[str], fresh: list[_Cached]) -> None:
+        """Cache freshly pulled values (``fresh[i]`` is ``names[i]``'s), never replacing a
+        newer one of the same shard incarnation."""
+        if not fresh:
+            return
+        with self._lock:
+            cache = self._cache
+            get = cache.get
+            for name, entry in zip(names, fresh):
+                current = get(name)
+                if current is None or current[1] <= entry[1] or current[0] != entry[0]:
+                    cache[name] = entry
 
     def _tensor(self, url: str, name: str, obj: Any, body: Body) -> np.ndarray:
         try:
@@ -750,7 +789,7 @@ class Core:
         arrays = self.arrays(grads, "push", copy=copy)
         if versions is None:
             with self._lock:
-                chosen = {k: c.version for k in arrays if (c := self._cache.get(k)) is not None}
+                chosen = {k: c[1] for k in arrays if (c := self._cache.get(k)) is not None}
         else:
             if not isinstance(versions, Mapping):
                 raise BadRequestError("push versions must be a dict of name -> int version")

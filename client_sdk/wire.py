@@ -23,6 +23,12 @@ Two body encodings, told apart by ``Content-Type``:
 
 Which fields of a message are tensors is fixed by each verb's schema (docs/PROTOCOL.md); the
 decoder is told, it does not guess.
+
+A framed body may also carry many tensors as one *tensor table* (:func:`encode_table`,
+:func:`table_rows`): a map of parallel lists (``names``, ``dtype``, ``shape``, ``offset`` and
+whatever columns the verb adds, e.g. ``versions``), one row per tensor, instead of one map per
+tensor. It says the same thing in a fraction of the msgpack: a pull of 100 small variables packs
+and unpacks ~5x faster this way, which is most of what such a pull costs.
 """
 
 from __future__ import annotations
@@ -53,10 +59,12 @@ __all__ = [
     "WireError",
     "decode_tensor",
     "encode",
+    "encode_table",
     "error_payload",
     "framed_view",
     "is_tensor",
     "parse_dtype",
+    "table_rows",
     "unpack",
 ]
 
@@ -131,6 +139,8 @@ def error_payload(code: str, message: str, details: Mapping[str, Any] | None = N
 
 #: Type strings already parsed (only valid ones: at most the 11 kinds in each byte order).
 _PARSED: dict[str, np.dtype] = {}
+#: The ones of them in this machine's byte order.
+_PARSED_NATIVE: dict[str, np.dtype] = {}
 
 
 def parse_dtype(text: Any) -> np.dtype:
@@ -153,6 +163,8 @@ def parse_dtype(text: Any) -> np.dtype:
             code="bad_tensor",
         )
     dtype = _PARSED[text] = np.dtype(text)
+    if dtype.isnative:
+        _PARSED_NATIVE[text] = dtype
     return dtype
 
 
@@ -441,3 +453,142 @@ def tensors_of(value: Any, body: Buffer | None, what: str) -> dict[str, np.ndarr
             raise
     return out
 
+
+
+# -- tensor tables ---------------------------------------------------------------------------
+
+
+def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
+                 dtypes: list[str | None] | None = None,
+                 shapes: list[list[int] | None] | None = None) -> Encoded:
+    """Frame ``message``, in which the map ``table`` (already holding its other columns, e.g.
+    ``names``) gets the columns ``dtype`` and ``shape`` for ``arrays``, one row each; the
+    arrays' bytes follow the header in row order, each at the next multiple of :data:`ALIGN`.
+
+    A ``None`` in ``arrays`` is a row without a tensor (nil in both columns). Arrays must be
+    C-contiguous and of a sendable dtype (a shard's values always are). ``dtypes`` and
+    ``shapes``, when given, are those columns already made (type strings, shape lists), one
+    entry per row (``None`` in rows without a tensor). Always framed; the arrays' bytes are not copied here (the chunks
+    are memoryviews of them).
+    """
+    if dtypes is None or shapes is None:
+        dtypes, shapes = [], []
+        for a in arrays:
+            if a is None:
+                dtypes.append(None)
+                shapes.append(None)
+            else:
+                dtypes.append(_SENDABLE.get(a.dtype) or _dtype_str(a.dtype))
+                shapes.append(list(a.shape))
+    table["dtype"], table["shape"] = dtypes, shapes
+    head = msgpack.packb(message, use_bin_type=True)
+    at = _HEAD.size + len(head)
+    chunks: list[Buffer] = [_HEAD.pack(FRAME_MAGIC, len(head)), head]
+    append = chunks.append
+    padding = _PADDING
+    for a in arrays:
+        if a is None:
+            continue
+        pad = -at % ALIGN
+        if pad:
+            append(padding[:pad])
+            at += pad
+        size = a.nbytes
+        if size:
+            append(a.data.cast("B"))
+            at += size
+    return Encoded(FRAME, chunks, at)
+
+
+def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = False
+               ) -> tuple[list[str], list[np.ndarray | None]]:
+    """Decode a tensor table of the framed ``body``: its names and, per row, the tensor (a
+    view of ``body``, no copy) or ``None`` for a row without one. Other columns stay in
+    ``table`` for the caller. With ``native=True`` a tensor in the other byte order is
+    converted (a read-only copy in this machine's order) instead of viewed.
+
+    Raises :class:`WireError` (``bad_request`` for a malformed table, ``bad_tensor`` for a bad
+    row, saying which).
+    """
+    if type(table) is not dict:
+        raise WireError(f"'{what}' must be a map of columns")
+    names, dtypes, shapes = table.get("names"), table.get("dtype"), table.get("shape")
+    if type(names) is not list or not all(type(n) is str for n in names):
+        raise WireError(f"'{what}.names' must be a list of variable names")
+    n = len(names)
+    for key, column in (("dtype", dtypes), ("shape", shapes)):
+        if type(column) is not list or len(column) != n:
+            raise WireError(f"'{what}.{key}' must be a list as long as '{what}.names' ({n})")
+    size = _buffer_size(body)
+    if size < _HEAD.size:
+        raise WireError("a tensor table needs a framed body")
+    start = _HEAD.size + _HEAD.unpack_from(body, 0)[1]
+    try:
+        return names, _fast_rows(dtypes, shapes, body, start, size)
+    except (KeyError, TypeError, ValueError):
+        pass  # a row off the common path: decode again, row by row, with the checks
+    at = start
+    out: list[np.ndarray | None] = []
+    for name, text, shape in zip(names, dtypes, shapes):
+        if text is None:
+            if shape is not None:
+                raise WireError(f"{what} row {name!r}: a shape without a dtype",
+                                code="bad_tensor", details={"variable": name})
+            out.append(None)
+            continue
+        at = (at + ALIGN - 1) // ALIGN * ALIGN
+        row = _table_row(name, text, shape, at, body, what)
+        at += row.nbytes
+        if native and not row.dtype.isnative:
+            row = row.astype(row.dtype.newbyteorder("="))
+            row.flags.writeable = False
+        out.append(row)
+    return names, out
+
+
+def _fast_rows(dtypes: list, shapes: list, body: Buffer, at: int, size: int
+               ) -> list[np.ndarray | None]:
+    """The rows of a table whose tensors all have a dtype already seen in this machine's byte
+    order and one positive dimension, and lie in the body; raises ``KeyError``, ``TypeError``
+    or ``ValueError`` for any other."""
+    out: list[np.ndarray | None] = []
+    append = out.append
+    parsed = _PARSED_NATIVE
+    frombuffer = np.frombuffer
+    for text, shape in zip(dtypes, shapes):
+        if text is None:
+            if shape is not None:
+                raise ValueError
+            append(None)
+            continue
+        dtype = parsed[text]
+        if type(shape) is not list:
+            raise TypeError
+        (count,) = shape
+        if type(count) is not int or count <= 0:
+            raise ValueError
+        at = (at + ALIGN - 1) // ALIGN * ALIGN
+        end = at + count * dtype.itemsize
+        if end > size:
+            raise ValueError
+        append(frombuffer(body, dtype, count, at))
+        at = end
+    return out
+
+
+def _table_row(name: str, text: Any, shape: Any, offset: Any, body: Buffer, what: str
+               ) -> np.ndarray:
+    """One row of :func:`table_rows` the general way, with the error that says what is wrong."""
+    try:
+        dtype = parse_dtype(text)
+        dims = _parse_shape(shape, dtype.itemsize)
+        count = 1
+        for d in dims:
+            count *= d
+        return decode_tensor({"dtype": text, "shape": list(dims), "offset": offset,
+                              "nbytes": count * dtype.itemsize}, body)
+    except WireError as exc:
+        exc.details = {"variable": name, **exc.details}
+        exc.message = f"{what} row {name!r}: {exc.message}"
+        exc.args = (exc.message,)
+        raise

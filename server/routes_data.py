@@ -188,9 +188,11 @@ def _reply(request: Request, msg: dict[str, Any], tensors: bool = False) -> Enco
     """The reply in the request's encoding family; only pull replies hold ``tensors``."""
     if not tensors:
         return EncodedResponse(wire.encode(msg, tensors=False))
-    accept = request.headers.get("accept", "")
-    framed_ok = wire.FRAME in accept.lower()
-    return EncodedResponse(wire.encode(msg, frame=None if framed_ok else False))
+    return EncodedResponse(wire.encode(msg, frame=None if _accepts_frame(request) else False))
+
+
+def _accepts_frame(request: Request) -> bool:
+    return wire.FRAME in request.headers.get("accept", "").lower()
 
 
 def _store(request: Request) -> ParameterStore:
@@ -228,9 +230,11 @@ def _versions(msg: Mapping[str, Any], verb: str) -> dict[str, int] | None:
     versions = msg.get("versions")
     if versions is None:
         return None
-    if not isinstance(versions, dict) or not all(
-            type(k) is str and type(v) is int and v >= 0 for k, v in versions.items()):
+    if not isinstance(versions, dict):
         raise _bad_field(verb, "versions", "a map of name -> int >= 0", versions)
+    for k, v in versions.items():
+        if type(k) is not str or type(v) is not int or v < 0:
+            raise _bad_field(verb, "versions", "a map of name -> int >= 0", versions)
     return versions
 
 
@@ -267,11 +271,21 @@ async def init(request: Request) -> Response:
 
 @router.post("/pull", openapi_extra=_BODY_DOC)
 async def pull(request: Request) -> Response:
-    """Read values: `{"names": [...], "versions": {name: int}}` -> `{"variables": {name:
-    {"version", "value"?}}}`; values already held at the current version are left out."""
+    """Read values: `{"names": [...], "versions": {name: int}, "layout"?}` -> `{"variables":
+    {name: {"version", "value"?}}}`, or with `"layout": "table"` (and a framed Accept) one tensor
+    table `{"table": {"names", "versions", "dtype", "shape"}}`; values already held at
+    the current version are left out."""
     msg, _ = await _message(request)
     names = _name_list(msg, "names", "pull")
     versions = _versions(msg, "pull")
+    layout = msg.get("layout")
+    if layout is not None and layout not in ("map", "table"):
+        raise _bad_field("pull", "layout", "'map' or 'table' (or absent)", layout)
+    if layout == "table" and _accepts_frame(request):
+        rows = _store(request).pull_rows(names, versions)
+        table = {"names": rows.names, "versions": rows.versions}
+        return EncodedResponse(wire.encode_table({"table": table}, table, rows.values,
+                                                 rows.dtypes, rows.shapes))
     return _reply(request, {"variables": _store(request).pull(names, versions)}, tensors=True)
 
 

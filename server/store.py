@@ -51,7 +51,7 @@ from .dedup import DedupTable
 from .errors import ShardError
 
 __all__ = ["DEFAULT_OPTIMIZER", "MAX_WAIT_SECONDS", "OFFLOAD_BYTES", "Capture", "ParameterStore",
-           "Variable"]
+           "PullRows", "Variable"]
 
 DEFAULT_OPTIMIZER: Optimizer = SGD(lr=0.01)
 MAX_WAIT_SECONDS = 30.0
@@ -89,6 +89,9 @@ class Variable:
     writing: asyncio.Future | None = field(default=None, repr=False)
     #: The read-only view :meth:`export` hands out, made once per value.
     _view: np.ndarray | None = field(default=None, repr=False)
+    #: ``(dtype type string, shape list)`` as a tensor table row carries them (made once: a
+    #: variable's dtype and shape never change). Shared by every reply: do not modify.
+    _wire: tuple[str, list[int]] | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -107,6 +110,13 @@ class Variable:
         """Where the next value goes: the value's own buffer, or fresh memory if a reader may
         still hold the current one. Pass it to the update, then :meth:`replace` with it."""
         return np.empty_like(self.value) if self.shared else self.value
+
+    def wire_meta(self) -> tuple[str, list[int]]:
+        """The value's dtype type string and shape list, for tensor tables."""
+        meta = self._wire
+        if meta is None:
+            meta = self._wire = (self.value.dtype.str, list(self.value.shape))
+        return meta
 
     def replace(self, new: np.ndarray) -> None:
         self.value = new
@@ -158,6 +168,21 @@ class Variable:
             "last_writer": self.last_writer,
             "nbytes": self.value.nbytes,
         }
+
+
+class PullRows:
+    """A pull as parallel lists, one row per name: the checked ``names``, their current
+    ``versions``, and per row the read-only value with its ``dtypes`` type string and
+    ``shapes`` list, or ``None`` in all three where the puller holds the current version."""
+
+    __slots__ = ("names", "versions", "values", "dtypes", "shapes")
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.versions: list[int] = []
+        self.values: list[np.ndarray | None] = []
+        self.dtypes: list[str | None] = []
+        self.shapes: list[list[int] | None] = []
 
 
 def native(dtype: np.dtype) -> np.dtype:
@@ -383,6 +408,33 @@ class ParameterStore:
                 entry["value"] = var.export()
             out[var.name] = entry
         return out
+
+    def pull_rows(self, names: Iterable[str], versions: Mapping[str, int] | None = None
+                  ) -> PullRows:
+        """:meth:`pull` as the columns of a tensor table (docs/PROTOCOL.md, pull)."""
+        names = list(names)
+        known = self._vars
+        try:  # every name one of ours (so valid and owned): the common case, in one pass
+            variables = [known[name] for name in names]
+        except (KeyError, TypeError):
+            variables = self._existing(self.check_names(names))
+        held = versions or {}
+        rows = PullRows(names)
+        add_version, add_value = rows.versions.append, rows.values.append
+        add_dtype, add_shape = rows.dtypes.append, rows.shapes.append
+        for var in variables:
+            version = var.version
+            add_version(version)
+            if held.get(var.name) == version:
+                add_value(None)
+                add_dtype(None)
+                add_shape(None)
+            else:
+                add_value(var.export())
+                dtype, shape = var._wire or var.wire_meta()
+                add_dtype(dtype)
+                add_shape(shape)
+        return rows
 
     def push(self, worker_id: str, seq: int, grads: Mapping[str, np.ndarray],
              versions: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:

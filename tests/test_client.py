@@ -169,6 +169,58 @@ def test_second_pull_of_unchanged_variables_transfers_no_values(fleet2):
         assert third[names[1]] is first[names[1]]
 
 
+class MapLayoutOnly(httpx2.BaseTransport):
+    """Real HTTP to real shards, with ``"layout"`` taken out of every pull: the shards then
+    answer as a shard that predates the table layout does (one map per variable)."""
+
+    def __init__(self) -> None:
+        self.inner = httpx2.HTTPTransport()
+        self.replies: list[dict] = []
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        if request.url.path == "/v1/pull":
+            msg = wire.unpack(bytearray(request.read()), request.headers["content-type"])
+            assert msg.pop("layout") == "table"  # what the SDK asks for
+            body = wire.encode(msg, tensors=False).join()
+            headers = {k: v for k, v in request.headers.items() if k != "content-length"}
+            request = httpx2.Request("POST", request.url, headers=headers, content=body)
+        response = self.inner.handle_request(request)
+        if request.url.path == "/v1/pull":
+            response.read()
+            self.replies.append(wire.unpack(bytearray(response.content),
+                                            response.headers["content-type"]))
+        return response
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("layout", ["table", "map"])
+def test_pull_decodes_either_layout_and_caches_the_same(fleet2, layout):
+    """The SDK asks for the table layout; a shard that answers in the map layout (one that
+    predates it) is understood the same way, version cache included."""
+    names = two_shard_names(f"layout-{layout}", 4)
+    values = {n: np.full((3, 50), i, np.float32) for i, n in enumerate(names)}
+    values[names[0]] = np.random.default_rng(9).random(40_000)  # framed in either layout
+    transport = MapLayoutOnly() if layout == "map" else None
+    with PSClient(fleet2.urls, transport=transport) as ps:
+        ps.init(values, optimizer=SGD(lr=1.0))
+        first = ps.pull(names)
+        assert list(first) == names
+        for n in names:
+            np.testing.assert_array_equal(first[n], values[n])
+            assert not first[n].flags.writeable
+        second = ps.pull(names)
+        assert all(second[n] is first[n] for n in names)  # unchanged: from the cache
+        ps.push({names[1]: np.ones((3, 50), np.float32)})
+        third = ps.pull(list(reversed(names)))
+        assert list(third) == list(reversed(names))
+        np.testing.assert_array_equal(third[names[1]], values[names[1]] - 1)
+        assert all(third[n] is first[n] for n in names if n != names[1])
+    if transport is not None:
+        assert transport.replies and all(set(r) == {"variables"} for r in transport.replies)
+
+
 def test_pulled_arrays_are_read_only(fleet2):
     small, big = unique("ro_small"), unique("ro_big")
     with PSClient(fleet2.urls) as ps:

@@ -202,6 +202,49 @@ def test_pull_with_versions_leaves_out_unchanged_values(fleet2, http):
     assert rep.msg["variables"][b]["version"] == 1 and "value" in rep.msg["variables"][b]
 
 
+def test_pull_in_the_table_layout(fleet2, http):
+    """`"layout": "table"` with a framed Accept: one tensor table, rows in request order, the
+    held version's value left out; without a framed Accept the same pull answers in the map
+    layout; refusals are those of any pull."""
+    url = fleet2.urls[0]
+    a, b, c, d = (owned(0) for _ in range(4))
+    values = {a: np.arange(6, dtype=np.float32).reshape(2, 3), b: np.arange(5, dtype=np.int64),
+              c: np.array(2.5), d: np.zeros(0, np.float32)}
+    for name, value in values.items():
+        init(http, url, name, value, {"type": "add"})
+    post(http, url, "push", {"worker_id": worker(), "seq": 0,
+                             "grads": {a: np.ones((2, 3), np.float32)}})
+    values[a] = values[a] + 1
+    ask = {"names": [d, a, b, c], "layout": "table", "versions": {b: 0, a: 0}}
+
+    rep = post(http, url, "pull", ask, accept_frame=True)
+    assert rep.status == 200 and rep.headers["content-type"] == wire.FRAME
+    table = rep.msg["table"]
+    assert set(rep.msg) == {"table"}
+    assert table["names"] == [d, a, b, c] and table["versions"] == [0, 1, 0, 0]
+    assert table["dtype"] == ["<f4", "<f4", None, "<f8"]
+    assert table["shape"] == [[0], [2, 3], None, []]
+    names, rows = wire.table_rows(table, rep.body)
+    for name, row in zip(names, rows):
+        if name == b:
+            assert row is None  # the puller holds version 0 already
+        else:
+            np.testing.assert_array_equal(row, values[name])
+
+    rep = post(http, url, "pull", ask)  # no framed Accept: the map layout
+    assert rep.headers["content-type"] == wire.MSGPACK and set(rep.msg) == {"variables"}
+    assert rep.msg["variables"][b] == {"version": 0}
+    np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][a]["value"]), values[a])
+
+    missing = owned(0)
+    assert_refused(post(http, url, "pull", {**ask, "names": [a, missing]}, accept_frame=True),
+                   404, "not_found")
+    assert_refused(post(http, url, "pull", {**ask, "names": [a, owned(1)]}, accept_frame=True),
+                   421, "not_owner")
+    assert_refused(post(http, url, "pull", {**ask, "names": [a, "bad name"]},
+                        accept_frame=True), 400, "bad_request")
+
+
 def test_init_is_idempotent_and_conflicts_create_nothing(fleet2, http):
     url = fleet2.urls[0]
     name, fresh = owned(0), owned(0)
@@ -400,6 +443,8 @@ def _bad_requests(name: str, other: str) -> list[tuple[str, str, Any, int, str]]
         ("missing-names", "pull", {}, 400, "bad_request"),
         ("names-not-list", "pull", {"names": name}, 400, "bad_request"),
         ("names-not-strings", "pull", {"names": [1, 2]}, 400, "bad_request"),
+        ("pull-unknown-layout", "pull", {"names": [name], "layout": "columns"}, 400,
+         "bad_request"),
         ("seq-negative", "push", {**push, "seq": -1, "grads": {name: g}}, 400, "bad_request"),
         ("seq-string", "push", {**push, "seq": "1", "grads": {name: g}}, 400, "bad_request"),
         ("seq-bool", "push", {**push, "seq": True, "grads": {name: g}}, 400, "bad_request"),

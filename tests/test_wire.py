@@ -525,3 +525,121 @@ def test_error_codes_map_to_statuses():
         assert code in wire.ERROR_STATUS  # every code PROTOCOL.md §2 lists
     assert wire.WireError("m").code == "bad_request"
     assert isinstance(wire.WireError("m"), ValueError)
+
+
+# --------------------------------------------------------------------------- tensor tables
+
+def _contiguous(a: np.ndarray) -> np.ndarray:
+    return a if a.flags.c_contiguous else a.copy(order="C")
+
+
+def _table_round_trip(rows, body_type=bytes):
+    arrs = [None if a is None else _contiguous(a) for a in rows]
+    names = [f"v{i}" for i in range(len(arrs))]
+    table = {"names": names, "versions": list(range(len(arrs)))}
+    enc = wire.encode_table({"table": table, "other": 1}, table, arrs)
+    assert enc.content_type == wire.FRAME
+    joined = enc.join()
+    assert len(joined) == enc.nbytes
+    body = body_type(joined)
+    msg = wire.unpack(body, wire.FRAME)
+    return arrs, enc, body, msg
+
+
+@given(st.lists(arrays(max_side=4, max_dims=3) | st.none(), max_size=8),
+       st.sampled_from([bytes, bytearray]))
+def test_table_round_trip_is_exact_and_copy_free(rows, body_type):
+    arrs, enc, body, msg = _table_round_trip(rows, body_type)
+    assert msg["other"] == 1 and msg["table"]["versions"] == list(range(len(arrs)))
+    names, out = wire.table_rows(msg["table"], body)
+    assert names == [f"v{i}" for i in range(len(arrs))]
+    for got, a in zip(out, arrs):
+        if a is None:
+            assert got is None
+            continue
+        _same(got, a)
+        if a.nbytes:
+            assert np.shares_memory(got, _u8(body))
+        assert got.flags.writeable == (body_type is bytearray)
+
+
+@given(st.lists(arrays(max_side=4, max_dims=3) | st.none(), max_size=8))
+def test_table_layout_follows_the_protocol_text(rows):
+    """Decoded the way docs/PROTOCOL.md describes it, independently of table_rows: after the
+    header, each tensor of a row with a dtype in row order, each at the next multiple of 64,
+    zero padding in between; the body ends where the last tensor ends."""
+    arrs, enc, body, msg = _table_round_trip(rows)
+    table = msg["table"]
+    assert set(table) == {"names", "versions", "dtype", "shape"}
+    _, hlen = struct.unpack_from("<4sI", body)
+    pos = 8 + hlen
+    for a, dtype, shape in zip(arrs, table["dtype"], table["shape"]):
+        if a is None:
+            assert dtype is None and shape is None
+            continue
+        assert dtype == a.dtype.str and shape == list(a.shape)
+        start = -(-pos // 64) * 64
+        assert body[pos:start] == bytes(start - pos)
+        assert body[start:start + a.nbytes] == a.tobytes()
+        pos = start + a.nbytes
+    assert pos == len(body)
+    for a in arrs:  # the arrays' own memory is handed to the writer
+        if a is not None and a.nbytes:
+            assert any(isinstance(c, memoryview) and np.shares_memory(_u8(c), a)
+                       for c in enc.chunks)
+
+
+def test_table_native_converts_the_other_byte_order():
+    big = np.arange(6, dtype=">f4").reshape(2, 3)
+    little = np.arange(3, dtype="<i8")
+    arrs, _, body, msg = _table_round_trip([big, little])
+    _, (as_sent, same) = wire.table_rows(msg["table"], body)
+    assert as_sent.dtype.str == ">f4" and np.shares_memory(as_sent, _u8(body))
+    _, (native, same2) = wire.table_rows(msg["table"], body, native=True)
+    assert native.dtype.isnative and not native.flags.writeable
+    np.testing.assert_array_equal(native, big)
+    assert np.shares_memory(same2, _u8(body))
+
+
+def _table_refusal(table, body, code, variable=None):
+    with pytest.raises(wire.WireError) as err:
+        wire.table_rows(table, body)
+    assert err.value.code == code, err.value
+    if variable is not None:
+        assert err.value.details.get("variable") == variable
+    return err.value
+
+
+def test_bad_tables_are_refused_with_what_is_wrong():
+    arrs, _, body, msg = _table_round_trip([np.arange(4, dtype=np.float32), None])
+    good = msg["table"]
+    _table_refusal([1, 2], body, "bad_request")
+    _table_refusal({**good, "names": "v0"}, body, "bad_request")
+    _table_refusal({**good, "names": ["v0", 1]}, body, "bad_request")
+    _table_refusal({**good, "dtype": ["<f4"]}, body, "bad_request")
+    _table_refusal({k: v for k, v in good.items() if k != "shape"}, body, "bad_request")
+    _table_refusal({**good, "dtype": ["<c8", None]}, body, "bad_tensor", "v0")
+    _table_refusal({**good, "shape": [[-1], None]}, body, "bad_tensor", "v0")
+    _table_refusal({**good, "shape": ["4", None]}, body, "bad_tensor", "v0")
+    _table_refusal({**good, "shape": [[4], [1]]}, body, "bad_tensor", "v1")  # shape, no dtype
+    err = _table_refusal({**good, "shape": [[5], None]}, body, "bad_tensor", "v0")
+    assert "v0" in err.message  # runs past the end of the body
+    _table_refusal(good, body[:-4], "bad_tensor", "v0")  # truncated body
+    _table_refusal(good, body[:6], "bad_request")  # not even a frame prefix
+
+
+@given(st.lists(st.one_of(st.none(), dtype_strings(), msgpack_values), max_size=4),
+       st.lists(st.one_of(st.none(), st.lists(st.integers(-3, 2**40), max_size=3),
+                          msgpack_values), max_size=4),
+       st.binary(max_size=300))
+def test_arbitrary_tables_raise_only_wire_errors(dtypes, shapes, tail):
+    n = min(len(dtypes), len(shapes))
+    table = {"names": [f"v{i}" for i in range(n)], "dtype": dtypes[:n], "shape": shapes[:n]}
+    head = msgpack.packb({"table": table}, use_bin_type=True)
+    body = struct.pack("<4sI", wire.FRAME_MAGIC, len(head)) + head + tail
+    try:
+        _, out = wire.table_rows(wire.unpack(body, wire.FRAME)["table"], body)
+    except wire.WireError as exc:
+        assert exc.code in PROTOCOL_CODES
+    else:
+        assert len(out) == n
