@@ -282,6 +282,8 @@ class Core:
         self.n = len(settings.shards)
         self._lock = threading.Lock()
         self._checked = [False] * self.n
+        #: Per shard: whether its verbs take tensor tables (its /v1/cluster lists the feature).
+        self._tables = [False] * self.n
         self._incarnation: list[str | None] = [None] * self.n
         #: Per shard: the last state version seen, and (old incarnation, that version) while
         #: a restart is noticed but not yet reported.
@@ -341,9 +343,15 @@ class Core:
 
     def _post(self, shard: int, verb: str, msg: Any, deadline: float, *, mutating: bool,
               names: Iterable[str] = (), read_timeout: float | None = None,
-              retry_safe: bool = False) -> ShardRequest:
+              retry_safe: bool = False, table: dict | None = None,
+              arrays: list[np.ndarray] | None = None) -> ShardRequest:
+        """A POST of ``msg``; with ``table`` (a map inside ``msg``) and ``arrays``, encoded as
+        a framed body whose tensor table ``table`` holds ``arrays``."""
         try:
-            body = wire.encode(msg, tensors=verb in self._TENSOR_VERBS)
+            if table is not None:
+                body = wire.encode_table(msg, table, arrays)
+            else:
+                body = wire.encode(msg, tensors=verb in self._TENSOR_VERBS)
         except wire.WireError as exc:
             raise BadTensorError(f"cannot encode the {verb} request: {exc.message}",
                                  code=exc.code, details=exc.details) from exc
@@ -583,6 +591,8 @@ class Core:
             raise FleetMismatchError(_mismatch_message(url, shard, self.n, index, total),
                                      shard=url, code="fleet_mismatch",
                                      details={"shard_index": index, "num_shards": total})
+        features = info.get("features")
+        self._tables[shard] = isinstance(features, list) and wire.FEATURE_TABLES in features
         incarnation = info.get("incarnation")
         if isinstance(incarnation, str):
             self._note_incarnation(shard, incarnation)
@@ -829,12 +839,21 @@ class Core:
         deadline = self.deadline()
         yield from self._ready(deadline)
         batch = []
-        for shard, names in self.split(job.grads).items():
-            msg: dict[str, Any] = {"worker_id": self.settings.worker_id, "seq": job.seq,
-                                   "grads": {k: job.grads[k] for k in names}}
-            versions = {k: job.versions[k] for k in names if k in job.versions}
+        grads = job.grads
+        for shard, names in self.split(grads).items():
+            msg: dict[str, Any] = {"worker_id": self.settings.worker_id, "seq": job.seq}
+            held = job.versions
+            versions = {k: held[k] for k in names if k in held} if held else None
             if versions:
                 msg["versions"] = versions
+            if self._tables[shard]:  # one tensor table: a fraction of the header to pack
+                table = msg["grads"] = {"names": names}
+                msg["layout"] = "table"
+                batch.append(self._post(shard, "push", msg, deadline, mutating=True,
+                                        names=names, retry_safe=True, table=table,
+                                        arrays=[grads[k] for k in names]))
+                continue
+            msg["grads"] = {k: grads[k] for k in names}
             batch.append(self._post(shard, "push", msg, deadline, mutating=True, names=names,
                                     retry_safe=True))
         replies = self._collect(batch, (yield batch))

@@ -48,6 +48,7 @@ __all__ = [
     "FRAME",
     "FRAME_MAGIC",
     "FRAME_THRESHOLD",
+    "FEATURE_TABLES",
     "HEADER_INCARNATION",
     "HEADER_PROTOCOL",
     "HEADER_SHARD",
@@ -80,6 +81,10 @@ HEADER_INCARNATION = "x-paramshard-incarnation"
 HEADER_PROTOCOL = "x-paramshard-protocol"
 #: The shard's state version (sum of its variables' versions), once it has restored its state.
 HEADER_STATE_VERSION = "x-paramshard-state-version"
+
+#: What a shard lists in ``/v1/cluster`` ``features`` when its verbs take tensor tables in
+#: requests (push ``grads``); every shard that lists it also answers pulls in tables.
+FEATURE_TABLES = "tables"
 
 FRAME_MAGIC = b"PSF1"
 ALIGN = 64

@@ -278,10 +278,7 @@ async def pull(request: Request) -> Response:
     msg, _ = await _message(request)
     names = _name_list(msg, "names", "pull")
     versions = _versions(msg, "pull")
-    layout = msg.get("layout")
-    if layout is not None and layout not in ("map", "table"):
-        raise _bad_field("pull", "layout", "'map' or 'table' (or absent)", layout)
-    if layout == "table" and _accepts_frame(request):
+    if _layout(msg, "pull") == "table" and _accepts_frame(request):
         rows = _store(request).pull_rows(names, versions)
         table = {"names": rows.names, "versions": rows.versions}
         return EncodedResponse(wire.encode_table({"table": table}, table, rows.values,
@@ -302,14 +299,47 @@ def _writer(msg: Mapping[str, Any], verb: str, required: bool) -> tuple[Any, Any
     return worker_id, seq
 
 
+def _layout(msg: Mapping[str, Any], verb: str) -> str:
+    layout = msg.get("layout")
+    if layout is None:
+        return "map"
+    if layout not in ("map", "table"):
+        raise _bad_field(verb, "layout", "'map' or 'table' (or absent)", layout)
+    return layout
+
+
+def _table_map(request: Request, msg: Mapping[str, Any], key: str, verb: str,
+               body: wire.Buffer) -> dict[str, np.ndarray]:
+    """A verb's tensor field sent as a tensor table: ``{name: tensor}``, every row a tensor."""
+    value = _required(msg, key, verb)
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != wire.FRAME:
+        raise ShardError("bad_request", f"{verb}: a tensor table ('layout': 'table') needs a "
+                         f"framed body ({wire.FRAME})", {"field": key})
+    names, arrays = wire.table_rows(value, body, key)
+    out = dict(zip(names, arrays))
+    if len(out) != len(names):
+        raise _bad_field(verb, f"{key}.names", "a list of distinct names", names)
+    missing = [n for n, a in out.items() if a is None]
+    if missing:
+        raise ShardError("bad_request", f"{verb}: {key} row {missing[0]!r} has no tensor "
+                         "(nil dtype): every row of this table needs one",
+                         {"field": key, "variable": missing[0]})
+    return out
+
+
 @router.post("/push", openapi_extra=_BODY_DOC)
 async def push(request: Request) -> Response:
     """Apply gradients once per (worker_id, seq): `{"worker_id", "seq", "grads": {name:
-    tensor}, "versions"?}` -> `{"variables": {name: {"status", "version", "staleness"}}}`."""
+    tensor}, "versions"?}` -> `{"variables": {name: {"status", "version", "staleness"}}}`.
+    With `"layout": "table"` (framed bodies), `grads` is one tensor table."""
     msg, body = await _message(request)
     worker_id, seq = _writer(msg, "push", required=True)
     versions = _versions(msg, "push")
-    grads = _tensor_map(msg, "grads", "push", body)
+    if _layout(msg, "push") == "table":
+        grads = _table_map(request, msg, "grads", "push", body)
+    else:
+        grads = _tensor_map(msg, "grads", "push", body)
     result = await _store(request).push_async(worker_id, seq, grads, versions)
     return _reply(request, {"variables": result})
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 
 import httpx2
 import numpy as np
@@ -169,40 +170,54 @@ def test_second_pull_of_unchanged_variables_transfers_no_values(fleet2):
         assert third[names[1]] is first[names[1]]
 
 
-class MapLayoutOnly(httpx2.BaseTransport):
-    """Real HTTP to real shards, with ``"layout"`` taken out of every pull: the shards then
-    answer as a shard that predates the table layout does (one map per variable)."""
+class AsIfOlder(httpx2.BaseTransport):
+    """Real HTTP to real shards, recording the layout of every push and pull reply. With
+    ``older=True`` the shards act as shards that predate tensor tables: ``features`` is taken
+    out of ``/v1/cluster`` and ``"layout"`` out of every pull (so they answer in the map
+    layout, one map per variable)."""
 
-    def __init__(self) -> None:
+    def __init__(self, older: bool) -> None:
         self.inner = httpx2.HTTPTransport()
-        self.replies: list[dict] = []
+        self.older = older
+        self.pushes: list[str] = []
+        self.pulls: list[set] = []
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
-        if request.url.path == "/v1/pull":
+        path = request.url.path
+        if path in ("/v1/pull", "/v1/push"):
             msg = wire.unpack(bytearray(request.read()), request.headers["content-type"])
-            assert msg.pop("layout") == "table"  # what the SDK asks for
-            body = wire.encode(msg, tensors=False).join()
-            headers = {k: v for k, v in request.headers.items() if k != "content-length"}
-            request = httpx2.Request("POST", request.url, headers=headers, content=body)
+            if path == "/v1/push":
+                self.pushes.append(msg.get("layout", "map"))
+            elif self.older:
+                assert msg.pop("layout") == "table"  # what the SDK asks for
+                headers = {k: v for k, v in request.headers.items() if k != "content-length"}
+                request = httpx2.Request("POST", request.url, headers=headers,
+                                         content=wire.encode(msg, tensors=False).join())
         response = self.inner.handle_request(request)
-        if request.url.path == "/v1/pull":
+        if path == "/v1/pull":
             response.read()
-            self.replies.append(wire.unpack(bytearray(response.content),
-                                            response.headers["content-type"]))
+            self.pulls.append(set(wire.unpack(bytearray(response.content),
+                                              response.headers["content-type"])))
+        elif path == "/v1/cluster" and self.older:
+            info = json.loads(response.read())
+            info.pop("features")
+            response = httpx2.Response(response.status_code, headers=response.headers,
+                                       content=json.dumps(info).encode())
         return response
 
     def close(self) -> None:
         self.inner.close()
 
 
-@pytest.mark.parametrize("layout", ["table", "map"])
-def test_pull_decodes_either_layout_and_caches_the_same(fleet2, layout):
-    """The SDK asks for the table layout; a shard that answers in the map layout (one that
-    predates it) is understood the same way, version cache included."""
-    names = two_shard_names(f"layout-{layout}", 4)
+@pytest.mark.parametrize("older", [False, True], ids=["tables", "older-shards"])
+def test_pull_and_push_use_tables_where_the_shard_has_them(fleet2, older):
+    """The SDK asks for tables: shards that list the feature get gradient tables and answer
+    pulls in tables; shards that predate them get and give one map per tensor, with the same
+    results (version cache included)."""
+    names = two_shard_names(f"layout-{older}", 4)
     values = {n: np.full((3, 50), i, np.float32) for i, n in enumerate(names)}
     values[names[0]] = np.random.default_rng(9).random(40_000)  # framed in either layout
-    transport = MapLayoutOnly() if layout == "map" else None
+    transport = AsIfOlder(older)
     with PSClient(fleet2.urls, transport=transport) as ps:
         ps.init(values, optimizer=SGD(lr=1.0))
         first = ps.pull(names)
@@ -212,13 +227,15 @@ def test_pull_decodes_either_layout_and_caches_the_same(fleet2, layout):
             assert not first[n].flags.writeable
         second = ps.pull(names)
         assert all(second[n] is first[n] for n in names)  # unchanged: from the cache
-        ps.push({names[1]: np.ones((3, 50), np.float32)})
+        ps.push({names[1]: np.ones((3, 50), np.float32), names[0]: np.ones(40_000)})
         third = ps.pull(list(reversed(names)))
         assert list(third) == list(reversed(names))
         np.testing.assert_array_equal(third[names[1]], values[names[1]] - 1)
-        assert all(third[n] is first[n] for n in names if n != names[1])
-    if transport is not None:
-        assert transport.replies and all(set(r) == {"variables"} for r in transport.replies)
+        np.testing.assert_array_equal(third[names[0]], values[names[0]] - 1)
+        assert all(third[n] is first[n] for n in names[2:])
+    assert transport.pushes and set(transport.pushes) == {"map" if older else "table"}
+    assert transport.pulls and all(r == ({"variables"} if older else {"table"})
+                                   for r in transport.pulls)
 
 
 def test_pulled_arrays_are_read_only(fleet2):

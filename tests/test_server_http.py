@@ -245,6 +245,50 @@ def test_pull_in_the_table_layout(fleet2, http):
                         accept_frame=True), 400, "bad_request")
 
 
+def post_table(http, url: str, verb: str, msg: dict, key: str, names: list[str], arrays: list,
+               *, content_type: str = wire.FRAME) -> Reply:
+    """POST ``msg`` whose field ``key`` is a tensor table of ``arrays`` (``"layout": "table"``)."""
+    table = msg[key] = {"names": names}
+    enc = wire.encode_table({**msg, "layout": "table"}, table, arrays)
+    return decode_reply(http.post(f"{url}/v1/{verb}", content=enc.join(),
+                                  headers={"content-type": content_type}))
+
+
+def test_push_with_a_gradient_table(fleet2, http):
+    """`"layout": "table"`: `grads` is one tensor table; refused whole, changing nothing, when
+    it is not framed, names a variable twice, has a row without a tensor, or a bad row."""
+    url = fleet2.urls[0]
+    a, b = owned(0), owned(0)
+    init(http, url, a, np.zeros((2, 3), np.float32), {"type": "add"})
+    init(http, url, b, np.zeros(4, np.float64), {"type": "add"})
+    wid = worker()
+    ga, gb = np.ones((2, 3), np.float32), np.arange(4.0)
+    rep = post_table(http, url, "push", {"worker_id": wid, "seq": 1, "versions": {a: 0}},
+                     "grads", [a, b], [ga, gb])
+    assert rep.status == 200, rep.msg
+    assert rep.msg["variables"] == {a: {"status": "applied", "version": 1, "staleness": 0},
+                                    b: {"status": "applied", "version": 1, "staleness": None}}
+    bad = [
+        ({"names": [a, a]}, [ga, ga], wire.FRAME, 400, "bad_request"),
+        ({"names": [a, b]}, [ga, None], wire.FRAME, 400, "bad_request"),
+        ({"names": [a, b]}, [ga, gb], wire.MSGPACK, 400, "bad_request"),
+        ({"names": [a, b]}, [ga, np.full(4, np.nan)], wire.FRAME, 422, "bad_tensor"),
+        ({"names": [a, b]}, [ga, np.ones(5)], wire.FRAME, 422, "bad_tensor"),
+        ({"names": [a, owned(0)]}, [ga, gb], wire.FRAME, 404, "not_found"),
+    ]
+    for seq, (table, arrays, ctype, status, code) in enumerate(bad, start=2):
+        rep = post_table(http, url, "push", {"worker_id": wid, "seq": seq}, "grads",
+                         table["names"], arrays, content_type=ctype)
+        assert_refused(rep, status, code)
+    rep = post(http, url, "pull", {"names": [a, b]})
+    assert {n: v["version"] for n, v in rep.msg["variables"].items()} == {a: 1, b: 1}
+    np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][a]["value"]), ga)
+    np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][b]["value"]), gb)
+    assert_refused(post(http, url, "push", {"worker_id": wid, "seq": 99, "layout": "rows",
+                                            "grads": {a: ga}}), 400, "bad_request")
+    assert http.get(f"{url}/v1/cluster").json()["features"] == [wire.FEATURE_TABLES]
+
+
 def test_init_is_idempotent_and_conflicts_create_nothing(fleet2, http):
     url = fleet2.urls[0]
     name, fresh = owned(0), owned(0)
