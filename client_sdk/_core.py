@@ -1056,6 +1056,9 @@ def as_array(name: str, value: Any, *, copy: bool = False) -> np.ndarray:
     Raises :class:`BadTensorError` (saying which variable and what to send instead) for object,
     complex, bool, string and other dtypes the protocol has no name for.
     """
+    if not copy and type(value) is np.ndarray and value.dtype in _SENDABLE_DTYPES \
+            and value.flags.c_contiguous:
+        return value  # the common case: nothing to check twice, nothing to convert
     try:
         arr = np.array(value, copy=True) if copy else np.asarray(value)
     except (TypeError, ValueError) as exc:
@@ -1072,6 +1075,10 @@ def as_array(name: str, value: Any, *, copy: bool = False) -> np.ndarray:
     if not arr.flags.c_contiguous:
         arr = arr.copy(order="C")
     return arr
+
+
+#: The dtypes :func:`as_array` passes through (every wire dtype, either byte order).
+_SENDABLE_DTYPES = frozenset(np.dtype(o + k) for k in wire.DTYPES for o in "<>")
 
 
 def _optimizers(optimizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, dict | None]:
