@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import httpx2
 
 from ._http11 import HEAD_BUFFER, IDLE_EXPIRY, MAX_IOV, Buffer, Origin, Response, \
-    read_response, request_head
+    advance, read_response, request_head
 
 __all__ = ["AsyncHTTPPool"]
 
@@ -84,7 +84,7 @@ class _AsyncConnection:
         self.sock.close()
 
     def reusable(self, now: float) -> bool:
-        """See ``_pool._Connection.reusable``."""
+        """See ``_pool.Connection.reusable``."""
         if now - self.idle_since > IDLE_EXPIRY:
             return False
         if self.poller is not None:
@@ -111,7 +111,7 @@ class _AsyncConnection:
                 timer.cancel()
 
     async def send(self, head: bytes, body: Sequence[Buffer], timeout: float | None) -> None:
-        """See ``_pool._Connection.send``."""
+        """See ``_pool.Connection.send``."""
         views = [head, *body]
         sock = self.sock
         first = 0
@@ -122,14 +122,7 @@ class _AsyncConnection:
                 except (BlockingIOError, InterruptedError):
                     await self._wait(True, timeout)
                     continue
-                while sent:
-                    n = len(views[first])
-                    if sent >= n:
-                        sent -= n
-                        first += 1
-                    else:
-                        views[first] = memoryview(views[first])[sent:]
-                        sent = 0
+                first = advance(views, first, sent)
         except TimeoutError as exc:
             raise httpx2.WriteTimeout("timed out sending the request") from exc
         except OSError as exc:

@@ -32,8 +32,8 @@ from typing import Union
 import httpx2
 import numpy as np
 
-__all__ = ["HEAD_BUFFER", "IDLE_EXPIRY", "MAX_IOV", "Origin", "Response", "read_response",
-           "request_head"]
+__all__ = ["HEAD_BUFFER", "IDLE_EXPIRY", "MAX_IOV", "Origin", "Response", "advance",
+           "read_response", "request_head"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 #: What :func:`read_response` yields (where to receive) and is sent (how many bytes came).
@@ -93,6 +93,20 @@ def request_head(origin: Origin, method: str, target: str,
         lines += [f"{k}: {v}\r\n" for k, v in headers.items()]
     lines.append("\r\n")
     return "".join(lines).encode("latin-1")
+
+
+def advance(views: list[Buffer], first: int, sent: int) -> int:
+    """After a ``sendmsg(views[first:...])`` that sent ``sent`` bytes: drop what went out
+    (a partly sent buffer is replaced by a view of its rest) and return the new ``first``."""
+    while sent:
+        n = len(views[first])
+        if sent >= n:
+            sent -= n
+            first += 1
+        else:
+            views[first] = memoryview(views[first])[sent:]
+            sent = 0
+    return first
 
 
 def read_response(buf: bytearray) -> Reading:

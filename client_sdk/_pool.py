@@ -23,14 +23,19 @@ from collections.abc import Mapping, Sequence
 
 import httpx2
 
-from ._http11 import HEAD_BUFFER, IDLE_EXPIRY, MAX_IOV, Buffer, Origin, Response, \
+from ._http11 import HEAD_BUFFER, IDLE_EXPIRY, MAX_IOV, Buffer, Origin, Response, advance, \
     read_response, request_head
 
-__all__ = ["HTTPPool"]
+__all__ = ["Connection", "HTTPPool"]
 
 
-class _Connection:
-    """One keep-alive TCP connection. Used by one thread at a time."""
+class Connection:
+    """One keep-alive TCP connection. Used by one thread at a time.
+
+    Blocking with a timeout for :meth:`send` and :meth:`receive`; :mod:`client_sdk._fanout`
+    makes it non-blocking (:meth:`nonblocking`) to drive it alongside others, and the next
+    blocking use sets the timeout again.
+    """
 
     __slots__ = ("sock", "buf", "timeout", "poller", "idle_since")
 
@@ -68,6 +73,10 @@ class _Connection:
             self.sock.settimeout(timeout)
             self.timeout = timeout
 
+    def nonblocking(self) -> None:
+        """Make the socket non-blocking (calls that would wait raise ``BlockingIOError``)."""
+        self._settimeout(0.0)
+
     def send(self, head: bytes, body: Sequence[Buffer], timeout: float | None) -> None:
         """Send ``head`` and ``body`` (bytes, or flat byte memoryviews as ``wire`` makes
         them: ``len()`` is their size) with as few ``sendmsg`` calls as the socket allows."""
@@ -77,15 +86,7 @@ class _Connection:
         first = 0
         try:
             while first < len(views):
-                sent = sock.sendmsg(views[first:first + MAX_IOV])
-                while sent:
-                    n = len(views[first])
-                    if sent >= n:
-                        sent -= n
-                        first += 1
-                    else:
-                        views[first] = memoryview(views[first])[sent:]
-                        sent = 0
+                first = advance(views, first, sock.sendmsg(views[first:first + MAX_IOV]))
         except socket.timeout as exc:
             raise httpx2.WriteTimeout("timed out sending the request") from exc
         except OSError as exc:
@@ -122,7 +123,7 @@ class HTTPPool:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.write_timeout = write_timeout
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._idle: dict[tuple[str, int], list[Connection]] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -132,7 +133,7 @@ class HTTPPool:
         """Send ``method target`` (see :func:`~client_sdk._http11.request_head`) and the
         ``body`` buffers in order; return the whole response (not for ``HEAD``)."""
         head = request_head(origin, method, target, headers)
-        conn = self._acquire(origin)
+        conn = self.take_idle(origin) or self.connect(origin)
         try:
             conn.send(head, body, self.write_timeout)
             response, reusable = conn.receive(
@@ -140,10 +141,13 @@ class HTTPPool:
         except BaseException:
             conn.close()
             raise
-        self._release(origin, conn, reusable)
+        self.release(origin, conn, reusable)
         return response
 
-    def _acquire(self, origin: Origin) -> _Connection:
+    def take_idle(self, origin: Origin) -> Connection | None:
+        """An idle connection to ``origin`` fit for reuse, now held by the caller, or ``None``
+        (then :meth:`connect`). Closes the stale ones it passes over; raises
+        :class:`httpx2.ConnectError` once the pool is closed."""
         stale = []
         with self._lock:
             if self._closed:
@@ -159,9 +163,16 @@ class HTTPPool:
                 stale.append(candidate)
         for old in stale:
             old.close()
-        return conn if conn is not None else _Connection(origin, self.connect_timeout)
+        return conn
 
-    def _release(self, origin: Origin, conn: _Connection, reusable: bool) -> None:
+    def connect(self, origin: Origin) -> Connection:
+        """A new connection to ``origin``, held by the caller (blocks up to the connect
+        timeout; raises :class:`httpx2.ConnectError` or :class:`httpx2.ConnectTimeout`)."""
+        return Connection(origin, self.connect_timeout)
+
+    def release(self, origin: Origin, conn: Connection, reusable: bool) -> None:
+        """Hand back a connection whose exchange ended: kept idle if ``reusable`` and there is
+        room, closed otherwise (a connection whose exchange failed is closed, not released)."""
         if reusable:
             conn.idle_since = time.monotonic()
             with self._lock:

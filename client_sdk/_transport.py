@@ -7,7 +7,9 @@ Both shells send a :class:`~client_sdk._core.ShardRequest` through :func:`send` 
   ``http://`` URL and no transport is injected: the SDK's own keep-alive HTTP/1.1 pools
   (``_http11.py``, ``_pool.py``, ``_apool.py``), which write the body's own buffers with
   ``sendmsg`` and read a reply body straight into one buffer. They cost a fraction of httpx2's
-  per-request Python and copy a big reply once, from the socket into its final buffer.
+  per-request Python and copy a big reply once, from the socket into its final buffer. A
+  ``PSClient`` call to several shards sends their requests from the caller's thread, all at
+  once (``_fanout.py``), rather than one thread per shard.
 * :class:`HTTPXSender` / :class:`AsyncHTTPXSender`: an ``httpx2.Client`` / ``AsyncClient``, for
   ``https://`` shards and for a ``transport`` the caller injects (``httpx2.MockTransport`` in
   tests). Request bodies are handed to httpx2 as the encoder left them (the msgpack header and
@@ -16,8 +18,8 @@ Both shells send a :class:`~client_sdk._core.ShardRequest` through :func:`send` 
   sized by ``Content-Length`` (a ``bytearray`` would be zero-filled first, which for 100 MB
   costs as much as copying the body in).
 
-:func:`send` and :func:`asend` return a :class:`~client_sdk._core.Reply` or the ``PSError``
-that prevented one, and never raise transport errors: both senders fail with httpx2's exception
+:func:`send`, :func:`send_all` and :func:`asend` return a :class:`~client_sdk._core.Reply` or
+the ``PSError`` that prevented one, and never raise transport errors: both senders fail with httpx2's exception
 classes, and every one is translated here, where it enters (``raise ... from exc``), to the most
 specific class of the SDK's tree. Which of them mean "the request never left" (so that even a
 mutating request may be retried) is decided in one place, :data:`_UNSENT`.
@@ -26,9 +28,10 @@ mutating request may be retried) is decided in one place, :data:`_UNSENT`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Union
 
 import httpx2
@@ -36,6 +39,7 @@ import numpy as np
 
 from . import _http11
 from ._apool import AsyncHTTPPool
+from ._fanout import Exchange, exchange_all
 from ._core import Core, Reply, Settings, ShardRequest
 from ._exceptions import ConfigError, ProtocolError, PSError, ShardUnavailableError
 from ._pool import HTTPPool
@@ -50,6 +54,7 @@ __all__ = [
     "async_sender",
     "limits",
     "send",
+    "send_all",
     "sync_sender",
     "timeout",
 ]
@@ -61,6 +66,10 @@ SLICE = 1 << 20
 CONNECT_TIMEOUT = 5.0
 
 Result = Union[Reply, PSError]
+#: What settles a request (anything else :func:`_judge` returns is a delay before a retry).
+_SETTLED = (Reply, PSError)
+#: Runs a blocking call on another thread (an executor's ``submit``).
+Submit = Callable[..., concurrent.futures.Future]
 
 #: Transport errors after which the request certainly did not reach the shard.
 _UNSENT = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout)
@@ -149,6 +158,27 @@ class NativeSender:
         r = self.pool.request(self.origins[req.shard], req.method, req.path, headers, chunks,
                               read_timeout=req.read_timeout)
         return _native_reply(core, req, r)
+
+    def once_all(self, core: Core, reqs: Sequence[ShardRequest], submit: Submit
+                 ) -> list[Union[Reply, Exception]]:
+        """One exchange per request, all at once from this thread (``_fanout.py``; ``submit``
+        opens new connections); each a :class:`Reply` or the exception :meth:`once` would have
+        raised instead."""
+        exchanges = []
+        for req in reqs:
+            headers, chunks = _native_request(req)
+            exchanges.append(Exchange(self.origins[req.shard], req.method, req.path, headers,
+                                      chunks, read_timeout=req.read_timeout))
+        replies: list[Union[Reply, Exception]] = []
+        for req, outcome in zip(reqs, exchange_all(self.pool, exchanges, submit)):
+            if isinstance(outcome, _http11.Response):
+                try:
+                    replies.append(_native_reply(core, req, outcome))
+                except PSError as exc:
+                    replies.append(exc)
+            else:
+                replies.append(outcome)
+        return replies
 
     def close(self) -> None:
         self.pool.close()
@@ -353,24 +383,70 @@ def _translate(exc: Exception, core: Core, req: ShardRequest, attempts: int,
 
 def send(sender: Sender, core: Core, req: ShardRequest) -> Result:
     """Send one request, retrying as :meth:`Core.retry_delay` allows. Blocks; thread-safe."""
+    return _retry(sender, core, req, time.monotonic(), 0, None)
+
+
+def send_all(sender: Sender, core: Core, reqs: Sequence[ShardRequest], submit: Submit
+             ) -> list[Result]:
+    """:func:`send` each request, all at once; the results in order. Blocks; thread-safe.
+
+    With a :class:`NativeSender`, the first attempts go out together from this thread and only
+    requests to retry take a thread of ``submit`` each (as do new connections); otherwise
+    every request but the first runs on a thread of ``submit``.
+    """
+    if len(reqs) == 1:
+        return [send(sender, core, reqs[0])]
+    if not isinstance(sender, NativeSender):
+        futures = [submit(send, sender, core, r) for r in reqs[1:]]
+        first = send(sender, core, reqs[0])
+        return [first] + [f.result() for f in futures]
     started = time.monotonic()
-    attempt = 0
+    results: list[Union[Result, float]] = [
+        _judge(core, req, 1, started, outcome)
+        for req, outcome in zip(reqs, sender.once_all(core, reqs, submit))]
+    again = [i for i, r in enumerate(results) if not isinstance(r, _SETTLED)]
+    futures = {i: submit(_retry, sender, core, reqs[i], started, 1, results[i])
+               for i in again[1:]}
+    if again:
+        i = again[0]
+        results[i] = _retry(sender, core, reqs[i], started, 1, results[i])  # type: ignore[arg-type]
+    for i, future in futures.items():
+        results[i] = future.result()
+    return results  # type: ignore[return-value]
+
+
+def _retry(sender: Sender, core: Core, req: ShardRequest, started: float, attempt: int,
+           delay: float | None) -> Result:
+    """Attempts after the ``attempt``-th (made at ``started``), the first after ``delay``
+    seconds, until one settles the request."""
     while True:
+        if delay is not None:
+            time.sleep(delay)
         attempt += 1
         try:
-            reply = sender.once(core, req)
-        except _TRANSPORT_ERRORS as exc:
-            delay = core.retry_delay(req, attempt - 1, unsent=isinstance(exc, _UNSENT))
-            if delay is None:
-                return _chain(_translate(exc, core, req, attempt, started), exc)
-        except PSError as exc:
-            return exc
-        else:
-            delay = core.retry_delay(req, attempt - 1, status=reply.status,
-                                     retry_after=reply.headers.get("retry-after"))
-            if delay is None:
-                return reply
-        time.sleep(delay)
+            outcome: Union[Reply, Exception] = sender.once(core, req)
+        except (*_TRANSPORT_ERRORS, PSError) as exc:
+            outcome = exc
+        verdict = _judge(core, req, attempt, started, outcome)
+        if isinstance(verdict, _SETTLED):
+            return verdict
+        delay = verdict
+
+
+def _judge(core: Core, req: ShardRequest, attempt: int, started: float,
+           outcome: Union[Reply, Exception]) -> Union[Result, float]:
+    """What the ``attempt``-th try's outcome (a reply, or the exception that ended it) means:
+    the request's result, or the seconds to wait before trying again."""
+    if isinstance(outcome, PSError):
+        return outcome
+    if isinstance(outcome, Reply):
+        delay = core.retry_delay(req, attempt - 1, status=outcome.status,
+                                 retry_after=outcome.headers.get("retry-after"))
+        return outcome if delay is None else delay
+    delay = core.retry_delay(req, attempt - 1, unsent=isinstance(outcome, _UNSENT))
+    if delay is None:
+        return _chain(_translate(outcome, core, req, attempt, started), outcome)
+    return delay
 
 
 async def asend(sender: AsyncSender, core: Core, req: ShardRequest) -> Result:
@@ -380,19 +456,13 @@ async def asend(sender: AsyncSender, core: Core, req: ShardRequest) -> Result:
     while True:
         attempt += 1
         try:
-            reply = await sender.once(core, req)
-        except _TRANSPORT_ERRORS as exc:
-            delay = core.retry_delay(req, attempt - 1, unsent=isinstance(exc, _UNSENT))
-            if delay is None:
-                return _chain(_translate(exc, core, req, attempt, started), exc)
-        except PSError as exc:
-            return exc
-        else:
-            delay = core.retry_delay(req, attempt - 1, status=reply.status,
-                                     retry_after=reply.headers.get("retry-after"))
-            if delay is None:
-                return reply
-        await asyncio.sleep(delay)
+            outcome: Union[Reply, Exception] = await sender.once(core, req)
+        except (*_TRANSPORT_ERRORS, PSError) as exc:
+            outcome = exc
+        verdict = _judge(core, req, attempt, started, outcome)
+        if isinstance(verdict, _SETTLED):
+            return verdict
+        await asyncio.sleep(verdict)
 
 
 def _chain(err: PSError, cause: BaseException) -> PSError:

@@ -84,8 +84,10 @@ class PSClient:
         self._core = Core(settings)
         n = len(settings.shards)
         self._sender = _transport.sync_sender(settings, transport)
-        # Threads for the other shards of a batch (the caller's thread sends one request
-        # itself); enough for a call from the caller, every background push and a long poll.
+        # Threads for the other shards of a batch: over httpx2, all requests but the caller's
+        # own; over the native pools, only new connections and retries (the caller's thread
+        # drives the rest). Enough for a call from the caller, every background push and a
+        # long poll.
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, (n - 1) * (max_inflight + 2)),
             thread_name_prefix="paramshard-shard")
@@ -115,10 +117,7 @@ class PSClient:
             return stop.value
 
     def _send_all(self, batch: list[ShardRequest]) -> list[Result]:
-        send = _transport.send
-        futures = [self._pool.submit(send, self._sender, self._core, r) for r in batch[1:]]
-        first = send(self._sender, self._core, batch[0])
-        return [first] + [f.result() for f in futures]
+        return _transport.send_all(self._sender, self._core, batch, self._pool.submit)
 
     # -- verbs ------------------------------------------------------------------------------
 
