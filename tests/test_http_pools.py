@@ -1,4 +1,5 @@
-"""The SDK's own HTTP/1.1 pools (``_pool.py``, ``_apool.py``) and how their failures surface.
+"""The SDK's own HTTP/1.1 pools (``_pool.py``, ``_apool.py``, ``_fanout.py``) and how their
+failures surface.
 
 Well-behaved exchanges are covered by every test that talks to a real shard. Here a scripted
 TCP server stands in for a shard that misbehaves on cue (closes idle connections, hangs up
@@ -9,6 +10,7 @@ to do that.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import socket
 import threading
@@ -21,8 +23,10 @@ import pytest
 from client_sdk import AsyncPSClient, PSClient, ShardUnavailableError
 from client_sdk import _pool
 from client_sdk._apool import AsyncHTTPPool
+from client_sdk._fanout import Exchange, exchange_all
 from client_sdk._http11 import Origin
 from client_sdk._pool import HTTPPool
+from client_sdk.placement import shard_for
 
 
 def read_request(conn: socket.socket, buf: bytearray) -> tuple[str, str] | None:
@@ -55,7 +59,9 @@ def response(status: int, body: bytes, ctype: str = "application/json",
             f"{extra}\r\n").encode() + body
 
 
-CLUSTER = json.dumps({"shard_index": 0, "num_shards": 1, "protocol_version": 1}).encode()
+def cluster(index: int, count: int) -> bytes:
+    return json.dumps({"shard_index": index, "num_shards": count,
+                       "protocol_version": 1}).encode()
 
 Handler = Callable[[socket.socket, str, str], bool]
 
@@ -63,10 +69,11 @@ Handler = Callable[[socket.socket, str, str], bool]
 class ScriptedServer:
     """Serves each connection in a thread: for every request, ``handler(conn, method, path)``
     answers (or not) and returns whether to keep the connection open. ``GET /v1/cluster``
-    answers as shard 0 of 1. Counts connections and requests."""
+    answers as shard ``index`` of ``count``. Counts connections and requests."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, index: int = 0, count: int = 1) -> None:
         self.handler = handler
+        self.cluster = cluster(index, count)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.connections = 0
@@ -96,7 +103,7 @@ class ScriptedServer:
                     return
                 self.requests.append(request)
                 if request == ("GET", "/v1/cluster"):
-                    conn.sendall(response(200, CLUSTER))
+                    conn.sendall(response(200, self.cluster))
                     continue
                 if not self.handler(conn, *request):
                     return
@@ -114,8 +121,8 @@ class ScriptedServer:
 def scripted():
     servers: list[ScriptedServer] = []
 
-    def make(handler: Handler) -> ScriptedServer:
-        servers.append(ScriptedServer(handler))
+    def make(handler: Handler, index: int = 0, count: int = 1) -> ScriptedServer:
+        servers.append(ScriptedServer(handler, index, count))
         return servers[-1]
 
     yield make
@@ -305,6 +312,80 @@ def test_async_client_failures_are_translated_alike(scripted):
     asyncio.run(main())
     assert server.requests.count(("POST", "/v1/push")) > 1
     assert server.requests.count(("POST", "/v1/pull")) > 1
+
+
+# -- several exchanges from one thread (_fanout.py) --------------------------------------------
+
+
+def submit(fn, *args):
+    future = concurrent.futures.Future()
+    future.set_result(fn(*args))  # new connections open on the calling thread: fine here
+    return future
+
+
+def test_exchanges_run_at_once_from_one_thread_and_reuse_their_connections(scripted):
+    gate = threading.Barrier(2)
+    payload = np.arange(2_000_000, dtype=np.uint8).tobytes()
+
+    def together(conn: socket.socket, method: str, path: str) -> bool:
+        gate.wait(5)  # both requests are in flight at once, or neither is answered
+        conn.sendall(response(200, payload, "application/octet-stream"))
+        return True
+
+    servers = [scripted(together), scripted(together)]
+    p = pool()
+    origins = [Origin(s.url) for s in servers]
+    body = [b"x" * 100, memoryview(np.ones(6_000_000, np.uint8))]  # more than a socket takes
+    for _ in range(2):
+        out = exchange_all(p, [Exchange(o, "POST", "/x", {"content-length": "6000100"}, body)
+                               for o in origins], submit)
+        assert [r.status for r in out] == [200, 200]
+        assert all(bytes(r.content) == payload for r in out)
+    assert [s.connections for s in servers] == [1, 1]
+    assert [p.idle_count(o) for o in origins] == [1, 1]
+    assert [s.requests for s in servers] == [[("POST", "/x")] * 2] * 2
+
+
+def test_one_exchange_failing_ends_it_alone(scripted):
+    release = threading.Event()
+
+    def silent(conn: socket.socket, method: str, path: str) -> bool:
+        release.wait(10)
+        return False
+
+    hung_up, mute, fine = scripted(hang_up), scripted(silent), scripted(ok)
+    listener = socket.create_server(("127.0.0.1", 0))
+    refused = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+    reader = socket.create_server(("127.0.0.1", 0))  # accepts, never reads
+    stuck = f"http://127.0.0.1:{reader.getsockname()[1]}"
+    p = pool(read_timeout=5.0, write_timeout=0.3)
+    big = [memoryview(np.ones(64_000_000, np.uint8))]
+    try:
+        out = exchange_all(p, [
+            Exchange(Origin(hung_up.url), "GET", "/x", None),
+            Exchange(Origin(mute.url), "GET", "/x", None, read_timeout=0.3),
+            Exchange(Origin(refused), "GET", "/x", None),
+            Exchange(Origin(stuck), "POST", "/x", {"content-length": "64000000"}, big),
+            Exchange(Origin(fine.url), "GET", "/x", None),
+        ], submit)
+    finally:
+        release.set()
+        reader.close()
+    assert [type(r) for r in out[:4]] == [httpx2.RemoteProtocolError, httpx2.ReadTimeout,
+                                          httpx2.ConnectError, httpx2.WriteTimeout]
+    assert out[4].status == 200
+    assert [p.idle_count(Origin(u)) for u in (hung_up.url, mute.url, fine.url)] == [0, 0, 1]
+
+
+def test_requests_to_several_shards_are_each_retried(scripted):
+    servers = [scripted(hang_up, 0, 2), scripted(hang_up, 1, 2)]
+    names = {shard_for(f"w{k}", 2): f"w{k}" for k in range(20)}
+    grads = {names[i]: np.ones(3, np.float32) for i in (0, 1)}
+    with PSClient([s.url for s in servers], retry_deadline=0.5) as ps:
+        with pytest.raises(ShardUnavailableError, match="applied at most once"):
+            ps.push(grads)
+    assert all(s.requests.count(("POST", "/v1/push")) > 1 for s in servers)
 
 
 # -- the asyncio pool ---------------------------------------------------------------------------
