@@ -22,7 +22,7 @@ from client_sdk import BadTensorError, PSClient, wire
 from client_sdk.optimizers import SGD, Adagrad, Add
 from server.fastpath import direct_routes
 from server.routes_data import coalesce
-from server.store import OFFLOAD_BYTES
+from server.store import OFFLOAD_BYTES, ParameterStore
 
 BIG = OFFLOAD_BYTES // 4 + 1000  # float32 elements: just above the off-loop threshold
 
@@ -124,6 +124,35 @@ def test_a_refused_big_push_changes_nothing(fleet_factory):
         versions = {s["name"]: s["version"] for s in ps.variables()}
     assert versions == {"w": 0, "v": 0}
     assert got["w"].min() == got["w"].max() == 1 and got["v"].min() == got["v"].max() == 1
+
+
+def test_an_update_writes_in_place_only_once_no_reader_holds_the_value():
+    """The store, in this process: while a pulled view, a memoryview made from it or a
+    snapshot holds the value, an update goes to fresh memory and what they hold never
+    changes; once they are gone, updates write in place."""
+    store = ParameterStore(0, 1)
+    store.init({"w": (np.zeros(1000, np.float32), Add().to_wire())})
+    var = store.get("w")
+    ones = np.ones(1000, np.float32)
+
+    def push_moves_value(seq: int) -> bool:
+        before = var.value.ctypes.data
+        store.push("worker", seq, {"w": ones.copy()})
+        return var.value.ctypes.data != before
+
+    assert not push_moves_value(0)  # never pulled
+    pulled = store.pull(["w"])["w"]["value"]
+    assert push_moves_value(1) and (pulled == 1).all()
+    del pulled
+    assert not push_moves_value(2)  # pulled before, but no reader left
+    sent = memoryview(store.pull(["w"])["w"]["value"]).cast("B")  # as a reply in flight
+    assert push_moves_value(3) and (np.frombuffer(sent, np.float32) == 3).all()
+    del sent
+    snapshot = store.capture()
+    assert push_moves_value(4) and (snapshot.variables["w"][1]["value"] == 4).all()
+    del snapshot
+    assert not push_moves_value(5)
+    assert (var.value == 6).all() and var.version == 6
 
 
 def test_a_body_that_trickles_in_is_read_whole(fleet_factory):
