@@ -19,6 +19,21 @@ included: reading pauses while more than 64 KiB wait for the app):
 The app then copies each piece once, into the buffer it preallocated (``routes_data``): 58 ms
 for the same 100 MB with the first change, less with both.
 
+And the app can do without that copy, and without the pieces: a request whose body bypasses
+the parser carries a :class:`BodyInto` in ``scope["extensions"][BODY_INTO]``. The app hands it
+a buffer of the body's size (:meth:`BodyInto.receive_into`); the pieces not yet received are
+copied into it, and for the rest of the body the connection's transport is switched to an
+``asyncio.BufferedProtocol`` (:class:`_DirectReader`; both uvloop and asyncio's own loops
+support switching with ``transport.set_protocol``) whose ``get_buffer`` is the unfilled rest
+of the app's buffer: the kernel writes the body straight where the app reads it, in reads as
+big as the socket holds, and no ``bytes`` object is made for it. ``receive()`` then yields no
+body bytes, only the final ``more_body: False`` once the buffer is full. The switch back
+happens at the body's last byte, so what follows on the connection is parsed as usual.
+Flow control is unchanged up to the switch (the app asks only once it has admitted the
+request, and its buffer is bounded by the admitted ``Content-Length``); after it the reads
+stop when the buffer is full, and a client that goes away mid-body is reported to the app as
+``http.disconnect``, as before.
+
 It is passed to uvicorn as its ``http`` protocol class (``uvicorn.Config(http=...)``, a
 documented option). It relies on uvicorn's request cycle keeping the pending body in
 ``cycle.body`` and turning it into ``bytes(cycle.body)`` in ``receive()``, and on the parser
@@ -30,12 +45,16 @@ httptools, :func:`protocol_class` picks uvicorn's h11.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
-__all__ = ["BYPASS_BELOW", "BodyPieces", "ShardHttpProtocol", "protocol_class"]
+__all__ = ["BODY_INTO", "BYPASS_BELOW", "BodyInto", "BodyPieces", "ShardHttpProtocol",
+           "protocol_class"]
 
 #: Bodies with at least this many bytes still to come, once the head is parsed, bypass the
 #: parser; smaller ones are not worth it.
 BYPASS_BELOW = 64 * 1024
+#: The key of :class:`BodyInto` in an ASGI scope's ``extensions``.
+BODY_INTO = "paramshard.body_into"
 
 
 class BodyPieces:
@@ -63,6 +82,33 @@ class BodyPieces:
         return b"".join(pieces)
 
 
+class BodyInto:
+    """``scope["extensions"][BODY_INTO]`` of a request with a big body: a way for the app to
+    have the body written into a buffer of its own (see the module). Event-loop thread only."""
+
+    __slots__ = ("_protocol", "_cycle", "size", "received")
+
+    def __init__(self, protocol: ShardHttpProtocol, cycle: Any, size: int) -> None:
+        self._protocol = protocol
+        self._cycle = cycle
+        #: The body's size (its ``Content-Length``).
+        self.size = size
+        #: Body bytes in the app's buffer so far.
+        self.received = 0
+
+    def receive_into(self, buffer: memoryview) -> bool:
+        """Have the body written into ``buffer`` (writable, C-contiguous bytes, exactly
+        :attr:`size` long). Returns False, and changes nothing, when that cannot be done (no
+        more of the body bypasses the parser, or the app received some of it already): read
+        it with ``receive()`` then. After True, ``receive()`` carries no body bytes; once a
+        message says ``more_body: False``, :attr:`received` bytes are in ``buffer`` (all of
+        them: a client that leaves early is reported as ``http.disconnect``). Does not block.
+        """
+        if buffer.nbytes != self.size or buffer.readonly or not buffer.c_contiguous:
+            raise ValueError(f"receive_into needs a writable buffer of {self.size} bytes")
+        return self._protocol._receive_into(self, buffer)
+
+
 try:
     import httptools
     from uvicorn.protocols.http.httptools_impl import HIGH_WATER_LIMIT, HttpToolsProtocol
@@ -87,6 +133,11 @@ if HttpToolsProtocol is not None:
         _announced: int | None = None
         #: Body bytes still to come past the parser (0: the parser is in charge).
         _bypass: int = 0
+        #: While the body is written straight into the app's buffer: that request's
+        #: :class:`BodyInto` and the buffer.
+        _into: BodyInto | None = None
+        _into_buffer: memoryview | None = None
+        _direct: _DirectReader | None = None
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
@@ -100,7 +151,13 @@ if HttpToolsProtocol is not None:
                 if name == b"content-length":
                     length = value
             if length is not None and length.isdigit():
-                self._announced = int(length)
+                self._announced = size = int(length)
+                if size >= BYPASS_BELOW:
+                    scope = self.scope
+                    extensions = scope.get("extensions")
+                    if extensions is None:
+                        extensions = scope["extensions"] = {}  # type: ignore[typeddict-unknown-key]
+                    extensions[BODY_INTO] = BodyInto(self, self.cycle, size)
 
         def on_body(self, body: bytes) -> None:
             if self._announced is not None:
@@ -137,6 +194,44 @@ if HttpToolsProtocol is not None:
                 self._bypass = left
                 self._announced = None
 
+        def _receive_into(self, into: BodyInto, buffer: memoryview) -> bool:
+            """:meth:`BodyInto.receive_into`: move what the app has not received yet into
+            ``buffer`` and switch the transport to :class:`_DirectReader` for the rest."""
+            cycle = into._cycle
+            if (self.cycle is not cycle or not self._bypass or self._into is not None
+                    or cycle.response_complete or cycle.disconnected):
+                return False
+            pending = cycle.body
+            arrived = into.size - self._bypass
+            if len(pending) != arrived:
+                return False  # the app received some of the body already
+            pos = 0
+            for piece in (pending.pieces if type(pending) is BodyPieces else (pending,)):
+                buffer[pos:pos + len(piece)] = piece
+                pos += len(piece)
+            cycle.body = bytearray()
+            into.received = arrived
+            self._into, self._into_buffer = into, buffer
+            if self._direct is None:
+                self._direct = _DirectReader(self)
+            self.transport.set_protocol(self._direct)
+            return True
+
+        def _direct_get_buffer(self) -> memoryview:
+            return self._into_buffer[self._into.received:]  # type: ignore[index, union-attr]
+
+        def _direct_received(self, nbytes: int) -> None:
+            into = self._into
+            into.received += nbytes  # type: ignore[union-attr]
+            self._bypass -= nbytes
+            if self._bypass:
+                return
+            # The body is complete: back to the parser for whatever follows.
+            self._into = self._into_buffer = None
+            self.transport.set_protocol(self)
+            self.parser = _new_parser(self)
+            self.on_message_complete()
+
         def _hand_on(self, piece: bytes) -> None:
             cycle = self.cycle
             pending = cycle.body
@@ -150,6 +245,33 @@ if HttpToolsProtocol is not None:
             if len(pending) > HIGH_WATER_LIMIT:
                 self.flow.pause_reading()
             cycle.message_event.set()
+
+    class _DirectReader(asyncio.BufferedProtocol):
+        """The transport's protocol while a body is written into the app's buffer: reads go
+        to the rest of that buffer; the other callbacks go to the HTTP protocol."""
+
+        __slots__ = ("http",)
+
+        def __init__(self, http: ShardHttpProtocol) -> None:
+            self.http = http
+
+        def get_buffer(self, sizehint: int) -> memoryview:
+            return self.http._direct_get_buffer()
+
+        def buffer_updated(self, nbytes: int) -> None:
+            self.http._direct_received(nbytes)
+
+        def eof_received(self) -> bool | None:
+            return self.http.eof_received()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.http.connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            self.http.pause_writing()
+
+        def resume_writing(self) -> None:
+            self.http.resume_writing()
 
     def _new_parser(protocol: HttpToolsProtocol) -> httptools.HttpRequestParser:
         parser = httptools.HttpRequestParser(protocol)

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from client_sdk import wire
 
 from .errors import ShardError
+from .protocol import BODY_INTO
 from .store import MAX_WAIT_SECONDS, ParameterStore
 
 __all__ = ["COALESCE_BELOW", "EncodedResponse", "coalesce", "read_body", "router"]
@@ -105,10 +106,11 @@ def coalesce(chunks: list[wire.Buffer], below: int = COALESCE_BELOW) -> list[wir
 async def read_body(request: Request, limit: int) -> tuple[wire.Buffer, str]:
     """The request body in one buffer, and its content type.
 
-    A body that arrives in one piece is that piece (``bytes``); a longer one is copied, piece
-    by piece as the server hands them over, into one writable buffer of ``Content-Length``
-    bytes (``np.empty`` memory: a ``bytearray`` would be zero-filled first, which costs as much
-    as the copy). 415 for a content type that is neither msgpack nor frame (before reading); 413
+    A body that arrives in one piece is that piece (``bytes``); a longer one goes into one
+    writable buffer of ``Content-Length`` bytes (``np.empty`` memory: a ``bytearray`` would be
+    zero-filled first, which costs as much as the copy): written there by the socket itself
+    when the server offers it (:class:`server.protocol.BodyInto`), else copied piece by piece
+    as the server hands them over. 415 for a content type that is neither msgpack nor frame (before reading); 413
     for a declared ``Content-Length`` above ``limit`` (before reading) or, without one, as soon
     as the bytes received pass ``limit``; 400 for a body that ends early or runs long.
     """
@@ -142,6 +144,17 @@ async def read_body(request: Request, limit: int) -> tuple[wire.Buffer, str]:
 
 
 async def _read_sized(request: Request, size: int) -> wire.Buffer:
+    into = request.scope.get("extensions", {}).get(BODY_INTO)
+    if into is not None and into.size == size:
+        buf = memoryview(np.empty(size, np.uint8))
+        if into.receive_into(buf):  # the rest of the body is written straight into buf
+            async for chunk in request.stream():
+                if len(chunk):
+                    raise RuntimeError("body bytes came through receive() after receive_into")
+            if into.received != size:
+                raise ShardError("bad_request", f"body ended after {into.received} of {size} "
+                                 "bytes")
+            return buf
     whole: bytes | None = None
     buf: memoryview | None = None
     pos = 0

@@ -8,6 +8,8 @@ concurrent update, and refuse bad input without a trace.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import socket
 import threading
 import time
@@ -16,11 +18,13 @@ import httpx2
 import msgpack
 import numpy as np
 import pytest
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 
 from client_sdk import BadTensorError, PSClient, wire
 from client_sdk.optimizers import SGD, Adagrad, Add
 from server.fastpath import direct_routes
+from server.protocol import BODY_INTO, ShardHttpProtocol
 from server.routes_data import coalesce
 from server.store import OFFLOAD_BYTES, ParameterStore
 
@@ -153,6 +157,32 @@ def test_an_update_writes_in_place_only_once_no_reader_holds_the_value():
     del snapshot
     assert not push_moves_value(5)
     assert (var.value == 6).all() and var.version == 6
+
+
+@pytest.mark.parametrize("opt, in_place", [(Add(), True), (Adagrad(lr=0.5), False)])
+def test_a_big_update_goes_in_place_only_when_cheap_and_no_reader_holds_the_value(opt, in_place):
+    """push_async, in this process: a big Add update (one pass) is made in place while no
+    reader holds the value, in fresh memory while one does (which then never changes); an
+    Adagrad update (many passes) always in fresh memory, off the loop."""
+    store = ParameterStore(0, 1)
+    store.init({"w": (np.zeros(BIG, np.float32), opt.to_wire())})
+    var = store.get("w")
+
+    async def push_moves_value(seq: int) -> bool:
+        before = var.value.ctypes.data
+        await store.push_async("worker", seq, {"w": np.ones(BIG, np.float32)})
+        return var.value.ctypes.data != before
+
+    async def scenario() -> None:
+        store.pull(["w"])  # pulled, and no longer held
+        assert await push_moves_value(0) is not in_place
+        pulled = store.pull(["w"])["w"]["value"]
+        kept = pulled.copy()
+        assert await push_moves_value(1)
+        assert np.array_equal(pulled, kept)
+
+    asyncio.run(scenario())
+    assert var.version == 2
 
 
 def test_a_body_that_trickles_in_is_read_whole(fleet_factory):
@@ -321,3 +351,83 @@ def test_requests_after_a_big_body_on_the_same_connection(fleet_factory):
         assert (s5, s6) == (200, 200)
         msg = wire.unpack(body, wire.MSGPACK)
         assert wire.decode_tensor(msg["variables"]["t"]["value"]).min() == 2
+
+
+class _BodyEcho:
+    """An ASGI app that reads each body the way routes_data does when the server offers
+    ``BODY_INTO`` and answers ``b"direct "`` or ``b"pieces "`` and the body's SHA-256."""
+
+    def __init__(self) -> None:
+        self.disconnects = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        size = int(dict(scope["headers"]).get(b"content-length", b"0"))
+        buf = memoryview(bytearray(size))
+        into = scope.get("extensions", {}).get(BODY_INTO)
+        direct = into is not None and into.receive_into(buf)
+        pos, more = 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.disconnects += 1
+                return
+            body, more = message.get("body", b""), message.get("more_body", False)
+            assert not (direct and body)
+            buf[pos:pos + len(body)] = body
+            pos += len(body)
+        assert not direct or into.received == size
+        reply = (b"direct " if direct else b"pieces ") + hashlib.sha256(buf).hexdigest().encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(reply)).encode())]})
+        await send({"type": "http.response.body", "body": reply})
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_big_body_is_written_straight_into_the_apps_buffer(loop):
+    """server/protocol.py on its own, in a uvicorn server in this process: a big body is
+    received into the app's buffer (BODY_INTO), whole and unchanged, whether it comes in
+    pieces or together with the next request on the connection; a client leaving mid-body is
+    reported to the app and the server serves on."""
+    app = _BodyEcho()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, loop=loop,
+                                           http=ShardHttpProtocol, lifespan="off",
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        rng = np.random.default_rng(2)
+        big = rng.bytes(3 << 20)
+        small = b"tiny"
+
+        def request(body: bytes) -> bytes:
+            return f"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n\r\n".encode() \
+                + body
+
+        def expect(kind: bytes, body: bytes) -> tuple[int, bytes]:
+            return 200, kind + b" " + hashlib.sha256(body).hexdigest().encode()
+
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            data = request(big)
+            sock.sendall(data[:100_000])  # the head and some of the body, then the rest
+            time.sleep(0.05)
+            sock.sendall(data[100_000:] + request(small) + request(big))
+            assert read_responses(sock, 3) == [expect(b"direct", big), expect(b"pieces", small),
+                                               expect(b"direct", big)]
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(request(big)[:2 << 20])  # and goes away
+            time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(request(big))
+            assert read_responses(sock, 1) == [expect(b"direct", big)]
+        deadline = time.monotonic() + 5
+        while not app.disconnects and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert app.disconnects == 1
+    finally:
+        server.should_exit = True
+        thread.join(10)
