@@ -1,9 +1,10 @@
 """How a shard process allocates its big buffers: from the heap, reused, not mapped anew each time.
 
-Every push allocates two buffers the size of its tensors (the request body, the new values) and
-frees two (the previous body, the previous values), and every one of them is big. glibc's
+Every push allocates a buffer the size of its tensors (the request body, which the socket
+writes into) and frees the previous one, and so does every update that cannot go in place (its
+new values, while a reader holds the old ones); every one of them is big. glibc's
 ``malloc`` maps a block above its mmap threshold (at most 32 MiB) fresh from the kernel and
-unmaps it when freed, so each push of a 100 MB tensor makes the kernel zero-fill 200 MB of new
+unmaps it when freed, so each push of a 100 MB tensor would make the kernel zero-fill 100-200 MB of new
 pages and fault them in one by one: measured here, ``np.empty(100 MB)`` plus a copy into it
 took 24 ms, against 14 ms into memory already touched. :func:`keep_big_buffers` raises the
 thresholds so that blocks up to 1 GiB come from the heap, and freed ones stay there for the
@@ -13,7 +14,7 @@ The cost is that the process keeps its peak heap instead of returning it to the 
 for a shard, a process that holds its variables for its whole life and sees the same request
 sizes again and again, is the point. Only the main thread's heap grows this way (glibc's
 per-thread arenas are capped at 64 MiB), so the shard allocates big buffers on its event-loop
-thread (the store does, for updates computed in worker threads).
+thread (the store does, for updates computed in worker threads; so does the body read).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""uvicorn's httptools protocol, with big request bodies handed to the app with two copies less.
+"""uvicorn's httptools protocol, with big request bodies handed to the app with fewer copies, or
+written by the socket straight into the app's own buffer.
 
 uvicorn (``httptools_impl``) feeds every piece of a request that the socket delivers through the
 httptools parser, which hands the body back as a new ``bytes`` (one copy); it appends that to a
@@ -36,10 +37,12 @@ stop when the buffer is full, and a client that goes away mid-body is reported t
 
 It is passed to uvicorn as its ``http`` protocol class (``uvicorn.Config(http=...)``, a
 documented option). It relies on uvicorn's request cycle keeping the pending body in
-``cycle.body`` and turning it into ``bytes(cycle.body)`` in ``receive()``, and on the parser
-callbacks ``on_headers_complete``/``on_body``/``on_message_complete``, as uvicorn has done
-since its first httptools protocol; the shard tests run every request through it. Without
-httptools, :func:`protocol_class` picks uvicorn's h11.
+``cycle.body`` and turning it into ``bytes(cycle.body)`` in ``receive()``, on its
+``response_complete`` and ``disconnected`` flags, and on the parser callbacks
+``on_headers_complete``/``on_body``/``on_message_complete``, as uvicorn has done since its
+first httptools protocol; the shard tests run every request through it, and
+tests/test_datapath.py runs it on its own under uvloop and asyncio's loop. Without httptools,
+:func:`protocol_class` picks uvicorn's h11 (no :class:`BodyInto`: the app reads pieces).
 """
 
 from __future__ import annotations
@@ -265,7 +268,9 @@ if HttpToolsProtocol is not None:
             return self.http.eof_received()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self.http.connection_lost(exc)
+            http = self.http
+            http._into = http._into_buffer = None  # the app sees http.disconnect
+            http.connection_lost(exc)
 
         def pause_writing(self) -> None:
             self.http.pause_writing()
