@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 
 import httpx2
 
-from ._http11 import HEAD_BUFFER, IDLE_EXPIRY, MAX_IOV, Buffer, Origin, Response, \
-    advance, read_response, request_head
+from ._http11 import HEAD_BUFFER, IDLE_EXPIRY, Buffer, Origin, Response, advance, next_send, \
+    read_response, request_head
 
 __all__ = ["AsyncHTTPPool"]
 
@@ -118,7 +118,7 @@ class _AsyncConnection:
         try:
             while first < len(views):
                 try:
-                    sent = sock.sendmsg(views[first:first + MAX_IOV])
+                    sent = sock.sendmsg(next_send(views, first))
                 except (BlockingIOError, InterruptedError):
                     await self._wait(True, timeout)
                     continue

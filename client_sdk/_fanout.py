@@ -33,7 +33,7 @@ from typing import Union
 
 import httpx2
 
-from ._http11 import MAX_IOV, Buffer, Origin, Reading, Response, advance, read_response, \
+from ._http11 import Buffer, Origin, Reading, Response, advance, next_send, read_response, \
     request_head
 from ._pool import Connection, HTTPPool
 
@@ -93,7 +93,7 @@ class _Flight:
         first = self.first
         try:
             while first < len(views):
-                first = advance(views, first, sendmsg(views[first:first + MAX_IOV]))
+                first = advance(views, first, sendmsg(next_send(views, first)))
         except (BlockingIOError, InterruptedError):
             if first != self.first:
                 self.first = first

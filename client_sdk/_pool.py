@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import httpx2
 
-from ._http11 import HEAD_BUFFER, IDLE_EXPIRY, MAX_IOV, Buffer, Origin, Response, advance, \
+from ._http11 import HEAD_BUFFER, IDLE_EXPIRY, Buffer, Origin, Response, advance, next_send, \
     read_response, request_head
 
 __all__ = ["Connection", "HTTPPool"]
@@ -86,7 +86,7 @@ class Connection:
         first = 0
         try:
             while first < len(views):
-                first = advance(views, first, sock.sendmsg(views[first:first + MAX_IOV]))
+                first = advance(views, first, sock.sendmsg(next_send(views, first)))
         except socket.timeout as exc:
             raise httpx2.WriteTimeout("timed out sending the request") from exc
         except OSError as exc:

@@ -291,12 +291,15 @@ async def pull(request: Request) -> Response:
     msg, _ = await _message(request)
     names = _name_list(msg, "names", "pull")
     versions = _versions(msg, "pull")
-    if _layout(msg, "pull") == "table" and _accepts_frame(request):
-        rows = _store(request).pull_rows(names, versions)
+    table = _layout(msg, "pull") == "table" and _accepts_frame(request)
+    store = _store(request)
+    await store.readable(names)
+    if table:
+        rows = store.pull_rows(names, versions)
         table = {"names": rows.names, "versions": rows.versions}
         return EncodedResponse(wire.encode_table({"table": table}, table, rows.values,
                                                  rows.dtypes, rows.shapes))
-    return _reply(request, {"variables": _store(request).pull(names, versions)}, tensors=True)
+    return _reply(request, {"variables": store.pull(names, versions)}, tensors=True)
 
 
 def _writer(msg: Mapping[str, Any], verb: str, required: bool) -> tuple[Any, Any]:

@@ -99,7 +99,9 @@ async def variable(
 ) -> Response | dict[str, Any]:
     """One variable: its summary and statistics; `?values=true` adds the values,
     `?format=npy` returns the value as a `.npy` file (read it with `numpy.load`)."""
-    var: Variable = _store(request).get(name)
+    store = _store(request)
+    var: Variable = store.get(name)
+    await store.readable([name])
     if format == "npy":
         out = io.BytesIO()
         np.lib.format.write_array(out, var.value, allow_pickle=False)

@@ -117,6 +117,9 @@ class Variable:
     #: Set while a push computes this variable's next value off the event loop (resolved when
     #: it is done): other writers wait for it.
     writing: asyncio.Future | None = field(default=None, repr=False)
+    #: True while that push writes the live arrays themselves (in place, off the loop):
+    #: readers wait for ``writing`` too (:meth:`ParameterStore.readable`).
+    in_place: bool = field(default=False, repr=False)
     #: The read-only view :meth:`export` hands out, made once per value.
     _view: np.ndarray | None = field(default=None, repr=False)
     #: ``(dtype type string, shape list)`` as a tensor table row carries them (made once: a
@@ -311,6 +314,9 @@ class ParameterStore:
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self.dedup = DedupTable()
         self._state_version = 0
+        #: How many variables a push is writing in place off the loop right now (see
+        #: :meth:`readable`): 0 nearly always, so readers check one int.
+        self._in_place = 0
         #: Changes of any kind (init included); a snapshot is due when it moved.
         self.mutations = 0
 
@@ -520,21 +526,21 @@ class ParameterStore:
         First waits until no other push computing off the loop writes one of these variables
         (writers of a variable are serialised). Gradients of fewer than :data:`OFFLOAD_BYTES`
         in all are then applied at once, as :meth:`push` does. Bigger ones are checked (finite
-        values, casts) in a worker thread (numpy releases the GIL) while the loop goes on
-        serving other requests. The update itself is made where it costs least without ever
-        writing a live array off the loop:
+        values, casts) and applied in a worker thread (numpy releases the GIL) while the loop
+        goes on serving other requests, each variable where it costs least:
 
         * a variable whose optimizer is one or two passes over the value (``Add``, ``SGD``)
-          and whose value no reader holds (:meth:`Variable.held`, asked again once the check
-          is done) is updated in place, back on the loop: half the memory traffic of writing
-          to fresh memory, and nothing else runs on the loop meanwhile to see it half-done;
-        * any other (a reader holds the value, or ``Adagrad``'s many passes) is computed in
-          the worker thread into fresh buffers for the value and slots, which replace the old
-          ones back on the loop.
+          and whose value no reader holds (:meth:`Variable.held`) is updated in place: half
+          the memory traffic of writing to fresh memory. From the moment that is decided (on
+          the loop) until the thread is done, readers of the variable wait for it
+          (:meth:`readable`), so none sees it half-done and no new one can hold it;
+        * any other (a reader holds the value, or ``Adagrad``'s many passes) is computed into
+          fresh buffers for the value and slots, which replace the old ones back on the loop;
+          its readers meanwhile read the value before the push.
 
-        Either way the versions move, all at once, once every variable of the push is done; a
-        pull, or anything else reading a variable meanwhile, sees the value before the push,
-        never a torn one.
+        Every gradient is checked before any variable is written. The versions move, all at
+        once, back on the loop once every variable of the push is done: a pull sees the value
+        before the push or after it, never a torn one.
         """
         variables = self._existing(self.check_names(grads))
         await self._settled(variables)
@@ -543,31 +549,35 @@ class ParameterStore:
         plans = self._push_plans(variables, grads)
         if self._seen("push", worker_id, seq):
             return self._duplicates(variables)
-        # The new buffers are allocated here, on the loop's thread (see server/memory.py).
-        outputs = [None if _in_place_later(p.var) else
+        # Decided here, on the loop, with no await before the variables are marked: no reader
+        # can take hold of a value that is to be written in place. The new buffers are
+        # allocated here too, on the loop's thread (see server/memory.py).
+        outputs = [None if _in_place_ok(p.var) else
                    (np.empty_like(p.var.value), optim.fresh_state(p.var.state) or None)
                    for p in plans]
-        done = asyncio.get_running_loop().create_future()
-        for var in variables:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        for var, computed in zip(variables, outputs):
             var.writing = done
+            if computed is None:
+                var.in_place = True
+                self._in_place += 1
         try:
-            await asyncio.get_running_loop().run_in_executor(
-                None, _compute_offloop, plans, outputs)
+            await loop.run_in_executor(None, _compute_offloop, plans, outputs)
         finally:
             for var in variables:
                 var.writing = None
+                if var.in_place:
+                    var.in_place = False
+                    self._in_place -= 1
             done.set_result(None)
         held = versions or {}
         out = {}
-        with np.errstate(all="ignore"):
-            for plan, computed in zip(plans, outputs):
-                var = plan.var
-                if computed is None:  # in place if still no reader holds it, else fresh memory
-                    target = var.target()
-                    optim.apply(var.optimizer, var.value, plan.grad, var.own_state(),
-                                out=target, scratch=plan.scratch)
-                    computed = (target, None)
-                out[var.name] = self._applied(var, *computed, worker_id, held)
+        for plan, computed in zip(plans, outputs):
+            var = plan.var
+            if computed is None:
+                computed = (var.value, None)
+            out[var.name] = self._applied(var, *computed, worker_id, held)
         self.dedup.record(worker_id, seq)
         return out
 
@@ -616,6 +626,17 @@ class ParameterStore:
         :meth:`increment`, with no ``await`` in between."""
         known = self._vars
         await self._settled([known[n] for n in names if type(n) is str and n in known])
+
+    async def readable(self, names: Iterable[str]) -> None:
+        """Return once no push is writing the live arrays of a variable in ``names`` in place
+        off the loop (unknown names are ignored). The loop awaits this before reading values
+        (pull, inspection), with no ``await`` between it and the read; it costs one int check
+        while no such write runs."""
+        if not self._in_place:
+            return
+        known = self._vars
+        await self._settled([v for n in names if type(n) is str and (v := known.get(n))
+                             is not None and v.in_place])
 
     async def _settled(self, variables: Iterable[Variable]) -> None:
         """Return once none of ``variables`` is being written off the loop."""
@@ -841,8 +862,8 @@ class _PushPlan:
 _CHEAP_IN_PLACE = (Add, SGD)
 
 
-def _in_place_later(var: Variable) -> bool:
-    """Whether a big push should leave ``var``'s update to the loop, to make in place."""
+def _in_place_ok(var: Variable) -> bool:
+    """Whether a big push may update ``var`` in place (off the loop, readers waiting)."""
     return type(var.optimizer) in _CHEAP_IN_PLACE and not var.held()
 
 
@@ -850,15 +871,18 @@ def _compute_offloop(plans: list[_PushPlan],
                      outputs: list[tuple[np.ndarray, dict[str, np.ndarray] | None] | None]
                      ) -> None:
     """In a worker thread: check every gradient, then compute each new value and optimizer
-    state into its ``outputs`` entry (fresh buffers; ``None``: left to the loop). Reads the
-    variables' live arrays, writes none."""
+    state into its ``outputs`` entry (fresh buffers), or for a ``None`` entry, in place into
+    the live arrays (which the loop keeps every reader away from meanwhile)."""
     for plan in plans:
         plan.prepare()
-    for plan, computed in zip(plans, outputs):
-        if computed is None:
-            continue
-        var, (value, state) = plan.var, computed
-        with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"):
+        for plan, computed in zip(plans, outputs):
+            var = plan.var
+            if computed is None:
+                optim.apply(var.optimizer, var.value, plan.grad, var.state,
+                            scratch=plan.scratch)
+                continue
+            value, state = computed
             optim.apply(var.optimizer, var.value, plan.grad, var.state, out=value,
                         state_out=state, scratch=plan.scratch)
 

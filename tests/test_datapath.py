@@ -1,14 +1,17 @@
 """The shard's data path under the hood: direct routes, body reading, updates off the loop.
 
-Real shard processes throughout (tests/conftest.py). Updates of at least
-``server.store.OFFLOAD_BYTES`` are computed in a worker thread into fresh buffers; these tests
-check that they do the same math as small ones, are never seen half-done, never lose a
-concurrent update, and refuse bad input without a trace.
+Real shard processes (tests/conftest.py), and the store or the protocol in this process where a
+test must hold a thread or a socket at a chosen point. Updates of at least
+``server.store.OFFLOAD_BYTES`` are checked and applied in a worker thread (in place while
+readers wait, or into fresh buffers while a reader holds the value); these tests check that they
+do the same math as small ones, are never seen half-done, never lose a concurrent update, and
+refuse bad input without a trace.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import socket
 import threading
@@ -183,6 +186,48 @@ def test_a_big_update_goes_in_place_only_when_cheap_and_no_reader_holds_the_valu
 
     asyncio.run(scenario())
     assert var.version == 2
+
+
+def test_readers_wait_while_a_big_update_is_written_in_place():
+    """push_async, in this process, with its worker thread held at a gate: while a big Add
+    update is written in place off the loop, readers of that variable wait (readable) and
+    readers of others do not, a second writer waits; once the thread is done, readers get the
+    new value, whole, in the same memory."""
+    store = ParameterStore(0, 1)
+    store.init({"w": (np.zeros(BIG, np.float32), Add().to_wire()),
+                "v": (np.zeros(10, np.float32), Add().to_wire())})
+    var = store.get("w")
+    where = var.value.ctypes.data
+    gate, started = threading.Event(), threading.Event()
+
+    class Gated(concurrent.futures.ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            def held():
+                started.set()
+                assert gate.wait(10)
+                return fn(*args, **kwargs)
+            return super().submit(held)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(Gated(1))
+        first = asyncio.create_task(store.push_async("worker", 0, {"w": np.ones(BIG, np.float32)}))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        assert var.in_place and var.writing is not None
+        await asyncio.wait_for(store.readable(["v", "unknown"]), 1)  # others: no wait
+        reader = asyncio.create_task(store.readable(["v", "w"]))
+        second = asyncio.create_task(store.push_async("worker", 1, {"w": np.ones(BIG, np.float32)}))
+        await asyncio.sleep(0.05)
+        assert not reader.done() and not second.done()
+        gate.set()
+        assert (await first)["w"]["version"] == 1
+        await asyncio.wait_for(reader, 5)
+        assert (await asyncio.wait_for(second, 5))["w"]["version"] == 2
+        assert not var.in_place and var.writing is None and store._in_place == 0
+
+    asyncio.run(scenario())
+    assert var.value.ctypes.data == where and (var.value == 2).all()
 
 
 def test_a_body_that_trickles_in_is_read_whole(fleet_factory):

@@ -19,12 +19,14 @@ from collections.abc import Callable
 import httpx2
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from client_sdk import AsyncPSClient, PSClient, ShardUnavailableError
 from client_sdk import _pool
 from client_sdk._apool import AsyncHTTPPool
 from client_sdk._fanout import Exchange, exchange_all
-from client_sdk._http11 import Origin
+from client_sdk._http11 import MAX_IOV, SEND_SLICE, Origin, advance, next_send
 from client_sdk._pool import HTTPPool
 from client_sdk.placement import shard_for
 
@@ -432,3 +434,24 @@ def test_async_pool_connect_errors(scripted):
             await p.request(Origin(f"http://127.0.0.1:{port}"), "GET", "/x", None)
 
     asyncio.run(main())
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.lists(st.integers(0, 3 * SEND_SLICE), min_size=1, max_size=6), st.randoms())
+def test_bodies_go_out_whole_and_in_order_a_slice_per_sendmsg(sizes, rnd):
+    """next_send/advance, against a socket that takes any number of the bytes offered: every
+    byte goes out once, in order, and no call is offered more than SEND_SLICE bytes (or more
+    than MAX_IOV buffers)."""
+    pieces = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+    views = [b"HEAD", *(memoryview(p) for p in pieces)]
+    out = bytearray()
+    first = 0
+    while first < len(views):
+        offered = next_send(views, first)
+        size = sum(len(v) for v in offered)
+        assert offered and len(offered) <= MAX_IOV and size <= SEND_SLICE
+        sent = rnd.randint(1, size) if size else 0  # a socket takes any part of it
+        joined = b"".join(bytes(v) for v in offered)
+        out += joined[:sent]
+        first = advance(views, first, sent)
+    assert bytes(out) == b"HEAD" + b"".join(pieces)
