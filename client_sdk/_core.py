@@ -743,25 +743,26 @@ class Core:
             raise ProtocolError(f"shard {url} sent a pull table whose names or versions do not "
                                 "match the request", shard=url)
         again: list[str] = []
-        fresh_names: list[str] = []
-        fresh: list[_Cached] = []
         incarnation = reply.incarnation
-        for name, version, value in zip(names, versions, values):
-            if type(version) is not int:
-                raise ProtocolError(f"shard {url} sent no version for {name!r} in a pull "
-                                    "reply", shard=url)
-            if value is None:
-                cached = held.get(name)
-                if cached is None or cached[1] != version or cached[0] != incarnation:
-                    again.append(name)
-                else:
-                    out[name] = cached[2]
-                continue
-            # Views of a read-only body (see _take_pulled) are read-only already.
-            out[name] = value
-            fresh_names.append(name)
-            fresh.append((incarnation, version, value))
-        self._remember(fresh_names, fresh)
+        with self._lock:  # cache each fresh value, never over a newer one of this incarnation
+            cache = self._cache
+            get = cache.get
+            for name, version, value in zip(names, versions, values):
+                if type(version) is not int:
+                    raise ProtocolError(f"shard {url} sent no version for {name!r} in a pull "
+                                        "reply", shard=url)
+                if value is None:
+                    cached = held.get(name)
+                    if cached is None or cached[1] != version or cached[0] != incarnation:
+                        again.append(name)
+                    else:
+                        out[name] = cached[2]
+                    continue
+                # Views of a read-only body (see _take_pulled) are read-only already.
+                out[name] = value
+                current = get(name)
+                if current is None or current[1] <= version or current[0] != incarnation:
+                    cache[name] = (incarnation, version, value)
         return again
 
     def _remember(self, names: list[str], fresh: list[_Cached]) -> None:

@@ -558,25 +558,31 @@ def _fast_rows(dtypes: list, shapes: list, body: Buffer, at: int, size: int
     or ``ValueError`` for any other."""
     out: list[np.ndarray | None] = []
     append = out.append
-    parsed = _PARSED_NATIVE
-    frombuffer = np.frombuffer
+    # Per dtype, one view of the whole body; each row is a slice of it (a slice costs about
+    # half a frombuffer). Rows start at multiples of ALIGN, so at multiples of any itemsize.
+    wholes: dict[str, tuple[np.ndarray, int]] = {}
     for text, shape in zip(dtypes, shapes):
         if text is None:
             if shape is not None:
                 raise ValueError
             append(None)
             continue
-        dtype = parsed[text]
+        known = wholes.get(text)
+        if known is None:
+            dtype = _PARSED_NATIVE[text]
+            known = wholes[text] = (np.frombuffer(body, dtype, size // dtype.itemsize),
+                                    dtype.itemsize)
+        whole, itemsize = known
         if type(shape) is not list:
             raise TypeError
         (count,) = shape
         if type(count) is not int or count <= 0:
             raise ValueError
         at = (at + ALIGN - 1) // ALIGN * ALIGN
-        end = at + count * dtype.itemsize
+        end = at + count * itemsize
         if end > size:
             raise ValueError
-        append(frombuffer(body, dtype, count, at))
+        append(whole[at // itemsize:end // itemsize])
         at = end
     return out
 
