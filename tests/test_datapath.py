@@ -29,7 +29,7 @@ from client_sdk.optimizers import SGD, Adagrad, Add
 from server.fastpath import direct_routes
 from server.protocol import BODY_INTO, ShardHttpProtocol
 from server.routes_data import coalesce
-from server.store import OFFLOAD_BYTES, ParameterStore
+from server.store import OFFLOAD_BYTES, SMALL_CHECK, ParameterStore, all_finite
 
 BIG = OFFLOAD_BYTES // 4 + 1000  # float32 elements: just above the off-loop threshold
 
@@ -476,3 +476,22 @@ def test_a_big_body_is_written_straight_into_the_apps_buffer(loop):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@pytest.mark.parametrize("dtype", ["<f2", "<f4", ">f4", "<f8"])
+@pytest.mark.parametrize("shape", [(SMALL_CHECK + 7,), (300, 301)])
+def test_the_finiteness_check_is_exact(dtype, shape):
+    """all_finite (the check every gradient and value goes through): exactly
+    np.isfinite(a).all(), also where its fast reduction overflows on finite values."""
+    rng = np.random.default_rng(hash((dtype, shape)) % 2**32)
+    base = rng.standard_normal(shape).astype(dtype)
+    huge = np.finfo(np.dtype(dtype)).max
+    cases = {"normal": base}
+    for label, bad in (("nan", np.nan), ("inf", np.inf), ("-inf", -np.inf), ("huge", huge),
+                       ("-huge", -huge)):
+        a = base.copy()
+        a.reshape(-1)[rng.integers(a.size)] = bad
+        cases[label] = a
+    cases["all huge"] = np.full(shape, huge, dtype)
+    for label, a in cases.items():
+        assert all_finite(a) == bool(np.isfinite(a).all()), label
