@@ -48,6 +48,8 @@ tests/test_datapath.py runs it on its own under uvloop and asyncio's loop. Witho
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["BODY_INTO", "BYPASS_BELOW", "BodyInto", "BodyPieces", "ShardHttpProtocol",
@@ -58,6 +60,8 @@ __all__ = ["BODY_INTO", "BYPASS_BELOW", "BodyInto", "BodyPieces", "ShardHttpProt
 BYPASS_BELOW = 64 * 1024
 #: The key of :class:`BodyInto` in an ASGI scope's ``extensions``.
 BODY_INTO = "paramshard.body_into"
+
+logger = logging.getLogger("paramshard.protocol")
 
 
 class BodyPieces:
@@ -89,7 +93,7 @@ class BodyInto:
     """``scope["extensions"][BODY_INTO]`` of a request with a big body: a way for the app to
     have the body written into a buffer of its own (see the module). Event-loop thread only."""
 
-    __slots__ = ("_protocol", "_cycle", "size", "received")
+    __slots__ = ("_protocol", "_cycle", "size", "received", "watch")
 
     def __init__(self, protocol: ShardHttpProtocol, cycle: Any, size: int) -> None:
         self._protocol = protocol
@@ -98,18 +102,41 @@ class BodyInto:
         self.size = size
         #: Body bytes in the app's buffer so far.
         self.received = 0
+        #: Called with :attr:`received` each time more of the body is in the buffer.
+        self.watch: Callable[[int], None] | None = None
 
-    def receive_into(self, buffer: memoryview) -> bool:
+    def receive_into(self, buffer: memoryview,
+                     watch: Callable[[int], None] | None = None) -> bool:
         """Have the body written into ``buffer`` (writable, C-contiguous bytes, exactly
         :attr:`size` long). Returns False, and changes nothing, when that cannot be done (no
         more of the body bypasses the parser, or the app received some of it already): read
         it with ``receive()`` then. After True, ``receive()`` carries no body bytes; once a
         message says ``more_body: False``, :attr:`received` bytes are in ``buffer`` (all of
         them: a client that leaves early is reported as ``http.disconnect``). Does not block.
+
+        ``watch``, if given, is called on the event loop with the count of bytes in
+        ``buffer`` so far: once at once, then after every piece (e.g. to look at the bytes
+        while they are fresh; :mod:`server.scan`). An exception it raises is logged and it is
+        not called again; the body is read all the same.
         """
         if buffer.nbytes != self.size or buffer.readonly or not buffer.c_contiguous:
             raise ValueError(f"receive_into needs a writable buffer of {self.size} bytes")
-        return self._protocol._receive_into(self, buffer)
+        if not self._protocol._receive_into(self, buffer):
+            return False
+        self.watch = watch
+        self.notify()
+        return True
+
+    def notify(self) -> None:
+        """Call :attr:`watch` with :attr:`received` (dropping a watch that fails)."""
+        watch = self.watch
+        if watch is None:
+            return
+        try:
+            watch(self.received)
+        except Exception:
+            self.watch = None
+            logger.exception("a body watch failed; reading the body without it")
 
 
 try:
@@ -227,9 +254,13 @@ if HttpToolsProtocol is not None:
             into = self._into
             into.received += nbytes  # type: ignore[union-attr]
             self._bypass -= nbytes
+            if into.watch is not None:  # type: ignore[union-attr]
+                into.notify()  # type: ignore[union-attr]
             if self._bypass:
                 return
-            # The body is complete: back to the parser for whatever follows.
+            # The body is complete: back to the parser for whatever follows. (The watch goes:
+            # it may hold the buffer, and the scope holds this BodyInto in a reference cycle.)
+            into.watch = None  # type: ignore[union-attr]
             self._into = self._into_buffer = None
             self.transport.set_protocol(self)
             self.parser = _new_parser(self)
@@ -269,6 +300,8 @@ if HttpToolsProtocol is not None:
 
         def connection_lost(self, exc: Exception | None) -> None:
             http = self.http
+            if http._into is not None:
+                http._into.watch = None
             http._into = http._into_buffer = None  # the app sees http.disconnect
             http.connection_lost(exc)
 

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from client_sdk import wire
 
 from .errors import ShardError
+from .scan import SCAN_FROM, FiniteScan
 from .protocol import BODY_INTO
 from .store import MAX_WAIT_SECONDS, ParameterStore
 
@@ -103,7 +104,8 @@ def coalesce(chunks: list[wire.Buffer], below: int = COALESCE_BELOW) -> list[wir
     return out
 
 
-async def read_body(request: Request, limit: int) -> tuple[wire.Buffer, str]:
+async def read_body(request: Request, limit: int, scan: bool = False
+                    ) -> tuple[wire.Buffer, str]:
     """The request body in one buffer, and its content type.
 
     A body that arrives in one piece is that piece (``bytes``); a longer one goes into one
@@ -131,7 +133,7 @@ async def read_body(request: Request, limit: int) -> tuple[wire.Buffer, str]:
                 raise ShardError("bad_request", f"bad Content-Length {declared!r}")
             if size > limit:
                 raise _too_large(size, limit)
-            return await _read_sized(request, size), kind
+            return await _read_sized(request, size, scan), kind
         grown = bytearray()
         async for chunk in request.stream():
             grown += chunk
@@ -143,11 +145,14 @@ async def read_body(request: Request, limit: int) -> tuple[wire.Buffer, str]:
             from None
 
 
-async def _read_sized(request: Request, size: int) -> wire.Buffer:
+async def _read_sized(request: Request, size: int, scan: bool = False) -> wire.Buffer:
     into = request.scope.get("extensions", {}).get(BODY_INTO)
     if into is not None and into.size == size:
         buf = memoryview(np.empty(size, np.uint8))
-        if into.receive_into(buf):  # the rest of the body is written straight into buf
+        finite = FiniteScan(buf) if scan and size >= SCAN_FROM else None
+        if finite is not None:
+            request.state.finite = finite.finite  # filled in as the body arrives
+        if into.receive_into(buf, finite):  # the rest of the body is written straight into buf
             async for chunk in request.stream():
                 if len(chunk):
                     raise RuntimeError("body bytes came through receive() after receive_into")
@@ -188,8 +193,8 @@ def _too_large(size: int, limit: int, partial: bool = False) -> ShardError:
                       {"limit": limit, **({} if partial else {"size": size})})
 
 
-async def _message(request: Request) -> tuple[dict[str, Any], wire.Buffer]:
-    body, kind = await read_body(request, request.app.state.config.max_request_bytes)
+async def _message(request: Request, scan: bool = False) -> tuple[dict[str, Any], wire.Buffer]:
+    body, kind = await read_body(request, request.app.state.config.max_request_bytes, scan)
     msg = wire.unpack(body, kind)
     if not isinstance(msg, dict):
         raise ShardError("bad_request",
@@ -349,14 +354,16 @@ async def push(request: Request) -> Response:
     """Apply gradients once per (worker_id, seq): `{"worker_id", "seq", "grads": {name:
     tensor}, "versions"?}` -> `{"variables": {name: {"status", "version", "staleness"}}}`.
     With `"layout": "table"` (framed bodies), `grads` is one tensor table."""
-    msg, body = await _message(request)
+    msg, body = await _message(request, scan=True)
     worker_id, seq = _writer(msg, "push", required=True)
     versions = _versions(msg, "push")
     if _layout(msg, "push") == "table":
         grads = _table_map(request, msg, "grads", "push", body)
     else:
         grads = _tensor_map(msg, "grads", "push", body)
-    result = await _store(request).push_async(worker_id, seq, grads, versions)
+    # Gradients a FiniteScan found finite while the body arrived (same header, same bytes).
+    finite = getattr(request.state, "finite", ())
+    result = await _store(request).push_async(worker_id, seq, grads, versions, finite=finite)
     return _reply(request, {"variables": result})
 
 

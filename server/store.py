@@ -43,7 +43,7 @@ import asyncio
 import math
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -500,16 +500,19 @@ class ParameterStore:
         return rows
 
     def push(self, worker_id: str, seq: int, grads: Mapping[str, np.ndarray],
-             versions: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
+             versions: Mapping[str, int] | None = None, *,
+             finite: Collection[str] = ()) -> dict[str, dict[str, Any]]:
         """Apply one gradient per variable with the variable's optimizer, on this thread, once
         per ``(worker_id, seq)``: a seq already applied is answered ``"duplicate"``.
 
         Writable gradient arrays (views of a framed request's own buffer, or cast copies) may be
-        overwritten as scratch space. The event loop calls :meth:`push_async` instead.
+        overwritten as scratch space. ``finite`` names gradients the caller has checked for
+        NaN and infinities already (:mod:`server.scan`); they are not checked again unless
+        they are cast. The event loop calls :meth:`push_async` instead.
         """
         variables = self._existing(self.check_names(grads))
         _not_being_written(variables)
-        plans = self._push_plans(variables, grads)
+        plans = self._push_plans(variables, grads, finite)
         for plan in plans:
             plan.prepare()
         if self._seen("push", worker_id, seq):
@@ -527,7 +530,8 @@ class ParameterStore:
         return out
 
     async def push_async(self, worker_id: str, seq: int, grads: Mapping[str, np.ndarray],
-                         versions: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
+                         versions: Mapping[str, int] | None = None, *,
+                         finite: Collection[str] = ()) -> dict[str, dict[str, Any]]:
         """:meth:`push` for the event loop, with big updates computed off it.
 
         First waits until no other push computing off the loop writes one of these variables
@@ -552,8 +556,8 @@ class ParameterStore:
         variables = self._existing(self.check_names(grads))
         await self._settled(variables)
         if sum(g.nbytes for g in grads.values()) < OFFLOAD_BYTES:
-            return self.push(worker_id, seq, grads, versions)
-        plans = self._push_plans(variables, grads)
+            return self.push(worker_id, seq, grads, versions, finite=finite)
+        plans = self._push_plans(variables, grads, finite)
         if self._seen("push", worker_id, seq):
             return self._duplicates(variables)
         # Decided here, on the loop, with no await before the variables are marked: no reader
@@ -588,8 +592,8 @@ class ParameterStore:
         self.dedup.record(worker_id, seq)
         return out
 
-    def _push_plans(self, variables: list[Variable], grads: Mapping[str, np.ndarray]
-                    ) -> list[_PushPlan]:
+    def _push_plans(self, variables: list[Variable], grads: Mapping[str, np.ndarray],
+                    finite: Collection[str] = ()) -> list[_PushPlan]:
         """Check dtypes and shapes of a whole push (not yet the values: see _PushPlan)."""
         plans = []
         for var in variables:
@@ -605,7 +609,7 @@ class ParameterStore:
                 raise _tensor_error(var.name, f"gradient shape {list(grad.shape)} differs from the "
                                     f"variable's {list(var.value.shape)}",
                                     shape=list(var.value.shape))
-            plans.append(_PushPlan(var, grad))
+            plans.append(_PushPlan(var, grad, var.name in finite))
         return plans
 
     def _applied(self, var: Variable, value: np.ndarray, state: dict[str, np.ndarray] | None,
@@ -846,12 +850,14 @@ class _PushPlan:
     """One variable's part of a push: the gradient as received, and once :meth:`prepare`-d,
     cast to the variable's dtype and checked finite (request-local work, safe off the loop)."""
 
-    __slots__ = ("var", "grad", "scratch")
+    __slots__ = ("var", "grad", "scratch", "checked")
 
-    def __init__(self, var: Variable, grad: np.ndarray) -> None:
+    def __init__(self, var: Variable, grad: np.ndarray, checked: bool = False) -> None:
         self.var = var
         self.grad = grad
         self.scratch = bool(grad.flags.writeable)
+        #: Found finite already, as received (server/scan.py).
+        self.checked = checked
 
     def prepare(self) -> None:
         var, grad = self.var, self.grad
@@ -859,7 +865,8 @@ class _PushPlan:
             with np.errstate(all="ignore"):
                 grad = self.grad = grad.astype(var.value.dtype)
             self.scratch = True
-        if not all_finite(grad):
+            self.checked = False  # a cast can overflow: check what is applied
+        if not self.checked and not all_finite(grad):
             raise _tensor_error(var.name, "gradient has NaN or infinite entries (in "
                                 f"{var.value.dtype.str}): skip or clip this step")
 

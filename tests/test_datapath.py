@@ -25,10 +25,12 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 
 from client_sdk import BadTensorError, PSClient, wire
+from server.errors import ShardError
 from client_sdk.optimizers import SGD, Adagrad, Add
 from server.fastpath import direct_routes
 from server.protocol import BODY_INTO, ShardHttpProtocol
 from server.routes_data import coalesce
+from server.scan import FiniteScan
 from server.store import OFFLOAD_BYTES, SMALL_CHECK, ParameterStore, all_finite
 
 BIG = OFFLOAD_BYTES // 4 + 1000  # float32 elements: just above the off-loop threshold
@@ -404,6 +406,7 @@ class _BodyEcho:
 
     def __init__(self) -> None:
         self.disconnects = 0
+        self.bodies = 0
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -411,7 +414,16 @@ class _BodyEcho:
         size = int(dict(scope["headers"]).get(b"content-length", b"0"))
         buf = memoryview(bytearray(size))
         into = scope.get("extensions", {}).get(BODY_INTO)
-        direct = into is not None and into.receive_into(buf)
+        self.bodies += 1
+        seen: list[int] = []
+        failing = self.bodies == 3  # every third body: a watch that fails on its 2nd call
+
+        def watch(received: int) -> None:
+            seen.append(received)
+            if failing and len(seen) == 2:
+                raise RuntimeError("a watch that fails")
+
+        direct = into is not None and into.receive_into(buf, watch)
         pos, more = 0, True
         while more:
             message = await receive()
@@ -422,7 +434,9 @@ class _BodyEcho:
             assert not (direct and body)
             buf[pos:pos + len(body)] = body
             pos += len(body)
-        assert not direct or into.received == size
+        if direct:  # the watch saw the bytes arrive, then was let go (it may hold buf)
+            assert into.received == size and into.watch is None
+            assert seen == sorted(seen) and seen[-1] == (seen[1] if failing else size)
         reply = (b"direct " if direct else b"pieces ") + hashlib.sha256(buf).hexdigest().encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-length", str(len(reply)).encode())]})
@@ -495,3 +509,64 @@ def test_the_finiteness_check_is_exact(dtype, shape):
     cases["all huge"] = np.full(shape, huge, dtype)
     for label, a in cases.items():
         assert all_finite(a) == bool(np.isfinite(a).all()), label
+
+
+def _scan_in_pieces(body: bytes, seed: int) -> set[str]:
+    """Feed a FiniteScan the body as a socket would: into one buffer, in random pieces."""
+    buf = memoryview(np.empty(len(body), np.uint8))
+    scan = FiniteScan(buf)
+    rng = np.random.default_rng(seed)
+    pos = 0
+    scan(0)
+    while pos < len(body):
+        end = min(len(body), pos + int(rng.integers(1, 600_000)))
+        buf[pos:end] = body[pos:end]
+        pos = end
+        scan(pos)
+    return scan.finite
+
+
+@pytest.mark.parametrize("layout", ["map", "table"])
+def test_the_arrival_scan_names_exactly_the_finite_float_gradients(layout):
+    """FiniteScan, fed a framed push body piece by piece: it names a gradient only when it
+    read every byte of it and found no NaN or infinity; anything it cannot vouch for (f2,
+    overflow of its reduction, non-float) is left to the store's exact check."""
+    n = 300_000
+    grads = {
+        "ok32": np.ones(n, np.float32),
+        "ok64": np.full((300, 500), 0.5),
+        "nan-last": np.ones(n, np.float32),
+        "inf-first": np.ones(n, np.float32),
+        "huge": np.full(n, 3e38, np.float32),  # finite, but its squares overflow
+        "half": np.ones(n, np.float16),
+        "ints": np.ones(n, np.int32),
+        "small": np.ones(10, np.float32),
+    }
+    grads["nan-last"][-1] = np.nan
+    grads["inf-first"][0] = np.inf
+    msg = {"worker_id": "w", "seq": 1}
+    if layout == "table":
+        table = msg["grads"] = {"names": list(grads)}
+        body = wire.encode_table({**msg, "layout": "table"}, table, list(grads.values())).join()
+    else:
+        body = wire.encode({**msg, "grads": grads}, frame=True).join()
+    for seed in range(3):
+        assert _scan_in_pieces(body, seed) == {"ok32", "ok64", "small"}
+    # Not a framed push, or a header that does not parse: nothing named, nothing raised.
+    assert _scan_in_pieces(wire.encode({**msg, "grads": {"a": np.ones(3)}}).join(), 0) == set()
+    broken = bytearray(body)
+    broken[8:12] = b"\xc1\xc1\xc1\xc1"  # msgpack's never-used byte
+    assert _scan_in_pieces(bytes(broken), 0) == set()
+
+
+def test_a_gradient_found_finite_as_received_is_checked_again_once_cast():
+    """The store skips its check for gradients named finite, except when it casts them: a
+    finite f8 gradient can overflow f4."""
+    store = ParameterStore(0, 1)
+    store.init({"w": (np.zeros(4, np.float32), Add().to_wire())})
+    with pytest.raises(ShardError) as err:
+        store.push("worker", 0, {"w": np.full(4, 1e39)}, finite={"w"})
+    assert err.value.code == "bad_tensor"
+    assert store.get("w").version == 0
+    store.push("worker", 1, {"w": np.full(4, 2.0, np.float32)}, finite={"w"})
+    assert (store.get("w").value == 2).all()

@@ -1,0 +1,117 @@
+"""Checking a push's gradients for NaN and infinities while its body is still arriving.
+
+A push is validated whole before any of it is applied, so the finiteness check (one pass over
+every gradient byte) used to run after the last byte arrived, in series with the update: ~10%
+of a 40 MB push here. But the body of a big push is written by the socket straight into one
+buffer (:class:`server.protocol.BodyInto`), piece by piece, and between pieces the shard waits
+for the network. :class:`FiniteScan` uses those waits: it is called with the count of bytes
+received after each piece, reads the frame's header as soon as it is complete, and checks
+each float gradient's bytes as they land, while they are still in the CPU's caches. When the
+body is complete, :attr:`FiniteScan.finite` names the gradients found finite; the store skips
+its own check for those (``ParameterStore.push(..., finite=...)``) and checks the rest as
+before.
+
+It only ever shortens the work: anything it does not understand (not a framed push, a header
+that does not parse, a dtype it does not scan, an overflow it cannot tell from an infinity)
+leaves those gradients out of :attr:`~FiniteScan.finite`, and the store's exact check decides.
+The handler decodes the same header from the same bytes afterwards, so the names refer to
+the same tensors. Event-loop thread only.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+
+from client_sdk import wire
+
+__all__ = ["MIN_SCAN_BYTES", "SCAN_FROM", "FiniteScan"]
+
+#: Push bodies from this size on are scanned as they arrive. Below it the scan's own calls
+#: cost about what they save: measured here, a 4 MB push took 1.92-1.98 ms with it against
+#: 1.83-1.86 without; a 40 MB one 15.4-15.8 against 17.7-18.3, 100 MB 37 against 49.
+SCAN_FROM = 16 << 20
+
+#: A gradient's arrived bytes are checked once at least this many are waiting (or the
+#: gradient is complete): fewer, bigger reductions.
+MIN_SCAN_BYTES = 256 * 1024
+_PREFIX = struct.Struct("<4sI")
+
+
+class _Row:
+    __slots__ = ("name", "flat", "start", "itemsize", "next", "finite")
+
+    def __init__(self, name: str, flat: np.ndarray, start: int) -> None:
+        self.name = name
+        self.flat = flat
+        self.start = start  # byte offset of the tensor in the body
+        self.itemsize = flat.dtype.itemsize
+        self.next = 0  # elements checked so far
+        self.finite = True
+
+
+class FiniteScan:
+    """Call with the body's received byte count after each piece lands in ``buffer`` (the
+    body's whole buffer, ``Content-Length`` bytes). :attr:`finite` holds the names of the
+    gradients (``grads``, map or table layout) checked whole and found finite."""
+
+    def __init__(self, buffer: memoryview) -> None:
+        self._buffer = buffer
+        self._rows: list[_Row] | None = None
+        self._base = np.frombuffer(buffer, np.uint8).__array_interface__["data"][0]
+        #: Gradients checked in full and finite in their own dtype.
+        self.finite: set[str] = set()
+
+    def __call__(self, received: int) -> None:
+        rows = self._rows
+        if rows is None:
+            try:
+                rows = self._rows = self._layout(received)
+            except (wire.WireError, ValueError, TypeError, KeyError, struct.error):
+                rows = self._rows = []  # not a push this understands: the store checks all
+            if rows is None:
+                return
+        for row in rows:
+            size = row.flat.size
+            if row.next == size:
+                continue
+            upto = min(size, max(0, received - row.start) // row.itemsize)
+            if upto < size and (upto - row.next) * row.itemsize < MIN_SCAN_BYTES:
+                continue
+            segment = row.flat[row.next:upto]
+            with np.errstate(all="ignore"):
+                if not math.isfinite(float(np.dot(segment, segment))):
+                    row.finite = False  # non-finite, or an overflow: the store decides
+            row.next = upto
+            if upto == size and row.finite:
+                self.finite.add(row.name)
+
+    def _layout(self, received: int) -> list[_Row] | None:
+        """The float gradients and where they lie, once the header has arrived (else None)."""
+        buffer = self._buffer
+        if received < _PREFIX.size:
+            return None
+        magic, hlen = _PREFIX.unpack_from(buffer, 0)
+        if magic != wire.FRAME_MAGIC:
+            return []
+        if received < _PREFIX.size + hlen:
+            return None
+        msg = wire.unpack(buffer[:_PREFIX.size + hlen], wire.FRAME)
+        grads = msg.get("grads")
+        if msg.get("layout") == "table":
+            names, arrays = wire.table_rows(grads, buffer, "grads")
+            pairs = list(zip(names, arrays))
+        elif isinstance(grads, dict):
+            pairs = list(wire.tensors_of(grads, buffer, "grads").items())
+        else:
+            return []
+        rows = []
+        for name, array in pairs:
+            if array is None or array.dtype.kind != "f" or array.dtype.itemsize < 4 \
+                    or not array.dtype.isnative or not array.size:
+                continue
+            start = array.__array_interface__["data"][0] - self._base
+            rows.append(_Row(name, array.reshape(-1), start))
+        return rows
