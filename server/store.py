@@ -9,12 +9,13 @@ Rules every verb keeps:
 * **Validate the whole request, then apply it.** A verb checks every name (valid, owned, known),
   every tensor (dtype, shape, finite) and every option before it changes anything, so a refused
   request leaves no trace.
-* **No torn reads.** Live arrays (values and optimizer slots) are written only on the
-  event-loop thread, with no ``await`` between validation and the last write, so no other
-  request observes a half-applied update. A big push (:meth:`ParameterStore.push_async`) is
-  checked in a worker thread, and either applied in place back on the loop or computed in the
-  thread into fresh buffers that replace the live ones on the loop, all at once; meanwhile its
-  variables are marked as being written, and other writers of them wait
+* **No torn reads.** Live arrays (values and optimizer slots) are written on the event-loop
+  thread with no ``await`` between validation and the last write, so no other request
+  observes a half-applied update; or, for a big push (:meth:`ParameterStore.push_async`), in
+  a worker thread while every reader of those variables waits for it
+  (:meth:`ParameterStore.readable`). A big push whose value a reader still holds is computed
+  in the thread into fresh buffers instead, which replace the live ones on the loop, all at
+  once. Meanwhile its variables are marked as being written, and other writers of them wait
   (:meth:`ParameterStore.settled`), so no update is lost either. Thread-safety: none — call
   from one thread (the loop's).
 * **Copy on write, only while read.** ``pull`` hands out a read-only view of the live value (it
@@ -61,9 +62,9 @@ __all__ = ["DEFAULT_OPTIMIZER", "MAX_WAIT_SECONDS", "OFFLOAD_BYTES", "Capture", 
 
 DEFAULT_OPTIMIZER: Optimizer = SGD(lr=0.01)
 MAX_WAIT_SECONDS = 30.0
-#: A push whose gradients hold at least this many bytes is checked off the event loop, and
-#: applied there unless it can go in place (:meth:`ParameterStore.push_async`). Smaller ones
-#: are checked and applied on it: measured here, a
+#: A push whose gradients hold at least this many bytes is checked and applied off the event
+#: loop, in a worker thread (:meth:`ParameterStore.push_async`). Smaller ones are checked and
+#: applied on it: measured here, a
 #: 4 MB push took 2.5 ms that way against 2.8 ms handed to a thread, and four workers pushing
 #: 4 MB each moved ~15% more through one shard (the hand-off and the fresh buffers cost more
 #: than the loop gains by not doing ~1 ms of arithmetic).
@@ -871,8 +872,8 @@ class _PushPlan:
                                 f"{var.value.dtype.str}): skip or clip this step")
 
 
-#: Optimizers whose update is at most two passes over the value: cheap enough to make on the
-#: event loop when it can go in place (:meth:`ParameterStore.push_async`).
+#: Optimizers whose update is at most two passes over the value: a big push updates these in
+#: place (readers waiting) when no reader holds the value (:meth:`ParameterStore.push_async`).
 _CHEAP_IN_PLACE = (Add, SGD)
 
 
