@@ -29,10 +29,12 @@ from client_sdk import wire
 
 __all__ = ["MIN_SCAN_BYTES", "SCAN_FROM", "FiniteScan"]
 
-#: Push bodies from this size on are scanned as they arrive. Below it the scan's own calls
-#: cost about what they save: measured here, a 4 MB push took 1.92-1.98 ms with it against
-#: 1.83-1.86 without; a 40 MB one 15.4-15.8 against 17.7-18.3, 100 MB 37 against 49.
-SCAN_FROM = 16 << 20
+#: Push bodies from this size on are scanned as they arrive. At 4 MB the scan is about even:
+#: in a push-only loop 1.92-1.98 ms with it against 1.83-1.86 without, in the bench's
+#: interleaved transfer case 1.86-2.00 against 1.92-2.07 with less shard CPU (0.09-0.13
+#: against 0.14-0.22 CPU-s/GB); at 40 MB 15.4-15.8 ms against 17.7-18.3, at 100 MB 37 against
+#: 49. Below ~1 MB the whole body tends to arrive in one or two reads: nothing to overlap.
+SCAN_FROM = 1 << 20
 
 #: A gradient's arrived bytes are checked once at least this many are waiting (or the
 #: gradient is complete): fewer, bigger reductions.
