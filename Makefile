@@ -23,8 +23,12 @@ $(VENV)/.stamp-%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.stamp-demo
 	$(BIN)/paramshard demo
 
-test: $(VENV)/.stamp-test
+test: lint
 	$(BIN)/python -m pytest -q
+
+# pyflakes-level checks (pyproject.toml [tool.ruff.lint]); part of make test.
+lint: $(VENV)/.stamp-test
+	$(BIN)/ruff check .
 
 bench: $(VENV)/.stamp-bench
 	$(BIN)/python -m bench $(BENCH_ARGS)

@@ -31,7 +31,7 @@ from .client import AsyncPSClient, PSClient
 
 __version__ = "0.1.0"
 
-__all__ = sorted([
+__all__ = [
     "AsyncPSClient",
     "AuthError",
     "BadRequestError",
@@ -49,4 +49,4 @@ __all__ = sorted([
     "ServerError",
     "ShardUnavailableError",
     "UnknownVariableError",
-])
+]
