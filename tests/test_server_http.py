@@ -286,6 +286,29 @@ def test_push_with_a_gradient_table(fleet2, http):
     np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][b]["value"]), gb)
     assert_refused(post(http, url, "push", {"worker_id": wid, "seq": 99, "layout": "rows",
                                             "grads": {a: ga}}), 400, "bad_request")
+    # Malformed tables, big enough that the shard scans them as they arrive: 4xx, no trace.
+    big = np.ones(300_000, np.float32)
+    init(http, url, c := owned(0), np.zeros(300_000, np.float32), {"type": "add"})
+    good = wire.encode_table({"worker_id": wid, "seq": 100, "layout": "table",
+                              "grads": (t := {"names": [c]})}, t, [big]).join()
+    head_len = struct.unpack_from("<I", good, 4)[0]
+    header = msgpack.unpackb(good[8:8 + head_len])
+
+    def with_grads(grads) -> bytes:
+        h = msgpack.packb({**header, "grads": grads})
+        return struct.pack("<4sI", wire.FRAME_MAGIC, len(h)) + h + bytes(-(8 + len(h)) % 64) \
+            + big.tobytes()
+
+    for body, status in [
+            (with_grads([1, 2]), 400), (with_grads({"names": c, "dtype": ["<f4"],
+                                                   "shape": [[300_000]]}), 400),
+            (with_grads({"names": [c], "dtype": ["<f4", "<f4"], "shape": [[300_000]]}), 400),
+            (with_grads({"names": [c], "dtype": ["<c8"], "shape": [[300_000]]}), 422),
+            (with_grads({"names": [c], "dtype": ["<f4"], "shape": [[300_001]]}), 422),
+            (good[:-4], 422), (good[:8] + b"\xc1" + good[9:], 400)]:
+        rep = post_raw(http, url, "push", body, wire.FRAME)
+        assert rep.status == status, (rep.status, rep.msg)
+    assert post(http, url, "pull", {"names": [c]}).msg["variables"][c]["version"] == 0
     assert http.get(f"{url}/v1/cluster").json()["features"] == [wire.FEATURE_TABLES]
 
 
