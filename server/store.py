@@ -172,9 +172,15 @@ class Variable:
         return meta
 
     def replace(self, new: np.ndarray) -> None:
-        self.value = new
+        """Make ``new`` the value (after an update into it: the value's own buffer when the
+        update went in place, else fresh memory)."""
+        if new is not self.value:
+            self.value = new
+            self._view = None
+        # else: updated in place, so no reader held the value (see target) and the read-only
+        # view export() made of it can be handed out again: making a view and flagging it
+        # read-only costs ~1 us, per variable and pull, after every push.
         self.shared = False
-        self._view = None
 
     def own_state(self) -> dict[str, np.ndarray]:
         """The optimizer slots, copied first if a snapshot still reads the current ones."""
