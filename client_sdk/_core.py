@@ -668,7 +668,12 @@ class Core:
                     cached = self._cached(shard, group)
                     if cached:
                         held.update(cached)
-                        msg["versions"] = {k: c[1] for k, c in cached.items()}
+                        if self._tables[shard]:  # a list parallel to "names" (tables' form)
+                            get = cached.get
+                            msg["versions"] = [c[1] if (c := get(k)) is not None else None
+                                               for k in group]
+                        else:
+                            msg["versions"] = {k: c[1] for k, c in cached.items()}
                 batch.append(self._post(shard, "pull", msg, deadline, mutating=False,
                                         names=group))
             replies = self._collect(batch, (yield batch))
@@ -732,14 +737,15 @@ class Core:
                     held: dict[str, _Cached], out: dict[str, np.ndarray]) -> list[str]:
         """:meth:`_take_pulled` for a reply in the table layout (docs/PROTOCOL.md, pull)."""
         url = self.url(request.shard)
+        asked = list(request.names)
         try:
-            names, values = wire.table_rows(table, body, native=True)
+            names, values = wire.table_rows(table, body, native=True, names=asked)
         except wire.WireError as exc:
             raise ProtocolError(f"shard {url} sent a bad pull table: {exc.message}",
                                 shard=url) from exc
         versions = table.get("versions")
         if type(versions) is not list or len(versions) != len(names) \
-                or tuple(names) != request.names:
+                or (names is not asked and names != asked):
             raise ProtocolError(f"shard {url} sent a pull table whose names or versions do not "
                                 "match the request", shard=url)
         again: list[str] = []

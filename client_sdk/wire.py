@@ -505,21 +505,25 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
     return Encoded(FRAME, chunks, at)
 
 
-def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = False
-               ) -> tuple[list[str], list[np.ndarray | None]]:
+def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = False,
+               names: list[str] | None = None) -> tuple[list[str], list[np.ndarray | None]]:
     """Decode a tensor table of the framed ``body``: its names and, per row, the tensor (a
     view of ``body``, no copy) or ``None`` for a row without one. Other columns stay in
     ``table`` for the caller. With ``native=True`` a tensor in the other byte order is
-    converted (a read-only copy in this machine's order) instead of viewed.
+    converted (a read-only copy in this machine's order) instead of viewed. ``names`` are the
+    rows' names when the table has no ``names`` column (a pull reply may leave it out: its
+    rows are the requested names, in order).
 
     Raises :class:`WireError` (``bad_request`` for a malformed table, ``bad_tensor`` for a bad
     row, saying which).
     """
     if type(table) is not dict:
         raise WireError(f"'{what}' must be a map of columns")
-    names, dtypes, shapes = table.get("names"), table.get("dtype"), table.get("shape")
-    if type(names) is not list or not all(type(n) is str for n in names):
-        raise WireError(f"'{what}.names' must be a list of variable names")
+    dtypes, shapes = table.get("dtype"), table.get("shape")
+    if "names" in table or names is None:
+        names = table.get("names")
+        if type(names) is not list or not all(type(n) is str for n in names):
+            raise WireError(f"'{what}.names' must be a list of variable names")
     n = len(names)
     for key, column in (("dtype", dtypes), ("shape", shapes)):
         if type(column) is not list or len(column) != n:

@@ -256,6 +256,18 @@ def _versions(msg: Mapping[str, Any], verb: str) -> dict[str, int] | None:
     return versions
 
 
+def _held_list(msg: Mapping[str, Any], names: list[str]) -> list[int | None]:
+    """A table pull's ``versions`` given as a list parallel to ``names``, checked."""
+    versions = msg["versions"]
+    if len(versions) != len(names):
+        raise _bad_field("pull", "versions", f"a list as long as 'names' ({len(names)})",
+                         versions)
+    for v in versions:
+        if v is not None and (type(v) is not int or v < 0):
+            raise _bad_field("pull", "versions", "a list of ints >= 0 or nils", versions)
+    return versions
+
+
 def _tensor_map(msg: Mapping[str, Any], key: str, verb: str, body: wire.Buffer
                 ) -> dict[str, Any]:
     value = _required(msg, key, verb)
@@ -291,17 +303,25 @@ async def init(request: Request) -> Response:
 async def pull(request: Request) -> Response:
     """Read values: `{"names": [...], "versions": {name: int}, "layout"?}` -> `{"variables":
     {name: {"version", "value"?}}}`, or with `"layout": "table"` (and a framed Accept) one tensor
-    table `{"table": {"names", "versions", "dtype", "shape"}}`; values already held at
+    table `{"table": {"versions", "dtype", "shape"}}`, a row per requested name, in order (its
+    `versions` may then be a list parallel to `names`); values already held at
     the current version are left out."""
     msg, _ = await _message(request)
     names = _name_list(msg, "names", "pull")
-    versions = _versions(msg, "pull")
-    table = _layout(msg, "pull") == "table" and _accepts_frame(request)
+    layout = _layout(msg, "pull")
+    table = layout == "table" and _accepts_frame(request)
+    if layout == "table" and type(msg.get("versions")) is list:
+        versions = _held_list(msg, names)
+        if not table:  # answered in the map layout after all
+            versions = {n: v for n, v in zip(names, versions) if v is not None}
+    else:
+        versions = _versions(msg, "pull")
     store = _store(request)
     await store.readable(names)
     if table:
         rows = store.pull_rows(names, versions)
-        table = {"names": rows.names, "versions": rows.versions}
+        # No "names" column: the rows are the requested names, in request order.
+        table = {"versions": rows.versions}
         return EncodedResponse(wire.encode_table({"table": table}, table, rows.values,
                                                  rows.dtypes, rows.shapes))
     return _reply(request, {"variables": store.pull(names, versions)}, tensors=True)

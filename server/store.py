@@ -490,23 +490,30 @@ class ParameterStore:
             out[var.name] = entry
         return out
 
-    def pull_rows(self, names: Iterable[str], versions: Mapping[str, int] | None = None
-                  ) -> PullRows:
-        """:meth:`pull` as the columns of a tensor table (docs/PROTOCOL.md, pull)."""
+    def pull_rows(self, names: Iterable[str],
+                  versions: Mapping[str, int] | list[int | None] | None = None) -> PullRows:
+        """:meth:`pull` as the columns of a tensor table (docs/PROTOCOL.md, pull).
+        ``versions`` is a map name -> version held, or a list of them parallel to ``names``
+        (``None`` where none is held)."""
         names = list(names)
         known = self._vars
         try:  # every name one of ours (so valid and owned): the common case, in one pass
             variables = [known[name] for name in names]
         except (KeyError, TypeError):
             variables = self._existing(self.check_names(names))
-        held = versions or {}
+        if versions is None:
+            held = [None] * len(variables)
+        elif isinstance(versions, list):
+            held = versions
+        else:
+            held = [versions.get(var.name) for var in variables]
         rows = PullRows(names)
         add_version, add_value = rows.versions.append, rows.values.append
         add_dtype, add_shape = rows.dtypes.append, rows.shapes.append
-        for var in variables:
+        for var, seen in zip(variables, held):
             version = var.version
             add_version(version)
-            if held.get(var.name) == version:
+            if seen == version:
                 add_value(None)
                 add_dtype(None)
                 add_shape(None)

@@ -217,23 +217,31 @@ def test_pull_in_the_table_layout(fleet2, http):
     values[a] = values[a] + 1
     ask = {"names": [d, a, b, c], "layout": "table", "versions": {b: 0, a: 0}}
 
-    rep = post(http, url, "pull", ask, accept_frame=True)
-    assert rep.status == 200 and rep.headers["content-type"] == wire.FRAME
-    table = rep.msg["table"]
-    assert set(rep.msg) == {"table"}
-    assert table["names"] == [d, a, b, c] and table["versions"] == [0, 1, 0, 0]
-    assert table["dtype"] == ["<f4", "<f4", None, "<f8"]
-    assert table["shape"] == [[0], [2, 3], None, []]
-    names, rows = wire.table_rows(table, rep.body)
-    for name, row in zip(names, rows):
-        if name == b:
-            assert row is None  # the puller holds version 0 already
-        else:
-            np.testing.assert_array_equal(row, values[name])
+    # versions as a map, or as the table layout's list parallel to names: the same answer
+    for held in ({b: 0, a: 0}, [None, 0, 0, None]):
+        rep = post(http, url, "pull", {**ask, "versions": held}, accept_frame=True)
+        assert rep.status == 200 and rep.headers["content-type"] == wire.FRAME
+        table = rep.msg["table"]
+        assert set(rep.msg) == {"table"}
+        assert set(table) == {"versions", "dtype", "shape"}  # rows: the names asked, in order
+        assert table["versions"] == [0, 1, 0, 0]
+        assert table["dtype"] == ["<f4", "<f4", None, "<f8"]
+        assert table["shape"] == [[0], [2, 3], None, []]
+        names, rows = wire.table_rows(table, rep.body, names=ask["names"])
+        for name, row in zip(names, rows):
+            if name == b:
+                assert row is None  # the puller holds version 0 already
+            else:
+                np.testing.assert_array_equal(row, values[name])
+    for bad in ([0, 0], [None, -1, 0, None], [None, "1", 0, None]):
+        assert_refused(post(http, url, "pull", {**ask, "versions": bad}, accept_frame=True),
+                       400, "bad_request")
 
     rep = post(http, url, "pull", ask)  # no framed Accept: the map layout
     assert rep.headers["content-type"] == wire.MSGPACK and set(rep.msg) == {"variables"}
     assert rep.msg["variables"][b] == {"version": 0}
+    rep = post(http, url, "pull", {**ask, "versions": [None, 0, 0, None]})  # list form too
+    assert rep.msg["variables"][b] == {"version": 0} and "value" in rep.msg["variables"][a]
     np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][a]["value"]), values[a])
 
     missing = owned(0)

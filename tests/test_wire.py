@@ -643,3 +643,14 @@ def test_arbitrary_tables_raise_only_wire_errors(dtypes, shapes, tail):
         assert exc.code in PROTOCOL_CODES
     else:
         assert len(out) == n
+
+
+def test_a_table_without_names_takes_them_from_the_caller():
+    arrs, _, body, msg = _table_round_trip([np.arange(4, dtype=np.float32), None])
+    table = {k: v for k, v in msg["table"].items() if k != "names"}
+    names, rows = wire.table_rows(table, body, names=["x", "y"])
+    assert names == ["x", "y"] and rows[1] is None
+    np.testing.assert_array_equal(rows[0], arrs[0])
+    _table_refusal(table, body, "bad_request")  # no names anywhere
+    with pytest.raises(wire.WireError):
+        wire.table_rows(table, body, names=["x"])  # a column longer than the names
