@@ -344,6 +344,8 @@ def _collect(obj: Any, found: list[tuple[dict, np.ndarray]]) -> Any:
 
 
 _PADDING = bytes(ALIGN)
+#: Zero padding of each length below ALIGN, made once (a slice of _PADDING is a new object).
+_PADS = tuple(bytes(n) for n in range(ALIGN))
 
 
 def _scalar(obj: Any) -> Any:
@@ -490,13 +492,13 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
     at = _HEAD.size + len(head)
     chunks: list[Buffer] = [_HEAD.pack(FRAME_MAGIC, len(head)), head]
     append = chunks.append
-    padding = _PADDING
+    pads = _PADS
     for a in arrays:
         if a is None:
             continue
         pad = -at % ALIGN
         if pad:
-            append(padding[:pad])
+            append(pads[pad])
             at += pad
         size = a.nbytes
         if size:
