@@ -33,6 +33,7 @@ and unpacks ~5x faster this way, which is most of what such a pull costs.
 
 from __future__ import annotations
 
+import itertools
 import re
 import struct
 from collections.abc import Mapping
@@ -467,7 +468,8 @@ def tensors_of(value: Any, body: Buffer | None, what: str) -> dict[str, np.ndarr
 
 def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
                  dtypes: list[str | None] | None = None,
-                 shapes: list[list[int] | None] | None = None) -> Encoded:
+                 shapes: list[list[int] | None] | None = None, *,
+                 arrays_as_chunks: bool = False) -> Encoded:
     """Frame ``message``, in which the map ``table`` (already holding its other columns, e.g.
     ``names``) gets the columns ``dtype`` and ``shape`` for ``arrays``, one row each; the
     arrays' bytes follow the header in row order, each at the next multiple of :data:`ALIGN`.
@@ -475,8 +477,14 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
     A ``None`` in ``arrays`` is a row without a tensor (nil in both columns). Arrays must be
     C-contiguous and of a sendable dtype (a shard's values always are). ``dtypes`` and
     ``shapes``, when given, are those columns already made (type strings, shape lists), one
-    entry per row (``None`` in rows without a tensor). Always framed; the arrays' bytes are not copied here (the chunks
-    are memoryviews of them).
+    entry per row (``None`` in rows without a tensor). Always framed; the arrays' bytes are
+    not copied here (the chunks are memoryviews of them).
+
+    With ``arrays_as_chunks`` the chunks are the arrays themselves, not byte memoryviews of
+    them: for a writer that takes any buffer and never asks a chunk's ``len()`` (which for an
+    array is not its size in bytes), such as a vectored write. A memoryview per row costs
+    more than the rest of the row's work, and when every row is a tensor of one dtype and
+    shape the chunk list is then made without any Python work per row.
     """
     if dtypes is None or shapes is None:
         dtypes, shapes = [], []
@@ -493,6 +501,22 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
     chunks: list[Buffer] = [_HEAD.pack(FRAME_MAGIC, len(head)), head]
     append = chunks.append
     pads = _PADS
+    n = len(arrays)
+    if arrays_as_chunks and n > 1 and dtypes[0] is not None \
+            and dtypes.count(dtypes[0]) == n and shapes.count(shapes[0]) == n:
+        size = arrays[0].nbytes  # every row: one dtype, one shape, so one size and stride
+        if size:
+            pad = -at % ALIGN
+            if pad:
+                append(pads[pad])
+            gap = -size % ALIGN
+            if gap:  # each row after the first starts gap bytes after the end of the last
+                rows: list[Any] = [pads[gap]] * (2 * n - 1)
+                rows[0::2] = arrays
+            else:
+                rows = list(arrays)
+            chunks += rows
+            return Encoded(FRAME, chunks, at + pad + n * size + (n - 1) * gap)
     for a in arrays:
         if a is None:
             continue
@@ -502,7 +526,7 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
             at += pad
         size = a.nbytes
         if size:
-            append(a.data.cast("B"))
+            append(a if arrays_as_chunks else a.data.cast("B"))
             at += size
     return Encoded(FRAME, chunks, at)
 
@@ -535,7 +559,8 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
         raise WireError("a tensor table needs a framed body")
     start = _HEAD.size + _HEAD.unpack_from(body, 0)[1]
     try:
-        return names, _fast_rows(dtypes, shapes, body, start, size)
+        rows = _uniform_rows(dtypes, shapes, body, start, size)
+        return names, rows if rows is not None else _fast_rows(dtypes, shapes, body, start, size)
     except (KeyError, TypeError, ValueError):
         pass  # a row off the common path: decode again, row by row, with the checks
     at = start
@@ -555,6 +580,40 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
             row.flags.writeable = False
         out.append(row)
     return names, out
+
+
+def _uniform_rows(dtypes: list, shapes: list, body: Buffer, at: int, size: int
+                  ) -> list[np.ndarray] | None:
+    """The rows of a table of two or more tensors that all have one dtype (already seen, in
+    this machine's byte order) and one shape (ints > 0), lying in the body; ``None`` for any
+    other table. Such rows sit at a fixed stride, so one strided view of the body holds them
+    all, and its rows are the tensors: no Python work per row (a step's many same-shaped
+    variables, e.g. the layers of a stack)."""
+    n = len(dtypes)
+    if n < 2:
+        return None
+    text, shape = dtypes[0], shapes[0]
+    if type(text) is not str or type(shape) is not list or not 0 < len(shape) <= MAX_NDIM \
+            or dtypes.count(text) != n or shapes.count(shape) != n:
+        return None
+    dtype = _PARSED_NATIVE.get(text)
+    # Equal lists may still differ in their items' types (1 == 1.0 == True): ints only.
+    if dtype is None or set(map(type, itertools.chain.from_iterable(shapes))) != {int}:
+        return None
+    itemsize = dtype.itemsize
+    strides = []
+    span = itemsize
+    for d in reversed(shape):
+        if d <= 0:
+            return None
+        strides.append(span)
+        span *= d
+    stride = (span + ALIGN - 1) // ALIGN * ALIGN
+    first = (at + ALIGN - 1) // ALIGN * ALIGN
+    if first + stride * (n - 1) + span > size:
+        return None
+    strides.append(stride)
+    return list(np.ndarray((n, *shape), dtype, body, first, strides[::-1]))
 
 
 def _fast_rows(dtypes: list, shapes: list, body: Buffer, at: int, size: int

@@ -26,7 +26,7 @@ from client_sdk import wire
 
 from .errors import ShardError
 from .scan import SCAN_FROM, FiniteScan
-from .protocol import BODY_INTO
+from .protocol import BODY_INTO, GATHER, Gathered
 from .store import MAX_WAIT_SECONDS, ParameterStore
 
 __all__ = ["COALESCE_BELOW", "EncodedResponse", "coalesce", "read_body", "router"]
@@ -57,9 +57,13 @@ COALESCE_BELOW = 64 * 1024
 class EncodedResponse(Response):
     """Send a :class:`client_sdk.wire.Encoded` body without joining its big chunks.
 
-    ``Content-Length`` is the encoded size. Each chunk of :data:`COALESCE_BELOW` bytes or more
-    (a memoryview of an array, for framed bodies) goes out as its own ``http.response.body``
-    message; runs of smaller chunks (header, padding, small tensors) are joined first.
+    ``Content-Length`` is the encoded size. Served by the shard's own protocol
+    (:data:`server.protocol.GATHER` in the scope's extensions), the whole body is one
+    ``http.response.body`` message holding every chunk (:class:`server.protocol.Gathered`),
+    written with one vectored write: nothing is joined. Elsewhere each chunk of
+    :data:`COALESCE_BELOW` bytes or more (a memoryview of an array, for framed bodies) goes out
+    as its own message, and runs of smaller chunks (header, padding, small tensors) are joined
+    first.
     """
 
     def __init__(self, encoded: wire.Encoded, status_code: int = 200) -> None:
@@ -75,10 +79,15 @@ class EncodedResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
-        pieces = [] if scope.get("method") == "HEAD" else coalesce(self.encoded.chunks)
-        if not pieces:
+        if scope.get("method") == "HEAD" or not self.encoded.nbytes:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
+        if GATHER in (scope.get("extensions") or ()):  # the server writes the pieces as they are
+            await send({"type": "http.response.body",
+                        "body": Gathered(self.encoded.chunks, self.encoded.nbytes),
+                        "more_body": False})
+            return
+        pieces = coalesce(self.encoded.chunks)
         last = len(pieces) - 1
         for i, piece in enumerate(pieces):
             await send({"type": "http.response.body", "body": piece, "more_body": i < last})
@@ -233,9 +242,12 @@ def _bad_field(verb: str, key: str, expected: str, got: Any) -> ShardError:
                       {"field": key})
 
 
+_STR = {str}
+
+
 def _name_list(msg: Mapping[str, Any], key: str, verb: str) -> list[str]:
     names = _required(msg, key, verb)
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+    if type(names) is not list or not set(map(type, names)) <= _STR:
         raise _bad_field(verb, key, "a list of variable names (strings)", names)
     return names
 
@@ -322,8 +334,12 @@ async def pull(request: Request) -> Response:
         rows = store.pull_rows(names, versions)
         # No "names" column: the rows are the requested names, in request order.
         table = {"versions": rows.versions}
+        # Served by the shard's own protocol, the body goes out in one vectored write of
+        # its pieces (EncodedResponse), which may then be the arrays themselves.
+        gather = GATHER in (request.scope.get("extensions") or ())
         return EncodedResponse(wire.encode_table({"table": table}, table, rows.values,
-                                                 rows.dtypes, rows.shapes))
+                                                 rows.dtypes, rows.shapes,
+                                                 arrays_as_chunks=gather))
     return _reply(request, {"variables": store.pull(names, versions)}, tensors=True)
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import operator
 import sys
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping
@@ -501,13 +502,23 @@ class ParameterStore:
             variables = [known[name] for name in names]
         except (KeyError, TypeError):
             variables = self._existing(self.check_names(names))
+        rows = PullRows(names)
+        current = rows.versions = [var.version for var in variables]
         if versions is None:
-            held = [None] * len(variables)
+            held = None
         elif isinstance(versions, list):
             held = versions
         else:
             held = [versions.get(var.name) for var in variables]
-        rows = PullRows(names)
+        if held is None or True not in map(operator.eq, held, current):
+            # Every row gets its value (a first pull, or every one changed since): the same
+            # as below, in comprehensions.
+            rows.values = [var.export() for var in variables]
+            metas = [var._wire or var.wire_meta() for var in variables]
+            rows.dtypes = [m[0] for m in metas]
+            rows.shapes = [m[1] for m in metas]
+            return rows
+        rows.versions = []
         add_version, add_value = rows.versions.append, rows.values.append
         add_dtype, add_shape = rows.dtypes.append, rows.shapes.append
         for var, seen in zip(variables, held):

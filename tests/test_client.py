@@ -238,6 +238,31 @@ def test_pull_and_push_use_tables_where_the_shard_has_them(fleet2, older):
                                    for r in transport.pulls)
 
 
+@pytest.mark.parametrize("changed", ["all", "first"])
+def test_a_pull_never_caches_over_a_newer_value(fleet2, changed):
+    """A pull's values are cached unless the cache already holds a newer version of the same
+    shard incarnation (another thread's pull that finished first): the caller gets what was
+    pulled, the cache keeps the newer. A reply whose every row carries a value takes a
+    shorter way through the SDK than one with rows the cache already has; both keep the
+    rule."""
+    names = [unique("newer") for _ in range(6)]
+    pushed = names if changed == "all" else names[:1]
+    with PSClient(fleet2.urls) as ps:
+        ps.init({n: np.zeros(8, np.float32) for n in names}, optimizer=SGD(lr=1.0))
+        before = ps.pull(names)
+        cache = ps._core._cache
+        newer = (cache[names[0]][0], cache[names[0]][1] + 5, np.full(8, 9.0))
+        cache[names[0]] = newer
+        ps.push({n: np.ones(8, np.float32) for n in pushed})
+        pulled = ps.pull(names)
+        for n in names:
+            np.testing.assert_array_equal(pulled[n], -np.ones(8) if n in pushed else 0)
+        assert cache[names[0]] is newer
+        for n in names[1:]:
+            assert cache[n][2] is pulled[n]
+            assert n in pushed or pulled[n] is before[n]
+
+
 def test_pulled_arrays_are_read_only(fleet2):
     small, big = unique("ro_small"), unique("ro_big")
     with PSClient(fleet2.urls) as ps:

@@ -22,13 +22,15 @@ import msgpack
 import numpy as np
 import pytest
 import uvicorn
+from uvicorn.server import ServerState
 from fastapi import Depends, FastAPI, Request
 
 from client_sdk import BadTensorError, PSClient, wire
 from server.errors import ShardError
 from client_sdk.optimizers import SGD, Adagrad, Add
 from server.fastpath import direct_routes
-from server.protocol import BODY_INTO, ShardHttpProtocol
+from server import protocol as server_protocol
+from server.protocol import BODY_INTO, GATHER, Gathered, ShardHttpProtocol
 from server.routes_data import coalesce
 from server.scan import FiniteScan
 from server.store import OFFLOAD_BYTES, SMALL_CHECK, ParameterStore, all_finite
@@ -571,3 +573,144 @@ def test_a_gradient_found_finite_as_received_is_checked_again_once_cast():
     assert store.get("w").version == 0
     store.push("worker", 1, {"w": np.full(4, 2.0, np.float32)}, finite={"w"})
     assert (store.get("w").value == 2).all()
+
+
+# -- how a response is written (server/protocol.py, _ShardCycle) ------------------------------
+
+BIG_REPLY = server_protocol.JOIN_BELOW  # bytes: a reply its pieces are not joined for
+
+
+class _Recorder(asyncio.Transport):
+    """A transport that records each write call: ("write", bytes) or ("writelines", pieces)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, object]] = []
+        self.closed = False
+
+    def get_extra_info(self, name, default=None):
+        return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
+
+    def write(self, data) -> None:
+        self.calls.append(("write", bytes(data)))
+
+    def writelines(self, pieces) -> None:
+        self.calls.append(("writelines", [bytes(memoryview(p).cast("B")) for p in pieces]))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def sent(self) -> bytes:
+        return b"".join(d if kind == "write" else b"".join(d) for kind, d in self.calls)
+
+
+async def _replies(scope, receive, send) -> None:
+    """Answers by path, the way the shard's responses are made (EncodedResponse) and ways a
+    response could be made."""
+    path = scope["path"]
+    if path == "/expect":
+        while (await receive()).get("more_body"):
+            pass
+    start = {"type": "http.response.start", "status": 200,
+             "headers": [(b"content-length", str({"/gather": 9, "/gather-big": BIG_REPLY + 6}
+                                                  .get(path, 3)).encode())]}
+    await send(start)
+    if path == "/fail":
+        raise RuntimeError("fails after the head")
+    if path == "/stream":
+        for piece, more in ((b"a", True), (b"b", True), (b"c", False)):
+            await send({"type": "http.response.body", "body": piece, "more_body": more})
+    elif path == "/gather":
+        assert GATHER in scope["extensions"]
+        pieces = [b"ab", np.arange(3, dtype=np.uint8), memoryview(b"cdef")]
+        await send({"type": "http.response.body", "body": Gathered(pieces, 9)})
+    elif path == "/gather-big":
+        pieces = [b"ab", np.full(BIG_REPLY, 7, dtype=np.uint8), memoryview(b"cdef")]
+        await send({"type": "http.response.body", "body": Gathered(pieces, BIG_REPLY + 6)})
+    else:
+        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD"
+                    else b"xyz"})
+
+
+def _writes(request: bytes, vectored: bool = True) -> _Recorder:
+    """Feed ``request`` to a ShardHttpProtocol serving :func:`_replies`; the recorded writes."""
+    async def run() -> _Recorder:
+        config = uvicorn.Config(_replies, http=ShardHttpProtocol, lifespan="off",
+                                log_level="critical", proxy_headers=False)
+        config.load()
+        proto = ShardHttpProtocol(config=config, server_state=ServerState(), app_state={})
+        transport = _Recorder()
+        proto.connection_made(transport)
+        proto.data_received(request)
+        for _ in range(200):
+            if transport.closed or (proto.cycle is not None and proto.cycle.response_complete):
+                break
+            await asyncio.sleep(0)
+        proto.connection_lost(None)
+        return transport
+
+    original = server_protocol._vectored
+    server_protocol._vectored = lambda transport: vectored
+    try:
+        return asyncio.run(run())
+    finally:
+        server_protocol._vectored = original
+
+
+def _req(method: str, path: str, body: bytes = b"", extra: str = "") -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n{extra}"
+            "\r\n").encode() + body
+
+
+def _head_and_body(sent: bytes) -> tuple[bytes, bytes]:
+    head, sep, body = sent.partition(b"\r\n\r\n")
+    assert sep and head.startswith(b"HTTP/1.1 200")
+    return head, body
+
+
+@pytest.mark.parametrize("vectored", [True, False])
+def test_a_response_goes_out_in_one_write(vectored):
+    """The head is held and written with the body (one system call, one wake-up of the
+    client): joined to a small body; with a big gathered body's pieces in one vectored write
+    where the transport has one (else joined)."""
+    for path, body in (("/small", b"xyz"), ("/gather", b"ab\x00\x01\x02cdef")):
+        t = _writes(_req("POST", path), vectored)
+        assert [kind for kind, _ in t.calls] == ["write"], path
+        assert _head_and_body(t.sent())[1] == body
+    t = _writes(_req("POST", "/gather-big"), vectored)
+    if vectored:
+        assert [kind for kind, _ in t.calls] == ["writelines"]
+        assert len(t.calls[0][1]) == 4  # the head and the three pieces, none joined
+    else:
+        assert [kind for kind, _ in t.calls] == ["write"]
+    assert _head_and_body(t.sent())[1] == b"ab" + bytes([7]) * BIG_REPLY + b"cdef"
+
+
+def test_a_streamed_response_sends_its_head_with_the_first_piece():
+    t = _writes(_req("POST", "/stream"))
+    assert [kind for kind, _ in t.calls] == ["write"] * 3
+    assert t.calls[0][1].endswith(b"\r\n\r\na") and [d for _, d in t.calls[1:]] == [b"b", b"c"]
+    assert _head_and_body(t.sent())[1] == b"abc"
+
+
+def test_head_requests_interim_responses_and_failures_are_written_as_before():
+    """A HEAD response (no body message to wait for) is written at once; a 100 Continue goes
+    out before the app reads the body; an app that fails after its head leaves a closed
+    connection with nothing half-written, as uvicorn would after such a failure."""
+    t = _writes(_req("HEAD", "/small"))
+    assert [kind for kind, _ in t.calls] == ["write"]
+    assert _head_and_body(t.sent())[1] == b""
+    t = _writes(_req("POST", "/expect", b"hello", "expect: 100-continue\r\n"))
+    assert t.calls[0] == ("write", b"HTTP/1.1 100 Continue\r\n\r\n")
+    assert _head_and_body(t.sent()[len(t.calls[0][1]):])[1] == b"xyz"
+    t = _writes(_req("POST", "/fail"))
+    assert t.calls == [] and t.closed

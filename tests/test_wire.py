@@ -654,3 +654,92 @@ def test_a_table_without_names_takes_them_from_the_caller():
     _table_refusal(table, body, "bad_request")  # no names anywhere
     with pytest.raises(wire.WireError):
         wire.table_rows(table, body, names=["x"])  # a column longer than the names
+
+
+@st.composite
+def uniform_rows(draw) -> list[np.ndarray | None]:
+    """Two to six tensors of one dtype and one shape (a step's same-shaped variables), which
+    table_rows decodes as one strided view, and encode_table lays out at one stride; now and
+    then a row without a tensor, which takes both off that path."""
+    dtype = np.dtype(draw(dtype_strings()))
+    shape = draw(array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=20))
+    rows: list[np.ndarray | None] = [
+        _random_array(draw, dtype, shape) for _ in range(draw(st.integers(2, 6)))]
+    if draw(st.integers(0, 4)) == 0:
+        rows[draw(st.integers(0, len(rows) - 1))] = None
+    return rows
+
+
+def _rows_the_general_way(table, body, names):
+    """table_rows' result, row by row through decode_tensor, as PROTOCOL.md lays it out."""
+    _, hlen = struct.unpack_from("<4sI", body)
+    pos, out = 8 + hlen, []
+    for dtype, shape in zip(table["dtype"], table["shape"]):
+        if dtype is None:
+            out.append(None)
+            continue
+        start = -(-pos // 64) * 64
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        out.append(wire.decode_tensor({"dtype": dtype, "shape": shape, "offset": start,
+                                       "nbytes": nbytes}, body))
+        pos = start + nbytes
+    return out
+
+
+@given(uniform_rows(), st.sampled_from([bytes, bytearray]), st.booleans())
+def test_same_shaped_rows_decode_as_any_others(rows, body_type, native):
+    """Rows of one dtype and shape come back as the general decoding gives them: same dtype,
+    shape and bytes, views of the body (writable exactly when it is), each its own tensor."""
+    arrs, _, body, msg = _table_round_trip(rows, body_type)
+    names, out = wire.table_rows(msg["table"], body, native=native)
+    expected = _rows_the_general_way(msg["table"], body, names)
+    assert len(out) == len(arrs)
+    for got, want, a in zip(out, expected, arrs):
+        if a is None:
+            assert got is None
+            continue
+        if native and not a.dtype.isnative:
+            np.testing.assert_array_equal(got, a)
+            assert got.dtype.isnative and not got.flags.writeable
+            continue
+        _same(got, want)
+        _same(got, a)
+        if a.nbytes:
+            assert np.shares_memory(got, _u8(body))
+        assert got.flags.writeable == (body_type is bytearray)
+    if out[0] is not None and out[0].flags.writeable and out[0].size:
+        out[0].reshape(-1).view(np.uint8)[:] = 0xAB  # rows are distinct tensors
+        assert all(got is None or got.tobytes() == a.tobytes()
+                   for got, a in zip(out[1:], arrs[1:]))
+
+
+def test_same_shaped_rows_are_checked_as_strictly_as_any_others():
+    """A shape that equals the others only as a number (1.0 or True for 1) is refused as it
+    would be in any table, naming its row; so is a body that ends before the last row."""
+    rows = [np.arange(4, dtype=np.float32) for _ in range(3)]
+    _, _, body, msg = _table_round_trip(rows)
+    good = msg["table"]
+    names, out = wire.table_rows(good, body)
+    assert [r.tolist() for r in out] == [[0.0, 1.0, 2.0, 3.0]] * 3
+    _table_refusal({**good, "shape": [[4], [4.0], [4]]}, body, "bad_tensor", "v1")
+    ones = [np.ones(1, dtype=np.float32)] * 2
+    _, _, body1, msg1 = _table_round_trip(ones)
+    _table_refusal({**msg1["table"], "shape": [[1], [True]]}, body1, "bad_tensor", "v1")
+    _table_refusal(good, body[:-4], "bad_tensor", "v2")
+
+
+@given(st.one_of(uniform_rows(),
+                 st.lists(arrays(max_side=4, max_dims=3) | st.none(), max_size=6)))
+def test_arrays_as_chunks_encode_the_same_bytes(rows):
+    """encode_table(arrays_as_chunks=True) (what a shard hands a vectored write): the same
+    bytes and size as the usual encoding, with the arrays themselves among the chunks."""
+    arrs = [None if a is None else _contiguous(a) for a in rows]
+    t1 = {"versions": list(range(len(arrs)))}
+    t2 = dict(t1)
+    usual = wire.encode_table({"table": t1}, t1, arrs)
+    raw = wire.encode_table({"table": t2}, t2, arrs, arrays_as_chunks=True)
+    joined = b"".join(raw.chunks)  # bytes.join takes any C-contiguous buffer
+    assert joined == usual.join() and raw.nbytes == usual.nbytes == len(joined)
+    for a in arrs:
+        if a is not None and a.nbytes:
+            assert any(c is a for c in raw.chunks)
