@@ -25,7 +25,7 @@ from starlette.responses import Response
 from client_sdk import wire
 
 from .errors import ShardError
-from .scan import SCAN_FROM, FiniteScan
+from .scan import SCAN_FROM, FiniteScan, finite_rows
 from .protocol import BODY_INTO, GATHER, Gathered
 from .store import MAX_WAIT_SECONDS, ParameterStore
 
@@ -393,12 +393,14 @@ async def push(request: Request) -> Response:
     msg, body = await _message(request, scan=True)
     worker_id, seq = _writer(msg, "push", required=True)
     versions = _versions(msg, "push")
-    if _layout(msg, "push") == "table":
-        grads = _table_map(request, msg, "grads", "push", body)
-    else:
-        grads = _tensor_map(msg, "grads", "push", body)
     # Gradients a FiniteScan found finite while the body arrived (same header, same bytes).
     finite = getattr(request.state, "finite", ())
+    if _layout(msg, "push") == "table":
+        grads = _table_map(request, msg, "grads", "push", body)
+        if not finite:  # a table of same-shaped gradients is checked in one pass
+            finite = finite_rows(list(grads), list(grads.values()))
+    else:
+        grads = _tensor_map(msg, "grads", "push", body)
     result = await _store(request).push_async(worker_id, seq, grads, versions, finite=finite)
     return _reply(request, {"variables": result})
 

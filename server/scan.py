@@ -27,7 +27,7 @@ import numpy as np
 
 from client_sdk import wire
 
-__all__ = ["MIN_SCAN_BYTES", "SCAN_FROM", "FiniteScan"]
+__all__ = ["MIN_SCAN_BYTES", "SCAN_FROM", "FiniteScan", "finite_rows"]
 
 #: Push bodies from this size on are scanned as they arrive. At 4 MB the scan is about even:
 #: in a push-only loop 1.92-1.98 ms with it against 1.83-1.86 without, in the bench's
@@ -117,3 +117,30 @@ class FiniteScan:
             start = array.__array_interface__["data"][0] - self._base
             rows.append(_Row(name, array.reshape(-1), start))
         return rows
+
+
+def finite_rows(names: list[str], arrays: list[np.ndarray]) -> set[str]:
+    """The names whose gradient is finite, checked in one pass when the gradients are the
+    rows of one block: a tensor table whose rows all have one float dtype and one shape, as
+    :func:`client_sdk.wire.table_rows` decodes it (``arrays[i]`` is row ``i`` of one strided
+    view of the body). A step's many small gradients are typically that; one reduction over
+    the block costs a fraction of one per gradient (100 x 1,000 float32: ~28 against ~124 us).
+
+    Anything else gives the empty set, and a row whose reduction is not finite (a NaN or an
+    infinity, or an overflow of finite values) is left out: the store's exact check decides
+    for whatever is not named here."""
+    n = len(arrays)
+    if n < 2 or n != len(names):
+        return set()
+    block = arrays[0].base
+    if type(block) is not np.ndarray or block.ndim < 2 or len(block) != n \
+            or block.dtype.kind != "f" or block.dtype.itemsize < 4 \
+            or not block.dtype.isnative or not arrays[0].size:
+        return set()
+    for a in arrays:
+        if a.base is not block:
+            return set()
+    rows = block.reshape(n, -1)  # a view: each row is contiguous
+    with np.errstate(all="ignore"):
+        ok = np.isfinite(np.einsum("ij,ij->i", rows, rows)).tolist()
+    return {name for name, good in zip(names, ok) if good}

@@ -546,7 +546,13 @@ class ParameterStore:
         NaN and infinities already (:mod:`server.scan`); they are not checked again unless
         they are cast. The event loop calls :meth:`push_async` instead.
         """
-        variables = self._existing(self.check_names(grads))
+        return self._push(self._existing(self.check_names(grads)), worker_id, seq, grads,
+                          versions, finite)
+
+    def _push(self, variables: list[Variable], worker_id: str, seq: int,
+              grads: Mapping[str, np.ndarray], versions: Mapping[str, int] | None,
+              finite: Collection[str]) -> dict[str, dict[str, Any]]:
+        """:meth:`push` of the checked ``variables`` (``grads``' names, in order)."""
         _not_being_written(variables)
         plans = self._push_plans(variables, grads, finite)
         with np.errstate(all="ignore"):  # once per push, not per variable (~0.5 us each)
@@ -593,7 +599,7 @@ class ParameterStore:
         variables = self._existing(self.check_names(grads))
         await self._settled(variables)
         if sum(g.nbytes for g in grads.values()) < OFFLOAD_BYTES:
-            return self.push(worker_id, seq, grads, versions, finite=finite)
+            return self._push(variables, worker_id, seq, grads, versions, finite)
         plans = self._push_plans(variables, grads, finite)
         if self._seen("push", worker_id, seq):
             return self._duplicates(variables)

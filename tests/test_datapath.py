@@ -32,7 +32,7 @@ from server.fastpath import direct_routes
 from server import protocol as server_protocol
 from server.protocol import BODY_INTO, GATHER, Gathered, ShardHttpProtocol
 from server.routes_data import coalesce
-from server.scan import FiniteScan
+from server.scan import FiniteScan, finite_rows
 from server.store import OFFLOAD_BYTES, SMALL_CHECK, ParameterStore, all_finite
 
 BIG = OFFLOAD_BYTES // 4 + 1000  # float32 elements: just above the off-loop threshold
@@ -560,6 +560,52 @@ def test_the_arrival_scan_names_exactly_the_finite_float_gradients(layout):
     broken = bytearray(body)
     broken[8:12] = b"\xc1\xc1\xc1\xc1"  # msgpack's never-used byte
     assert _scan_in_pieces(bytes(broken), 0) == set()
+
+
+def _same_shaped_push(rows: list[np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
+    """A push table of ``rows`` encoded and decoded as a shard does: names and gradients."""
+    table = {"names": [f"g{i}" for i in range(len(rows))]}
+    body = bytearray(wire.encode_table({"grads": table}, table, rows).join())
+    return wire.table_rows(wire.unpack(body, wire.FRAME)["grads"], body)
+
+
+def test_same_shaped_gradients_are_checked_in_one_pass_exactly():
+    """finite_rows names exactly the rows with no NaN or infinity that its one reduction can
+    vouch for (an overflow of finite values is left to the store's exact check), and nothing
+    at all for gradients that are not the rows of one float block."""
+    rows = [np.ones((3, 5), np.float32) for _ in range(6)]
+    rows[1][2, 4] = np.nan
+    rows[3][0, 0] = -np.inf
+    rows[4][1, 1] = 3e38  # finite, but its square overflows
+    names, arrays = _same_shaped_push(rows)
+    assert finite_rows(names, arrays) == {"g0", "g2", "g5"}
+    assert finite_rows(names[:1], arrays[:1]) == set()  # one row: the store's check
+    assert finite_rows(names, [a.copy() for a in arrays]) == set()  # not one block
+    halves = _same_shaped_push([np.ones(8, np.float16)] * 3)
+    assert finite_rows(*halves) == set()
+    mixed = _same_shaped_push([np.ones(8, np.float32), np.ones(9, np.float32)])
+    assert finite_rows(*mixed) == set()
+
+
+def test_a_same_shaped_push_with_a_bad_row_changes_nothing(fleet_factory):
+    """Through a real shard: a table of same-shaped gradients (checked in one pass) with a NaN
+    in one row is refused naming that variable, and no variable moves; huge finite values
+    (whose squares overflow the one-pass check) are applied."""
+    fleet = fleet_factory(1)
+    names = [f"same/{i}" for i in range(8)]
+    with PSClient(fleet.urls) as ps:
+        ps.init({n: np.zeros(1000, np.float32) for n in names}, optimizer=Add())
+        grads = {n: np.ones(1000, np.float32) for n in names}
+        grads[names[5]] = grads[names[5]].copy()
+        grads[names[5]][999] = np.nan
+        with pytest.raises(BadTensorError) as err:
+            ps.push(grads)
+        assert names[5] in str(err.value)
+        assert all(not v.any() for v in ps.pull(names).values())
+        grads[names[5]][999] = 3e38
+        ps.push(grads)
+        pulled = ps.pull(names)
+        assert pulled[names[5]][999] == np.float32(3e38) and pulled[names[0]].sum() == 1000
 
 
 def test_a_gradient_found_finite_as_received_is_checked_again_once_cast():
