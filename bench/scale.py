@@ -44,7 +44,10 @@ def _pooled(rows: Sequence[dict], system: str, op: str) -> tuple[float, list[int
     floor = 10**7 if any(r["size"] >= 10**7 for r in measured) else max(r["size"] for r in measured)
     use = [r for r in measured if r["size"] >= floor]
     gb = sum(r["server_gb"] for r in use)
-    return (sum(r["server_cpu_s"] for r in use) / gb if gb else None), [r["size"] for r in use]
+    cpu = sum(r["server_cpu_s"] for r in use)
+    # /proc counts CPU time in clock ticks (10 ms here): transfers too short to register one
+    # measure nothing, not a server that costs nothing.
+    return (cpu / gb if gb and cpu > 0 else None), [r["size"] for r in use]
 
 
 def estimate(rows: Sequence[dict]) -> dict | None:
@@ -73,7 +76,9 @@ def estimate(rows: Sequence[dict]) -> dict | None:
 
 def render(est: dict | None) -> str:
     if est is None:
-        return "\nSCALE: not estimated (no shard CPU figures: needs /proc and the transfer case)"
+        return ("\nSCALE: not estimated (no shard CPU figures: needs /proc and the transfer case, "
+                "with transfers long enough to register in /proc's CPU clock: sizes of 10^7 "
+                "elements, the default, do)")
     sizes = ", ".join(f"{n:,}" for n in est["sizes"])
     g = est["gb_per_s_each_way"]
     lines = [
