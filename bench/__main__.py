@@ -143,19 +143,19 @@ def main(argv: list[str] | None = None) -> int:
         if failed:
             print(f"process logs kept in {ctx.logdir}", file=sys.stderr)
     add_ratios(rows)
-    print(table(rows, descriptions))
-    print(cpu_table(rows))
-    print(busy_table(rows))
     goal_list = goals.evaluate(rows)
     estimate = scale.estimate(rows)
-    print(goals.render(goal_list))
-    print(scale.render(estimate))
     meta = {"started": started, "argv": sys.argv[1:] if argv is None else argv,
             "settings": {"sizes": args.sizes, "reps": reps, "min_reps": min_reps,
                          "warmup": args.warmup, "cases": args.cases, "peers": args.peers,
                          "seconds": ctx.seconds, "rounds": ctx.rounds},
             "machine": machine(), "goals": goal_list, "scale": estimate}
-    path = write_json(rows, meta, args.out)
+    path = write_json(rows, meta, args.out)  # first: the measurements outlive a printing bug
+    print(table(rows, descriptions))
+    print(cpu_table(rows))
+    print(busy_table(rows))
+    print(goals.render(goal_list))
+    print(scale.render(estimate))
     print(f"\nwrote {path}")
     return 0
 
