@@ -117,3 +117,14 @@ def test_scale_turns_measured_cpu_per_gb_into_shards_and_hosts():
     zero = [transfer("pull", SDK, 0.0, 0.004), transfer("push", SDK, 0.0, 0.004)]
     assert scale.estimate(zero) is None
     assert "not estimated" in scale.render(None)
+
+
+def test_the_step_cost_diagnostic_runs():
+    """python -m bench.stepcost (not part of make bench): every figure it prints, tiny."""
+    from bench import stepcost
+
+    lines: list[str] = []
+    figures = stepcost.run(3, 10, 5, out=lines.append)
+    assert len(figures) == len(lines) == 6
+    assert all(us > 0 for us in figures.values())
+    assert any("the shard's protocol and app" in line for line in lines)
