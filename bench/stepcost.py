@@ -34,7 +34,7 @@ import numpy as np
 from . import processes
 from .rawsock import RawClient
 
-__all__ = ["main", "run"]
+__all__ = ["NullTransport", "main", "run"]
 
 
 def _median_us(fn: Callable[[], object], reps: int) -> float:
@@ -48,8 +48,9 @@ def _median_us(fn: Callable[[], object], reps: int) -> float:
     return float(np.median(samples)) * 1e6
 
 
-class _Drop(asyncio.Transport):
-    """A transport that takes whatever is written and drops it (counting the calls)."""
+class NullTransport(asyncio.Transport):
+    """A transport that takes whatever is written and drops it (counting the calls); what an
+    HTTP protocol needs of a transport besides, answered as for a loopback connection."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -104,7 +105,7 @@ def _shard_in_process(names: list[str], size: int, reps: int) -> float:
         async with app.router.lifespan_context(app):
             proto = protocol.ShardHttpProtocol(config=config, server_state=ServerState(),
                                                app_state={})
-            transport = _Drop()
+            transport = NullTransport()
             proto.connection_made(transport)
 
             async def exchange(raw: bytes) -> None:

@@ -29,6 +29,7 @@ from client_sdk import BadTensorError, PSClient, wire
 from server.errors import ShardError
 from client_sdk.optimizers import SGD, Adagrad, Add
 from server.fastpath import direct_routes
+from bench.stepcost import NullTransport
 from server import protocol as server_protocol
 from server.protocol import BODY_INTO, GATHER, Gathered, ShardHttpProtocol
 from server.routes_data import coalesce
@@ -626,34 +627,18 @@ def test_a_gradient_found_finite_as_received_is_checked_again_once_cast():
 BIG_REPLY = server_protocol.JOIN_BELOW  # bytes: a reply its pieces are not joined for
 
 
-class _Recorder(asyncio.Transport):
+class _Recorder(NullTransport):
     """A transport that records each write call: ("write", bytes) or ("writelines", pieces)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, object]] = []
-        self.closed = False
-
-    def get_extra_info(self, name, default=None):
-        return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
 
     def write(self, data) -> None:
         self.calls.append(("write", bytes(data)))
 
     def writelines(self, pieces) -> None:
         self.calls.append(("writelines", [bytes(memoryview(p).cast("B")) for p in pieces]))
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
 
     def sent(self) -> bytes:
         return b"".join(d if kind == "write" else b"".join(d) for kind, d in self.calls)
