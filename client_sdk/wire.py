@@ -502,8 +502,7 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
     append = chunks.append
     pads = _PADS
     n = len(arrays)
-    if arrays_as_chunks and n > 1 and dtypes[0] is not None \
-            and dtypes.count(dtypes[0]) == n and shapes.count(shapes[0]) == n:
+    if arrays_as_chunks and _one_dtype_and_shape(dtypes, shapes):
         size = arrays[0].nbytes  # every row: one dtype, one shape, so one size and stride
         if size:
             pad = -at % ALIGN
@@ -582,6 +581,14 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
     return names, out
 
 
+def _one_dtype_and_shape(dtypes: list, shapes: list) -> bool:
+    """Whether a table has two or more rows, all tensors of one dtype and one shape (equal
+    entries of its columns, compared in C)."""
+    n = len(dtypes)
+    return n > 1 and dtypes[0] is not None and dtypes.count(dtypes[0]) == n \
+        and shapes.count(shapes[0]) == n
+
+
 def _uniform_rows(dtypes: list, shapes: list, body: Buffer, at: int, size: int
                   ) -> list[np.ndarray] | None:
     """The rows of a table of two or more tensors that all have one dtype (already seen, in
@@ -589,12 +596,11 @@ def _uniform_rows(dtypes: list, shapes: list, body: Buffer, at: int, size: int
     other table. Such rows sit at a fixed stride, so one strided view of the body holds them
     all, and its rows are the tensors: no Python work per row (a step's many same-shaped
     variables, e.g. the layers of a stack)."""
-    n = len(dtypes)
-    if n < 2:
+    if not _one_dtype_and_shape(dtypes, shapes):
         return None
+    n = len(dtypes)
     text, shape = dtypes[0], shapes[0]
-    if type(text) is not str or type(shape) is not list or not 0 < len(shape) <= MAX_NDIM \
-            or dtypes.count(text) != n or shapes.count(shape) != n:
+    if type(text) is not str or type(shape) is not list or not 0 < len(shape) <= MAX_NDIM:
         return None
     dtype = _PARSED_NATIVE.get(text)
     # Equal lists may still differ in their items' types (1 == 1.0 == True): ints only.

@@ -61,8 +61,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["BODY_INTO", "BYPASS_BELOW", "GATHER", "BodyInto", "BodyPieces", "Gathered",
-           "ShardHttpProtocol",
-           "protocol_class"]
+           "ShardHttpProtocol", "gathers", "protocol_class"]
 
 #: Bodies with at least this many bytes still to come, once the head is parsed, bypass the
 #: parser; smaller ones are not worth it.
@@ -166,6 +165,11 @@ class Gathered:
 
     def __len__(self) -> int:
         return self.nbytes
+
+
+def gathers(scope: Any) -> bool:
+    """Whether the server serving ``scope`` takes a :class:`Gathered` body (:data:`GATHER`)."""
+    return GATHER in (scope.get("extensions") or ())
 
 
 def _vectored(transport: asyncio.BaseTransport) -> bool:

@@ -26,7 +26,7 @@ from client_sdk import wire
 
 from .errors import ShardError
 from .scan import SCAN_FROM, FiniteScan, finite_rows
-from .protocol import BODY_INTO, GATHER, Gathered
+from .protocol import BODY_INTO, Gathered, gathers
 from .store import MAX_WAIT_SECONDS, ParameterStore
 
 __all__ = ["COALESCE_BELOW", "EncodedResponse", "coalesce", "read_body", "router"]
@@ -82,7 +82,7 @@ class EncodedResponse(Response):
         if scope.get("method") == "HEAD" or not self.encoded.nbytes:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
-        if GATHER in (scope.get("extensions") or ()):  # the server writes the pieces as they are
+        if gathers(scope):  # the server writes the pieces as they are
             await send({"type": "http.response.body",
                         "body": Gathered(self.encoded.chunks, self.encoded.nbytes),
                         "more_body": False})
@@ -335,11 +335,10 @@ async def pull(request: Request) -> Response:
         # No "names" column: the rows are the requested names, in request order.
         table = {"versions": rows.versions}
         # Served by the shard's own protocol, the body goes out in one vectored write of
-        # its pieces (EncodedResponse), which may then be the arrays themselves.
-        gather = GATHER in (request.scope.get("extensions") or ())
+        # its pieces (EncodedResponse, on the same condition), which may then be the arrays.
         return EncodedResponse(wire.encode_table({"table": table}, table, rows.values,
                                                  rows.dtypes, rows.shapes,
-                                                 arrays_as_chunks=gather))
+                                                 arrays_as_chunks=gathers(request.scope)))
     return _reply(request, {"variables": store.pull(names, versions)}, tensors=True)
 
 

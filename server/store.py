@@ -518,12 +518,9 @@ class ParameterStore:
             rows.dtypes = [m[0] for m in metas]
             rows.shapes = [m[1] for m in metas]
             return rows
-        rows.versions = []
-        add_version, add_value = rows.versions.append, rows.values.append
+        add_value = rows.values.append
         add_dtype, add_shape = rows.dtypes.append, rows.shapes.append
-        for var, seen in zip(variables, held):
-            version = var.version
-            add_version(version)
+        for var, seen, version in zip(variables, held, current):
             if seen == version:
                 add_value(None)
                 add_dtype(None)
