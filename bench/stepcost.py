@@ -99,8 +99,8 @@ def _shard_in_process(names: list[str], size: int, reps: int) -> float:
     async def go() -> float:
         app = create_app(ShardConfig())
         config = uvicorn.Config(serving_app(app), http=protocol.ShardHttpProtocol,
-                                lifespan="off", log_level="warning", proxy_headers=False,
-                                server_header=False)
+                                lifespan="off", log_level="warning", access_log=False,
+                                proxy_headers=False, server_header=False)  # as a shard serves
         config.load()
         async with app.router.lifespan_context(app):
             proto = protocol.ShardHttpProtocol(config=config, server_state=ServerState(),

@@ -35,6 +35,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import ShardError
+from .headers import request_headers
 
 __all__ = ["ADMIT_WAIT", "MAX_WAITING", "PAUSE_WAIT", "AdmissionMiddleware", "Gate"]
 
@@ -271,13 +272,13 @@ class Gate:
 
 
 def _content_length(scope: Scope) -> int | None:
-    for key, value in scope.get("headers", ()):
-        if key == b"content-length":
-            try:
-                return max(0, int(value))
-            except ValueError:
-                return None
-    return None
+    value = request_headers(scope).get(b"content-length")
+    if value is None:
+        return None
+    try:
+        return max(0, int(value))
+    except ValueError:
+        return None
 
 
 class AdmissionMiddleware:
@@ -324,12 +325,18 @@ class AdmissionMiddleware:
             await self.render(scope, refusal.status, refusal.code, refusal.message,
                               refusal.details, refusal.headers)(scope, receive, send)
             return
+        if verb not in WRITES:  # a read: counted, but nothing to hold back from applying
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                gate.release(nbytes)
+            return
         applying = False
 
         async def gated_receive() -> Message:
             nonlocal applying
             message = await receive()
-            if (verb in WRITES and message["type"] == "http.request"
+            if (message["type"] == "http.request"
                     and not message.get("more_body", False) and not applying):
                 await gate.enter_apply()
                 applying = True

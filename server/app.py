@@ -44,6 +44,7 @@ from .config import ShardConfig
 from .durability import Durability
 from .errors import ShardError
 from .fastpath import DirectRoutes
+from .headers import header
 from .store import ParameterStore
 
 __all__ = ["FLEET_HEADER", "ShardMiddleware", "create_app", "error_response", "serving_app"]
@@ -52,6 +53,7 @@ logger = logging.getLogger("paramshard.server")
 
 #: Request header a client may send to say which shard it means: ``"<index>/<num_shards>"``.
 FLEET_HEADER = "x-paramshard-fleet"
+_FLEET_KEY = FLEET_HEADER.encode()
 _STATE_VERSION = wire.HEADER_STATE_VERSION.encode()
 
 
@@ -146,11 +148,7 @@ class ShardMiddleware:
         return [(_STATE_VERSION, str(state.store.state_version).encode())]
 
     def _check_fleet(self, scope: Scope) -> Response | None:
-        raw = None
-        for key, value in scope.get("headers", ()):
-            if key == FLEET_HEADER.encode():
-                raw = value.decode("latin-1")
-                break
+        raw = header(scope, _FLEET_KEY)
         if raw is None:
             return None
         parsed = _parse_fleet(raw)

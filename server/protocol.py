@@ -181,8 +181,9 @@ def _vectored(transport: asyncio.BaseTransport) -> bool:
 
 try:
     import httptools
-    from uvicorn.protocols.http.httptools_impl import (HIGH_WATER_LIMIT, HttpToolsProtocol,
-                                                       RequestResponseCycle)
+    from uvicorn.protocols.http.httptools_impl import (HEADER_RE, HEADER_VALUE_RE,
+                                                       HIGH_WATER_LIMIT, STATUS_LINE,
+                                                       HttpToolsProtocol, RequestResponseCycle)
 except ImportError:  # httptools is not installed
     HttpToolsProtocol = None  # type: ignore[assignment, misc]
 
@@ -221,12 +222,10 @@ if HttpToolsProtocol is not None:
             self._announced = None
             if self.parser.should_upgrade():
                 return
-            length = None
-            for name, value in self.headers:
-                if name == b"transfer-encoding":
-                    return
-                if name == b"content-length":
-                    length = value
+            headers = dict(self.headers)  # the last of repeated ones, as before
+            if b"transfer-encoding" in headers:
+                return
+            length = headers.get(b"content-length")
             if length is not None and length.isdigit():
                 self._announced = size = int(length)
                 if size >= BYPASS_BELOW:
@@ -349,6 +348,9 @@ if HttpToolsProtocol is not None:
             if message["type"] == "http.response.start":
                 if self._head is None and not self.response_started \
                         and self.scope["method"] != "HEAD":
+                    if not (self.access_log or self.flow.write_paused or self.disconnected):
+                        self._head = self._start(message)
+                        return
                     transport, held = self.transport, _Held()
                     self.transport = held
                     try:
@@ -367,6 +369,54 @@ if HttpToolsProtocol is not None:
                     self.transport = transport
                 return
             await super().send(message)
+
+        def _start(self, message: Any) -> bytes:
+            """The head for ``http.response.start``, and the cycle's state after it, as
+            uvicorn's ``send`` makes them (when it has no access log to write and no paused
+            writing to wait for), with less Python per header: its checks run once over all
+            the names and once over all the values (they match single characters, so they
+            find in the joined names what they would in each), and only the headers that
+            change the cycle's state are looked at one by one."""
+            self.response_started = True
+            self.waiting_for_100_continue = False
+            status = message["status"]
+            headers = [*self.default_headers, *message.get("headers", ())]
+            names = [name.lower() for name, _ in headers]
+            values = [value for _, value in headers]
+            if HEADER_RE.search(b"".join(names)):
+                raise RuntimeError("Invalid HTTP header name.")
+            if HEADER_VALUE_RE.search(b"".join(values)):
+                raise RuntimeError("Invalid HTTP header value.")
+            closes = False
+            stateful = _STATEFUL.intersection(names)
+            if stateful == _LENGTH_ONLY:
+                if self.chunked_encoding is None:  # the usual case (of several, the first)
+                    self.expected_content_length = int(values[names.index(b"content-length")])
+                    self.chunked_encoding = False
+            elif stateful:
+                for name, value in zip(names, values):
+                    if name == b"content-length" and self.chunked_encoding is None:
+                        self.expected_content_length = int(value.decode())
+                        self.chunked_encoding = False
+                    elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                        self.expected_content_length = 0
+                        self.chunked_encoding = True
+                    elif name == b"connection" and b"close" in [
+                            token.lower().strip() for token in value.split(b",")]:
+                        self.keep_alive = False
+                        closes = True
+            content = [STATUS_LINE[status], *map(b"%s: %s\r\n".__mod__, zip(names, values))]
+            if not self.keep_alive and not closes:
+                content.append(b"connection: close\r\n")
+            if self.chunked_encoding is None and status not in (204, 304):  # not HEAD here
+                self.chunked_encoding = True
+                content.append(b"transfer-encoding: chunked\r\n")
+            content.append(b"\r\n")
+            return b"".join(content)
+
+    #: Response headers that change a request cycle's state (see ``_ShardCycle._start``).
+    _STATEFUL = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+    _LENGTH_ONLY = {b"content-length"}
 
     class _Held:
         """The transport while uvicorn writes a response head: keeps it."""

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from client_sdk import wire
 
 from .errors import ShardError
+from .headers import header
 from .scan import SCAN_FROM, FiniteScan, finite_rows
 from .protocol import BODY_INTO, Gathered, gathers
 from .store import MAX_WAIT_SECONDS, ParameterStore
@@ -125,13 +126,13 @@ async def read_body(request: Request, limit: int, scan: bool = False
     for a declared ``Content-Length`` above ``limit`` (before reading) or, without one, as soon
     as the bytes received pass ``limit``; 400 for a body that ends early or runs long.
     """
-    content_type = request.headers.get("content-type", "")
+    content_type = header(request.scope, b"content-type", "")
     kind = content_type.split(";")[0].strip().lower()
     if kind not in (wire.MSGPACK, wire.FRAME):
         raise ShardError("unsupported_media_type",
                          f"unsupported Content-Type {content_type!r}: send {wire.MSGPACK} "
                          f"or {wire.FRAME}", {"content_type": content_type})
-    declared = request.headers.get("content-length")
+    declared = header(request.scope, b"content-length")
     try:
         if declared is not None:
             try:
@@ -172,7 +173,16 @@ async def _read_sized(request: Request, size: int, scan: bool = False) -> wire.B
     whole: bytes | None = None
     buf: memoryview | None = None
     pos = 0
-    async for chunk in request.stream():
+    receive = request.receive  # what request.stream() does, without a generator's steps
+    more = True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            continue
+        more = message.get("more_body", False)
+        chunk = message.get("body", b"")
         n = len(chunk)
         if not n:
             continue
@@ -219,7 +229,7 @@ def _reply(request: Request, msg: dict[str, Any], tensors: bool = False) -> Enco
 
 
 def _accepts_frame(request: Request) -> bool:
-    return wire.FRAME in request.headers.get("accept", "").lower()
+    return wire.FRAME in header(request.scope, b"accept", "").lower()
 
 
 def _store(request: Request) -> ParameterStore:
@@ -368,7 +378,7 @@ def _table_map(request: Request, msg: Mapping[str, Any], key: str, verb: str,
                body: wire.Buffer) -> dict[str, np.ndarray]:
     """A verb's tensor field sent as a tensor table: ``{name: tensor}``, every row a tensor."""
     value = _required(msg, key, verb)
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    kind = header(request.scope, b"content-type", "").split(";")[0].strip().lower()
     if kind != wire.FRAME:
         raise ShardError("bad_request", f"{verb}: a tensor table ('layout': 'table') needs a "
                          f"framed body ({wire.FRAME})", {"field": key})

@@ -32,7 +32,7 @@ from server.fastpath import direct_routes
 from bench.stepcost import NullTransport
 from server import protocol as server_protocol
 from server.protocol import BODY_INTO, GATHER, Gathered, ShardHttpProtocol
-from server.routes_data import coalesce
+from server.routes_data import coalesce, read_body
 from server.scan import FiniteScan, finite_rows
 from server.store import OFFLOAD_BYTES, SMALL_CHECK, ParameterStore, all_finite
 
@@ -672,13 +672,17 @@ async def _replies(scope, receive, send) -> None:
                     else b"xyz"})
 
 
-def _writes(request: bytes, vectored: bool = True) -> _Recorder:
-    """Feed ``request`` to a ShardHttpProtocol serving :func:`_replies`; the recorded writes."""
+def _writes(request: bytes, vectored: bool = True, app=_replies, protocol=ShardHttpProtocol,
+            default_headers=(), access_log=False) -> _Recorder:
+    """Feed ``request`` to ``protocol`` (a ShardHttpProtocol) serving ``app`` (:func:`_replies`),
+    with no access log unless asked (as a shard serves); the recorded writes."""
     async def run() -> _Recorder:
-        config = uvicorn.Config(_replies, http=ShardHttpProtocol, lifespan="off",
-                                log_level="critical", proxy_headers=False)
+        config = uvicorn.Config(app, http=protocol, lifespan="off", log_level="critical",
+                                access_log=access_log, proxy_headers=False)
         config.load()
-        proto = ShardHttpProtocol(config=config, server_state=ServerState(), app_state={})
+        state = ServerState()
+        state.default_headers = list(default_headers)
+        proto = protocol(config=config, server_state=state, app_state={})
         transport = _Recorder()
         proto.connection_made(transport)
         proto.data_received(request)
@@ -733,6 +737,42 @@ def test_a_streamed_response_sends_its_head_with_the_first_piece():
     assert _head_and_body(t.sent())[1] == b"abc"
 
 
+_HEADS = [  # (status, response headers, body): each head built as uvicorn builds it
+    (200, [(b"content-length", b"3")], b"xyz"),
+    (200, [(b"Content-Length", b"3"), (b"X-Mixed-Case", b"Value")], b"xyz"),
+    (200, [(b"content-length", b"3"), (b"content-length", b"3")], b"xyz"),
+    (200, [(b"transfer-encoding", b"chunked")], b"xyz"),
+    (200, [(b"content-type", b"text/plain")], b"xyz"),  # no length: chunked
+    (200, [(b"content-length", b"3"), (b"connection", b"Keep-Alive, Close")], b"xyz"),
+    (200, [(b"connection", b"close"), (b"content-length", b"3")], b"xyz"),
+    (204, [], b""),
+    (200, [(b"bad name", b"x"), (b"content-length", b"3")], b"xyz"),
+    (200, [(b"content-length", b"3"), (b"x-bad-value", b"a\nb")], b"xyz"),
+    (200, [(b"content-length", b"3"), (b"x-ok-value", b"a\tb")], b"xyz"),
+]
+
+
+@pytest.mark.parametrize("status,headers,body", _HEADS)
+@pytest.mark.parametrize("closing", [False, True])
+def test_a_response_head_is_what_uvicorn_would_write(status, headers, body, closing):
+    """The shard's cycle builds a response head itself (fewer steps per header than uvicorn):
+    byte for byte what uvicorn's own protocol writes, with the same effect on the connection
+    (kept, or closed after a Connection: close either way, or after a refused header)."""
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    request = _req("POST", "/", extra="connection: close\r\n" if closing else "")
+    date = [(b"date", b"Tue, 24 Nov 2026 10:00:00 GMT")]
+    theirs = _writes(request, app=app, protocol=HttpToolsProtocol, default_headers=date)
+    for access_log in (False, True):  # with an access log to write, uvicorn builds it
+        ours = _writes(request, app=app, default_headers=date, access_log=access_log)
+        assert ours.sent() == theirs.sent() and ours.closed == theirs.closed
+    assert (ours.sent() == b"") == any(b" " in n or b"\n" in v for n, v in headers)
+
+
 def test_head_requests_interim_responses_and_failures_are_written_as_before():
     """A HEAD response (no body message to wait for) is written at once; a 100 Continue goes
     out before the app reads the body; an app that fails after its head leaves a closed
@@ -745,3 +785,36 @@ def test_head_requests_interim_responses_and_failures_are_written_as_before():
     assert _head_and_body(t.sent()[len(t.calls[0][1]):])[1] == b"xyz"
     t = _writes(_req("POST", "/fail"))
     assert t.calls == [] and t.closed
+
+
+# -- reading a small body (routes_data.read_body, the piece by piece path) ----------------------
+
+@pytest.mark.parametrize("pieces,declared,expect", [
+    ([b"\x81\xa1a", b"\x01"], 4, b"\x81\xa1a\x01"),
+    ([b"\x81\xa1a\x01"], 4, b"\x81\xa1a\x01"),
+    ([b"\x81\xa1", b""], 4, "body ended after 2 of 4 bytes"),
+    ([b"\x81\xa1a\x01\x02"], 4, "longer than its Content-Length"),
+    ([b"\x81\xa1", None], 4, "went away"),  # None: the client leaves
+])
+def test_a_small_body_is_read_whole_or_refused(pieces, declared, expect):
+    """Each ``http.request`` message's body in turn (an empty last one ends it); a body
+    shorter or longer than its Content-Length, or cut off by a client that leaves, is a 400
+    ``bad_request`` saying which."""
+    messages = [{"type": "http.disconnect"} if p is None else
+                {"type": "http.request", "body": p, "more_body": i < len(pieces) - 1}
+                for i, p in enumerate(pieces)]
+
+    async def receive():
+        return messages.pop(0)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/pull",
+             "headers": [(b"content-type", wire.MSGPACK.encode()),
+                         (b"content-length", str(declared).encode())]}
+    request = Request(scope, receive)
+    if isinstance(expect, bytes):
+        body, kind = asyncio.run(read_body(request, 1 << 20))
+        assert bytes(body) == expect and kind == wire.MSGPACK and not messages
+    else:
+        with pytest.raises(ShardError) as refused:
+            asyncio.run(read_body(request, 1 << 20))
+        assert refused.value.code == "bad_request" and expect in refused.value.message
