@@ -253,6 +253,9 @@ def test_a_big_body_is_read_into_one_buffer(scripted):
     b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort",
     b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nxx",
     b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+    b"HTTP/1.1 200 OK\r\n content-length: 0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-length : 0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\n: 0\r\ncontent-length: 0\r\n\r\n",
 ])
 def test_malformed_responses_are_protocol_errors(scripted, raw):
     def bad(conn: socket.socket, method: str, path: str) -> bool:
