@@ -35,18 +35,20 @@ request, and its buffer is bounded by the admitted ``Content-Length``); after it
 stop when the buffer is full, and a client that goes away mid-body is reported to the app as
 ``http.disconnect``, as before.
 
-Responses go out in fewer writes (:class:`_ShardCycle`): uvicorn writes a response's head as
-soon as the app sends ``http.response.start`` and each body message as it comes, and on loopback
-each write is a trip through the TCP stack that wakes the client. The head is held and written
-with the first body message; and a body message may carry a :class:`Gathered` (announced by
-:data:`GATHER` in the scope's extensions) whose pieces, e.g. a pull reply's header, padding and
-arrays, go out in one vectored write instead of being joined by the app. A 100-variable pull
-reply was two writes (and a joining copy of its 400 KB) and is now one ``writev``.
+Responses go out in fewer writes (:class:`_HeadWithBody`, the request cycle's transport):
+uvicorn writes a response's head as soon as the app sends ``http.response.start`` and each body
+message as it comes, and on loopback each write is a trip through the TCP stack that wakes the
+client. The head is held and written with the first body message; and a body message may carry
+a :class:`Gathered` (announced by :data:`GATHER` in the scope's extensions) whose pieces, e.g. a
+pull reply's header, padding and arrays, go out in one vectored write instead of being joined by
+the app. A 100-variable pull reply was two writes (and a joining copy of its 400 KB) and is now
+one ``writev``.
 
 It is passed to uvicorn as its ``http`` protocol class (``uvicorn.Config(http=...)``, a
 documented option). It relies on uvicorn's request cycle keeping the pending body in
 ``cycle.body`` and turning it into ``bytes(cycle.body)`` in ``receive()``, on its
-``response_complete`` and ``disconnected`` flags, and on the parser callbacks
+``response_complete`` and ``disconnected`` flags, on its writing the head, then the body, through
+``cycle.transport`` (and closing it after a failure), and on the parser callbacks
 ``on_headers_complete``/``on_body``/``on_message_complete``, as uvicorn has done since its
 first httptools protocol; the shard tests run every request through it, and
 tests/test_datapath.py runs it on its own under uvloop and asyncio's loop. Without httptools,
@@ -181,9 +183,7 @@ def _vectored(transport: asyncio.BaseTransport) -> bool:
 
 try:
     import httptools
-    from uvicorn.protocols.http.httptools_impl import (HEADER_RE, HEADER_VALUE_RE,
-                                                       HIGH_WATER_LIMIT, STATUS_LINE,
-                                                       HttpToolsProtocol, RequestResponseCycle)
+    from uvicorn.protocols.http.httptools_impl import HIGH_WATER_LIMIT, HttpToolsProtocol
 except ImportError:  # httptools is not installed
     HttpToolsProtocol = None  # type: ignore[assignment, misc]
 
@@ -213,8 +213,10 @@ if HttpToolsProtocol is not None:
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
-            if type(self.cycle) is RequestResponseCycle:
-                self.cycle.__class__ = _ShardCycle  # fewer writes per response (see there)
+            cycle = self.cycle
+            if cycle.transport is self.transport and self.scope["method"] != "HEAD" \
+                    and not self.expect_100_continue:
+                cycle.transport = _HeadWithBody(self.transport)  # fewer writes (see there)
                 extensions = self.scope.get("extensions")
                 if extensions is None:
                     extensions = self.scope["extensions"] = {}  # type: ignore[typeddict-unknown-key]
@@ -326,124 +328,38 @@ if HttpToolsProtocol is not None:
                 self.flow.pause_reading()
             cycle.message_event.set()
 
-    class _ShardCycle(RequestResponseCycle):  # type: ignore[misc, valid-type]
-        """uvicorn's request cycle, writing a response with as few system calls as it can.
-
-        uvicorn writes the head when the app sends ``http.response.start`` and each body
-        message when it comes; on loopback each write is a trip through the TCP stack that
-        wakes the reader. Here
-
-        * the head is held and goes out with the first body message (not for ``HEAD``
-          requests, which have none): joined to a small body, or next to a big one in one
-          vectored write where the transport has them (:func:`_vectored`). If no body message
-          ever comes (the app fails after ``http.response.start``) the head is dropped and
-          the connection closed, as uvicorn closes it after such a failure;
-        * a body message may carry a :class:`Gathered` (the request's scope announces it with
-          :data:`GATHER`): its pieces go out in one vectored write, not joined first.
-        """
-
-        _head: bytes | None = None
-
-        async def send(self, message: Any) -> None:
-            if message["type"] == "http.response.start":
-                if self._head is None and not self.response_started \
-                        and self.scope["method"] != "HEAD":
-                    if not (self.access_log or self.flow.write_paused or self.disconnected):
-                        self._head = self._start(message)
-                        return
-                    transport, held = self.transport, _Held()
-                    self.transport = held
-                    try:
-                        await super().send(message)
-                    finally:
-                        self.transport = transport
-                    self._head = held.head
-                    return
-            elif self._head is not None or type(message.get("body")) is Gathered:
-                head, self._head = self._head, None
-                transport = self.transport
-                self.transport = _Writer(transport, head)
-                try:
-                    await super().send(message)
-                finally:
-                    self.transport = transport
-                return
-            await super().send(message)
-
-        def _start(self, message: Any) -> bytes:
-            """The head for ``http.response.start``, and the cycle's state after it, as
-            uvicorn's ``send`` makes them (when it has no access log to write and no paused
-            writing to wait for), with less Python per header: its checks run once over all
-            the names and once over all the values (they match single characters, so they
-            find in the joined names what they would in each), and only the headers that
-            change the cycle's state are looked at one by one."""
-            self.response_started = True
-            self.waiting_for_100_continue = False
-            status = message["status"]
-            headers = [*self.default_headers, *message.get("headers", ())]
-            names = [name.lower() for name, _ in headers]
-            values = [value for _, value in headers]
-            if HEADER_RE.search(b"".join(names)):
-                raise RuntimeError("Invalid HTTP header name.")
-            if HEADER_VALUE_RE.search(b"".join(values)):
-                raise RuntimeError("Invalid HTTP header value.")
-            closes = False
-            stateful = _STATEFUL.intersection(names)
-            if stateful == _LENGTH_ONLY:
-                if self.chunked_encoding is None:  # the usual case (of several, the first)
-                    self.expected_content_length = int(values[names.index(b"content-length")])
-                    self.chunked_encoding = False
-            elif stateful:
-                for name, value in zip(names, values):
-                    if name == b"content-length" and self.chunked_encoding is None:
-                        self.expected_content_length = int(value.decode())
-                        self.chunked_encoding = False
-                    elif name == b"transfer-encoding" and value.lower() == b"chunked":
-                        self.expected_content_length = 0
-                        self.chunked_encoding = True
-                    elif name == b"connection" and b"close" in [
-                            token.lower().strip() for token in value.split(b",")]:
-                        self.keep_alive = False
-                        closes = True
-            content = [STATUS_LINE[status], *map(b"%s: %s\r\n".__mod__, zip(names, values))]
-            if not self.keep_alive and not closes:
-                content.append(b"connection: close\r\n")
-            if self.chunked_encoding is None and status not in (204, 304):  # not HEAD here
-                self.chunked_encoding = True
-                content.append(b"transfer-encoding: chunked\r\n")
-            content.append(b"\r\n")
-            return b"".join(content)
-
-    #: Response headers that change a request cycle's state (see ``_ShardCycle._start``).
-    _STATEFUL = frozenset({b"content-length", b"transfer-encoding", b"connection"})
-    _LENGTH_ONLY = {b"content-length"}
-
-    class _Held:
-        """The transport while uvicorn writes a response head: keeps it."""
-
-        __slots__ = ("head",)
-
-        def __init__(self) -> None:
-            self.head: bytes | None = None
-
-        def write(self, data: bytes) -> None:
-            self.head = data if self.head is None else self.head + data
-
     #: Bodies smaller than this are joined to the head (and their pieces joined) into one
     #: ``bytes``; bigger ones go out as their pieces in one vectored write where there is one.
     JOIN_BELOW = 16 * 1024
 
-    class _Writer:
-        """The transport while uvicorn writes a body message: writes the held head (if any)
-        with it, and a :class:`Gathered` body as its pieces."""
+    class _HeadWithBody:
+        """A request cycle's transport that writes a response with as few system calls as it
+        can (uvicorn writes the head when the app sends ``http.response.start`` and each body
+        message when it comes; on loopback each write is a trip through the TCP stack that
+        wakes the reader):
 
-        __slots__ = ("head", "transport")
+        * the first write, the head, is held and goes out with the next, the first body
+          message: joined to a small body, or next to a big one in one vectored write where
+          the transport has them (:func:`_vectored`). If the connection is closed before (the
+          app failed after ``http.response.start``) the head is dropped, as uvicorn closes
+          the connection after such a failure. Not for ``HEAD`` requests (no body message is
+          written) or requests expecting ``100 Continue`` (written before the head);
+        * a body may be a :class:`Gathered` (the request's scope announces it with
+          :data:`GATHER`): its pieces go out in one vectored write, not joined first.
+        """
 
-        def __init__(self, transport: asyncio.Transport, head: bytes | None) -> None:
+        __slots__ = ("transport", "head", "first")
+
+        def __init__(self, transport: asyncio.Transport) -> None:
             self.transport = transport
-            self.head = head
+            self.head: bytes | None = None
+            self.first = True
 
         def write(self, data: Any) -> None:
+            if self.first:
+                self.first = False
+                self.head = data
+                return
             head, transport = self.head, self.transport
             self.head = None
             pieces = data.chunks if type(data) is Gathered else (data,)
@@ -457,9 +373,7 @@ if HttpToolsProtocol is not None:
                 transport.write(b"".join(pieces))
 
         def close(self) -> None:
-            if self.head is not None:
-                self.transport.write(self.head)
-                self.head = None
+            self.head = None
             self.transport.close()
 
         def is_closing(self) -> bool:
