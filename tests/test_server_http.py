@@ -233,7 +233,11 @@ def test_pull_in_the_table_layout(fleet2, http):
                 assert row is None  # the puller holds version 0 already
             else:
                 np.testing.assert_array_equal(row, values[name])
-    for bad in ([0, 0], [None, -1, 0, None], [None, "1", 0, None]):
+    rep = post(http, url, "pull", {**ask, "versions": [0, 1, 0, 0]}, accept_frame=True)
+    assert rep.msg["table"]["versions"] == [0, 1, 0, 0]  # every row held: no values
+    assert rep.msg["table"]["dtype"] == [None] * 4
+    for bad in ([0, 0], [None, -1, 0, None], [None, "1", 0, None], [0, -1, 0, 0],
+                [0, True, 0, 0], [0, 1.0, 0, 0]):
         assert_refused(post(http, url, "pull", {**ask, "versions": bad}, accept_frame=True),
                        400, "bad_request")
 
