@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="variable sizes in float32 elements, e.g. 1e5,1e6,2.5e7 (default: each "
                         "case's own)")
     p.add_argument("--reps", type=_positive, default=None,
-                   help="timed repetitions per size up to 8 MiB; bigger sizes get proportionally "
-                        "fewer, at least --min-reps (default 30, --quick 5)")
+                   help="timed repetitions per size up to 8 MiB (ten times as many up to 512 "
+                        "KiB); bigger sizes get proportionally fewer, at least --min-reps "
+                        "(default 30, --quick 5)")
     p.add_argument("--min-reps", dest="min_reps", type=_positive, default=None,
                    help="fewest timed repetitions of any size (default 10, --quick 2)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")

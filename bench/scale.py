@@ -11,7 +11,8 @@ The assumptions, stated here once and printed with the result:
 * shards run on hosts of **16 cores** with a **100 Gb/s NIC** (12.5 GB/s each way, full
   duplex), up to one shard per core;
 * the CPU cost per GB is the one measured here for the biggest transfers (sizes >= 10^7
-  pooled: CPU-seconds summed / GB summed), on this machine's cores, and it stays the same
+  pooled: CPU-seconds summed / GB summed; else >= 10^6; smaller ones are not used, their CPU
+  is per-request work), on this machine's cores, and it stays the same
   per byte when a shard's slice is smaller (a shard's share of one push is 4 GB / shards:
   tens of MB at these fleet sizes, the size measured);
 * nothing else runs on the shard hosts, and the network between workers and shards is not
@@ -33,6 +34,8 @@ STEPS_PER_S = 1.0
 CORES_PER_SHARD = 1.0
 HOST_CORES = 16
 HOST_NIC_GB_S = 100 / 8  # 100 Gb/s, each direction
+#: Smallest transfer (elements) whose CPU per GB counts; 10^7 and up are preferred.
+MIN_SIZE = 10**6
 
 
 def _pooled(rows: Sequence[dict], system: str, op: str) -> tuple[float, list[int]] | None:
@@ -41,7 +44,9 @@ def _pooled(rows: Sequence[dict], system: str, op: str) -> tuple[float, list[int
                 and r["op"] == op and r.get("server_cpu_s") is not None]
     if not measured:
         return None
-    floor = 10**7 if any(r["size"] >= 10**7 for r in measured) else max(r["size"] for r in measured)
+    # Below 10^6 elements a transfer's CPU is per-request work, not per-byte: no basis for a
+    # fleet moving GB/s.
+    floor = 10**7 if any(r["size"] >= 10**7 for r in measured) else MIN_SIZE
     use = [r for r in measured if r["size"] >= floor]
     gb = sum(r["server_gb"] for r in use)
     cpu = sum(r["server_cpu_s"] for r in use)
@@ -76,9 +81,9 @@ def estimate(rows: Sequence[dict]) -> dict | None:
 
 def render(est: dict | None) -> str:
     if est is None:
-        return ("\nSCALE: not estimated (no shard CPU figures: needs /proc and the transfer case, "
-                "with transfers long enough to register in /proc's CPU clock: sizes of 10^7 "
-                "elements, the default, do)")
+        return ("\nSCALE: not estimated (no shard CPU figures: needs /proc and the transfer case "
+                "with sizes of at least 10^6 elements, long enough to register in /proc's CPU "
+                "clock: 10^7, the default, does)")
     sizes = ", ".join(f"{n:,}" for n in est["sizes"])
     g = est["gb_per_s_each_way"]
     lines = [

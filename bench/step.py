@@ -22,7 +22,7 @@ import numpy as np
 from .context import Context
 from .peers.driver import Peer
 from .rawsock import RawClient
-from .timing import Stopwatch, summarize
+from .timing import Stopwatch, reps_for, summarize
 from .transfer import RAW, SDK, push_label, rotated
 
 __all__ = ["COUNT", "DEFAULT_SIZES", "DESCRIPTION", "run"]
@@ -83,7 +83,7 @@ def _one_size(ctx: Context, n: int, ps: Any, raw: RawClient, peers: Sequence[Pee
         watches["pull", peer.label].samples.append(peer.pull(names))
 
     turns = [sdk_turn, raw_turn, *(functools.partial(peer_turn, p) for p in peers)]
-    for i in range(ctx.warmup + ctx.reps):
+    for i in range(ctx.warmup + reps_for(nbytes, ctx.reps, ctx.min_reps)):
         if i == ctx.warmup:
             for w in watches.values():
                 w.samples.clear()

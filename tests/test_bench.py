@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import goals, scale
+from bench import goals, scale, timing
 from bench.transfer import RAW, SDK
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +44,8 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
     for r in rows:
         systems[r["case"], r["op"]].add(r["system"])
         assert r["reps"] >= 1 and r["p50_ms"] > 0
+        if r["case"] in ("transfer", "step"):  # small: ten times --quick's 5 repetitions
+            assert r["reps"] == 5 * timing.SMALL_FACTOR, r
     for case in ("transfer", "step"):
         for op in ("pull", "push"):
             assert systems[case, op] == {SDK, RAW}
@@ -51,6 +53,14 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
     assert {"paramshard", "raw file"} <= systems["snapshot", "write"]
     assert [g["met"] for g in data["meta"]["goals"]] == [None] * len(data["meta"]["goals"])
     assert data["meta"]["scale"] is None
+
+
+def test_small_transfers_get_more_repetitions_and_big_ones_fewer():
+    small, full = timing.SMALL_BYTES, timing.FULL_REPS_BYTES
+    assert timing.reps_for(4_000, 30, 10) == timing.reps_for(small, 30, 10) == 300
+    assert timing.reps_for(small + 1, 30, 10) == timing.reps_for(full, 30, 10) == 30
+    assert timing.reps_for(2 * full, 30, 10) == 15
+    assert timing.reps_for(100 * full, 30, 10) == 10  # never below --min-reps
 
 
 @pytest.mark.parametrize("args, says", [
@@ -117,6 +127,11 @@ def test_scale_turns_measured_cpu_per_gb_into_shards_and_hosts():
     zero = [transfer("pull", SDK, 0.0, 0.004), transfer("push", SDK, 0.0, 0.004)]
     assert scale.estimate(zero) is None
     assert "not estimated" in scale.render(None)
+    # small transfers' CPU is per-request work: not used; 10^6 is, when nothing bigger ran
+    small = [{**r, "size": 10**5} for r in rows]
+    assert scale.estimate(small) is None
+    est = scale.estimate([{**r, "size": 10**6} for r in rows] + small)
+    assert est["sizes"] == [10**6] and est["cpu_s_per_gb_pull"] == pytest.approx(0.25)
 
 
 def test_the_step_cost_diagnostic_runs():
