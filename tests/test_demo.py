@@ -8,6 +8,7 @@ they run in their own sessions.
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -107,16 +108,35 @@ def test_demo_trains_reports_and_cleans_up(tmp_path):
         kill_leftovers(ports)
 
 
+def _busy_port_above_a_free_one() -> tuple[socket.socket, int]:
+    """A socket listening on port P + 1, and P, which nothing holds: both below the kernel's
+    ephemeral port range, so that no outgoing connection (another test's client) is handed P
+    as its local port before the demo binds it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    low = max(1024, ephemeral - 12000)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(low, ephemeral - 2)
+        busy = socket.socket()
+        try:
+            busy.bind(("127.0.0.1", port + 1))
+            busy.listen()
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port))
+        except OSError:
+            busy.close()
+            continue
+        return busy, port
+    pytest.skip("no free pair of ports below the ephemeral range")
+
+
 def test_demo_reports_a_taken_port_and_stops_the_other_shard(tmp_path):
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1] - 1  # shard 1 gets the busy port
-        if port < 1024:
-            pytest.skip("no room below the busy port")
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                pytest.skip(f"port {port} is in use as well")
+    busy, port = _busy_port_above_a_free_one()  # shard 1 gets the busy port
+    with busy:
         try:
             proc = subprocess.run(demo_command("--no-wait", "--base-port", str(port),
                                                "--steps", "5"),
