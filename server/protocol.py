@@ -212,9 +212,12 @@ if HttpToolsProtocol is not None:
         _direct: _DirectReader | None = None
 
         def on_headers_complete(self) -> None:
+            previous = self.cycle
             super().on_headers_complete()
             cycle = self.cycle
-            if cycle.transport is self.transport and self.scope["method"] != "HEAD" \
+            # A new request cycle (not for an upgrade, which makes none), whose response has
+            # a body message to join the head to:
+            if cycle is not previous and self.scope["method"] != "HEAD" \
                     and not self.expect_100_continue:
                 cycle.transport = _HeadWithBody(self.transport)  # fewer writes (see there)
                 extensions = self.scope.get("extensions")

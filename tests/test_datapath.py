@@ -633,6 +633,13 @@ class _Recorder(NullTransport):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, object]] = []
+        self.protocol = None
+
+    def set_protocol(self, protocol) -> None:  # a websocket upgrade hands the connection on
+        self.protocol = protocol
+
+    def get_protocol(self):
+        return self.protocol
 
     def write(self, data) -> None:
         self.calls.append(("write", bytes(data)))
@@ -770,6 +777,47 @@ def test_a_response_head_is_what_uvicorn_would_write(status, headers, body, clos
     ours = _writes(request, app=app, default_headers=date)
     assert ours.sent() == theirs.sent() and ours.closed == theirs.closed
     assert (ours.sent() == b"") == any(b" " in n or b"\n" in v for n, v in headers)
+
+
+_UPGRADE = (b"GET /ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
+            b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n")
+
+
+@pytest.mark.parametrize("first", [b"", _req("POST", "/small")])
+def test_a_websocket_upgrade_is_handed_on_as_uvicorn_does(first):
+    """An upgrade request makes no request cycle: what answers it is uvicorn's websocket
+    handling, as under uvicorn's own protocol (first on a connection: a 403, the app closes
+    the socket), not a 400 from a write-holding cycle that is not there."""
+    async def app(scope, receive, send):
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close"})
+        else:
+            await _replies(scope, receive, send)
+
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    def status_lines(protocol) -> list[bytes]:
+        async def run() -> _Recorder:
+            config = uvicorn.Config(app, http=protocol, lifespan="off", log_level="critical",
+                                    access_log=False, proxy_headers=False)
+            config.load()
+            proto = protocol(config=config, server_state=ServerState(), app_state={})
+            transport = _Recorder()
+            proto.connection_made(transport)
+            for request in (first, _UPGRADE):  # one after the other has been answered
+                if request:
+                    proto.data_received(request)
+                for _ in range(100):
+                    await asyncio.sleep(0)
+            return transport
+
+        sent = asyncio.run(run()).sent()
+        return [line for line in sent.split(b"\r\n") if line.startswith(b"HTTP/1.1 ")]
+
+    ours = status_lines(ShardHttpProtocol)
+    assert ours == status_lines(HttpToolsProtocol)
+    if not first:
+        assert ours == [b"HTTP/1.1 403 Forbidden"]
 
 
 def test_head_requests_interim_responses_and_failures_are_written_as_before():
