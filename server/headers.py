@@ -18,10 +18,14 @@ _KEY = "paramshard.headers"
 
 def request_headers(scope: Any) -> dict[bytes, bytes]:
     """``{name: value}`` of ``scope``'s headers (names lower-case, as ASGI gives them); of a
-    repeated header, its first value, as Starlette's ``Headers.get`` gives it."""
+    repeated header, its first value, as Starlette's ``Headers.get`` gives it. Made at the
+    first call for a request: the shard changes no request's headers after that."""
     found = scope.get(_KEY)
     if found is None:
-        found = scope[_KEY] = dict(reversed(scope.get("headers") or ()))
+        headers = scope.get("headers") or ()
+        if not isinstance(headers, (list, tuple)):  # ASGI allows any iterable of pairs
+            headers = list(headers)
+        found = scope[_KEY] = dict(reversed(headers))
     return found
 
 

@@ -27,6 +27,7 @@ from fastapi import Depends, FastAPI, Request
 
 from client_sdk import BadTensorError, PSClient, wire
 from server.errors import ShardError
+from server.headers import header, request_headers
 from client_sdk.optimizers import SGD, Adagrad, Add
 from server.fastpath import direct_routes
 from bench.stepcost import NullTransport
@@ -865,3 +866,18 @@ def test_a_small_body_is_read_whole_or_refused(pieces, declared, expect):
         with pytest.raises(ShardError) as refused:
             asyncio.run(read_body(request, 1 << 20))
         assert refused.value.code == "bad_request" and expect in refused.value.message
+
+
+# -- a request's headers (server/headers.py) -----------------------------------------------------
+
+def test_request_headers_give_the_first_of_repeats_from_any_iterable_once_per_request():
+    pairs = [(b"accept", b"a"), (b"content-length", b"12"), (b"accept", b"b"),
+             (b"x-name", "caf\u00e9".encode("latin-1"))]
+    for given in (pairs, tuple(pairs), (p for p in pairs)):
+        scope = {"type": "http", "headers": given}
+        assert header(scope, b"accept") == "a" and header(scope, b"content-length") == "12"
+        assert header(scope, b"x-name") == "caf\u00e9"
+        assert header(scope, b"missing") is None and header(scope, b"missing", "") == ""
+        made = request_headers(scope)
+        assert request_headers(scope) is made  # once per request
+    assert request_headers({"type": "http"}) == {}
