@@ -66,6 +66,7 @@ __all__ = [
     "framed_view",
     "is_tensor",
     "parse_dtype",
+    "table_block",
     "table_rows",
     "unpack",
 ]
@@ -589,13 +590,41 @@ def _one_dtype_and_shape(dtypes: list, shapes: list) -> bool:
         and shapes.count(shapes[0]) == n
 
 
+def table_block(table: Any, body: Buffer) -> np.ndarray | None:
+    """The tensors of a tensor table in the framed ``body`` as one ``(rows, *shape)`` view of
+    it, when there are two or more and they all have one dtype (in this machine's byte order)
+    and one shape: the rows :func:`table_rows` gives are then this view's rows. ``None`` for
+    any other table (or a malformed one: :func:`table_rows` says what is wrong). For work on
+    all the rows at once, e.g. checking them for NaN in one pass."""
+    if type(table) is not dict:
+        return None
+    dtypes, shapes = table.get("dtype"), table.get("shape")
+    if type(dtypes) is not list or type(shapes) is not list or len(dtypes) != len(shapes):
+        return None
+    size = _buffer_size(body)
+    if size < _HEAD.size:
+        return None
+    try:
+        return _uniform_block(dtypes, shapes, body, _HEAD.size + _HEAD.unpack_from(body, 0)[1],
+                              size)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _uniform_rows(dtypes: list, shapes: list, body: Buffer, at: int, size: int
                   ) -> list[np.ndarray] | None:
-    """The rows of a table of two or more tensors that all have one dtype (already seen, in
-    this machine's byte order) and one shape (ints > 0), lying in the body; ``None`` for any
-    other table. Such rows sit at a fixed stride, so one strided view of the body holds them
-    all, and its rows are the tensors: no Python work per row (a step's many same-shaped
-    variables, e.g. the layers of a stack)."""
+    """The rows of :func:`_uniform_block`, or ``None``."""
+    block = _uniform_block(dtypes, shapes, body, at, size)
+    return None if block is None else list(block)
+
+
+def _uniform_block(dtypes: list, shapes: list, body: Buffer, at: int, size: int
+                   ) -> np.ndarray | None:
+    """A table of two or more tensors that all have one dtype (already seen, in this
+    machine's byte order) and one shape (ints > 0), lying in the body, as one strided view of
+    it; ``None`` for any other table. Such rows sit at a fixed stride, so the view's rows are
+    the tensors: no Python work per row (a step's many same-shaped variables, e.g. the layers
+    of a stack). (A row's ``base`` is not this view: numpy points it at the memory's owner.)"""
     if not _one_dtype_and_shape(dtypes, shapes):
         return None
     n = len(dtypes)
@@ -619,7 +648,7 @@ def _uniform_rows(dtypes: list, shapes: list, body: Buffer, at: int, size: int
     if first + stride * (n - 1) + span > size:
         return None
     strides.append(stride)
-    return list(np.ndarray((n, *shape), dtype, body, first, strides[::-1]))
+    return np.ndarray((n, *shape), dtype, body, first, strides[::-1])
 
 
 def _fast_rows(dtypes: list, shapes: list, body: Buffer, at: int, size: int

@@ -407,7 +407,7 @@ async def push(request: Request) -> Response:
     if _layout(msg, "push") == "table":
         grads = _table_map(request, msg, "grads", "push", body)
         if not finite:  # a table of same-shaped gradients is checked in one pass
-            finite = finite_rows(list(grads), list(grads.values()))
+            finite = finite_rows(list(grads), wire.table_block(msg["grads"], body))
     else:
         grads = _tensor_map(msg, "grads", "push", body)
     result = await _store(request).push_async(worker_id, seq, grads, versions, finite=finite)

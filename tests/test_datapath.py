@@ -564,37 +564,51 @@ def test_the_arrival_scan_names_exactly_the_finite_float_gradients(layout):
     assert _scan_in_pieces(bytes(broken), 0) == set()
 
 
-def _same_shaped_push(rows: list[np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
-    """A push table of ``rows`` encoded and decoded as a shard does: names and gradients."""
+def _same_shaped_push(rows: list[np.ndarray], big: bool = False
+                      ) -> tuple[list[str], np.ndarray | None]:
+    """A push table of ``rows`` encoded and decoded as a shard does: the names and the
+    gradients as one block (or None). ``big``: the body in a buffer of ``np.empty`` memory, as
+    a shard reads a body of 64 KiB or more (the rows' ``base`` is then that buffer)."""
     table = {"names": [f"g{i}" for i in range(len(rows))]}
-    body = bytearray(wire.encode_table({"grads": table}, table, rows).join())
-    return wire.table_rows(wire.unpack(body, wire.FRAME)["grads"], body)
+    body = wire.encode_table({"grads": table}, table, rows).join()
+    buffer = memoryview(np.frombuffer(body, np.uint8).copy()) if big else bytearray(body)
+    grads = wire.unpack(buffer, wire.FRAME)["grads"]
+    names, arrays = wire.table_rows(grads, buffer)
+    block = wire.table_block(grads, buffer)
+    if block is not None:  # the block's rows are the rows table_rows gives
+        assert all(np.shares_memory(a, b) and np.array_equal(a, b, equal_nan=True)
+                   for a, b in zip(arrays, block))
+    return names, block
 
 
-def test_same_shaped_gradients_are_checked_in_one_pass_exactly():
+@pytest.mark.parametrize("big", [False, True])
+def test_same_shaped_gradients_are_checked_in_one_pass_exactly(big):
     """finite_rows names exactly the rows with no NaN or infinity that its one reduction can
     vouch for (an overflow of finite values is left to the store's exact check), and nothing
-    at all for gradients that are not the rows of one float block."""
+    at all for gradients that are not the rows of one float block; whatever memory the body
+    is in."""
     rows = [np.ones((3, 5), np.float32) for _ in range(6)]
     rows[1][2, 4] = np.nan
     rows[3][0, 0] = -np.inf
     rows[4][1, 1] = 3e38  # finite, but its square overflows
-    names, arrays = _same_shaped_push(rows)
-    assert finite_rows(names, arrays) == {"g0", "g2", "g5"}
-    assert finite_rows(names[:1], arrays[:1]) == set()  # one row: the store's check
-    assert finite_rows(names, [a.copy() for a in arrays]) == set()  # not one block
-    halves = _same_shaped_push([np.ones(8, np.float16)] * 3)
-    assert finite_rows(*halves) == set()
-    mixed = _same_shaped_push([np.ones(8, np.float32), np.ones(9, np.float32)])
-    assert finite_rows(*mixed) == set()
+    names, block = _same_shaped_push(rows, big)
+    assert finite_rows(names, block) == {"g0", "g2", "g5"}
+    assert finite_rows(names[:1], block[:1]) == set()  # one row: the store's check
+    assert finite_rows(names[:5], block) == set()  # names and rows do not match
+    assert finite_rows(names, None) == set()
+    halves = _same_shaped_push([np.ones(8, np.float16)] * 3, big)
+    assert halves[1] is not None and finite_rows(*halves) == set()
+    mixed = _same_shaped_push([np.ones(8, np.float32), np.ones(9, np.float32)], big)
+    assert mixed[1] is None and finite_rows(*mixed) == set()
 
 
-def test_a_same_shaped_push_with_a_bad_row_changes_nothing(fleet_factory):
+@pytest.mark.parametrize("count", [8, 100])  # a 32 KB body, and a 400 KB one (read into
+def test_a_same_shaped_push_with_a_bad_row_changes_nothing(fleet_factory, count):  # np.empty)
     """Through a real shard: a table of same-shaped gradients (checked in one pass) with a NaN
     in one row is refused naming that variable, and no variable moves; huge finite values
     (whose squares overflow the one-pass check) are applied."""
     fleet = fleet_factory(1)
-    names = [f"same/{i}" for i in range(8)]
+    names = [f"same/{i}" for i in range(count)]
     with PSClient(fleet.urls) as ps:
         ps.init({n: np.zeros(1000, np.float32) for n in names}, optimizer=Add())
         grads = {n: np.ones(1000, np.float32) for n in names}
