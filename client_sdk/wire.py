@@ -66,7 +66,6 @@ __all__ = [
     "framed_view",
     "is_tensor",
     "parse_dtype",
-    "table_block",
     "table_rows",
     "unpack",
 ]
@@ -532,13 +531,19 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
 
 
 def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = False,
-               names: list[str] | None = None) -> tuple[list[str], list[np.ndarray | None]]:
+               names: list[str] | None = None, with_block: bool = False) -> tuple:
     """Decode a tensor table of the framed ``body``: its names and, per row, the tensor (a
     view of ``body``, no copy) or ``None`` for a row without one. Other columns stay in
     ``table`` for the caller. With ``native=True`` a tensor in the other byte order is
     converted (a read-only copy in this machine's order) instead of viewed. ``names`` are the
     rows' names when the table has no ``names`` column (a pull reply may leave it out: its
     rows are the requested names, in order).
+
+    With ``with_block=True``, a third item: when there are two or more rows, all tensors of
+    one dtype (in this machine's byte order) and one shape, the rows as one ``(rows, *shape)``
+    view of ``body`` (the rows given are its rows), else ``None``. For work on all the rows
+    at once, e.g. checking them for NaN in one pass (a row's ``base`` is not this view:
+    numpy points it at the memory's owner).
 
     Raises :class:`WireError` (``bad_request`` for a malformed table, ``bad_tensor`` for a bad
     row, saying which).
@@ -559,8 +564,10 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
         raise WireError("a tensor table needs a framed body")
     start = _HEAD.size + _HEAD.unpack_from(body, 0)[1]
     try:
-        rows = _uniform_rows(dtypes, shapes, body, start, size)
-        return names, rows if rows is not None else _fast_rows(dtypes, shapes, body, start, size)
+        block = _uniform_block(dtypes, shapes, body, start, size)
+        rows = list(block) if block is not None else _fast_rows(dtypes, shapes, body, start,
+                                                                size)
+        return (names, rows, block) if with_block else (names, rows)
     except (KeyError, TypeError, ValueError):
         pass  # a row off the common path: decode again, row by row, with the checks
     at = start
@@ -579,7 +586,7 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
             row = row.astype(row.dtype.newbyteorder("="))
             row.flags.writeable = False
         out.append(row)
-    return names, out
+    return (names, out, None) if with_block else (names, out)
 
 
 def _one_dtype_and_shape(dtypes: list, shapes: list) -> bool:
@@ -590,41 +597,13 @@ def _one_dtype_and_shape(dtypes: list, shapes: list) -> bool:
         and shapes.count(shapes[0]) == n
 
 
-def table_block(table: Any, body: Buffer) -> np.ndarray | None:
-    """The tensors of a tensor table in the framed ``body`` as one ``(rows, *shape)`` view of
-    it, when there are two or more and they all have one dtype (in this machine's byte order)
-    and one shape: the rows :func:`table_rows` gives are then this view's rows. ``None`` for
-    any other table (or a malformed one: :func:`table_rows` says what is wrong). For work on
-    all the rows at once, e.g. checking them for NaN in one pass."""
-    if type(table) is not dict:
-        return None
-    dtypes, shapes = table.get("dtype"), table.get("shape")
-    if type(dtypes) is not list or type(shapes) is not list or len(dtypes) != len(shapes):
-        return None
-    size = _buffer_size(body)
-    if size < _HEAD.size:
-        return None
-    try:
-        return _uniform_block(dtypes, shapes, body, _HEAD.size + _HEAD.unpack_from(body, 0)[1],
-                              size)
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def _uniform_rows(dtypes: list, shapes: list, body: Buffer, at: int, size: int
-                  ) -> list[np.ndarray] | None:
-    """The rows of :func:`_uniform_block`, or ``None``."""
-    block = _uniform_block(dtypes, shapes, body, at, size)
-    return None if block is None else list(block)
-
-
 def _uniform_block(dtypes: list, shapes: list, body: Buffer, at: int, size: int
                    ) -> np.ndarray | None:
     """A table of two or more tensors that all have one dtype (already seen, in this
     machine's byte order) and one shape (ints > 0), lying in the body, as one strided view of
     it; ``None`` for any other table. Such rows sit at a fixed stride, so the view's rows are
     the tensors: no Python work per row (a step's many same-shaped variables, e.g. the layers
-    of a stack). (A row's ``base`` is not this view: numpy points it at the memory's owner.)"""
+    of a stack)."""
     if not _one_dtype_and_shape(dtypes, shapes):
         return None
     n = len(dtypes)

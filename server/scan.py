@@ -122,8 +122,8 @@ class FiniteScan:
 def finite_rows(names: list[str], block: np.ndarray | None) -> set[str]:
     """The names whose gradient is finite, checked in one pass over ``block``, the gradients
     of a tensor table whose rows all have one float dtype and one shape as one view
-    (:func:`client_sdk.wire.table_block`; ``block[i]`` is ``names[i]``'s). A step's many small
-    gradients are typically that; one reduction over the block costs a fraction of one per
+    (``client_sdk.wire.table_rows(..., with_block=True)``; ``block[i]`` is ``names[i]``'s).
+    A step's many small gradients are typically that; one reduction over the block costs a fraction of one per
     gradient (100 x 1,000 float32: ~28 against ~124 us).
 
     ``None`` or any other block gives the empty set, and a row whose reduction is not finite

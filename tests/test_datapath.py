@@ -573,8 +573,7 @@ def _same_shaped_push(rows: list[np.ndarray], big: bool = False
     body = wire.encode_table({"grads": table}, table, rows).join()
     buffer = memoryview(np.frombuffer(body, np.uint8).copy()) if big else bytearray(body)
     grads = wire.unpack(buffer, wire.FRAME)["grads"]
-    names, arrays = wire.table_rows(grads, buffer)
-    block = wire.table_block(grads, buffer)
+    names, arrays, block = wire.table_rows(grads, buffer, with_block=True)
     if block is not None:  # the block's rows are the rows table_rows gives
         assert all(np.shares_memory(a, b) and np.array_equal(a, b, equal_nan=True)
                    for a, b in zip(arrays, block))
@@ -694,24 +693,28 @@ async def _replies(scope, receive, send) -> None:
                     else b"xyz"})
 
 
-def _writes(request: bytes, vectored: bool = True, app=_replies, protocol=ShardHttpProtocol,
-            default_headers=(), access_log=False) -> _Recorder:
-    """Feed ``request`` to ``protocol`` (a ShardHttpProtocol) serving ``app`` (:func:`_replies`),
-    with no access log unless asked (as a shard serves); the recorded writes."""
+def _writes(request: bytes | list[bytes], vectored: bool = True, app=_replies,
+            protocol=ShardHttpProtocol, default_headers=()) -> _Recorder:
+    """Feed ``request`` (or each of a list, once the one before is answered) to ``protocol``
+    (a ShardHttpProtocol) serving ``app`` (:func:`_replies`), with no access log (as a shard
+    serves); the recorded writes."""
     async def run() -> _Recorder:
         config = uvicorn.Config(app, http=protocol, lifespan="off", log_level="critical",
-                                access_log=access_log, proxy_headers=False)
+                                access_log=False, proxy_headers=False)
         config.load()
         state = ServerState()
         state.default_headers = list(default_headers)
         proto = protocol(config=config, server_state=state, app_state={})
         transport = _Recorder()
         proto.connection_made(transport)
-        proto.data_received(request)
-        for _ in range(200):
-            if transport.closed or (proto.cycle is not None and proto.cycle.response_complete):
-                break
-            await asyncio.sleep(0)
+        for data in [request] if isinstance(request, bytes) else request:
+            before = proto.cycle
+            proto.data_received(data)
+            for _ in range(200):  # until answered (an upgrade makes no cycle: all 200)
+                cycle = proto.cycle
+                if transport.closed or (cycle is not before and cycle.response_complete):
+                    break
+                await asyncio.sleep(0)
         proto.connection_lost(None)
         return transport
 
@@ -812,21 +815,7 @@ def test_a_websocket_upgrade_is_handed_on_as_uvicorn_does(first):
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     def status_lines(protocol) -> list[bytes]:
-        async def run() -> _Recorder:
-            config = uvicorn.Config(app, http=protocol, lifespan="off", log_level="critical",
-                                    access_log=False, proxy_headers=False)
-            config.load()
-            proto = protocol(config=config, server_state=ServerState(), app_state={})
-            transport = _Recorder()
-            proto.connection_made(transport)
-            for request in (first, _UPGRADE):  # one after the other has been answered
-                if request:
-                    proto.data_received(request)
-                for _ in range(100):
-                    await asyncio.sleep(0)
-            return transport
-
-        sent = asyncio.run(run()).sent()
+        sent = _writes([r for r in (first, _UPGRADE) if r], app=app, protocol=protocol).sent()
         return [line for line in sent.split(b"\r\n") if line.startswith(b"HTTP/1.1 ")]
 
     ours = status_lines(ShardHttpProtocol)

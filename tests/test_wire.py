@@ -599,6 +599,19 @@ def test_table_native_converts_the_other_byte_order():
     assert native.dtype.isnative and not native.flags.writeable
     np.testing.assert_array_equal(native, big)
     assert np.shares_memory(same2, _u8(body))
+    # decoded row by row (the other byte order): no block, the same rows
+    _, (native3, same3), block = wire.table_rows(msg["table"], body, native=True,
+                                                 with_block=True)
+    assert block is None and np.array_equal(native3, big) and np.array_equal(same3, little)
+
+
+def test_table_with_block_gives_same_shaped_rows_as_one_view():
+    rows = [np.full((2, 3), i, np.float32) for i in range(4)]
+    _, _, body, msg = _table_round_trip(rows)
+    names, out, block = wire.table_rows(msg["table"], body, with_block=True)
+    assert block.shape == (4, 2, 3) and np.shares_memory(block, _u8(body))
+    assert all(np.array_equal(a, b) and np.shares_memory(a, b) for a, b in zip(out, block))
+    assert len(wire.table_rows(msg["table"], body)) == 2
 
 
 def _table_refusal(table, body, code, variable=None):
