@@ -122,6 +122,11 @@ class Gate:
             return True
         return self.requests < self.max_requests and self.bytes + nbytes <= self.max_bytes
 
+    def room_now(self, nbytes: int) -> bool:
+        """Whether a read of ``nbytes`` would be admitted at once (ready, room, nobody waiting
+        in line before it): what lets a shard answer a pull before this returns."""
+        return self.phase == "ready" and not self._waiters and self._fits(nbytes)
+
     def _take(self, nbytes: int) -> None:
         self.requests += 1
         self.bytes += nbytes

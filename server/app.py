@@ -45,9 +45,11 @@ from .durability import Durability
 from .errors import ShardError
 from .fastpath import DirectRoutes
 from .headers import header
+from .protocol import Answerer, Immediate
 from .store import ParameterStore
 
-__all__ = ["FLEET_HEADER", "ShardMiddleware", "create_app", "error_response", "serving_app"]
+__all__ = ["FLEET_HEADER", "ShardMiddleware", "create_app", "error_response", "immediate_routes",
+           "serving_app"]
 
 logger = logging.getLogger("paramshard.server")
 
@@ -110,6 +112,7 @@ class ShardMiddleware:
             (wire.HEADER_INCARNATION.encode(), incarnation.encode()),
             (wire.HEADER_PROTOCOL.encode(), str(wire.PROTOCOL_VERSION).encode()),
         ]
+        self._fleet = config.fleet.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -121,8 +124,7 @@ class ShardMiddleware:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message["headers"] = [*message.get("headers", ()), *self.headers,
-                                      *self._state_header()]
+                message["headers"] = [*message.get("headers", ()), *self.reply_headers()]
             await send(message)
 
         refusal = self._check_fleet(scope)
@@ -141,11 +143,18 @@ class ShardMiddleware:
                 "nothing was changed unless the response says otherwise")
             await response(scope, receive, send_with_headers)
 
-    def _state_header(self) -> list[tuple[bytes, bytes]]:
+    def reply_headers(self) -> list[tuple[bytes, bytes]]:
+        """The headers this adds to a response sent now."""
         state = self.state
         if state is None or state.gate.phase not in ("ready", "draining"):
-            return []
-        return [(_STATE_VERSION, str(state.store.state_version).encode())]
+            return self.headers
+        return [*self.headers, (_STATE_VERSION, str(state.store.state_version).encode())]
+
+    def meant_for_me(self, fleet: bytes | None) -> bool:
+        """Whether a request whose ``x-paramshard-fleet`` is ``fleet`` (raw, ``None`` when
+        absent) passes the fleet check as it stands, without parsing it (``False`` may still
+        pass: :meth:`_check_fleet` decides)."""
+        return fleet is None or fleet == self._fleet
 
     def _check_fleet(self, scope: Scope) -> Response | None:
         raw = header(scope, _FLEET_KEY)
@@ -270,5 +279,36 @@ def create_app(config: ShardConfig) -> FastAPI:
 
 def serving_app(app: FastAPI) -> ASGIApp:
     """The ASGI app to serve for ``app`` (made by :func:`create_app`): the same responses, with
-    the data plane's ``POST`` requests handed straight to their endpoints (:mod:`server.fastpath`)."""
-    return DirectRoutes(app)
+    the data plane's ``POST`` requests handed straight to their endpoints (:mod:`server.fastpath`),
+    and the small pulls that can be answered at once answered by the shard's HTTP protocol
+    itself (:func:`immediate_routes`)."""
+    served = DirectRoutes(app)
+    served.immediate = immediate_routes(app)
+    return served
+
+
+def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
+    """What the shard's HTTP protocol may answer without an ASGI request cycle
+    (:data:`server.protocol.IMMEDIATE`): ``POST /v1/pull`` in the table layout, when the
+    request passes the fleet check as sent by the SDK, the gate would admit it at once, and
+    :func:`~server.routes_data.pull_now` can answer it. The reply is the one the usual way
+    gives, byte for byte: the same handler code, the same headers (the shard's, from
+    :class:`ShardMiddleware`). Anything else (every refusal and error included) returns
+    ``None`` and goes the usual way, which answers it."""
+    from .routes_data import pull_now
+
+    state = app.state
+    store, gate, limit = state.store, state.gate, state.config.max_request_bytes
+    shard = ShardMiddleware(app, state.config, state.incarnation, state)
+
+    def pull(headers: Mapping[bytes, bytes], body: bytes) -> Immediate | None:
+        if not shard.meant_for_me(headers.get(_FLEET_KEY)) or not gate.room_now(len(body)):
+            return None
+        encoded = pull_now(store, limit, headers, body)
+        if encoded is None:
+            return None
+        return Immediate([(b"content-type", encoded.content_type.encode("latin-1")),
+                          (b"content-length", str(encoded.nbytes).encode("latin-1")),
+                          *shard.reply_headers()], encoded.chunks, encoded.nbytes)
+
+    return {b"/v1/pull": pull}

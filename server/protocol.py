@@ -44,6 +44,19 @@ pull reply's header, padding and arrays, go out in one vectored write instead of
 the app. A 100-variable pull reply was two writes (and a joining copy of its 400 KB) and is now
 one ``writev``.
 
+And some requests never become a request cycle: the served app may name requests it can answer
+at once (its :data:`IMMEDIATE` attribute: raw path -> :data:`Answerer`; on a shard, a small
+``POST /v1/pull`` in the table layout, :func:`server.app.immediate_routes`). For such a path,
+a ``POST`` with a ``Content-Length`` below :data:`ANSWER_BELOW` on a keep-alive HTTP/1.1
+connection, with no other response under way, no ``Expect``, no access log and writing not
+paused, is collected whole by the parser callbacks and given to the answerer there: no ASGI
+scope handed on, no task, no middleware, no ``receive``/``send`` messages. Its answer is written
+as a shard's responses are (head with body, one vectored write) and the connection goes on as
+after any response (keep-alive timer, reading). When the answerer declines (``None``: any
+error, refusal or wait is the app's to answer) or fails, the request goes to the app as if the
+parser had just reached its head, body and end. Measured on a 100-variable pull: the shard's
+time from the request's arrival to its reply's write fell by about half, the pull by ~10%.
+
 It is passed to uvicorn as its ``http`` protocol class (``uvicorn.Config(http=...)``, a
 documented option). It relies on uvicorn's request cycle keeping the pending body in
 ``cycle.body`` and turning it into ``bytes(cycle.body)`` in ``receive()``, on its
@@ -60,10 +73,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["BODY_INTO", "BYPASS_BELOW", "GATHER", "BodyInto", "BodyPieces", "Gathered",
-           "ShardHttpProtocol", "gathers", "protocol_class"]
+from .headers import request_headers
+
+__all__ = ["ANSWER_BELOW", "Answerer", "BODY_INTO", "BYPASS_BELOW", "GATHER", "IMMEDIATE",
+           "BodyInto", "BodyPieces", "Gathered", "Immediate", "ShardHttpProtocol", "gathers",
+           "protocol_class"]
 
 #: Bodies with at least this many bytes still to come, once the head is parsed, bypass the
 #: parser; smaller ones are not worth it.
@@ -74,7 +90,34 @@ BODY_INTO = "paramshard.body_into"
 #: :class:`Gathered`.
 GATHER = "paramshard.gather"
 
+#: The attribute of the served app (uvicorn's ``config.loaded_app``) that maps a raw request
+#: path (``b"/v1/pull"``) to an :data:`Answerer`: requests the protocol may answer itself.
+IMMEDIATE = "immediate"
+#: Only requests with a ``Content-Length`` below this are answered immediately.
+ANSWER_BELOW = 64 * 1024
+
 logger = logging.getLogger("paramshard.protocol")
+
+
+class Immediate:
+    """A 200 response an :data:`Answerer` gives: its headers (after uvicorn's default ones,
+    e.g. ``date``) and its body as pieces, ``nbytes`` in all, written in one vectored write."""
+
+    __slots__ = ("headers", "chunks", "nbytes")
+
+    def __init__(self, headers: list[tuple[bytes, bytes]], chunks: Sequence[Any],
+                 nbytes: int) -> None:
+        self.headers = headers
+        self.chunks = chunks
+        self.nbytes = nbytes
+
+
+#: ``answer(headers, body)``: the :class:`Immediate` response to a whole request (``headers``:
+#: its headers, names lower-case, the first of repeated ones; ``body``: all of it), or
+#: ``None`` to hand the request to the app the usual way, which then answers it. Runs on the
+#: event loop, inside the protocol's parser callback: it must not block, and should not raise
+#: (an exception is logged and the request goes the usual way).
+Answerer = Callable[[dict[bytes, bytes], bytes], Optional[Immediate]]
 
 
 class BodyPieces:
@@ -211,7 +254,70 @@ if HttpToolsProtocol is not None:
         _into_buffer: memoryview | None = None
         _direct: _DirectReader | None = None
 
+        #: Set while the current request is to be answered immediately: the answerer and
+        #: the body's pieces so far.
+        _now: tuple[Answerer, list[bytes]] | None = None
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._answerers: dict[bytes, Answerer] = getattr(self.app, IMMEDIATE, None) or {}
+
         def on_headers_complete(self) -> None:
+            if self._answerers:
+                answerer = self._answerers.get(self.url)
+                if answerer is not None and self._may_answer_now():
+                    self._now = (answerer, [])
+                    self._announced = None
+                    return
+            self._usual_headers_complete()
+
+        def _may_answer_now(self) -> bool:
+            """Whether the request whose head was just parsed may be answered immediately: a
+            ``POST`` with a small ``Content-Length``, on a keep-alive HTTP/1.1 connection with
+            no response under way or held back, nothing else asked of the protocol (no
+            ``Expect``, upgrade or chunked body), and no access log to write."""
+            parser = self.parser
+            if parser.get_method() != b"POST" or self.access_log or self.expect_100_continue \
+                    or self.flow.write_paused or parser.should_upgrade() \
+                    or parser.get_http_version() != "1.1" or not parser.should_keep_alive():
+                return False
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete:
+                return False
+            headers = self.scope_headers()
+            length = headers.get(b"content-length")
+            return length is not None and b"transfer-encoding" not in headers \
+                and length.isdigit() and int(length) < ANSWER_BELOW
+
+        def scope_headers(self) -> dict[bytes, bytes]:
+            """The current request's headers as :func:`server.headers.request_headers` makes
+            them (and keeps them in the scope, for the app if the request goes to it)."""
+            return request_headers(self.scope)
+
+        def _answer_now(self, answerer: Answerer, pieces: list[bytes]) -> None:
+            body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            try:
+                answer = answerer(self.scope_headers(), body)
+            except Exception:
+                logger.exception("answering %s immediately failed; handing it to the app",
+                                 self.url)
+                answer = None
+            if answer is None:  # to the app, as if the parser had only now reached each part
+                self._usual_headers_complete()
+                if body:
+                    self.on_body(body)
+                self.on_message_complete()
+                return
+            head = [_STATUS_200]
+            for name, value in (*self.server_state.default_headers, *answer.headers):
+                head += (name, b": ", value, b"\r\n")
+            head.append(b"\r\n")
+            out = _HeadWithBody(self.transport)
+            out.write(b"".join(head))
+            out.write(Gathered(answer.chunks, answer.nbytes))
+            self.on_response_complete()
+
+        def _usual_headers_complete(self) -> None:
             previous = self.cycle
             super().on_headers_complete()
             cycle = self.cycle
@@ -241,6 +347,9 @@ if HttpToolsProtocol is not None:
                     extensions[BODY_INTO] = BodyInto(self, self.cycle, size)
 
         def on_body(self, body: bytes) -> None:
+            if self._now is not None:
+                self._now[1].append(body)
+                return
             if self._announced is not None:
                 self._announced -= len(body)
             cycle = self.cycle
@@ -250,6 +359,11 @@ if HttpToolsProtocol is not None:
             self._hand_on(body)
 
         def on_message_complete(self) -> None:
+            now = self._now
+            if now is not None:
+                self._now = None
+                self._answer_now(*now)
+                return
             self._announced = None
             super().on_message_complete()
 
@@ -330,6 +444,8 @@ if HttpToolsProtocol is not None:
             if len(pending) > HIGH_WATER_LIMIT:
                 self.flow.pause_reading()
             cycle.message_event.set()
+
+    _STATUS_200 = b"HTTP/1.1 200 OK\r\n"
 
     #: Bodies smaller than this are joined to the head (and their pieces joined) into one
     #: ``bytes``; bigger ones go out as their pieces in one vectored write where there is one.

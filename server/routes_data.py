@@ -7,7 +7,9 @@ big chunks (the arrays' own memory) as they are and joins only the small ones. H
 coroutines on the event loop; the store calls they make are synchronous, except a push (which
 may compute off the loop, :meth:`~server.store.ParameterStore.push_async`) and the wait before
 an assign or increment for such a push to finish (:meth:`~server.store.ParameterStore.settled`).
-On a shard the handlers are reached straight from :mod:`server.fastpath`.
+On a shard the handlers are reached straight from :mod:`server.fastpath`, and a small pull in
+the table layout is answered by :func:`pull_now` from the shard's HTTP protocol itself when it
+can be (:func:`server.app.immediate_routes`), with the same code and bytes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .scan import SCAN_FROM, FiniteScan, finite_rows
 from .protocol import BODY_INTO, Gathered, gathers
 from .store import MAX_WAIT_SECONDS, ParameterStore
 
-__all__ = ["COALESCE_BELOW", "EncodedResponse", "coalesce", "read_body", "router"]
+__all__ = ["COALESCE_BELOW", "EncodedResponse", "coalesce", "pull_now", "read_body", "router"]
 
 _BODY_DOC = {
     "requestBody": {
@@ -329,27 +331,66 @@ async def pull(request: Request) -> Response:
     `versions` may then be a list parallel to `names`); values already held at
     the current version are left out."""
     msg, _ = await _message(request)
+    names, versions, table = _pull_args(msg, _accepts_frame(request))
+    store = _store(request)
+    await store.readable(names)
+    if table:
+        return EncodedResponse(_pull_table(store, names, versions, gathers(request.scope)))
+    return _reply(request, {"variables": store.pull(names, versions)}, tensors=True)
+
+
+def pull_now(store: ParameterStore, limit: int, headers: Mapping[bytes, bytes], body: bytes
+             ) -> wire.Encoded | None:
+    """The reply to a pull in the table layout, without waiting: what :func:`pull` answers for
+    the same request, its arrays as the reply's own pieces; or ``None`` where :func:`pull`
+    would do more than that (another layout or content type, a body above ``limit``, any
+    error to answer, a push writing one of the variables in place), which it must then answer
+    itself. ``headers``: the request's, names lower-case. Synchronous; on the event loop."""
+    if len(body) > limit or headers.get(b"content-type") != _MSGPACK \
+            or _FRAME not in headers.get(b"accept", b"").lower():
+        return None
+    try:
+        msg = wire.unpack(body, wire.MSGPACK)
+        if not isinstance(msg, dict):
+            return None
+        names, versions, table = _pull_args(msg, True)
+        if not table or not store.settled_now(names):
+            return None
+        return _pull_table(store, names, versions, True)
+    except (ShardError, wire.WireError):
+        return None
+
+
+_MSGPACK, _FRAME = wire.MSGPACK.encode(), wire.FRAME.encode()
+
+
+def _pull_args(msg: Mapping[str, Any], frame: bool
+               ) -> tuple[list[str], Mapping[str, int] | list[int | None] | None, bool]:
+    """A pull's ``(names, versions held, whether to answer with a table)``, checked;
+    ``frame``: whether the client accepts a framed reply."""
     names = _name_list(msg, "names", "pull")
     layout = _layout(msg, "pull")
-    table = layout == "table" and _accepts_frame(request)
+    table = layout == "table" and frame
+    versions: Mapping[str, int] | list[int | None] | None
     if layout == "table" and type(msg.get("versions")) is list:
         versions = _held_list(msg, names)
         if not table:  # answered in the map layout after all
             versions = {n: v for n, v in zip(names, versions) if v is not None}
     else:
         versions = _versions(msg, "pull")
-    store = _store(request)
-    await store.readable(names)
-    if table:
-        rows = store.pull_rows(names, versions)
-        # No "names" column: the rows are the requested names, in request order.
-        table = {"versions": rows.versions}
-        # Served by the shard's own protocol, the body goes out in one vectored write of
-        # its pieces (EncodedResponse, on the same condition), which may then be the arrays.
-        return EncodedResponse(wire.encode_table({"table": table}, table, rows.values,
-                                                 rows.dtypes, rows.shapes,
-                                                 arrays_as_chunks=gathers(request.scope)))
-    return _reply(request, {"variables": store.pull(names, versions)}, tensors=True)
+    return names, versions, table
+
+
+def _pull_table(store: ParameterStore, names: list[str],
+                versions: Mapping[str, int] | list[int | None] | None, gather: bool
+                ) -> wire.Encoded:
+    rows = store.pull_rows(names, versions)
+    # No "names" column: the rows are the requested names, in request order.
+    table = {"versions": rows.versions}
+    # Served by the shard's own protocol, the body goes out in one vectored write of its
+    # pieces (EncodedResponse, on the same condition), which may then be the arrays.
+    return wire.encode_table({"table": table}, table, rows.values, rows.dtypes, rows.shapes,
+                             arrays_as_chunks=gather)
 
 
 def _writer(msg: Mapping[str, Any], verb: str, required: bool) -> tuple[Any, Any]:

@@ -689,6 +689,15 @@ class ParameterStore:
         await self._settled([v for n in names if type(n) is str and (v := known.get(n))
                              is not None and v.in_place])
 
+    def settled_now(self, names: Iterable[str]) -> bool:
+        """Whether :meth:`readable` would return at once for ``names``: no push is writing one
+        of them in place off the loop."""
+        if not self._in_place:
+            return True
+        known = self._vars
+        return not any(v.writing is not None for n in names if type(n) is str
+                       and (v := known.get(n)) is not None and v.in_place)
+
     async def _settled(self, variables: Iterable[Variable]) -> None:
         """Return once none of ``variables`` is being written off the loop."""
         while True:

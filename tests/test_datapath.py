@@ -30,7 +30,7 @@ from server.errors import ShardError
 from server.headers import header, request_headers
 from client_sdk.optimizers import SGD, Adagrad, Add
 from server.fastpath import direct_routes
-from bench.stepcost import NullTransport
+from recorder import Recorder
 from server import protocol as server_protocol
 from server.protocol import BODY_INTO, GATHER, Gathered, ShardHttpProtocol
 from server.routes_data import coalesce, read_body
@@ -641,30 +641,6 @@ def test_a_gradient_found_finite_as_received_is_checked_again_once_cast():
 BIG_REPLY = server_protocol.JOIN_BELOW  # bytes: a reply its pieces are not joined for
 
 
-class _Recorder(NullTransport):
-    """A transport that records each write call: ("write", bytes) or ("writelines", pieces)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, object]] = []
-        self.protocol = None
-
-    def set_protocol(self, protocol) -> None:  # a websocket upgrade hands the connection on
-        self.protocol = protocol
-
-    def get_protocol(self):
-        return self.protocol
-
-    def write(self, data) -> None:
-        self.calls.append(("write", bytes(data)))
-
-    def writelines(self, pieces) -> None:
-        self.calls.append(("writelines", [bytes(memoryview(p).cast("B")) for p in pieces]))
-
-    def sent(self) -> bytes:
-        return b"".join(d if kind == "write" else b"".join(d) for kind, d in self.calls)
-
-
 async def _replies(scope, receive, send) -> None:
     """Answers by path, the way the shard's responses are made (EncodedResponse) and ways a
     response could be made."""
@@ -694,18 +670,18 @@ async def _replies(scope, receive, send) -> None:
 
 
 def _writes(request: bytes | list[bytes], vectored: bool = True, app=_replies,
-            protocol=ShardHttpProtocol, default_headers=()) -> _Recorder:
+            protocol=ShardHttpProtocol, default_headers=()) -> Recorder:
     """Feed ``request`` (or each of a list, once the one before is answered) to ``protocol``
     (a ShardHttpProtocol) serving ``app`` (:func:`_replies`), with no access log (as a shard
     serves); the recorded writes."""
-    async def run() -> _Recorder:
+    async def run() -> Recorder:
         config = uvicorn.Config(app, http=protocol, lifespan="off", log_level="critical",
                                 access_log=False, proxy_headers=False)
         config.load()
         state = ServerState()
         state.default_headers = list(default_headers)
         proto = protocol(config=config, server_state=state, app_state={})
-        transport = _Recorder()
+        transport = Recorder()
         proto.connection_made(transport)
         for data in [request] if isinstance(request, bytes) else request:
             before = proto.cycle
