@@ -663,7 +663,7 @@ class Core:
         for use_cache in (True, False):
             batch, held = [], {}
             for shard, group in self.split(todo).items():
-                msg: dict[str, Any] = {"names": group, "layout": "table"}
+                msg: dict[str, Any] = {"names": group, "layout": "table", "uniform": True}
                 if use_cache:
                     cached = self._cached(shard, group)
                     if cached:
@@ -750,7 +750,8 @@ class Core:
                                 "match the request", shard=url)
         again: list[str] = []
         incarnation = reply.incarnation
-        if table["dtype"].count(None) == 0 and set(map(type, versions)) == {int}:
+        if ("uniform" in table or table["dtype"].count(None) == 0) \
+                and set(map(type, versions)) == {int}:
             # Every row holds a value (a row has one exactly when its dtype is not nil): the
             # same as below, without a statement per row.
             out.update(zip(names, values))

@@ -469,7 +469,7 @@ def tensors_of(value: Any, body: Buffer | None, what: str) -> dict[str, np.ndarr
 def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
                  dtypes: list[str | None] | None = None,
                  shapes: list[list[int] | None] | None = None, *,
-                 arrays_as_chunks: bool = False) -> Encoded:
+                 arrays_as_chunks: bool = False, uniform: bool = False) -> Encoded:
     """Frame ``message``, in which the map ``table`` (already holding its other columns, e.g.
     ``names``) gets the columns ``dtype`` and ``shape`` for ``arrays``, one row each; the
     arrays' bytes follow the header in row order, each at the next multiple of :data:`ALIGN`.
@@ -485,6 +485,10 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
     array is not its size in bytes), such as a vectored write. A memoryview per row costs
     more than the rest of the row's work, and when every row is a tensor of one dtype and
     shape the chunk list is then made without any Python work per row.
+
+    With ``uniform``, a table of two or more rows that all hold a tensor of one dtype and
+    shape gets ``uniform`` (that dtype and shape, once) instead of the two columns: for a
+    receiver that asked for it (a pull's ``"uniform": true``).
     """
     if dtypes is None or shapes is None:
         dtypes, shapes = [], []
@@ -495,14 +499,18 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
             else:
                 dtypes.append(_SENDABLE.get(a.dtype) or _dtype_str(a.dtype))
                 shapes.append(list(a.shape))
-    table["dtype"], table["shape"] = dtypes, shapes
+    same = _one_dtype_and_shape(dtypes, shapes)
+    if uniform and same:
+        table["uniform"] = {"dtype": dtypes[0], "shape": shapes[0]}
+    else:
+        table["dtype"], table["shape"] = dtypes, shapes
     head = msgpack.packb(message, use_bin_type=True)
     at = _HEAD.size + len(head)
     chunks: list[Buffer] = [_HEAD.pack(FRAME_MAGIC, len(head)), head]
     append = chunks.append
     pads = _PADS
     n = len(arrays)
-    if arrays_as_chunks and _one_dtype_and_shape(dtypes, shapes):
+    if arrays_as_chunks and same:
         size = arrays[0].nbytes  # every row: one dtype, one shape, so one size and stride
         if size:
             pad = -at % ALIGN
@@ -537,7 +545,8 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
     ``table`` for the caller. With ``native=True`` a tensor in the other byte order is
     converted (a read-only copy in this machine's order) instead of viewed. ``names`` are the
     rows' names when the table has no ``names`` column (a pull reply may leave it out: its
-    rows are the requested names, in order).
+    rows are the requested names, in order). A table may carry ``uniform`` (one dtype and
+    shape for every row) in place of its ``dtype`` and ``shape`` columns.
 
     With ``with_block=True``, a third item: when there are two or more rows, all tensors of
     one dtype (in this machine's byte order) and one shape, the rows as one ``(rows, *shape)``
@@ -556,13 +565,21 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
         if type(names) is not list or not all(type(n) is str for n in names):
             raise WireError(f"'{what}.names' must be a list of variable names")
     n = len(names)
-    for key, column in (("dtype", dtypes), ("shape", shapes)):
-        if type(column) is not list or len(column) != n:
-            raise WireError(f"'{what}.{key}' must be a list as long as '{what}.names' ({n})")
+    uniform = table.get("uniform")
+    if uniform is None:
+        for key, column in (("dtype", dtypes), ("shape", shapes)):
+            if type(column) is not list or len(column) != n:
+                raise WireError(f"'{what}.{key}' must be a list as long as '{what}.names' ({n})")
+    elif type(uniform) is not dict or dtypes is not None or shapes is not None:
+        raise WireError(f"'{what}.uniform' must be a map {{dtype, shape}}, in place of the "
+                        f"'dtype' and 'shape' columns")
     size = _buffer_size(body)
     if size < _HEAD.size:
         raise WireError("a tensor table needs a framed body")
     start = _HEAD.size + _HEAD.unpack_from(body, 0)[1]
+    if uniform is not None:
+        rows, block = _uniform_rows(uniform, n, body, start, size, what, native)
+        return (names, rows, block) if with_block else (names, rows)
     try:
         block = _uniform_block(dtypes, shapes, body, start, size)
         rows = list(block) if block is not None else _fast_rows(dtypes, shapes, body, start,
@@ -587,6 +604,40 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
             row.flags.writeable = False
         out.append(row)
     return (names, out, None) if with_block else (names, out)
+
+
+def _uniform_rows(uniform: dict, n: int, body: Buffer, at: int, size: int, what: str,
+                  native: bool) -> tuple[list[np.ndarray], np.ndarray]:
+    """The ``n`` rows of a table whose tensors all have the dtype and shape of its ``uniform``
+    map, and the ``(n, *shape)`` view of the body they are the rows of; :class:`WireError`
+    (``bad_tensor``) for a bad dtype or shape or tensors running past the body's end."""
+    try:
+        dtype = parse_dtype(uniform.get("dtype"))
+        dims = _parse_shape(uniform.get("shape"), dtype.itemsize)
+    except WireError as exc:
+        exc.message = f"{what}.uniform: {exc.message}"
+        exc.args = (exc.message,)
+        raise
+    strides = []
+    span = dtype.itemsize
+    for d in reversed(dims):
+        strides.append(span)
+        span *= d
+    if span == 0:  # tensors without bytes take no room in the body
+        block = np.empty((n, *dims), dtype.newbyteorder("=") if native else dtype)
+        block.flags.writeable = False
+    else:
+        stride = (span + ALIGN - 1) // ALIGN * ALIGN
+        first = (at + ALIGN - 1) // ALIGN * ALIGN
+        if n and first + stride * (n - 1) + span > size:
+            raise WireError(f"{what}: {n} tensors of {span} bytes from offset {first} run past "
+                            f"the end of the body ({size} bytes)", code="bad_tensor")
+        block = np.ndarray((n, *dims), dtype, body, first, (stride, *strides[::-1]))
+        if native and not dtype.isnative:
+            block = block.astype(dtype.newbyteorder("="))
+            block.flags.writeable = False
+    rows = list(block) if dims else [block[i, ...] for i in range(n)]  # 0-d arrays, not scalars
+    return rows, (block if n > 1 and block.dtype.isnative else None)
 
 
 def _one_dtype_and_shape(dtypes: list, shapes: list) -> bool:

@@ -331,11 +331,12 @@ async def pull(request: Request) -> Response:
     `versions` may then be a list parallel to `names`); values already held at
     the current version are left out."""
     msg, _ = await _message(request)
-    names, versions, table = _pull_args(msg, _accepts_frame(request))
+    names, versions, table, uniform = _pull_args(msg, _accepts_frame(request))
     store = _store(request)
     await store.readable(names)
     if table:
-        return EncodedResponse(_pull_table(store, names, versions, gathers(request.scope)))
+        return EncodedResponse(_pull_table(store, names, versions, uniform,
+                                           gathers(request.scope)))
     return _reply(request, {"variables": store.pull(names, versions)}, tensors=True)
 
 
@@ -353,10 +354,10 @@ def pull_now(store: ParameterStore, limit: int, headers: Mapping[bytes, bytes], 
         msg = wire.unpack(body, wire.MSGPACK)
         if not isinstance(msg, dict):
             return None
-        names, versions, table = _pull_args(msg, True)
+        names, versions, table, uniform = _pull_args(msg, True)
         if not table or not store.settled_now(names):
             return None
-        return _pull_table(store, names, versions, True)
+        return _pull_table(store, names, versions, uniform, True)
     except (ShardError, wire.WireError):
         return None
 
@@ -365,11 +366,17 @@ _MSGPACK, _FRAME = wire.MSGPACK.encode(), wire.FRAME.encode()
 
 
 def _pull_args(msg: Mapping[str, Any], frame: bool
-               ) -> tuple[list[str], Mapping[str, int] | list[int | None] | None, bool]:
-    """A pull's ``(names, versions held, whether to answer with a table)``, checked;
-    ``frame``: whether the client accepts a framed reply."""
+               ) -> tuple[list[str], Mapping[str, int] | list[int | None] | None, bool, bool]:
+    """A pull's ``(names, versions held, whether to answer with a table, whether the client
+    reads a table's ``uniform`` map)``, checked; ``frame``: whether the client accepts a framed
+    reply."""
     names = _name_list(msg, "names", "pull")
     layout = _layout(msg, "pull")
+    uniform = msg.get("uniform")
+    if uniform is None:
+        uniform = False
+    elif type(uniform) is not bool:
+        raise _bad_field("pull", "uniform", "true or false (or absent)", uniform)
     table = layout == "table" and frame
     versions: Mapping[str, int] | list[int | None] | None
     if layout == "table" and type(msg.get("versions")) is list:
@@ -378,19 +385,19 @@ def _pull_args(msg: Mapping[str, Any], frame: bool
             versions = {n: v for n, v in zip(names, versions) if v is not None}
     else:
         versions = _versions(msg, "pull")
-    return names, versions, table
+    return names, versions, table, uniform
 
 
 def _pull_table(store: ParameterStore, names: list[str],
-                versions: Mapping[str, int] | list[int | None] | None, gather: bool
-                ) -> wire.Encoded:
+                versions: Mapping[str, int] | list[int | None] | None, uniform: bool,
+                gather: bool) -> wire.Encoded:
     rows = store.pull_rows(names, versions)
     # No "names" column: the rows are the requested names, in request order.
     table = {"versions": rows.versions}
     # Served by the shard's own protocol, the body goes out in one vectored write of its
     # pieces (EncodedResponse, on the same condition), which may then be the arrays.
     return wire.encode_table({"table": table}, table, rows.values, rows.dtypes, rows.shapes,
-                             arrays_as_chunks=gather)
+                             arrays_as_chunks=gather, uniform=uniform)
 
 
 def _writer(msg: Mapping[str, Any], verb: str, required: bool) -> tuple[Any, Any]:

@@ -181,6 +181,7 @@ class AsIfOlder(httpx2.BaseTransport):
         self.older = older
         self.pushes: list[str] = []
         self.pulls: list[set] = []
+        self.tables: list[set] = []  # the columns of each pull reply's table
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         path = request.url.path
@@ -196,8 +197,10 @@ class AsIfOlder(httpx2.BaseTransport):
         response = self.inner.handle_request(request)
         if path == "/v1/pull":
             response.read()
-            self.pulls.append(set(wire.unpack(bytearray(response.content),
-                                              response.headers["content-type"])))
+            reply = wire.unpack(bytearray(response.content), response.headers["content-type"])
+            self.pulls.append(set(reply))
+            if "table" in reply:
+                self.tables.append(set(reply["table"]))
         elif path == "/v1/cluster" and self.older:
             info = json.loads(response.read())
             info.pop("features")
@@ -236,6 +239,27 @@ def test_pull_and_push_use_tables_where_the_shard_has_them(fleet2, older):
     assert transport.pushes and set(transport.pushes) == {"map" if older else "table"}
     assert transport.pulls and all(r == ({"variables"} if older else {"table"})
                                    for r in transport.pulls)
+
+
+def test_a_pull_of_same_shaped_variables_gets_their_dtype_and_shape_once(fleet2):
+    """The SDK asks for `uniform` tables: a pull whose every row holds a tensor of one dtype
+    and shape gets them once; any other pull the columns; the values are the same."""
+    on_shard0 = (n for n in (unique("uniform") for _ in range(1000)) if shard_for(n, 2) == 0)
+    names = [next(on_shard0) for _ in range(4)]
+    values = {n: np.full((2, 5), i, np.float32) for i, n in enumerate(names)}
+    odd = next(on_shard0)
+    transport = AsIfOlder(False)
+    with PSClient(fleet2.urls, transport=transport) as ps:
+        ps.init({**values, odd: np.arange(3.0)}, optimizer=SGD(lr=1.0))
+        first = ps.pull(names)
+        ps.push({names[0]: np.ones((2, 5), np.float32)})
+        second = ps.pull([*names, odd])
+    assert transport.tables == [{"versions", "uniform"}, {"versions", "dtype", "shape"}]
+    for i, n in enumerate(names):
+        np.testing.assert_array_equal(first[n], values[n])
+        np.testing.assert_array_equal(second[n], values[n] - (i == 0))
+        assert not first[n].flags.writeable
+    np.testing.assert_array_equal(second[odd], np.arange(3.0))
 
 
 @pytest.mark.parametrize("changed", ["all", "first"])

@@ -257,6 +257,34 @@ def test_pull_in_the_table_layout(fleet2, http):
                         accept_frame=True), 400, "bad_request")
 
 
+def test_a_table_pull_may_ask_for_one_dtype_and_shape_once(fleet2, http):
+    """`"uniform": true`: when every row holds a tensor of one dtype and shape, the table
+    carries them once (`uniform`) instead of two columns; otherwise the columns, as without
+    it (nil: as if absent). A `uniform` that is not a bool is refused."""
+    url = fleet2.urls[0]
+    a, b, c = (owned(0) for _ in range(3))
+    values = {a: np.arange(6, dtype=np.float32).reshape(2, 3),
+              b: np.ones((2, 3), np.float32), c: np.arange(3, dtype=np.float32)}
+    for name, value in values.items():
+        init(http, url, name, value, {"type": "add"})
+    ask = {"names": [a, b], "layout": "table", "uniform": True}
+    rep = post(http, url, "pull", ask, accept_frame=True)
+    assert rep.status == 200 and rep.msg["table"] == {
+        "versions": [0, 0], "uniform": {"dtype": "<f4", "shape": [2, 3]}}
+    _, rows = wire.table_rows(rep.msg["table"], rep.body, names=[a, b])
+    for name, row in zip([a, b], rows):
+        np.testing.assert_array_equal(row, values[name])
+    for other in ({**ask, "names": [a, c]},  # two shapes
+                  {**ask, "versions": [None, 0]},  # a row held: no tensor
+                  {**ask, "names": [a]},  # one row
+                  {**ask, "uniform": False}, {**ask, "uniform": None}):
+        table = post(http, url, "pull", other, accept_frame=True).msg["table"]
+        assert "uniform" not in table and len(table["dtype"]) == len(other["names"])
+    for bad in (1, "yes", [True]):
+        assert_refused(post(http, url, "pull", {**ask, "uniform": bad}, accept_frame=True),
+                       400, "bad_request")
+
+
 def post_table(http, url: str, verb: str, msg: dict, key: str, names: list[str], arrays: list,
                *, content_type: str = wire.FRAME) -> Reply:
     """POST ``msg`` whose field ``key`` is a tensor table of ``arrays`` (``"layout": "table"``)."""

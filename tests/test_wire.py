@@ -756,3 +756,102 @@ def test_arrays_as_chunks_encode_the_same_bytes(rows):
     for a in arrs:
         if a is not None and a.nbytes:
             assert any(c is a for c in raw.chunks)
+
+
+# ------------------------------------------------------------- tables with one dtype and shape
+
+@given(st.one_of(uniform_rows(),
+                 st.lists(arrays(max_side=4, max_dims=3) | st.none(), max_size=6)),
+       st.sampled_from([bytes, bytearray]), st.booleans(), st.booleans())
+def test_a_uniform_table_decodes_as_its_columns_do(rows, body_type, native, as_chunks):
+    """encode_table(uniform=True): a table whose rows all hold a tensor of one dtype and shape
+    carries that dtype and shape once (``uniform``) instead of two columns, the tensors laid
+    out exactly as before; it decodes to the same rows, views of the body; any other table
+    keeps its columns."""
+    arrs = [None if a is None else _contiguous(a) for a in rows]
+    t1 = {"versions": list(range(len(arrs)))}
+    t2 = dict(t1)
+    columns = wire.encode_table({"table": t1}, t1, arrs)
+    compact = wire.encode_table({"table": t2}, t2, arrs, arrays_as_chunks=as_chunks,
+                                uniform=True)
+    same = len(arrs) > 1 and all(a is not None and a.dtype == arrs[0].dtype
+                                 and a.shape == arrs[0].shape for a in arrs)
+    assert ("uniform" in t2) == same and ("dtype" in t2) == (not same)
+    body = body_type(b"".join(compact.chunks))
+    assert len(body) == compact.nbytes
+    names = [f"v{i}" for i in range(len(arrs))]
+    table = wire.unpack(body, wire.FRAME)["table"]
+    if same:
+        assert set(table) == {"versions", "uniform"}
+        assert table["uniform"] == {"dtype": arrs[0].dtype.str, "shape": list(arrs[0].shape)}
+        # the tensors are laid out as with the columns, from the first multiple of 64 after
+        # the (shorter) header on
+        def tensors(data: bytes) -> bytes:
+            return data[-(-(8 + struct.unpack_from("<4sI", data)[1]) // 64) * 64:]
+        assert tensors(bytes(body)) == tensors(columns.join())
+    _, got, block = wire.table_rows(table, body, names=names, native=native, with_block=True)
+    _, want = wire.table_rows(wire.unpack(columns.join(), wire.FRAME)["table"], columns.join(),
+                              names=names, native=native)
+    assert len(got) == len(want) == len(arrs)
+    for g, w, a in zip(got, want, arrs):
+        if a is None:
+            assert g is None and w is None
+            continue
+        assert g.dtype == w.dtype and g.shape == a.shape and g.tobytes() == w.tobytes()
+        if a.nbytes and (a.dtype.isnative or not native):
+            assert np.shares_memory(g, _u8(body))
+            assert g.flags.writeable == (body_type is bytearray)
+        else:
+            assert not g.flags.writeable or not g.size
+    if same and block is not None:
+        assert block.shape == (len(arrs), *arrs[0].shape)
+        assert all(r.tobytes() == b.tobytes() for r, b in zip(got, block))
+
+
+def test_a_uniform_table_is_checked_as_strictly_as_columns():
+    rows = [np.arange(4, dtype=np.float32) for _ in range(3)]
+    t = {}
+    enc = wire.encode_table({"table": t}, t, rows, uniform=True)
+    body = enc.join()
+    good = wire.unpack(body, wire.FRAME)["table"]
+    names = ["a", "b", "c"]
+    assert [r.tolist() for r in wire.table_rows(good, body, names=names)[1]] == [[0, 1, 2, 3]] * 3
+
+    def refused(table, data=body, code="bad_tensor"):
+        with pytest.raises(wire.WireError) as err:
+            wire.table_rows(table, data, names=names)
+        assert err.value.code == code, err.value
+        return err.value.message
+
+    assert "uniform" in refused({"uniform": "<f4"}, code="bad_request")
+    assert "uniform" in refused({**good, "dtype": ["<f4"] * 3}, code="bad_request")
+    assert "uniform" in refused({**good, "shape": [[4]] * 3}, code="bad_request")
+    for dtype in ("<c8", "f4", 4, None):
+        assert "uniform" in refused({"uniform": {"dtype": dtype, "shape": [4]}})
+    for shape in ([-1], [4.0], [True], "4", None, [1] * 33):
+        assert "uniform" in refused({"uniform": {"dtype": "<f4", "shape": shape}})
+    assert "past the end" in refused({"uniform": {"dtype": "<f4", "shape": [5]}})
+    assert "past the end" in refused(good, body[:-4])
+    refused(good, body[:6], code="bad_request")  # not even a frame prefix
+    # no bytes at all: tensors of size zero, and 0-d tensors (arrays, not numpy scalars)
+    _, empty = wire.table_rows({"uniform": {"dtype": "<i8", "shape": [2, 0]}}, body, names=names)
+    assert [e.shape for e in empty] == [(2, 0)] * 3
+    t = {}
+    scalars = [np.array(float(i), np.float64) for i in range(3)]
+    enc = wire.encode_table({"table": t}, t, scalars, uniform=True)
+    _, got = wire.table_rows(t, enc.join(), names=names)
+    assert all(type(g) is np.ndarray and g.shape == () and g == i for i, g in enumerate(got))
+
+
+@given(msgpack_values, msgpack_values, st.integers(0, 5), st.binary(max_size=300))
+def test_arbitrary_uniform_tables_raise_only_wire_errors(dtype, shape, n, tail):
+    table = {"uniform": {"dtype": dtype, "shape": shape}}
+    head = msgpack.packb({"table": table}, use_bin_type=True)
+    body = struct.pack("<4sI", wire.FRAME_MAGIC, len(head)) + head + tail
+    try:
+        _, out = wire.table_rows(wire.unpack(body, wire.FRAME)["table"], body,
+                                 names=[f"v{i}" for i in range(n)])
+    except wire.WireError as exc:
+        assert exc.code in PROTOCOL_CODES
+    else:
+        assert len(out) == n
