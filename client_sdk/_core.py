@@ -243,6 +243,12 @@ class _Message:
 #: A pulled value as the cache keeps it: ``(shard incarnation, version, value)``. A plain tuple:
 #: a pull of many variables makes one per variable, and a tuple is the cheapest record to make.
 _Cached = tuple  # [str | None, int, np.ndarray]
+#: What a pull holds of one shard's names: cache entries parallel to them (or None), and the
+#: cache's write count when they were read (see Core._cached).
+Held = tuple  # [list[_Cached | None] | None, int | None]
+_NOT_HELD: Held = (None, None)
+#: Lists of names whose pull plans are kept (all dropped when full).
+_MAX_PLANS = 64
 
 
 # -- sequence numbers ------------------------------------------------------------------------
@@ -290,6 +296,11 @@ class Core:
         self._state_version: list[int | None] = [None] * self.n
         self._restarted: dict[int, tuple[str, int | None]] = {}
         self._cache: dict[str, _Cached] = {}
+        #: +1 on every change of ``_cache`` (under the lock): a pull whose reply finds it
+        #: where it was when the versions asked for were read may cache without comparing.
+        self._writes = 0
+        #: tuple of names -> a pull's (checked names, names per shard); see _pull_plan.
+        self._plans: dict[tuple, tuple[list[str], dict[int, list[str]]]] = {}
         self._seq = _seq_counter(settings.worker_id)
         #: name -> owning shard, for names already validated and placed (see _place)
         self._placed: dict[str, int] = {}
@@ -478,6 +489,7 @@ class Core:
         """Forget cached values of variables placed on ``shard`` (hold the lock)."""
         for name in [k for k in self._cache if shard_for(k, self.n) == shard]:
             del self._cache[name]
+        self._writes += 1
 
     def _error(self, request: ShardRequest, status: int, msg: Any,
                headers: Mapping[str, str]) -> PSError:
@@ -610,7 +622,12 @@ class Core:
         if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
             raise BadRequestError(f"{verb} takes a list of variable names, e.g. "
                                   f"{verb}(['w', 'b']); got {type(names).__name__} {names!r:.80}")
-        out = list(dict.fromkeys(names))
+        try:
+            out = list(dict.fromkeys(names))
+        except TypeError:  # an unhashable item, e.g. a list: say which
+            for name in names:
+                _name(name)
+            raise
         placed = self._placed
         for name in out:
             if name not in placed:
@@ -653,48 +670,75 @@ class Core:
         return self._per_variable(batch, replies, "variables")
 
     def pull(self, names: Any) -> Flow[dict[str, np.ndarray]]:
-        names = self.names(names, "pull")
+        names, groups = self._pull_plan(names)
         if not names:
             return {}
         deadline = self.deadline()
         yield from self._ready(deadline)
         out: dict[str, np.ndarray] = {}
-        todo = names
         for use_cache in (True, False):
             batch, held = [], {}
-            for shard, group in self.split(todo).items():
+            for shard, group in groups.items():
                 msg: dict[str, Any] = {"names": group, "layout": "table", "uniform": True}
                 if use_cache:
-                    cached = self._cached(shard, group)
-                    if cached:
-                        held.update(cached)
+                    entries, writes = held[shard] = self._cached(shard, group)
+                    if entries is not None:
                         if self._tables[shard]:  # a list parallel to "names" (tables' form)
-                            get = cached.get
-                            msg["versions"] = [c[1] if (c := get(k)) is not None else None
-                                               for k in group]
+                            msg["versions"] = [c[1] if c is not None else None
+                                               for c in entries]
                         else:
-                            msg["versions"] = {k: c[1] for k, c in cached.items()}
+                            msg["versions"] = {k: c[1] for k, c in zip(group, entries)
+                                               if c is not None}
                 batch.append(self._post(shard, "pull", msg, deadline, mutating=False,
                                         names=group))
             replies = self._collect(batch, (yield batch))
-            todo = []
+            todo: list[str] = []
             for request, reply in zip(batch, replies):
-                todo += self._take_pulled(request, reply, held, out)
+                todo += self._take_pulled(request, reply, held.get(request.shard, _NOT_HELD),
+                                          out)
             if not todo:
                 break
+            groups = self.split(todo)
         if todo:  # pragma: no cover - a shard that omits values it was not asked to keep
             raise ProtocolError(f"shards did not send the values of {todo}")
         if list(out) == names:
             return out  # already in the caller's order (one shard, one round)
         return {name: out[name] for name in names}
 
-    def _cached(self, shard: int, names: list[str]) -> dict[str, _Cached]:
+    def _pull_plan(self, names: Any) -> tuple[list[str], dict[int, list[str]]]:
+        """A pull's checked names (:meth:`names`) and those names per shard (:meth:`split`),
+        kept per list of names: a training loop pulls the same list step after step."""
+        key = None
+        if type(names) is list or type(names) is tuple:
+            try:
+                key = tuple(names)
+                plan = self._plans.get(key)
+            except TypeError:  # an unhashable item: names() says what is wrong with it
+                key = plan = None
+            if plan is not None:
+                return plan
+        checked = self.names(names, "pull")
+        plan = (checked, self.split(checked))
+        if key is not None:
+            plans = self._plans
+            if len(plans) >= _MAX_PLANS:
+                plans.clear()
+            plans[key] = plan
+        return plan
+
+    def _cached(self, shard: int, names: list[str]) -> Held:
+        """What the cache holds of ``names`` from the shard's current incarnation: a list
+        parallel to ``names`` (``None`` where nothing; ``None`` for the whole list when it
+        holds none of them), and :attr:`_writes` when it was read."""
         with self._lock:
             incarnation = self._incarnation[shard]
             get = self._cache.get
-            return {k: c for k in names if (c := get(k)) is not None and c[0] == incarnation}
+            entries = [c if (c := get(k)) is not None and c[0] == incarnation else None
+                       for k in names]
+            writes = self._writes
+        return (None if entries.count(None) == len(entries) else entries), writes
 
-    def _take_pulled(self, request: ShardRequest, reply: _Message, held: dict[str, _Cached],
+    def _take_pulled(self, request: ShardRequest, reply: _Message, held: Held,
                      out: dict[str, np.ndarray]) -> list[str]:
         """Decode one shard's pull reply into ``out``; return names to pull again without
         versions (their cached value came from another incarnation of the shard)."""
@@ -711,6 +755,8 @@ class Core:
             raise ProtocolError(f"shard {url} sent a pull reply without 'variables'", shard=url)
         again = []
         fresh = []
+        entries = held[0]
+        held_of = dict(zip(request.names, entries)) if entries is not None else {}
         for name in request.names:
             entry = variables.get(name)
             version = entry.get("version") if isinstance(entry, dict) else None
@@ -719,7 +765,7 @@ class Core:
                                     shard=url)
             value = entry.get("value")
             if value is None:
-                cached = held.get(name)
+                cached = held_of.get(name)
                 if cached is None or cached[1] != version or cached[0] != reply.incarnation:
                     again.append(name)
                 else:
@@ -734,7 +780,7 @@ class Core:
         return again
 
     def _take_table(self, request: ShardRequest, reply: _Message, table: Any, body: Body,
-                    held: dict[str, _Cached], out: dict[str, np.ndarray]) -> list[str]:
+                    held: Held, out: dict[str, np.ndarray]) -> list[str]:
         """:meth:`_take_pulled` for a reply in the table layout (docs/PROTOCOL.md, pull)."""
         url = self.url(request.shard)
         asked = list(request.names)
@@ -756,13 +802,25 @@ class Core:
             # same as below, without a statement per row.
             out.update(zip(names, values))
             with self._lock:
-                get = self._cache.get
-                self._cache.update({
-                    name: (incarnation, version, value)
-                    for name, version, value in zip(names, versions, values)
-                    if (c := get(name)) is None or c[1] <= version or c[0] != incarnation})
+                cache = self._cache
+                if held[1] == self._writes:
+                    # Nothing changed the cache since the versions asked for were read: each
+                    # value replaces an older one of its shard's incarnation, or one of
+                    # another (or none), so all of them go in without comparing.
+                    cache.update(zip(names, zip(itertools.repeat(incarnation), versions,
+                                                values)))
+                else:
+                    get = cache.get
+                    cache.update({
+                        name: (incarnation, version, value)
+                        for name, version, value in zip(names, versions, values)
+                        if (c := get(name)) is None or c[1] <= version or c[0] != incarnation})
+                self._writes += 1
             return again
+        entries = held[0]
+        held_of = dict(zip(request.names, entries)) if entries is not None else {}
         with self._lock:  # cache each fresh value, never over a newer one of this incarnation
+            self._writes += 1
             cache = self._cache
             get = cache.get
             for name, version, value in zip(names, versions, values):
@@ -770,7 +828,7 @@ class Core:
                     raise ProtocolError(f"shard {url} sent no version for {name!r} in a pull "
                                         "reply", shard=url)
                 if value is None:
-                    cached = held.get(name)
+                    cached = held_of.get(name)
                     if cached is None or cached[1] != version or cached[0] != incarnation:
                         again.append(name)
                     else:
@@ -789,6 +847,7 @@ class Core:
         if not fresh:
             return
         with self._lock:
+            self._writes += 1
             cache = self._cache
             get = cache.get
             for name, entry in zip(names, fresh):

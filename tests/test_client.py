@@ -265,20 +265,31 @@ def test_a_pull_of_same_shaped_variables_gets_their_dtype_and_shape_once(fleet2)
 @pytest.mark.parametrize("changed", ["all", "first"])
 def test_a_pull_never_caches_over_a_newer_value(fleet2, changed):
     """A pull's values are cached unless the cache already holds a newer version of the same
-    shard incarnation (another thread's pull that finished first): the caller gets what was
-    pulled, the cache keeps the newer. A reply whose every row carries a value takes a
-    shorter way through the SDK than one with rows the cache already has; both keep the
-    rule."""
+    shard incarnation (another thread's pull that finished first, here while this one was
+    under way): the caller gets what was pulled, the cache keeps the newer. A reply whose
+    every row carries a value takes a shorter way through the SDK than one with rows the
+    cache already has, and a shorter one still when nothing was cached meanwhile; all keep
+    the rule."""
     names = [unique("newer") for _ in range(6)]
     pushed = names if changed == "all" else names[:1]
     with PSClient(fleet2.urls) as ps:
         ps.init({n: np.zeros(8, np.float32) for n in names}, optimizer=SGD(lr=1.0))
         before = ps.pull(names)
-        cache = ps._core._cache
+        core = ps._core
+        cache = core._cache
         newer = (cache[names[0]][0], cache[names[0]][1] + 5, np.full(8, 9.0))
-        cache[names[0]] = newer
+        read = core._cached
+
+        def read_then_another_pull_caches(shard, group):
+            held = read(shard, group)
+            if names[0] in group:  # the other pull's reply is cached first
+                core._remember([names[0]], [newer])
+            return held
+
+        core._cached = read_then_another_pull_caches
         ps.push({n: np.ones(8, np.float32) for n in pushed})
         pulled = ps.pull(names)
+        core._cached = read
         for n in names:
             np.testing.assert_array_equal(pulled[n], -np.ones(8) if n in pushed else 0)
         assert cache[names[0]] is newer
@@ -713,3 +724,29 @@ def test_read_only_calls_are_retried_after_any_transport_error():
     asyncio.run(main())
     assert [path for path, _ in calls] == ["/v1/wait"] * 3
 
+
+
+def test_a_pull_plan_is_kept_per_list_of_names(fleet2):
+    """The same list pulled again skips checking and placing its names (the plan is kept);
+    another list, or the same names in another order or with repeats, gets its own; a bad
+    list is refused each time, a plan or not; the kept plans stay bounded."""
+    names = two_shard_names("plan", 4)
+    with PSClient(fleet2.urls) as ps:
+        ps.init({n: np.full(2, i, np.float32) for i, n in enumerate(names)})
+        plans = ps._core._plans
+        first = ps.pull(names)
+        assert list(first) == names and len(plans) == 1
+        assert ps.pull(tuple(names)).keys() == first.keys() and len(plans) == 1  # same key
+        backwards = ps.pull(names[::-1])
+        assert list(backwards) == names[::-1] and len(plans) == 2
+        twice = ps.pull([names[0], names[0], names[1]])  # repeats dropped, order kept
+        assert list(twice) == names[:2]
+        for i, n in enumerate(names):
+            np.testing.assert_array_equal(backwards[n], np.full(2, i))
+        for bad in ([names[0], 7], [names[0], ["x"]], [names[0], "bad name!"]):
+            for _ in range(2):
+                with pytest.raises(BadRequestError):
+                    ps.pull(bad)
+        for k in range(200):
+            ps._core._pull_plan([names[k % 4], names[(k + 1) % 4], f"plan-extra-{k}"])
+        assert 0 < len(plans) <= 64
