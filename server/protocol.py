@@ -284,12 +284,12 @@ if HttpToolsProtocol is not None:
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:
                 return False
-            headers = self.scope_headers()
+            headers = self._request_headers()
             length = headers.get(b"content-length")
             return length is not None and b"transfer-encoding" not in headers \
                 and length.isdigit() and int(length) < ANSWER_BELOW
 
-        def scope_headers(self) -> dict[bytes, bytes]:
+        def _request_headers(self) -> dict[bytes, bytes]:
             """The current request's headers as :func:`server.headers.request_headers` makes
             them (and keeps them in the scope, for the app if the request goes to it)."""
             return request_headers(self.scope)
@@ -297,7 +297,7 @@ if HttpToolsProtocol is not None:
         def _answer_now(self, answerer: Answerer, pieces: list[bytes]) -> None:
             body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
             try:
-                answer = answerer(self.scope_headers(), body)
+                answer = answerer(self._request_headers(), body)
             except Exception:
                 logger.exception("answering %s immediately failed; handing it to the app",
                                  self.url)
