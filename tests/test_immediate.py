@@ -52,10 +52,10 @@ class Counting:
 class Connection:
     """One connection of the shard's protocol to ``app``; :meth:`send` feeds it bytes."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, access_log: bool = False) -> None:
         config = uvicorn.Config(app, http=ShardHttpProtocol, lifespan="off",
-                                log_level="critical", access_log=False, proxy_headers=False,
-                                server_header=False)  # as a shard serves
+                                log_level="critical", access_log=access_log,
+                                proxy_headers=False, server_header=False)  # as a shard serves
         config.load()
         state = ServerState()
         state.default_headers = list(DATE)
@@ -313,5 +313,16 @@ def test_a_pull_while_writing_is_paused_goes_to_the_app():
             assert immediate.calls == 1 and not pending.done()  # the app waits to write
             conn.protocol.resume_writing()
             _table(await pending)
+
+    asyncio.run(run())
+
+
+def test_with_an_access_log_every_request_goes_to_the_app():
+    """`--access-log` logs every request: none is answered past the app (and its log line)."""
+    async def run() -> None:
+        async with shard() as (app, immediate, usual):
+            conn = Connection(immediate, access_log=True)
+            _table(await conn.send(request()))
+            assert immediate.calls == 1
 
     asyncio.run(run())
