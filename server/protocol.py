@@ -54,8 +54,9 @@ scope handed on, no task, no middleware, no ``receive``/``send`` messages. Its a
 as a shard's responses are (head with body, one vectored write) and the connection goes on as
 after any response (keep-alive timer, reading). When the answerer declines (``None``: any
 error, refusal or wait is the app's to answer) or fails, the request goes to the app as if the
-parser had just reached its head, body and end. Measured on a 100-variable pull: the shard's
-time from the request's arrival to its reply's write fell by about half, the pull by ~10%.
+parser had just reached its head, body and end. Measured on a 100-variable pull with cold
+caches: from the request's arrival at the shard to the reply's first byte at the client 323 ->
+275 us, the whole pull ~10% (bench/README.md).
 
 It is passed to uvicorn as its ``http`` protocol class (``uvicorn.Config(http=...)``, a
 documented option). It relies on uvicorn's request cycle keeping the pending body in
