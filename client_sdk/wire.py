@@ -34,9 +34,10 @@ and unpacks ~5x faster this way, which is most of what such a pull costs.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 import msgpack
@@ -499,7 +500,7 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
             else:
                 dtypes.append(_SENDABLE.get(a.dtype) or _dtype_str(a.dtype))
                 shapes.append(list(a.shape))
-    same = _one_dtype_and_shape(dtypes, shapes)
+    same = (uniform or arrays_as_chunks) and _one_dtype_and_shape(dtypes, shapes)
     if uniform and same:
         table["uniform"] = {"dtype": dtypes[0], "shape": shapes[0]}
     else:
@@ -618,21 +619,15 @@ def _uniform_rows(uniform: dict, n: int, body: Buffer, at: int, size: int, what:
         exc.message = f"{what}.uniform: {exc.message}"
         exc.args = (exc.message,)
         raise
-    strides = []
-    span = dtype.itemsize
-    for d in reversed(dims):
-        strides.append(span)
-        span *= d
-    if span == 0:  # tensors without bytes take no room in the body
+    if 0 in dims:  # tensors without bytes take no room in the body
         block = np.empty((n, *dims), dtype.newbyteorder("=") if native else dtype)
         block.flags.writeable = False
     else:
-        stride = (span + ALIGN - 1) // ALIGN * ALIGN
-        first = (at + ALIGN - 1) // ALIGN * ALIGN
-        if n and first + stride * (n - 1) + span > size:
-            raise WireError(f"{what}: {n} tensors of {span} bytes from offset {first} run past "
-                            f"the end of the body ({size} bytes)", code="bad_tensor")
-        block = np.ndarray((n, *dims), dtype, body, first, (stride, *strides[::-1]))
+        block = _strided_rows(dtype, dims, n, body, at, size)
+        if block is None:
+            raise WireError(f"{what}: {n} tensors of {dtype.itemsize * math.prod(dims)} bytes "
+                            f"each run past the end of the body ({size} bytes)",
+                            code="bad_tensor")
         if native and not dtype.isnative:
             block = block.astype(dtype.newbyteorder("="))
             block.flags.writeable = False
@@ -665,20 +660,27 @@ def _uniform_block(dtypes: list, shapes: list, body: Buffer, at: int, size: int
     # Equal lists may still differ in their items' types (1 == 1.0 == True): ints only.
     if dtype is None or set(map(type, itertools.chain.from_iterable(shapes))) != {int}:
         return None
-    itemsize = dtype.itemsize
+    if min(shape) <= 0:
+        return None
+    return _strided_rows(dtype, shape, n, body, at, size)
+
+
+def _strided_rows(dtype: np.dtype, dims: Sequence[int], n: int, body: Buffer, at: int,
+                  size: int) -> np.ndarray | None:
+    """``n`` tensors of ``dtype`` and ``dims`` (all > 0) laid out as a table lays them out
+    from ``at`` on (each at the next multiple of :data:`ALIGN`, so at a fixed stride), as one
+    ``(n, *dims)`` view of ``body``; ``None`` if they run past its ``size`` bytes."""
     strides = []
-    span = itemsize
-    for d in reversed(shape):
-        if d <= 0:
-            return None
+    span = dtype.itemsize
+    for d in reversed(dims):
         strides.append(span)
         span *= d
     stride = (span + ALIGN - 1) // ALIGN * ALIGN
     first = (at + ALIGN - 1) // ALIGN * ALIGN
-    if first + stride * (n - 1) + span > size:
+    if n and first + stride * (n - 1) + span > size:
         return None
     strides.append(stride)
-    return np.ndarray((n, *shape), dtype, body, first, strides[::-1])
+    return np.ndarray((n, *dims), dtype, body, first, strides[::-1])
 
 
 def _fast_rows(dtypes: list, shapes: list, body: Buffer, at: int, size: int

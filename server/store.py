@@ -685,18 +685,20 @@ class ParameterStore:
         while no such write runs."""
         if not self._in_place:
             return
-        known = self._vars
-        await self._settled([v for n in names if type(n) is str and (v := known.get(n))
-                             is not None and v.in_place])
+        await self._settled(self._written_in_place(names))
 
     def settled_now(self, names: Iterable[str]) -> bool:
         """Whether :meth:`readable` would return at once for ``names``: no push is writing one
         of them in place off the loop."""
-        if not self._in_place:
-            return True
+        return not self._in_place or not any(v.writing is not None
+                                             for v in self._written_in_place(names))
+
+    def _written_in_place(self, names: Iterable[str]) -> list[Variable]:
+        """The variables of ``names`` whose live arrays a push may be writing off the loop
+        (unknown names are ignored)."""
         known = self._vars
-        return not any(v.writing is not None for n in names if type(n) is str
-                       and (v := known.get(n)) is not None and v.in_place)
+        return [v for n in names if type(n) is str and (v := known.get(n)) is not None
+                and v.in_place]
 
     async def _settled(self, variables: Iterable[Variable]) -> None:
         """Return once none of ``variables`` is being written off the loop."""

@@ -27,5 +27,6 @@ class Recorder(NullTransport):
     def writelines(self, pieces) -> None:
         self.calls.append(("writelines", [bytes(memoryview(p).cast("B")) for p in pieces]))
 
-    def sent(self) -> bytes:
-        return b"".join(d if kind == "write" else b"".join(d) for kind, d in self.calls)
+    def sent(self, since: int = 0) -> bytes:
+        """The bytes written, from write call ``since`` on."""
+        return b"".join(d if kind == "write" else b"".join(d) for kind, d in self.calls[since:])

@@ -74,14 +74,13 @@ class Connection:
                     or asyncio.get_running_loop().time() > deadline:
                 break
             await asyncio.sleep(0 if i < 100 else 0.001)
-        return b"".join(d if kind == "write" else b"".join(d)
-                        for kind, d in self.transport.calls[before:])
+        return self.transport.sent(before)
 
 
 def _complete(transport: Recorder, before: int) -> int:
     """Responses whose last byte was written since call ``before`` (each a head with a
     Content-Length and its body, after any interim 1xx response)."""
-    sent = b"".join(d if kind == "write" else b"".join(d) for kind, d in transport.calls[before:])
+    sent = transport.sent(before)
     count = 0
     while sent:
         head, sep, rest = sent.partition(b"\r\n\r\n")
