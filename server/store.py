@@ -77,8 +77,7 @@ OFFLOAD_BYTES = 16 << 20
 REFCOUNTS = sys.implementation.name == "cpython" and hasattr(sys, "getrefcount")
 
 
-def _refs(obj: object) -> int:
-    return sys.getrefcount(obj)
+_refs = sys.getrefcount  # (obj) -> int; as an alias, not a wrapper: one call less per use
 
 
 class _Holder:
@@ -549,23 +548,59 @@ class ParameterStore:
     def _push(self, variables: list[Variable], worker_id: str, seq: int,
               grads: Mapping[str, np.ndarray], versions: Mapping[str, int] | None,
               finite: Collection[str]) -> dict[str, dict[str, Any]]:
-        """:meth:`push` of the checked ``variables`` (``grads``' names, in order)."""
+        """:meth:`push` of the checked ``variables`` (``grads``' names, in order), all of it on
+        this thread. A step's push is typically a hundred small gradients or more, so the work
+        per gradient is only what it needs: a check, a cast if its dtype differs, the
+        finiteness check unless ``finite`` names it, the arithmetic (in place unless a reader
+        holds the value), and the bookkeeping, which reads the clock once per push. No object
+        is made per gradient but its entry of the result (100 x 1,000 float32: ~520 -> ~230 us
+        here, on the loop)."""
         _not_being_written(variables)
-        plans = self._push_plans(variables, grads, finite)
+        todo = [grads[var.name] for var in variables]
+        # Every dtype and shape, then the values. No local name for a value anywhere before
+        # target() below: it would count as a reader holding it (Variable.held).
+        for var, grad in zip(variables, todo):
+            if var.value.dtype.kind != "f" or grad.dtype.kind != "f" \
+                    or grad.shape != var.value.shape:
+                raise _grad_error(var, grad)
         with np.errstate(all="ignore"):  # once per push, not per variable (~0.5 us each)
-            for plan in plans:
-                plan.prepare()
+            for i, var in enumerate(variables):
+                grad, dtype = todo[i], var.value.dtype
+                if grad.dtype != dtype:
+                    grad = todo[i] = grad.astype(dtype)  # fresh, writable: scratch space
+                    if not all_finite(grad):  # a cast can overflow: check what is applied
+                        raise _not_finite(var)
+                elif var.name not in finite and not all_finite(grad):
+                    raise _not_finite(var)
         if self._seen("push", worker_id, seq):
             return self._duplicates(variables)
-        out = {}
         held = versions or {}
+        now = time.time()
+        out = {}
         with np.errstate(all="ignore"):
-            for plan in plans:
-                var = plan.var
-                target = var.target()
-                optim.apply(var.optimizer, var.value, plan.grad, var.own_state(), out=target,
-                            scratch=plan.scratch)
-                out[var.name] = self._applied(var, target, None, worker_id, held)
+            for var, grad in zip(variables, todo):
+                target = var.target() if var.shared else var.value
+                value = var.value
+                opt = var.optimizer
+                if type(opt) is Add:  # the one that needs neither slots nor scratch
+                    np.add(value, grad, out=target)
+                else:
+                    optim.apply(opt, value, grad, var.own_state(), out=target,
+                                scratch=grad.flags.writeable)
+                if target is value:
+                    var.shared = False  # what replace() does for an update in place
+                else:
+                    var.replace(target)
+                before = var.version
+                var.version = version = before + 1
+                var.updates += 1
+                var.last_update = now
+                var.last_writer = worker_id
+                seen = held.get(var.name)
+                out[var.name] = {"status": "applied", "version": version,
+                                 "staleness": None if seen is None else before - seen}
+        self._state_version += len(variables)
+        self.mutations += len(variables)
         self.dedup.record(worker_id, seq)
         return out
 
@@ -638,17 +673,9 @@ class ParameterStore:
         plans = []
         for var in variables:
             grad = grads[var.name]
-            if var.value.dtype.kind != "f":
-                raise _tensor_error(
-                    var.name, f"variable has integer dtype {var.value.dtype.str}; gradients apply "
-                    "to float variables only (use increment or assign to change it)")
-            if grad.dtype.kind != "f":
-                raise _tensor_error(var.name, f"gradient dtype {grad.dtype.str} is not a float "
-                                    "type: send f2, f4 or f8")
-            if grad.shape != var.value.shape:
-                raise _tensor_error(var.name, f"gradient shape {list(grad.shape)} differs from the "
-                                    f"variable's {list(var.value.shape)}",
-                                    shape=list(var.value.shape))
+            if var.value.dtype.kind != "f" or grad.dtype.kind != "f" \
+                    or grad.shape != var.value.shape:
+                raise _grad_error(var, grad)
             plans.append(_PushPlan(var, grad, var.name in finite))
         return plans
 
@@ -918,8 +945,7 @@ class _PushPlan:
             self.scratch = True
             self.checked = False  # a cast can overflow: check what is applied
         if not self.checked and not all_finite(grad):
-            raise _tensor_error(var.name, "gradient has NaN or infinite entries (in "
-                                f"{var.value.dtype.str}): skip or clip this step")
+            raise _not_finite(var)
 
 
 #: Optimizers whose update is at most two passes over the value: a big push updates these in
@@ -950,6 +976,25 @@ def _compute_offloop(plans: list[_PushPlan],
             value, state = computed
             optim.apply(var.optimizer, var.value, plan.grad, var.state, out=value,
                         state_out=state, scratch=plan.scratch)
+
+
+def _grad_error(var: Variable, grad: np.ndarray) -> ShardError:
+    """Why ``grad`` cannot be applied to ``var`` (dtype kinds, then shape); call only when one
+    of them is wrong."""
+    if var.value.dtype.kind != "f":
+        return _tensor_error(
+            var.name, f"variable has integer dtype {var.value.dtype.str}; gradients apply "
+            "to float variables only (use increment or assign to change it)")
+    if grad.dtype.kind != "f":
+        return _tensor_error(var.name, f"gradient dtype {grad.dtype.str} is not a float "
+                             "type: send f2, f4 or f8")
+    return _tensor_error(var.name, f"gradient shape {list(grad.shape)} differs from the "
+                         f"variable's {list(var.value.shape)}", shape=list(var.value.shape))
+
+
+def _not_finite(var: Variable) -> ShardError:
+    return _tensor_error(var.name, "gradient has NaN or infinite entries (in "
+                         f"{var.value.dtype.str}): skip or clip this step")
 
 
 def _not_being_written(variables: Iterable[Variable]) -> None:

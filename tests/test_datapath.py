@@ -165,7 +165,12 @@ def test_an_update_writes_in_place_only_once_no_reader_holds_the_value():
     assert push_moves_value(4) and (snapshot.variables["w"][1]["value"] == 4).all()
     del snapshot
     assert not push_moves_value(5)
-    assert (var.value == 6).all() and var.version == 6
+    # A training loop's pattern: each push comes after a pull whose reply is long gone.
+    store.pull(["w"])
+    assert not push_moves_value(6)
+    store.pull_rows(["w"], [None])
+    assert not push_moves_value(7)
+    assert (var.value == 8).all() and var.version == 8
 
 
 @pytest.mark.parametrize("opt, in_place", [(Add(), True), (Adagrad(lr=0.5), False)])
