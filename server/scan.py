@@ -24,6 +24,7 @@ import math
 import struct
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from client_sdk import wire
 
@@ -136,5 +137,14 @@ def finite_rows(names: list[str], block: np.ndarray | None) -> set[str]:
         return set()
     rows = block.reshape(n, -1)  # each row is contiguous: a view
     with np.errstate(all="ignore"):
+        # The usual case first: all finite, told by one reduction over the memory from the
+        # first row's start to the last one's end, the padding between rows included (as
+        # one flat view: 100 x 1,000 float32 ~10 against ~21 us row by row). Padding that
+        # is not finite, or an overflow, only sends the rows to the row-by-row check.
+        item, stride, width = rows.itemsize, rows.strides[0], rows.shape[1]
+        if stride % item == 0 and stride >= width * item:
+            span = as_strided(rows, ((n - 1) * (stride // item) + width,), (item,))
+            if math.isfinite(float(np.dot(span, span))):
+                return set(names)
         ok = np.isfinite(np.einsum("ij,ij->i", rows, rows)).tolist()
     return {name for name, good in zip(names, ok) if good}

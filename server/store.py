@@ -403,6 +403,16 @@ class ParameterStore:
             )
         return names
 
+    def _checked(self, names: Iterable[Any]) -> list[Variable]:
+        """The variables of ``names``, each checked as :meth:`check_names` and
+        :meth:`_existing` check it (400, 421, 404), in one pass when every name is one of
+        ours (the common case: a name that exists was checked when it was created)."""
+        known = self._vars
+        try:
+            return [known[name] for name in names]
+        except (KeyError, TypeError):
+            return self._existing(self.check_names(names))
+
     def _existing(self, names: Iterable[str]) -> list[Variable]:
         found, missing = [], []
         for name in names:
@@ -496,11 +506,7 @@ class ParameterStore:
         ``versions`` is a map name -> version held, or a list of them parallel to ``names``
         (``None`` where none is held)."""
         names = list(names)
-        known = self._vars
-        try:  # every name one of ours (so valid and owned): the common case, in one pass
-            variables = [known[name] for name in names]
-        except (KeyError, TypeError):
-            variables = self._existing(self.check_names(names))
+        variables = self._checked(names)
         rows = PullRows(names)
         current = rows.versions = [var.version for var in variables]
         if versions is None:
@@ -542,7 +548,7 @@ class ParameterStore:
         NaN and infinities already (:mod:`server.scan`); they are not checked again unless
         they are cast. The event loop calls :meth:`push_async` instead.
         """
-        return self._push(self._existing(self.check_names(grads)), worker_id, seq, grads,
+        return self._push(self._checked(grads), worker_id, seq, grads,
                           versions, finite)
 
     def _push(self, variables: list[Variable], worker_id: str, seq: int,
@@ -628,7 +634,7 @@ class ParameterStore:
         once, back on the loop once every variable of the push is done: a pull sees the value
         before the push or after it, never a torn one.
         """
-        variables = self._existing(self.check_names(grads))
+        variables = self._checked(grads)
         await self._settled(variables)
         if sum(g.nbytes for g in grads.values()) < OFFLOAD_BYTES:
             return self._push(variables, worker_id, seq, grads, versions, finite)
@@ -740,7 +746,7 @@ class ParameterStore:
         """Overwrite existing variables (same shape; cast to the variable's dtype); once per
         ``(worker_id, seq)`` when both are given. On the event loop, await :meth:`settled`
         first."""
-        variables = self._existing(self.check_names(values))
+        variables = self._checked(values)
         _not_being_written(variables)
         plans = []
         for var in variables:

@@ -606,6 +606,26 @@ def test_same_shaped_gradients_are_checked_in_one_pass_exactly(big):
     assert mixed[1] is None and finite_rows(*mixed) == set()
 
 
+def test_finite_rows_first_reduces_the_whole_span_padding_and_all():
+    """The one reduction over the rows' whole span (finite rows, the usual case) vouches for
+    every row; when the padding between rows is not finite, or a row is not, the rows are
+    told apart one by one, so finite rows are still named and a bad one never is."""
+    n, width = 5, 15  # 60-byte rows at a 64-byte stride: 4 bytes of padding after each
+    memory = np.zeros(n * 16, np.float32)
+    block = np.ndarray((n, width), np.float32, memory, 0, (64, 4))
+    names = [f"g{i}" for i in range(n)]
+    assert finite_rows(names, block) == set(names)
+    memory[15::16] = np.nan  # every row's padding
+    assert not np.isfinite(memory).all() and np.isfinite(block).all()
+    assert finite_rows(names, block) == set(names)
+    memory[3 * 16 + 7] = np.inf  # inside row 3
+    assert finite_rows(names, block) == set(names) - {"g3"}
+    assert finite_rows(names[1:], block[1:]) == set(names[1:]) - {"g3"}
+    memory[:] = 0
+    memory[(n - 1) * 16 + width - 1] = np.nan  # the very last element of the span
+    assert finite_rows(names, block) == set(names) - {f"g{n - 1}"}
+
+
 @pytest.mark.parametrize("count", [8, 100])  # a 32 KB body, and a 400 KB one (read into
 def test_a_same_shaped_push_with_a_bad_row_changes_nothing(fleet_factory, count):  # np.empty)
     """Through a real shard: a table of same-shaped gradients (checked in one pass) with a NaN
