@@ -559,8 +559,8 @@ class ParameterStore:
         per gradient is only what it needs: a check, a cast if its dtype differs, the
         finiteness check unless ``finite`` names it, the arithmetic (in place unless a reader
         holds the value), and the bookkeeping, which reads the clock once per push. No object
-        is made per gradient but its entry of the result (100 x 1,000 float32: ~520 -> ~230 us
-        here, on the loop)."""
+        is made per gradient but its entry of the result (100 x 1,000 float32, the store alone:
+        207 -> 133 us here)."""
         _not_being_written(variables)
         todo = [grads[var.name] for var in variables]
         # Every dtype and shape, then the values. No local name for a value anywhere before
