@@ -679,7 +679,8 @@ class Core:
         for use_cache in (True, False):
             batch, held = [], {}
             for shard, group in groups.items():
-                msg: dict[str, Any] = {"names": group, "layout": "table", "uniform": True}
+                msg: dict[str, Any] = {"names": group, "layout": "table", "uniform": True,
+                                       "packed": True}
                 if use_cache:
                     entries, writes = held[shard] = self._cached(shard, group)
                     if entries is not None:

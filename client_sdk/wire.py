@@ -470,7 +470,8 @@ def tensors_of(value: Any, body: Buffer | None, what: str) -> dict[str, np.ndarr
 def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
                  dtypes: list[str | None] | None = None,
                  shapes: list[list[int] | None] | None = None, *,
-                 arrays_as_chunks: bool = False, uniform: bool = False) -> Encoded:
+                 arrays_as_chunks: bool = False, uniform: bool = False,
+                 packed: bool = False) -> Encoded:
     """Frame ``message``, in which the map ``table`` (already holding its other columns, e.g.
     ``names``) gets the columns ``dtype`` and ``shape`` for ``arrays``, one row each; the
     arrays' bytes follow the header in row order, each at the next multiple of :data:`ALIGN`.
@@ -489,7 +490,10 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
 
     With ``uniform``, a table of two or more rows that all hold a tensor of one dtype and
     shape gets ``uniform`` (that dtype and shape, once) instead of the two columns: for a
-    receiver that asked for it (a pull's ``"uniform": true``).
+    receiver that asked for it (a pull's ``"uniform": true``). With ``packed`` as well, such
+    a table's rows follow one another with no padding between them (``"packed": true`` in the
+    ``uniform`` map): one buffer per row for a vectored write instead of two, which is what a
+    kernel's send costs most per (100 rows of 4,000 bytes: ~135 -> ~105 us on loopback here).
     """
     if dtypes is None or shapes is None:
         dtypes, shapes = [], []
@@ -503,7 +507,10 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
     same = (uniform or arrays_as_chunks) and _one_dtype_and_shape(dtypes, shapes)
     if uniform and same:
         table["uniform"] = {"dtype": dtypes[0], "shape": shapes[0]}
+        if packed:
+            table["uniform"]["packed"] = True
     else:
+        packed = False
         table["dtype"], table["shape"] = dtypes, shapes
     head = msgpack.packb(message, use_bin_type=True)
     at = _HEAD.size + len(head)
@@ -517,7 +524,7 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
             pad = -at % ALIGN
             if pad:
                 append(pads[pad])
-            gap = -size % ALIGN
+            gap = 0 if packed else -size % ALIGN
             if gap:  # each row after the first starts gap bytes after the end of the last
                 rows: list[Any] = [pads[gap]] * (2 * n - 1)
                 rows[0::2] = arrays
@@ -525,10 +532,10 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
                 rows = list(arrays)
             chunks += rows
             return Encoded(FRAME, chunks, at + pad + n * size + (n - 1) * gap)
-    for a in arrays:
+    for i, a in enumerate(arrays):
         if a is None:
             continue
-        pad = -at % ALIGN
+        pad = -at % ALIGN if not (packed and i) else 0
         if pad:
             append(pads[pad])
             at += pad
@@ -610,11 +617,19 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
 def _uniform_rows(uniform: dict, n: int, body: Buffer, at: int, size: int, what: str,
                   native: bool) -> tuple[list[np.ndarray], np.ndarray]:
     """The ``n`` rows of a table whose tensors all have the dtype and shape of its ``uniform``
-    map, and the ``(n, *shape)`` view of the body they are the rows of; :class:`WireError`
-    (``bad_tensor``) for a bad dtype or shape or tensors running past the body's end."""
+    map (padded to the next multiple of :data:`ALIGN`, or, with ``"packed": true``, one
+    right after the other), and the ``(n, *shape)`` view of the body they are the rows of;
+    :class:`WireError` (``bad_tensor``) for a bad dtype or shape or tensors running past the
+    body's end."""
     try:
         dtype = parse_dtype(uniform.get("dtype"))
         dims = _parse_shape(uniform.get("shape"), dtype.itemsize)
+        packed = uniform.get("packed")
+        if packed is None:
+            packed = False
+        elif type(packed) is not bool:
+            raise WireError(f"'packed' must be true or false (or absent), not {packed!r}",
+                            code="bad_request")
     except WireError as exc:
         exc.message = f"{what}.uniform: {exc.message}"
         exc.args = (exc.message,)
@@ -623,7 +638,7 @@ def _uniform_rows(uniform: dict, n: int, body: Buffer, at: int, size: int, what:
         block = np.empty((n, *dims), dtype.newbyteorder("=") if native else dtype)
         block.flags.writeable = False
     else:
-        block = _strided_rows(dtype, dims, n, body, at, size)
+        block = _strided_rows(dtype, dims, n, body, at, size, packed)
         if block is None:
             raise WireError(f"{what}: {n} tensors of {dtype.itemsize * math.prod(dims)} bytes "
                             f"each run past the end of the body ({size} bytes)",
@@ -666,16 +681,17 @@ def _uniform_block(dtypes: list, shapes: list, body: Buffer, at: int, size: int
 
 
 def _strided_rows(dtype: np.dtype, dims: Sequence[int], n: int, body: Buffer, at: int,
-                  size: int) -> np.ndarray | None:
+                  size: int, packed: bool = False) -> np.ndarray | None:
     """``n`` tensors of ``dtype`` and ``dims`` (all > 0) laid out as a table lays them out
-    from ``at`` on (each at the next multiple of :data:`ALIGN`, so at a fixed stride), as one
+    from ``at`` on (each at the next multiple of :data:`ALIGN`, so at a fixed stride; or,
+    ``packed``, the first there and each of the others right after the one before), as one
     ``(n, *dims)`` view of ``body``; ``None`` if they run past its ``size`` bytes."""
     strides = []
     span = dtype.itemsize
     for d in reversed(dims):
         strides.append(span)
         span *= d
-    stride = (span + ALIGN - 1) // ALIGN * ALIGN
+    stride = span if packed else (span + ALIGN - 1) // ALIGN * ALIGN
     first = (at + ALIGN - 1) // ALIGN * ALIGN
     if n and first + stride * (n - 1) + span > size:
         return None

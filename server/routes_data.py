@@ -331,11 +331,11 @@ async def pull(request: Request) -> Response:
     `versions` may then be a list parallel to `names`); values already held at
     the current version are left out."""
     msg, _ = await _message(request)
-    names, versions, table, uniform = _pull_args(msg, _accepts_frame(request))
+    names, versions, table, layout = _pull_args(msg, _accepts_frame(request))
     store = _store(request)
     await store.readable(names)
     if table:
-        return EncodedResponse(_pull_table(store, names, versions, uniform,
+        return EncodedResponse(_pull_table(store, names, versions, layout,
                                            gathers(request.scope)))
     return _reply(request, {"variables": store.pull(names, versions)}, tensors=True)
 
@@ -354,10 +354,10 @@ def pull_now(store: ParameterStore, limit: int, headers: Mapping[bytes, bytes], 
         msg = wire.unpack(body, wire.MSGPACK)
         if not isinstance(msg, dict):
             return None
-        names, versions, table, uniform = _pull_args(msg, True)
+        names, versions, table, layout = _pull_args(msg, True)
         if not table or not store.settled_now(names):
             return None
-        return _pull_table(store, names, versions, uniform, True)
+        return _pull_table(store, names, versions, layout, True)
     except (ShardError, wire.WireError):
         return None
 
@@ -366,17 +366,22 @@ _MSGPACK, _FRAME = wire.MSGPACK.encode(), wire.FRAME.encode()
 
 
 def _pull_args(msg: Mapping[str, Any], frame: bool
-               ) -> tuple[list[str], Mapping[str, int] | list[int | None] | None, bool, bool]:
-    """A pull's ``(names, versions held, whether to answer with a table, whether the client
-    reads a table's ``uniform`` map)``, checked; ``frame``: whether the client accepts a framed
-    reply."""
+               ) -> tuple[list[str], Mapping[str, int] | list[int | None] | None, bool,
+                          tuple[bool, bool]]:
+    """A pull's ``(names, versions held, whether to answer with a table, (whether the client
+    reads a table's ``uniform`` map, whether it reads one of packed rows))``, checked;
+    ``frame``: whether the client accepts a framed reply."""
     names = _name_list(msg, "names", "pull")
     layout = _layout(msg, "pull")
-    uniform = msg.get("uniform")
+    uniform, packed = msg.get("uniform"), msg.get("packed")
     if uniform is None:
         uniform = False
     elif type(uniform) is not bool:
         raise _bad_field("pull", "uniform", "true or false (or absent)", uniform)
+    if packed is None:
+        packed = False
+    elif type(packed) is not bool:
+        raise _bad_field("pull", "packed", "true or false (or absent)", packed)
     table = layout == "table" and frame
     versions: Mapping[str, int] | list[int | None] | None
     if layout == "table" and type(msg.get("versions")) is list:
@@ -385,19 +390,19 @@ def _pull_args(msg: Mapping[str, Any], frame: bool
             versions = {n: v for n, v in zip(names, versions) if v is not None}
     else:
         versions = _versions(msg, "pull")
-    return names, versions, table, uniform
+    return names, versions, table, (uniform, uniform and packed)
 
 
 def _pull_table(store: ParameterStore, names: list[str],
-                versions: Mapping[str, int] | list[int | None] | None, uniform: bool,
-                gather: bool) -> wire.Encoded:
+                versions: Mapping[str, int] | list[int | None] | None,
+                layout: tuple[bool, bool], gather: bool) -> wire.Encoded:
     rows = store.pull_rows(names, versions)
     # No "names" column: the rows are the requested names, in request order.
     table = {"versions": rows.versions}
     # Served by the shard's own protocol, the body goes out in one vectored write of its
     # pieces (EncodedResponse, on the same condition), which may then be the arrays.
     return wire.encode_table({"table": table}, table, rows.values, rows.dtypes, rows.shapes,
-                             arrays_as_chunks=gather, uniform=uniform)
+                             arrays_as_chunks=gather, uniform=layout[0], packed=layout[1])
 
 
 def _writer(msg: Mapping[str, Any], verb: str, required: bool) -> tuple[Any, Any]:

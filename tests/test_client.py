@@ -176,12 +176,14 @@ class AsIfOlder(httpx2.BaseTransport):
     out of ``/v1/cluster`` and ``"layout"`` out of every pull (so they answer in the map
     layout, one map per variable)."""
 
-    def __init__(self, older: bool) -> None:
+    def __init__(self, older: bool, drop: tuple[str, ...] = ()) -> None:
         self.inner = httpx2.HTTPTransport()
         self.older = older
+        self.drop = ("layout", *drop) if older else drop  # fields taken out of every pull
         self.pushes: list[str] = []
         self.pulls: list[set] = []
         self.tables: list[set] = []  # the columns of each pull reply's table
+        self.uniforms: list[dict | None] = []  # and its uniform map
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         path = request.url.path
@@ -189,8 +191,10 @@ class AsIfOlder(httpx2.BaseTransport):
             msg = wire.unpack(bytearray(request.read()), request.headers["content-type"])
             if path == "/v1/push":
                 self.pushes.append(msg.get("layout", "map"))
-            elif self.older:
-                assert msg.pop("layout") == "table"  # what the SDK asks for
+            elif self.drop:
+                assert msg["layout"] == "table"  # what the SDK asks for
+                for key in self.drop:
+                    msg.pop(key, None)
                 headers = {k: v for k, v in request.headers.items() if k != "content-length"}
                 request = httpx2.Request("POST", request.url, headers=headers,
                                          content=wire.encode(msg, tensors=False).join())
@@ -201,6 +205,7 @@ class AsIfOlder(httpx2.BaseTransport):
             self.pulls.append(set(reply))
             if "table" in reply:
                 self.tables.append(set(reply["table"]))
+                self.uniforms.append(reply["table"].get("uniform"))
         elif path == "/v1/cluster" and self.older:
             info = json.loads(response.read())
             info.pop("features")
@@ -241,20 +246,24 @@ def test_pull_and_push_use_tables_where_the_shard_has_them(fleet2, older):
                                    for r in transport.pulls)
 
 
-def test_a_pull_of_same_shaped_variables_gets_their_dtype_and_shape_once(fleet2):
-    """The SDK asks for `uniform` tables: a pull whose every row holds a tensor of one dtype
-    and shape gets them once; any other pull the columns; the values are the same."""
+@pytest.mark.parametrize("packing", [True, False])  # False: a shard that predates it
+def test_a_pull_of_same_shaped_variables_gets_their_dtype_and_shape_once(fleet2, packing):
+    """The SDK asks for `uniform` tables, packed: a pull whose every row holds a tensor of
+    one dtype and shape gets them once, the rows one right after the other (or padded, from
+    a shard that ignores `packed`); any other pull the columns; the values are the same."""
     on_shard0 = (n for n in (unique("uniform") for _ in range(1000)) if shard_for(n, 2) == 0)
     names = [next(on_shard0) for _ in range(4)]
     values = {n: np.full((2, 5), i, np.float32) for i, n in enumerate(names)}
     odd = next(on_shard0)
-    transport = AsIfOlder(False)
+    transport = AsIfOlder(False, drop=() if packing else ("packed",))
     with PSClient(fleet2.urls, transport=transport) as ps:
         ps.init({**values, odd: np.arange(3.0)}, optimizer=SGD(lr=1.0))
         first = ps.pull(names)
         ps.push({names[0]: np.ones((2, 5), np.float32)})
         second = ps.pull([*names, odd])
     assert transport.tables == [{"versions", "uniform"}, {"versions", "dtype", "shape"}]
+    assert transport.uniforms[0] == {"dtype": "<f4", "shape": [2, 5],
+                                     **({"packed": True} if packing else {})}
     for i, n in enumerate(names):
         np.testing.assert_array_equal(first[n], values[n])
         np.testing.assert_array_equal(second[n], values[n] - (i == 0))

@@ -155,6 +155,14 @@ def test_a_small_table_pull_is_answered_at_once_with_the_apps_bytes():
                     assert rows[0].tolist() == [0.0, 1.0, 2.0]
                 if fresh[2]:
                     assert rows[2].tolist() == [[0, 1], [2, 3]]
+            # a uniform table, padded and packed (a and b: float32 (3,), 12 bytes each)
+            for packed in (False, True):
+                msg = {"names": ["a", "b"], "layout": "table", "uniform": True,
+                       "packed": packed}
+                mine, theirs = await both(immediate, usual, request(msg))
+                assert mine == theirs and immediate.calls == 0
+                uniform = wire.unpack(mine.partition(b"\r\n\r\n")[2], wire.FRAME)["table"]
+                assert uniform["uniform"].get("packed", False) is packed
             # the fleet header as the SDK sends it (this shard's own) is no obstacle
             mine, theirs = await both(immediate, usual, request(extra="x-paramshard-fleet: 0/1\r\n"))
             assert mine == theirs and immediate.calls == 0
@@ -180,6 +188,8 @@ CASES = {
     "unknown variable": lambda: request({"names": ["a", "nope"], "layout": "table"}),
     "bad name": lambda: request({"names": ["a", 7], "layout": "table"}),
     "bad versions": lambda: request({"names": NAMES, "layout": "table", "versions": [1, -1, 0]}),
+    "bad packed": lambda: request({"names": NAMES, "layout": "table", "uniform": True,
+                                   "packed": "yes"}),
     "not msgpack": lambda: request(body=b"\xc1garbage"),
     "not a map": lambda: request(body=msgpack.packb([1, 2])),
     "wrong content type": lambda: request(ctype="application/json"),

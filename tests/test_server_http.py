@@ -283,6 +283,33 @@ def test_a_table_pull_may_ask_for_one_dtype_and_shape_once(fleet2, http):
     for bad in (1, "yes", [True]):
         assert_refused(post(http, url, "pull", {**ask, "uniform": bad}, accept_frame=True),
                        400, "bad_request")
+        assert_refused(post(http, url, "pull", {**ask, "packed": bad}, accept_frame=True),
+                       400, "bad_request")
+
+
+def test_a_uniform_pull_may_ask_for_its_rows_packed(fleet2, http):
+    """`"packed": true` with `"uniform": true`: a uniform table's rows follow one another
+    with no padding (`"packed": true` in its `uniform` map); without `uniform`, or where the
+    table is not uniform, as if absent. The values are the same either way."""
+    url = fleet2.urls[0]
+    a, b, c = (owned(0) for _ in range(3))
+    values = {a: np.arange(6, dtype=np.float32).reshape(2, 3),  # 24 bytes: padded to 64
+              b: np.ones((2, 3), np.float32), c: np.arange(3, dtype=np.float32)}
+    for name, value in values.items():
+        init(http, url, name, value, {"type": "add"})
+    ask = {"names": [a, b], "layout": "table", "uniform": True, "packed": True}
+    padded = post(http, url, "pull", {**ask, "packed": False}, accept_frame=True)
+    rep = post(http, url, "pull", ask, accept_frame=True)
+    assert rep.status == 200 and rep.msg["table"] == {
+        "versions": [0, 0], "uniform": {"dtype": "<f4", "shape": [2, 3], "packed": True}}
+    assert len(rep.body) == len(padded.body) - 40  # the padding after the first row
+    assert bytes(rep.body[-48:]) == values[a].tobytes() + values[b].tobytes()
+    _, rows = wire.table_rows(rep.msg["table"], rep.body, names=[a, b])
+    for name, row in zip([a, b], rows):
+        np.testing.assert_array_equal(row, values[name])
+    for other in ({**ask, "names": [a, c]}, {**ask, "uniform": False}, {**ask, "packed": None}):
+        table = post(http, url, "pull", other, accept_frame=True).msg["table"]
+        assert "packed" not in table.get("uniform", {})
 
 
 def post_table(http, url: str, verb: str, msg: dict, key: str, names: list[str], arrays: list,

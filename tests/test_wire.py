@@ -808,6 +808,43 @@ def test_a_uniform_table_decodes_as_its_columns_do(rows, body_type, native, as_c
         assert all(r.tobytes() == b.tobytes() for r, b in zip(got, block))
 
 
+@given(uniform_rows(), st.sampled_from([bytes, bytearray]), st.booleans(), st.booleans())
+def test_a_packed_uniform_table_has_its_rows_one_after_another(rows, body_type, native,
+                                                              as_chunks):
+    """encode_table(uniform=True, packed=True): a uniform table's rows follow one another
+    with no padding (``"packed": true`` in its ``uniform`` map), the first where it would be
+    anyway; one chunk per row, not two; it decodes to the same rows, views of the body. Any
+    other table is laid out as without ``packed``."""
+    arrs = [None if a is None else _contiguous(a) for a in rows]
+    names = [f"v{i}" for i in range(len(arrs))]
+    t1, t2 = {}, {}
+    padded = wire.encode_table({"table": t1}, t1, arrs, arrays_as_chunks=as_chunks,
+                               uniform=True)
+    packed = wire.encode_table({"table": t2}, t2, arrs, arrays_as_chunks=as_chunks,
+                               uniform=True, packed=True)
+    body = body_type(b"".join(packed.chunks))
+    assert len(body) == packed.nbytes
+    if "uniform" not in t1:
+        assert t2 == t1 and packed.join() == padded.join()
+        return
+    assert t2["uniform"] == {**t1["uniform"], "packed": True}
+    size = arrs[0].nbytes
+    first = -(-(8 + struct.unpack_from("<4sI", bytes(body))[1]) // 64) * 64
+    assert len(body) == (first + len(arrs) * size if size else len(body))
+    if size:
+        assert bytes(body[first:]) == b"".join(a.tobytes() for a in arrs)
+        assert len(packed.chunks) == len(padded.chunks) - (len(arrs) - 1) * bool(-size % 64)
+    table = wire.unpack(body, wire.FRAME)["table"]
+    _, got, block = wire.table_rows(table, body, names=names, native=native, with_block=True)
+    for g, a in zip(got, arrs):
+        assert g.dtype.newbyteorder("=") == a.dtype.newbyteorder("=") and g.shape == a.shape
+        assert np.array_equal(g, a, equal_nan=True)
+        if size and (a.dtype.isnative or not native):
+            assert np.shares_memory(g, _u8(body))
+    if block is not None:
+        assert all(r.tobytes() == b.tobytes() for r, b in zip(got, block))
+
+
 def test_a_uniform_table_is_checked_as_strictly_as_columns():
     rows = [np.arange(4, dtype=np.float32) for _ in range(3)]
     t = {}
@@ -832,6 +869,18 @@ def test_a_uniform_table_is_checked_as_strictly_as_columns():
         assert "uniform" in refused({"uniform": {"dtype": "<f4", "shape": shape}})
     assert "past the end" in refused({"uniform": {"dtype": "<f4", "shape": [5]}})
     assert "past the end" in refused(good, body[:-4])
+    for packed in (1, "yes", [True]):
+        assert "packed" in refused({"uniform": {**good["uniform"], "packed": packed}},
+                                   code="bad_request")
+    for absent in (None, False):  # as without it
+        same = {"uniform": {**good["uniform"], "packed": absent}}
+        assert [r.tolist() for r in wire.table_rows(same, body, names=names)[1]] == [[0, 1, 2, 3]] * 3
+    # Packed rows lie at their own size's stride: three of 48 bytes end where the padded
+    # rows of 16 end (two strides of 64 and 16), padded ones of 48 would run past it.
+    assert "past the end" in refused({"uniform": {"dtype": "<f4", "shape": [12]}})
+    packed = {"uniform": {"dtype": "<f4", "shape": [12], "packed": True}}
+    assert [r.size for r in wire.table_rows(packed, body, names=names)[1]] == [12] * 3
+    assert "past the end" in refused(packed, body[:-4])
     refused(good, body[:6], code="bad_request")  # not even a frame prefix
     # no bytes at all: tensors of size zero, and 0-d tensors (arrays, not numpy scalars)
     _, empty = wire.table_rows({"uniform": {"dtype": "<i8", "shape": [2, 0]}}, body, names=names)
