@@ -471,7 +471,7 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
                  dtypes: list[str | None] | None = None,
                  shapes: list[list[int] | None] | None = None, *,
                  arrays_as_chunks: bool = False, uniform: bool = False,
-                 packed: bool = False) -> Encoded:
+                 packed: bool = False, laid_out: Buffer | None = None) -> Encoded:
     """Frame ``message``, in which the map ``table`` (already holding its other columns, e.g.
     ``names``) gets the columns ``dtype`` and ``shape`` for ``arrays``, one row each; the
     arrays' bytes follow the header in row order, each at the next multiple of :data:`ALIGN`.
@@ -494,6 +494,10 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
     a table's rows follow one another with no padding between them (``"packed": true`` in the
     ``uniform`` map): one buffer per row for a vectored write instead of two, which is what a
     kernel's send costs most per (100 rows of 4,000 bytes: ~135 -> ~105 us on loopback here).
+    ``laid_out``, for a uniform table with ``arrays_as_chunks`` whose rows lie one right
+    after another (packed, or of a size that is a multiple of :data:`ALIGN`), is the rows'
+    bytes already so, in one buffer (a shard's values made together, side by side): then
+    that buffer is the rows' one chunk (~70 us for the same bytes); otherwise unused.
     """
     if dtypes is None or shapes is None:
         dtypes, shapes = [], []
@@ -528,6 +532,8 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
             if gap:  # each row after the first starts gap bytes after the end of the last
                 rows: list[Any] = [pads[gap]] * (2 * n - 1)
                 rows[0::2] = arrays
+            elif getattr(laid_out, "nbytes", None) == n * size:  # rows side by side anyway
+                rows = [laid_out]
             else:
                 rows = list(arrays)
             chunks += rows

@@ -402,7 +402,8 @@ def _pull_table(store: ParameterStore, names: list[str],
     # Served by the shard's own protocol, the body goes out in one vectored write of its
     # pieces (EncodedResponse, on the same condition), which may then be the arrays.
     return wire.encode_table({"table": table}, table, rows.values, rows.dtypes, rows.shapes,
-                             arrays_as_chunks=gather, uniform=layout[0], packed=layout[1])
+                             arrays_as_chunks=gather, uniform=layout[0], packed=layout[1],
+                             laid_out=rows.whole)
 
 
 def _writer(msg: Mapping[str, Any], verb: str, required: bool) -> tuple[Any, Any]:

@@ -45,6 +45,7 @@ import math
 import operator
 import sys
 import time
+import weakref
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,53 @@ def _refs_of_attribute() -> int:
 _HELD_ONCE = _refs_of_attribute() if REFCOUNTS else 0
 
 
+class _Mem:
+    """Memory that arrays are made over (numpy's array interface), kept alive by ``owner``.
+    An array made over it has this object as its ``base``, so the arrays made from that array
+    point at *it* (numpy collapses a view's base only through arrays): its reference count
+    still tells whether a reader holds it (:meth:`Variable.held`), as for an array that owns
+    its memory."""
+
+    __slots__ = ("__array_interface__", "owner")
+
+    def __init__(self, address: int, shape: tuple[int, ...], typestr: str, readonly: bool,
+                 owner: object) -> None:
+        self.__array_interface__ = {"shape": shape, "typestr": typestr,
+                                    "data": (address, readonly), "version": 3}
+        self.owner = owner
+
+
+class _Slab:
+    """One block of memory for the values of the same-shaped variables one init made, in the
+    order it named them, one right after another: as a packed table lays out its rows
+    (docs/PROTOCOL.md §2), so a pull of all of them, in that order, writes the block as one
+    buffer instead of one per variable (the kernel's send costs per buffer).
+
+    A variable's home is its row. An update that must not write in place (a reader holds the
+    value) moves the value to fresh memory and the variable is *away*; the first update after
+    every reader of the row has let go of it brings the value home again
+    (:meth:`Variable.target`). The block goes out whole only while every member is home."""
+
+    __slots__ = ("memory", "address", "stride", "members", "away", "__weakref__")
+
+    def __init__(self, count: int, stride: int) -> None:
+        self.memory = np.empty(count * stride, np.uint8)
+        self.address = self.memory.ctypes.data
+        self.stride = stride
+        self.members: list[Variable] = []
+        self.away = 0
+
+    def row(self, i: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """The writable array over row ``i``."""
+        return np.asarray(_Mem(self.address + i * self.stride, shape, dtype.str, False, self))
+
+    def whole(self, views: tuple[np.ndarray, ...]) -> np.ndarray:
+        """The block, read-only bytes, holding ``views`` (the members' exported values, in
+        order) for as long as it lives: while a reply writes it, every member counts as held
+        and no update writes its row."""
+        return np.asarray(_Mem(self.address, (len(views) * self.stride,), "|u1", True, views))
+
+
 @dataclass(eq=False)
 class Variable:
     """One variable: its value (native byte order, C-contiguous) and bookkeeping.
@@ -126,6 +174,13 @@ class Variable:
     #: ``(dtype type string, shape list)`` as a tensor table row carries them (made once: a
     #: variable's dtype and shape never change). Shared by every reply: do not modify.
     _wire: tuple[str, list[int]] | None = field(default=None, repr=False)
+    #: The slab whose row ``_row`` is this variable's home (values made by one init, see
+    #: :class:`_Slab`), or None.
+    _slab: _Slab | None = field(default=None, repr=False)
+    _row: int = field(default=0, repr=False)
+    #: While the value is away from its row: a weak reference to the row's last value (dead
+    #: once no reader holds it, and the row is free again).
+    _gone: weakref.ref | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -158,10 +213,14 @@ class Variable:
 
     def target(self) -> np.ndarray:
         """Where the next value goes: the value's own buffer, or fresh memory if a reader
-        still holds the current one (:meth:`held`). Pass it to the update, then
-        :meth:`replace` with it."""
+        still holds the current one (:meth:`held`); for a variable away from its slab row
+        that no reader holds any more, that row. Pass it to the update, then :meth:`replace`
+        with it."""
         if self.shared and not self.held():
             self.shared = False
+        gone = self._gone
+        if gone is not None and gone() is None:
+            return self._slab.row(self._row, self.value.dtype, self.value.shape)
         return np.empty_like(self.value) if self.shared else self.value
 
     def wire_meta(self) -> tuple[str, list[int]]:
@@ -173,8 +232,16 @@ class Variable:
 
     def replace(self, new: np.ndarray) -> None:
         """Make ``new`` the value (after an update into it: the value's own buffer when the
-        update went in place, else fresh memory)."""
+        update went in place, else fresh memory, or the variable's slab row)."""
         if new is not self.value:
+            slab = self._slab
+            if slab is not None:
+                if self._gone is None:  # leaves its row, which a reader holds
+                    self._gone = weakref.ref(self.value)
+                    slab.away += 1
+                elif type(new.base) is _Mem and new.base.owner is slab:  # back home
+                    self._gone = None
+                    slab.away -= 1
             self.value = new
             self._view = None
         # else: updated in place, so no reader held the value (see target) and the read-only
@@ -235,10 +302,13 @@ class PullRows:
     ``versions``, and per row the read-only value with its ``dtypes`` type string and
     ``shapes`` list, or ``None`` in all three where the puller holds the current version."""
 
-    __slots__ = ("names", "versions", "values", "dtypes", "shapes")
+    __slots__ = ("names", "versions", "values", "dtypes", "shapes", "whole")
 
     def __init__(self, names: list[str]) -> None:
         self.names = names
+        #: When the rows are every member of one slab, in its order, all home and all sent:
+        #: their bytes as one buffer, laid out as a packed table's rows (:meth:`_Slab.whole`).
+        self.whole: np.ndarray | None = None
         self.versions: list[int] = []
         self.values: list[np.ndarray | None] = []
         self.dtypes: list[str | None] = []
@@ -477,12 +547,18 @@ class ParameterStore:
                 {"conflicts": conflicts},
             )
         # -- apply (no refusal past this point) --
-        for name, value, opt in plans:
+        homes = _homes(plans)
+        for (name, value, opt), home in zip(plans, homes):
             dtype = native(value.dtype)
-            owned = np.empty(value.shape, dtype=dtype)
+            owned = np.empty(value.shape, dtype=dtype) if home is None else \
+                home[0].row(home[1], dtype, value.shape)
             np.copyto(owned, value)
-            self._add(Variable(name=name, value=owned, optimizer=opt,
-                               state=optim.init_state(opt, owned)))
+            var = Variable(name=name, value=owned, optimizer=opt,
+                           state=optim.init_state(opt, owned))
+            if home is not None:
+                var._slab, var._row = home
+                home[0].members.append(var)
+            self._add(var)
         created = {name for name, _, _ in plans}
         return {name: {"version": self._vars[name].version, "created": name in created}
                 for name in entries}
@@ -522,6 +598,9 @@ class ParameterStore:
             metas = [var._wire or var.wire_meta() for var in variables]
             rows.dtypes = [m[0] for m in metas]
             rows.shapes = [m[1] for m in metas]
+            slab = variables[0]._slab if variables else None
+            if slab is not None and not slab.away and variables == slab.members:
+                rows.whole = slab.whole(tuple(rows.values))
             return rows
         add_value = rows.values.append
         add_dtype, add_shape = rows.dtypes.append, rows.shapes.append
@@ -585,7 +664,7 @@ class ParameterStore:
         out = {}
         with np.errstate(all="ignore"):
             for var, grad in zip(variables, todo):
-                target = var.target() if var.shared else var.value
+                target = var.target() if var.shared or var._gone is not None else var.value
                 value = var.value
                 opt = var.optimizer
                 if type(opt) is Add:  # the one that needs neither slots nor scratch
@@ -982,6 +1061,27 @@ def _compute_offloop(plans: list[_PushPlan],
             value, state = computed
             optim.apply(var.optimizer, var.value, plan.grad, var.state, out=value,
                         state_out=state, scratch=plan.scratch)
+
+
+def _homes(plans: list[tuple[str, np.ndarray, Optimizer]]
+           ) -> list[tuple[_Slab, int] | None]:
+    """Per new variable of an init, its slab and row, or None: each run of two or more
+    variables in a row with one dtype and one shape (at least one dimension, some bytes)
+    gets a slab of its own."""
+    homes: list[tuple[_Slab, int] | None] = [None] * len(plans)
+    start = 0
+    while start < len(plans):
+        first = plans[start][1]
+        key = (native(first.dtype), first.shape)
+        end = start + 1
+        while end < len(plans) and (native(plans[end][1].dtype), plans[end][1].shape) == key:
+            end += 1
+        if end - start >= 2 and first.ndim and first.nbytes:
+            slab = _Slab(end - start, first.nbytes)
+            for i in range(start, end):
+                homes[i] = (slab, i - start)
+        start = end
+    return homes
 
 
 def _grad_error(var: Variable, grad: np.ndarray) -> ShardError:

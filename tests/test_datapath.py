@@ -173,6 +173,53 @@ def test_an_update_writes_in_place_only_once_no_reader_holds_the_value():
     assert (var.value == 8).all() and var.version == 8
 
 
+def test_values_made_together_lie_side_by_side_and_a_pull_of_all_sends_them_as_one_buffer():
+    """The store, in this process: the same-shaped variables of one init get one block of
+    memory, in the order named (a packed table's layout); a pull of all of them in that
+    order has their bytes as one buffer (PullRows.whole), any other pull not. While that
+    buffer lives (a reply being written), updates go to fresh memory and its bytes never
+    change; the first update after it is gone brings each value back to its row."""
+    store = ParameterStore(0, 1)
+    names = ["a", "b", "c"]
+    store.init({**{n: (np.full(5, i, np.float32), Add().to_wire()) for i, n in enumerate(names)},
+                "odd": (np.zeros(3, np.float32), Add().to_wire())})
+    homes = [store.get(n).value.ctypes.data for n in names]
+    assert homes == [homes[0] + 20 * i for i in range(3)]
+    assert store.get("odd")._slab is None
+
+    def whole(pulled=names, versions=None):
+        return store.pull_rows(pulled, versions).whole
+
+    def bump(seq: int, *which: str) -> None:
+        store.push("worker", seq, {n: np.ones(5, np.float32) for n in which})
+
+    sent = whole()
+    assert sent is not None and not sent.flags.writeable
+    assert sent.tobytes() == b"".join(np.full(5, i, np.float32).tobytes() for i in range(3))
+    for other in (["a", "b"], ["b", "a", "c"], [*names, "odd"]):
+        assert whole(other) is None
+    assert whole(versions=[0, None, None]) is None  # a row held: not every value goes
+    bump(1, "b")  # the buffer is still being written: b moves away, its bytes stay
+    assert store.get("b").value.ctypes.data != homes[1] and (store.get("b").value == 2).all()
+    assert sent.tobytes()[20:40] == np.full(5, 1, np.float32).tobytes()
+    assert whole() is None  # a member is away: one buffer per value again
+    del sent
+    bump(2, "b")  # no reader of the row left: back home
+    assert store.get("b").value.ctypes.data == homes[1] and (store.get("b").value == 3).all()
+    again = whole()
+    assert again is not None and np.frombuffer(again, np.float32).tolist() == \
+        [0.0] * 5 + [3.0] * 5 + [2.0] * 5
+    del again
+    snapshot = store.capture()  # a snapshot holds every value: all move away, then home
+    bump(3, *names)
+    assert [store.get(n).value.ctypes.data != h for n, h in zip(names, homes)] == [True] * 3
+    assert (snapshot.variables["a"][1]["value"] == 0).all()
+    del snapshot
+    bump(4, *names)
+    assert [store.get(n).value.ctypes.data for n in names] == homes
+    assert np.frombuffer(whole(), np.float32).tolist() == [2.0] * 5 + [5.0] * 5 + [4.0] * 5
+
+
 @pytest.mark.parametrize("opt, in_place", [(Add(), True), (Adagrad(lr=0.5), False)])
 def test_a_big_update_goes_in_place_only_when_cheap_and_no_reader_holds_the_value(opt, in_place):
     """push_async, in this process: a big Add update (one pass) is made in place while no

@@ -845,6 +845,30 @@ def test_a_packed_uniform_table_has_its_rows_one_after_another(rows, body_type, 
         assert all(r.tobytes() == b.tobytes() for r, b in zip(got, block))
 
 
+@pytest.mark.parametrize("size", [5, 16])  # 20 bytes (packed only), 64 (side by side anyway)
+def test_rows_already_laid_out_go_as_one_chunk(size):
+    """encode_table(laid_out=...): the rows' bytes already side by side in one buffer are the
+    rows' one chunk, where the table's rows lie side by side (packed, or a multiple of 64
+    bytes each); the body is the same as from the rows. Elsewhere, or if its size is not
+    the rows', it is not used."""
+    rows = [np.full(size, i, np.float32) for i in range(3)]
+    block = np.concatenate(rows)
+    for packed in (True, False):
+        t1, t2 = {}, {}
+        plain = wire.encode_table({"table": t1}, t1, rows, arrays_as_chunks=True, uniform=True,
+                                  packed=packed)
+        laid = wire.encode_table({"table": t2}, t2, rows, arrays_as_chunks=True, uniform=True,
+                                 packed=packed, laid_out=block)
+        assert laid.join() == plain.join() and t1 == t2
+        side_by_side = packed or size * 4 % 64 == 0
+        assert any(c is block for c in laid.chunks) == side_by_side
+        assert len(laid.chunks) == (len(plain.chunks) - 2 if side_by_side else len(plain.chunks))
+    t = {}
+    short = wire.encode_table({"table": t}, t, rows, arrays_as_chunks=True, uniform=True,
+                              packed=True, laid_out=block[:-1])
+    assert sum(isinstance(c, np.ndarray) for c in short.chunks) == 3  # the rows themselves
+
+
 def test_a_uniform_table_is_checked_as_strictly_as_columns():
     rows = [np.arange(4, dtype=np.float32) for _ in range(3)]
     t = {}
