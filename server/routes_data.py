@@ -459,13 +459,15 @@ async def push(request: Request) -> Response:
     versions = _versions(msg, "push")
     # Gradients a FiniteScan found finite while the body arrived (same header, same bytes).
     finite = getattr(request.state, "finite", ())
+    block = None
     if _layout(msg, "push") == "table":
         grads, block = _table_map(request, msg, "grads", "push", body)
         if not finite:  # a table of same-shaped gradients is checked in one pass
             finite = finite_rows(list(grads), block)
     else:
         grads = _tensor_map(msg, "grads", "push", body)
-    result = await _store(request).push_async(worker_id, seq, grads, versions, finite=finite)
+    result = await _store(request).push_async(worker_id, seq, grads, versions, finite=finite,
+                                              block=block)
     return _reply(request, {"variables": result})
 
 

@@ -35,6 +35,8 @@ from server import protocol as server_protocol
 from server.protocol import BODY_INTO, GATHER, Gathered, ShardHttpProtocol
 from server.routes_data import coalesce, read_body
 from server.scan import FiniteScan, finite_rows
+from server import optim
+from server import store as store_module
 from server.store import OFFLOAD_BYTES, SMALL_CHECK, ParameterStore, all_finite
 
 BIG = OFFLOAD_BYTES // 4 + 1000  # float32 elements: just above the off-loop threshold
@@ -218,6 +220,59 @@ def test_values_made_together_lie_side_by_side_and_a_pull_of_all_sends_them_as_o
     bump(4, *names)
     assert [store.get(n).value.ctypes.data for n in names] == homes
     assert np.frombuffer(whole(), np.float32).tolist() == [2.0] * 5 + [5.0] * 5 + [4.0] * 5
+
+
+def test_a_push_to_all_of_a_slab_is_one_update_and_the_same_as_one_by_one(monkeypatch):
+    """The store, in this process: a push whose gradients are one block, to every member of
+    a slab in its order, with one optimizer without slots and no reader holding a value, is
+    one update of the whole slab; any other push goes variable by variable. The values are
+    the same either way."""
+    calls = []
+    apply = optim.apply
+
+    def counted(opt, value, grad, *args, **kwargs):
+        calls.append(value.shape)
+        return apply(opt, value, grad, *args, **kwargs)
+
+    monkeypatch.setattr(store_module.optim, "apply", counted)
+    store = ParameterStore(0, 1)
+    names = ["a", "b", "c"]
+    store.init({n: (np.full(4, 10.0 * i, np.float32), SGD(lr=0.5).to_wire())
+                for i, n in enumerate(names)})
+    expect = {n: np.full(4, 10.0 * i, np.float32) for i, n in enumerate(names)}
+    seq = iter(range(100))
+
+    def push(block, pushed=names, cast=False):
+        calls.clear()
+        for n, g in zip(pushed, block):  # (the store may use the gradients' memory)
+            expect[n] -= np.float32(0.5) * g
+        rows = block.astype(np.float64) if cast else block
+        store.push("worker", next(seq), dict(zip(pushed, rows)), block=rows)
+        for n in names:
+            np.testing.assert_array_equal(store.get(n).value, expect[n])
+        return list(calls)
+
+    grads = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert push(grads.copy()) == [(3, 4)]  # one update of the whole slab
+    store.pull_rows(names)  # pulled, and the reply gone: the training loop's pattern
+    assert push(grads.copy()) == [(3, 4)]
+    reply = store.pull_rows(names).whole  # a reply being written holds every value
+    sent = np.concatenate([expect[n] for n in names])
+    assert push(grads.copy()) == [(4,)] * 3
+    np.testing.assert_array_equal(np.frombuffer(reply, np.float32), sent)
+    del reply
+    assert push(grads.copy()) == [(4,)] * 3  # the values come home one by one
+    assert push(grads.copy()) == [(3, 4)]
+    assert push(grads[:2].copy(), names[:2]) == [(4,)] * 2  # not every member
+    assert push(grads[::-1].copy(), names[::-1]) == [(4,)] * 3  # not in the slab's order
+    assert push(grads.copy(), cast=True) == [(4,)] * 3  # cast first, one by one
+    other = ParameterStore(0, 1)  # two optimizers among the members
+    other.init({"x": (np.zeros(4, np.float32), SGD(lr=0.5).to_wire()),
+                "y": (np.zeros(4, np.float32), SGD(lr=0.25).to_wire())})
+    calls.clear()
+    two = grads[:2].copy()
+    other.push("worker", 0, {"x": two[0], "y": two[1]}, block=two)
+    assert calls == [(4,)] * 2 and other.get("y").value.tolist() == (-0.25 * grads[1]).tolist()
 
 
 @pytest.mark.parametrize("opt, in_place", [(Add(), True), (Adagrad(lr=0.5), False)])
