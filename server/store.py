@@ -26,6 +26,13 @@ Rules every verb keeps:
   change; if none does (the usual case in training: the pull finished long before the next
   push came), the update writes in place, which measured here is twice as fast as writing to
   fresh memory. Pulls cost no copy at all, and an update after a pull no extra pass.
+* **Values made together live together.** The same-shaped variables of one init (a model's
+  layers of one shape, a step's many small tensors) share one block of memory, side by side
+  in the order named (:class:`_Slab`; also after a restore). A pull of all of them in that
+  order writes the block as one buffer, a push to all of them is one update of the block.
+  A value a reader holds while it must change moves to fresh memory and comes back to its
+  row at the first update after the reader let go; meanwhile both are kept (at most twice
+  the slab's bytes).
 * **Work proportional to the request**, never to the number of variables the shard holds
   (``bytes`` and counts are kept up to date, not recomputed).
 * **Applied once.** A write that carries ``worker_id`` and ``seq`` is checked against the
@@ -978,6 +985,8 @@ class ParameterStore:
         before any request is served). The state version becomes the sum of their versions."""
         self._vars = {}
         self._nbytes = 0
+        variables = list(variables)
+        _into_slabs(variables)
         for var in variables:
             self._add(var)
         self.dedup = dedup
@@ -1086,6 +1095,25 @@ def _compute_offloop(plans: list[_PushPlan],
             value, state = computed
             optim.apply(var.optimizer, var.value, plan.grad, var.state, out=value,
                         state_out=state, scratch=plan.scratch)
+
+
+def _into_slabs(variables: list[Variable]) -> None:
+    """Restored variables laid out as their init made them: each run of two or more tensors in
+    a row with one dtype and shape in a slab of its own (their values copied there), and one
+    object per distinct optimizer, so pulls and pushes of them take the same ways as before a
+    restart."""
+    optimizers: dict[Optimizer, Optimizer] = {}
+    for var in variables:
+        var.optimizer = optimizers.setdefault(var.optimizer, var.optimizer)
+    homes = _homes([(v.name, v.value, v.optimizer) for v in variables])
+    for var, home in zip(variables, homes):
+        if home is None:
+            continue
+        slab, i = home
+        row = slab.row(i, var.value.dtype, var.value.shape)
+        np.copyto(row, var.value)
+        var.value, var._view, var._slab, var._row = row, None, slab, i
+        slab.members.append(var)
 
 
 def _one_update(variables: list[Variable], grads: list[np.ndarray], block: np.ndarray | None

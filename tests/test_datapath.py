@@ -37,6 +37,8 @@ from server.routes_data import coalesce, read_body
 from server.scan import FiniteScan, finite_rows
 from server import optim
 from server import store as store_module
+from server.store import Variable, _one_update
+from client_sdk.optimizers import from_wire
 from server.store import OFFLOAD_BYTES, SMALL_CHECK, ParameterStore, all_finite
 
 BIG = OFFLOAD_BYTES // 4 + 1000  # float32 elements: just above the off-loop threshold
@@ -273,6 +275,32 @@ def test_a_push_to_all_of_a_slab_is_one_update_and_the_same_as_one_by_one(monkey
     two = grads[:2].copy()
     other.push("worker", 0, {"x": two[0], "y": two[1]}, block=two)
     assert calls == [(4,)] * 2 and other.get("y").value.tolist() == (-0.25 * grads[1]).tolist()
+
+
+def test_restored_variables_are_laid_out_as_their_init_made_them():
+    """After a restore, runs of same-shaped tensors share a slab again (their values copied
+    there, in order) and equal optimizers are one object: a pull of all of them is one
+    buffer, a push to all one update, with the values the snapshot had."""
+    first = ParameterStore(0, 1)
+    first.init({"a": (np.full(4, 1.0, np.float32), SGD(lr=0.5).to_wire()),
+                "b": (np.full(4, 2.0, np.float32), SGD(lr=0.5).to_wire()),
+                "n": (np.arange(3.0), None)})
+    captured = first.capture()
+    restored = [Variable(name=name, value=np.array(arrays["value"]),
+                         optimizer=from_wire(meta["optimizer"]), state={})
+                for name, (meta, arrays) in captured.variables.items()]
+    store = ParameterStore(0, 1)
+    store.restore(restored, first.dedup)
+    a, b, n = (store.get(k) for k in ("a", "b", "n"))
+    assert a._slab is b._slab is not None and n._slab is None
+    assert b.value.ctypes.data == a.value.ctypes.data + 16 and a.optimizer is b.optimizer
+    whole = store.pull_rows(["a", "b"]).whole
+    assert np.frombuffer(whole, np.float32).tolist() == [1.0] * 4 + [2.0] * 4
+    del whole
+    block = np.ones((2, 4), np.float32)
+    assert _one_update([a, b], list(block), block) is not None
+    store.push("worker", 1, {"a": block[0], "b": block[1]}, block=block)
+    assert a.value.tolist() == [0.5] * 4 and b.value.tolist() == [1.5] * 4
 
 
 @pytest.mark.parametrize("opt, in_place", [(Add(), True), (Adagrad(lr=0.5), False)])
