@@ -288,8 +288,10 @@ class Core:
         self.n = len(settings.shards)
         self._lock = threading.Lock()
         self._checked = [False] * self.n
-        #: Per shard: whether its verbs take tensor tables (its /v1/cluster lists the feature).
+        #: Per shard: whether its verbs take tensor tables (its /v1/cluster lists the feature),
+        #: and uniform ones with packed rows.
         self._tables = [False] * self.n
+        self._packed = [False] * self.n
         self._incarnation: list[str | None] = [None] * self.n
         #: Per shard: the last state version seen, and (old incarnation, that version) while
         #: a restart is noticed but not yet reported.
@@ -357,10 +359,12 @@ class Core:
               retry_safe: bool = False, table: dict | None = None,
               arrays: list[np.ndarray] | None = None) -> ShardRequest:
         """A POST of ``msg``; with ``table`` (a map inside ``msg``) and ``arrays``, encoded as
-        a framed body whose tensor table ``table`` holds ``arrays``."""
+        a framed body whose tensor table ``table`` holds ``arrays`` (where the shard takes it,
+        arrays of one dtype and shape as a packed uniform table: docs/PROTOCOL.md §2)."""
         try:
             if table is not None:
-                body = wire.encode_table(msg, table, arrays)
+                packed = self._packed[shard]
+                body = wire.encode_table(msg, table, arrays, uniform=packed, packed=packed)
             else:
                 body = wire.encode(msg, tensors=verb in self._TENSOR_VERBS)
         except wire.WireError as exc:
@@ -605,6 +609,7 @@ class Core:
                                      details={"shard_index": index, "num_shards": total})
         features = info.get("features")
         self._tables[shard] = isinstance(features, list) and wire.FEATURE_TABLES in features
+        self._packed[shard] = self._tables[shard] and wire.FEATURE_PACKED in features
         incarnation = info.get("incarnation")
         if isinstance(incarnation, str):
             self._note_incarnation(shard, incarnation)

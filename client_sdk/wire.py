@@ -50,6 +50,7 @@ __all__ = [
     "FRAME",
     "FRAME_MAGIC",
     "FRAME_THRESHOLD",
+    "FEATURE_PACKED",
     "FEATURE_TABLES",
     "HEADER_INCARNATION",
     "HEADER_PROTOCOL",
@@ -87,6 +88,8 @@ HEADER_STATE_VERSION = "x-paramshard-state-version"
 #: What a shard lists in ``/v1/cluster`` ``features`` when its verbs take tensor tables in
 #: requests (push ``grads``); every shard that lists it also answers pulls in tables.
 FEATURE_TABLES = "tables"
+#: A shard's verbs take request tables with a ``uniform`` map, packed or not (§2).
+FEATURE_PACKED = "packed"
 
 FRAME_MAGIC = b"PSF1"
 ALIGN = 64

@@ -61,7 +61,7 @@ async def cluster(request: Request) -> dict[str, Any]:
         "num_shards": state.config.num_shards,
         "incarnation": state.incarnation,
         "protocol_version": wire.PROTOCOL_VERSION,
-        "features": [wire.FEATURE_TABLES],
+        "features": [wire.FEATURE_TABLES, wire.FEATURE_PACKED],
         "version": __version__,
         "started_at": state.started_at,
         "variables": len(store),

@@ -176,11 +176,14 @@ class AsIfOlder(httpx2.BaseTransport):
     out of ``/v1/cluster`` and ``"layout"`` out of every pull (so they answer in the map
     layout, one map per variable)."""
 
-    def __init__(self, older: bool, drop: tuple[str, ...] = ()) -> None:
+    def __init__(self, older: bool, drop: tuple[str, ...] = (),
+                 drop_features: tuple[str, ...] = ()) -> None:
         self.inner = httpx2.HTTPTransport()
         self.older = older
+        self.drop_features = drop_features  # taken out of /v1/cluster's features
         self.drop = ("layout", *drop) if older else drop  # fields taken out of every pull
         self.pushes: list[str] = []
+        self.push_tables: list[dict] = []  # each push table's columns, but its names
         self.pulls: list[set] = []
         self.tables: list[set] = []  # the columns of each pull reply's table
         self.uniforms: list[dict | None] = []  # and its uniform map
@@ -191,6 +194,9 @@ class AsIfOlder(httpx2.BaseTransport):
             msg = wire.unpack(bytearray(request.read()), request.headers["content-type"])
             if path == "/v1/push":
                 self.pushes.append(msg.get("layout", "map"))
+                if msg.get("layout") == "table":
+                    self.push_tables.append({k: v for k, v in msg["grads"].items()
+                                             if k != "names"})
             elif self.drop:
                 assert msg["layout"] == "table"  # what the SDK asks for
                 for key in self.drop:
@@ -206,9 +212,12 @@ class AsIfOlder(httpx2.BaseTransport):
             if "table" in reply:
                 self.tables.append(set(reply["table"]))
                 self.uniforms.append(reply["table"].get("uniform"))
-        elif path == "/v1/cluster" and self.older:
+        elif path == "/v1/cluster" and (self.older or self.drop_features):
             info = json.loads(response.read())
-            info.pop("features")
+            if self.older:
+                info.pop("features")
+            else:
+                info["features"] = [f for f in info["features"] if f not in self.drop_features]
             response = httpx2.Response(response.status_code, headers=response.headers,
                                        content=json.dumps(info).encode())
         return response
@@ -269,6 +278,30 @@ def test_a_pull_of_same_shaped_variables_gets_their_dtype_and_shape_once(fleet2,
         np.testing.assert_array_equal(second[n], values[n] - (i == 0))
         assert not first[n].flags.writeable
     np.testing.assert_array_equal(second[odd], np.arange(3.0))
+
+
+@pytest.mark.parametrize("packed", [True, False])  # False: a shard that predates it
+def test_same_shaped_gradients_go_as_a_packed_uniform_table(fleet2, packed):
+    """To a shard that lists "packed", a push of gradients of one dtype and shape is one
+    uniform table with its rows packed; to one that does not, the columns; other pushes the
+    columns either way. The results are the same."""
+    on_shard0 = (n for n in (unique("packpush") for _ in range(1000)) if shard_for(n, 2) == 0)
+    names = [next(on_shard0) for _ in range(3)]
+    odd = next(on_shard0)
+    transport = AsIfOlder(False, drop_features=() if packed else ("packed",))
+    with PSClient(fleet2.urls, transport=transport) as ps:
+        ps.init({**{n: np.zeros((2, 5), np.float32) for n in names}, odd: np.zeros(3)},
+                optimizer=SGD(lr=1.0))
+        ps.push({n: np.full((2, 5), i, np.float32) for i, n in enumerate(names)})
+        ps.push({names[0]: np.ones((2, 5), np.float32), odd: np.ones(3)})
+        got = ps.pull([*names, odd])
+    uniform = {"dtype": "<f4", "shape": [2, 5], "packed": True}
+    assert transport.push_tables[0] == ({"uniform": uniform} if packed else
+                                        {"dtype": ["<f4"] * 3, "shape": [[2, 5]] * 3})
+    assert set(transport.push_tables[1]) == {"dtype", "shape"}
+    for i, n in enumerate(names):
+        np.testing.assert_array_equal(got[n], np.full((2, 5), -i - (i == 0), np.float32))
+    np.testing.assert_array_equal(got[odd], -np.ones(3))
 
 
 @pytest.mark.parametrize("changed", ["all", "first"])

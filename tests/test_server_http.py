@@ -313,12 +313,45 @@ def test_a_uniform_pull_may_ask_for_its_rows_packed(fleet2, http):
 
 
 def post_table(http, url: str, verb: str, msg: dict, key: str, names: list[str], arrays: list,
-               *, content_type: str = wire.FRAME) -> Reply:
-    """POST ``msg`` whose field ``key`` is a tensor table of ``arrays`` (``"layout": "table"``)."""
+               *, content_type: str = wire.FRAME, packed: bool = False) -> Reply:
+    """POST ``msg`` whose field ``key`` is a tensor table of ``arrays`` (``"layout": "table"``;
+    ``packed``: a packed uniform table where the arrays have one dtype and shape)."""
     table = msg[key] = {"names": names}
-    enc = wire.encode_table({**msg, "layout": "table"}, table, arrays)
+    enc = wire.encode_table({**msg, "layout": "table"}, table, arrays, uniform=packed,
+                            packed=packed)
     return decode_reply(http.post(f"{url}/v1/{verb}", content=enc.join(),
                                   headers={"content-type": content_type}))
+
+
+@pytest.mark.parametrize("count", [3, 120])  # a small body, and one of 480 KB (read into
+def test_push_with_a_packed_uniform_gradient_table(fleet2, http, count):  # np.empty)
+    """A shard listing "packed" takes gradients as a uniform table whose rows follow one
+    another with no padding (docs/PROTOCOL.md §2): applied as the columns would be; a NaN in
+    one row, or rows running past the body's end, refuse the whole push and change nothing."""
+    url = fleet2.urls[0]
+    names = [owned(0) for _ in range(count)]
+    for name in names:
+        init(http, url, name, np.zeros(1000, np.float32), {"type": "sgd", "lr": 0.5})
+    wid = worker()
+    grads = [np.full(1000, i, np.float32) for i in range(count)]
+    rep = post_table(http, url, "push", {"worker_id": wid, "seq": 1}, "grads", names, grads,
+                     packed=True)
+    assert rep.status == 200 and {v["status"] for v in rep.msg["variables"].values()} == {"applied"}
+    bad = [g.copy() for g in grads]
+    bad[-1][999] = np.nan
+    assert_refused(post_table(http, url, "push", {"worker_id": wid, "seq": 2}, "grads", names,
+                              bad, packed=True), 422, "bad_tensor")
+    t = {}
+    msg = {"worker_id": wid, "seq": 3, "layout": "table", "grads": (t := {"names": names})}
+    body = wire.encode_table(msg, t, grads, uniform=True, packed=True).join()
+    rep = decode_reply(http.post(f"{url}/v1/push", content=body[:-4],
+                                 headers={"content-type": wire.FRAME}))
+    assert rep.status in (400, 422)
+    values = post(http, url, "pull", {"names": names})
+    for i, name in enumerate(names):
+        entry = values.msg["variables"][name]
+        assert entry["version"] == 1
+        np.testing.assert_array_equal(values.tensor(entry["value"]), np.full(1000, -0.5 * i))
 
 
 def test_push_with_a_gradient_table(fleet2, http):
@@ -376,7 +409,8 @@ def test_push_with_a_gradient_table(fleet2, http):
         rep = post_raw(http, url, "push", body, wire.FRAME)
         assert rep.status == status, (rep.status, rep.msg)
     assert post(http, url, "pull", {"names": [c]}).msg["variables"][c]["version"] == 0
-    assert http.get(f"{url}/v1/cluster").json()["features"] == [wire.FEATURE_TABLES]
+    assert http.get(f"{url}/v1/cluster").json()["features"] == [wire.FEATURE_TABLES,
+                                                                wire.FEATURE_PACKED]
 
 
 def test_init_is_idempotent_and_conflicts_create_nothing(fleet2, http):
