@@ -78,6 +78,11 @@ MAX_WAIT_SECONDS = 30.0
 #: 4 MB each moved ~15% more through one shard (the hand-off and the fresh buffers cost more
 #: than the loop gains by not doing ~1 ms of arithmetic).
 OFFLOAD_BYTES = 16 << 20
+#: Same-shaped variables of one init share a slab when each holds at most this many bytes.
+#: What a slab saves is per variable (a buffer in a reply's write, a numpy call in a push:
+#: ~0.3 and ~1 us), nothing next to moving a bigger value; and a value that moves away from
+#: its row while a reader holds it keeps both until it comes back (:class:`_Slab`).
+SLAB_ROW_BYTES = 1 << 20
 
 
 #: Whether reference counts can tell that no reader holds a value any more (CPython's are
@@ -235,10 +240,22 @@ class Variable:
         with it."""
         if self.shared and not self.held():
             self.shared = False
+        if self.shared or self.row_free():
+            return self.elsewhere()
+        return self.value
+
+    def row_free(self) -> bool:
+        """Whether the value is away from its slab row and no reader holds that row any more
+        (the next value goes there)."""
         gone = self._gone
-        if gone is not None and gone() is None:
+        return gone is not None and gone() is None
+
+    def elsewhere(self) -> np.ndarray:
+        """Memory for the next value other than the current value's: the variable's slab row
+        when :meth:`row_free`, else fresh memory."""
+        if self.row_free():
             return self._slab.row(self._row, self.value.dtype, self.value.shape)
-        return np.empty_like(self.value) if self.shared else self.value
+        return np.empty_like(self.value)
 
     def wire_meta(self) -> tuple[str, list[int]]:
         """The value's dtype type string and shape list, for tensor tables."""
@@ -755,8 +772,8 @@ class ParameterStore:
         # Decided here, on the loop, with no await before the variables are marked: no reader
         # can take hold of a value that is to be written in place. The new buffers are
         # allocated here too, on the loop's thread (see server/memory.py).
-        outputs = [None if _in_place_ok(p.var) else
-                   (np.empty_like(p.var.value), optim.fresh_state(p.var.state) or None)
+        outputs = [None if _in_place_ok(p.var) and not p.var.row_free() else
+                   (p.var.elsewhere(), optim.fresh_state(p.var.state) or None)
                    for p in plans]
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -1145,8 +1162,8 @@ def _one_update(variables: list[Variable], grads: list[np.ndarray], block: np.nd
 def _homes(plans: list[tuple[str, np.ndarray, Optimizer]]
            ) -> list[tuple[_Slab, int] | None]:
     """Per new variable of an init, its slab and row, or None: each run of two or more
-    variables in a row with one dtype and one shape (at least one dimension, some bytes)
-    gets a slab of its own."""
+    variables in a row with one dtype and one shape (at least one dimension, some bytes, at
+    most :data:`SLAB_ROW_BYTES` each) gets a slab of its own."""
     homes: list[tuple[_Slab, int] | None] = [None] * len(plans)
     start = 0
     while start < len(plans):
@@ -1155,7 +1172,7 @@ def _homes(plans: list[tuple[str, np.ndarray, Optimizer]]
         end = start + 1
         while end < len(plans) and (native(plans[end][1].dtype), plans[end][1].shape) == key:
             end += 1
-        if end - start >= 2 and first.ndim and first.nbytes:
+        if end - start >= 2 and first.ndim and 0 < first.nbytes <= SLAB_ROW_BYTES:
             slab = _Slab(end - start, first.nbytes)
             for i in range(start, end):
                 homes[i] = (slab, i - start)

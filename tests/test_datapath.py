@@ -277,6 +277,32 @@ def test_a_push_to_all_of_a_slab_is_one_update_and_the_same_as_one_by_one(monkey
     assert calls == [(4,)] * 2 and other.get("y").value.tolist() == (-0.25 * grads[1]).tolist()
 
 
+def test_big_values_get_no_slab_and_an_update_off_the_loop_brings_a_value_home(monkeypatch):
+    """Variables of more than SLAB_ROW_BYTES each are made one by one; and a push applied off
+    the event loop (a big one) takes a value that is away from its row back there once no
+    reader holds the row, as one on the loop does."""
+    monkeypatch.setattr(store_module, "SLAB_ROW_BYTES", 16)
+    store = ParameterStore(0, 1)
+    store.init({"big1": (np.zeros(5, np.float32), None), "big2": (np.zeros(5, np.float32), None),
+                "a": (np.zeros(4, np.float32), Add().to_wire()),
+                "b": (np.zeros(4, np.float32), Add().to_wire())})
+    assert store.get("big1")._slab is None and store.get("big2")._slab is None
+    a = store.get("a")
+    home = a.value.ctypes.data
+    assert a._slab is not None and store.get("b").value.ctypes.data == home + 16
+    monkeypatch.setattr(store_module, "OFFLOAD_BYTES", 1)  # every push off the loop
+
+    async def run() -> None:
+        reply = store.pull_rows(["a", "b"]).whole
+        await store.push_async("worker", 1, {"a": np.ones(4, np.float32)})
+        assert a.value.ctypes.data != home and a._slab.away == 1
+        del reply
+        await store.push_async("worker", 2, {"a": np.ones(4, np.float32)})
+        assert a.value.ctypes.data == home and a._slab.away == 0 and (a.value == 2).all()
+
+    asyncio.run(run())
+
+
 def test_restored_variables_are_laid_out_as_their_init_made_them():
     """After a restore, runs of same-shaped tensors share a slab again (their values copied
     there, in order) and equal optimizers are one object: a pull of all of them is one
