@@ -134,7 +134,7 @@ class _Slab:
     every reader of the row has let go of it brings the value home again
     (:meth:`Variable.target`). The block goes out whole only while every member is home."""
 
-    __slots__ = ("memory", "address", "stride", "members", "away", "_rows", "__weakref__")
+    __slots__ = ("memory", "address", "stride", "members", "away", "_rows")
 
     def __init__(self, count: int, stride: int) -> None:
         self.memory = np.empty(count * stride, np.uint8)
@@ -687,31 +687,18 @@ class ParameterStore:
         todo = [grads[var.name] for var in variables]
         # Every dtype and shape, then the values. No local name for a value anywhere before
         # target() below: it would count as a reader holding it (Variable.held).
-        for var, grad in zip(variables, todo):
-            if var.value.dtype.kind != "f" or grad.dtype.kind != "f" \
-                    or grad.shape != var.value.shape:
-                raise _grad_error(var, grad)
+        _check_kinds(variables, todo)
         with np.errstate(all="ignore"):  # once per push, not per variable (~0.5 us each)
-            for i, var in enumerate(variables):
-                grad, dtype = todo[i], var.value.dtype
-                if grad.dtype != dtype:
-                    grad = todo[i] = grad.astype(dtype)  # fresh, writable: scratch space
-                    if not all_finite(grad):  # a cast can overflow: check what is applied
-                        raise _not_finite(var)
-                elif var.name not in finite and not all_finite(grad):
-                    raise _not_finite(var)
+            todo = [_ready(var, grad, var.name in finite) for var, grad in zip(variables, todo)]
         if self._seen("push", worker_id, seq):
             return self._duplicates(variables)
-        held = versions or {}
-        now = time.time()
-        out = {}
         whole = _one_update(variables, todo, block)
         with np.errstate(all="ignore"):
             if whole is not None:
                 rows, opt = whole
                 optim.apply(opt, rows, block, {}, out=rows, scratch=block.flags.writeable)
-            for var, grad in zip(variables, todo):
-                if whole is None:
+            else:
+                for var, grad in zip(variables, todo):
                     target = var.target() if var.shared or var._gone is not None else var.value
                     value = var.value
                     opt = var.optimizer
@@ -724,16 +711,7 @@ class ParameterStore:
                         var.shared = False  # what replace() does for an update in place
                     else:
                         var.replace(target)
-                before = var.version
-                var.version = version = before + 1
-                var.updates += 1
-                var.last_update = now
-                var.last_writer = worker_id
-                seen = held.get(var.name)
-                out[var.name] = {"status": "applied", "version": version,
-                                 "staleness": None if seen is None else before - seen}
-        self._state_version += len(variables)
-        self.mutations += len(variables)
+        out = self._applied(variables, worker_id, versions)
         self.dedup.record(worker_id, seq)
         return out
 
@@ -791,41 +769,45 @@ class ParameterStore:
                     var.in_place = False
                     self._in_place -= 1
             done.set_result(None)
-        held = versions or {}
-        out = {}
-        for plan, computed in zip(plans, outputs):
-            var = plan.var
-            if computed is None:
-                computed = (var.value, None)
-            out[var.name] = self._applied(var, *computed, worker_id, held)
+        for var, computed in zip(variables, outputs):
+            if computed is None:  # written in place
+                var.replace(var.value)
+                continue
+            value, state = computed
+            var.replace(value)
+            if state is not None:
+                var.state = state
+                var.state_shared = False
+        out = self._applied(variables, worker_id, versions)
         self.dedup.record(worker_id, seq)
         return out
 
     def _push_plans(self, variables: list[Variable], grads: Mapping[str, np.ndarray],
                     finite: Collection[str] = ()) -> list[_PushPlan]:
         """Check dtypes and shapes of a whole push (not yet the values: see _PushPlan)."""
-        plans = []
-        for var in variables:
-            grad = grads[var.name]
-            if var.value.dtype.kind != "f" or grad.dtype.kind != "f" \
-                    or grad.shape != var.value.shape:
-                raise _grad_error(var, grad)
-            plans.append(_PushPlan(var, grad, var.name in finite))
-        return plans
+        todo = [grads[var.name] for var in variables]
+        _check_kinds(variables, todo)
+        return [_PushPlan(var, grad, var.name in finite) for var, grad in zip(variables, todo)]
 
-    def _applied(self, var: Variable, value: np.ndarray, state: dict[str, np.ndarray] | None,
-                 worker_id: str, held: Mapping[str, int]) -> dict[str, Any]:
-        """Make ``value`` (and new optimizer slots) current; one result entry of a push."""
-        before = var.version
-        var.replace(value)
-        if state is not None:
-            var.state = state
-            var.state_shared = False
-        var.updates += 1
-        self._touch(var, worker_id)
-        seen = held.get(var.name)
-        return {"status": "applied", "version": var.version,
-                "staleness": None if seen is None else before - seen}
+    def _applied(self, variables: list[Variable], worker_id: str,
+                 versions: Mapping[str, int] | None) -> dict[str, dict[str, Any]]:
+        """The bookkeeping of a push whose new values are in place: each version and update
+        count up by one, one clock reading for all; the push's result."""
+        held = versions or {}
+        now = time.time()
+        out = {}
+        for var in variables:
+            before = var.version
+            var.version = version = before + 1
+            var.updates += 1
+            var.last_update = now
+            var.last_writer = worker_id
+            seen = held.get(var.name)
+            out[var.name] = {"status": "applied", "version": version,
+                             "staleness": None if seen is None else before - seen}
+        self._state_version += len(variables)
+        self.mutations += len(variables)
+        return out
 
     @staticmethod
     def _duplicates(variables: Iterable[Variable]) -> dict[str, dict[str, Any]]:
@@ -1074,14 +1056,11 @@ class _PushPlan:
         self.checked = checked
 
     def prepare(self) -> None:
-        var, grad = self.var, self.grad
-        if grad.dtype != var.value.dtype:
-            with np.errstate(all="ignore"):
-                grad = self.grad = grad.astype(var.value.dtype)
+        grad = self.grad
+        with np.errstate(all="ignore"):
+            self.grad = _ready(self.var, grad, self.checked)
+        if self.grad is not grad:
             self.scratch = True
-            self.checked = False  # a cast can overflow: check what is applied
-        if not self.checked and not all_finite(grad):
-            raise _not_finite(var)
 
 
 #: Optimizers whose update is at most two passes over the value: a big push updates these in
@@ -1192,6 +1171,27 @@ def _grad_error(var: Variable, grad: np.ndarray) -> ShardError:
                              "type: send f2, f4 or f8")
     return _tensor_error(var.name, f"gradient shape {list(grad.shape)} differs from the "
                          f"variable's {list(var.value.shape)}", shape=list(var.value.shape))
+
+
+def _check_kinds(variables: list[Variable], grads: list[np.ndarray]) -> None:
+    """Refuse a push (:func:`_grad_error`) unless every variable is a float one and its
+    gradient (``grads``, in order) is of a float dtype and the variable's shape."""
+    for var, grad in zip(variables, grads):
+        if var.value.dtype.kind != "f" or grad.dtype.kind != "f" \
+                or grad.shape != var.value.shape:
+            raise _grad_error(var, grad)
+
+
+def _ready(var: Variable, grad: np.ndarray, checked: bool) -> np.ndarray:
+    """``grad`` as it is applied to ``var``: cast to its dtype if need be (a fresh, writable
+    copy) and found finite, unless ``checked`` says it was already and it needed no cast (a
+    cast can overflow: what is applied is checked). Call under ``np.errstate``."""
+    if grad.dtype != var.value.dtype:
+        grad = grad.astype(var.value.dtype)
+        checked = False
+    if not checked and not all_finite(grad):
+        raise _not_finite(var)
+    return grad
 
 
 def _not_finite(var: Variable) -> ShardError:
