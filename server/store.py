@@ -13,8 +13,8 @@ Rules every verb keeps:
   thread with no ``await`` between validation and the last write, so no other request
   observes a half-applied update; or, for a big push (:meth:`ParameterStore.push_async`), in
   a worker thread while every reader of those variables waits for it
-  (:meth:`ParameterStore.readable`). A big push whose value a reader still holds is computed
-  in the thread into fresh buffers instead, which replace the live ones on the loop, all at
+  (:meth:`ParameterStore.readable`), at most one such push each. A big push whose value a
+  reader still holds (or waits for) is computed in the thread into fresh buffers instead, which replace the live ones on the loop, all at
   once. Meanwhile its variables are marked as being written, and other writers of them wait
   (:meth:`ParameterStore.settled`), so no update is lost either. Thread-safety: none — call
   from one thread (the loop's).
@@ -191,6 +191,8 @@ class Variable:
     #: True while that push writes the live arrays themselves (in place, off the loop):
     #: readers wait for ``writing`` too (:meth:`ParameterStore.readable`).
     in_place: bool = field(default=False, repr=False)
+    #: How many readers wait (:meth:`ParameterStore.readable`) for that in-place write to end.
+    readers_waiting: int = field(default=0, repr=False)
     #: The read-only view :meth:`export` hands out, made once per value.
     _view: np.ndarray | None = field(default=None, repr=False)
     #: ``(dtype type string, shape list)`` as a tensor table row carries them (made once: a
@@ -732,7 +734,8 @@ class ParameterStore:
           the memory traffic of writing to fresh memory. From the moment that is decided (on
           the loop) until the thread is done, readers of the variable wait for it
           (:meth:`readable`), so none sees it half-done and no new one can hold it;
-        * any other (a reader holds the value, or ``Adagrad``'s many passes) is computed into
+        * any other (a reader holds the value or waits for the write before, or ``Adagrad``'s
+          many passes) is computed into
           fresh buffers for the value and slots, which replace the old ones back on the loop;
           its readers meanwhile read the value before the push.
 
@@ -825,10 +828,24 @@ class ParameterStore:
         """Return once no push is writing the live arrays of a variable in ``names`` in place
         off the loop (unknown names are ignored). The loop awaits this before reading values
         (pull, inspection), with no ``await`` between it and the read; it costs one int check
-        while no such write runs."""
+        while no such write runs. Each time it wakes it looks at ``names`` again: a push that
+        began writing another of them in place while it waited is waited for too."""
         if not self._in_place:
             return
-        await self._settled(self._written_in_place(names))
+        names = list(names)
+        while self._in_place:
+            written = [v for v in self._written_in_place(names) if v.writing is not None]
+            if not written:
+                return
+            # Meanwhile the next big push of these variables computes into fresh memory
+            # rather than in place (_in_place_ok): a reader waits for one writer at most.
+            for var in written:
+                var.readers_waiting += 1
+            try:
+                await asyncio.wait({v.writing for v in written})  # never cancels the writers
+            finally:
+                for var in written:
+                    var.readers_waiting -= 1
 
     def settled_now(self, names: Iterable[str]) -> bool:
         """Whether :meth:`readable` would return at once for ``names``: no push is writing one
@@ -1069,8 +1086,10 @@ _CHEAP_IN_PLACE = (Add, SGD)
 
 
 def _in_place_ok(var: Variable) -> bool:
-    """Whether a big push may update ``var`` in place (off the loop, readers waiting)."""
-    return type(var.optimizer) in _CHEAP_IN_PLACE and not var.held()
+    """Whether a big push may update ``var`` in place (off the loop, readers waiting): not
+    while a reader holds the value, nor while readers wait for the write before."""
+    return type(var.optimizer) in _CHEAP_IN_PLACE and not var.readers_waiting \
+        and not var.held()
 
 
 def _compute_offloop(plans: list[_PushPlan],

@@ -397,6 +397,105 @@ def test_readers_wait_while_a_big_update_is_written_in_place():
     assert var.value.ctypes.data == where and (var.value == 2).all()
 
 
+class _Gates(concurrent.futures.ThreadPoolExecutor):
+    """An executor whose n-th job waits for ``gates[n]`` (``started[n]`` set as it does)."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(count)
+        self.gates = [threading.Event() for _ in range(count)]
+        self.started = [threading.Event() for _ in range(count)]
+        self.jobs = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        gate, started = self.gates[self.jobs], self.started[self.jobs]
+        self.jobs += 1
+
+        def held():
+            started.set()
+            assert gate.wait(10)
+            return fn(*args, **kwargs)
+        return super().submit(held)
+
+
+async def _until(event: threading.Event) -> None:
+    while not event.is_set():
+        await asyncio.sleep(0.001)
+
+
+def test_a_reader_waits_for_every_in_place_write_of_its_names_begun_while_it_waited():
+    """push_async, in this process, worker threads held at gates: a reader of x and y waits
+    for a big push writing x in place; meanwhile another push begins writing y in place. When
+    the first is done the reader must still wait for the second (it read y half-written
+    before), and then sees both new values whole."""
+    store = ParameterStore(0, 1)
+    store.init({"x": (np.zeros(BIG, np.float32), Add().to_wire()),
+                "y": (np.zeros(BIG, np.float32), Add().to_wire())})
+    gates = _Gates(2)
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().set_default_executor(gates)
+        one = np.ones(BIG, np.float32)
+        first = asyncio.create_task(store.push_async("a", 0, {"x": one.copy()}))
+        await _until(gates.started[0])
+        reader = asyncio.create_task(store.readable(["x", "y"]))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(store.push_async("b", 0, {"y": one.copy()}))
+        await _until(gates.started[1])
+        assert store.get("y").in_place  # nobody waited for y when it began
+        gates.gates[0].set()
+        await first
+        await asyncio.sleep(0.05)
+        assert not reader.done()  # y is still being written
+        gates.gates[1].set()
+        await asyncio.wait_for(reader, 5)
+        assert store.get("y").writing is None
+        assert [e["version"] for e in store.pull(["x", "y"]).values()] == [1, 1]
+        await second
+
+    asyncio.run(scenario())
+    assert (store.get("x").value == 1).all() and (store.get("y").value == 1).all()
+
+
+def test_a_push_after_a_waited_for_write_goes_to_fresh_memory_so_readers_wait_once():
+    """While a reader waits for a big in-place write of x, the next big push of x (queued
+    behind the first) is computed into fresh memory, not in place: the reader goes on after
+    the first write and reads its value while the second one is computed; it is not kept
+    waiting by a stream of writers."""
+    store = ParameterStore(0, 1)
+    store.init({"x": (np.zeros(BIG, np.float32), Add().to_wire())})
+    var = store.get("x")
+    home = var.value.ctypes.data
+    gates = _Gates(2)
+    read: list[int] = []
+
+    async def reader() -> None:
+        await store.readable(["x"])
+        rows = store.pull_rows(["x"])
+        read.append(rows.versions[0])
+        assert (rows.values[0] == rows.versions[0]).all()
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().set_default_executor(gates)
+        one = np.ones(BIG, np.float32)
+        first = asyncio.create_task(store.push_async("a", 0, {"x": one.copy()}))
+        await _until(gates.started[0])
+        second = asyncio.create_task(store.push_async("b", 0, {"x": one.copy()}))
+        await asyncio.sleep(0.01)  # second waits for first, as writers of x do
+        task = asyncio.create_task(reader())
+        await asyncio.sleep(0.01)
+        assert var.readers_waiting == 1
+        gates.gates[0].set()
+        await first
+        await _until(gates.started[1])
+        await asyncio.wait_for(task, 5)  # not held up by the second push
+        assert read == [1] and not var.in_place and var.writing is not None
+        gates.gates[1].set()
+        assert (await second)["x"]["version"] == 2
+
+    asyncio.run(scenario())
+    assert var.value.ctypes.data != home and (var.value == 2).all()
+
+
 def test_a_body_that_trickles_in_is_read_whole(fleet_factory):
     fleet = fleet_factory(1)
     n = 30_000  # 120 KB: a framed body, received in many pieces
