@@ -1,0 +1,218 @@
+"""Workers and a real 2-shard fleet against a model: random sequences of SDK calls.
+
+Three workers (a ``PSClient`` over the SDK's own connection pools, one over an httpx2
+transport, an ``AsyncPSClient``) share variables on two shard processes. Hypothesis has them init, push (same-shaped
+gradients that go as packed tables, mixed ones, cast ones, in the background too), pull,
+assign, increment and send refused pushes in any order, and checks every reply against a dict
+of numpy arrays: what the fast paths keep (each worker's version cache, packed rows, slabs on
+the shards, the protocol's immediate answers) must never show, so a pull returns exactly what
+the last writes made, whichever worker made them.
+
+The optimizers' math is the shard's own ``server.optim.apply`` on the model's copies (its rules
+are tested elsewhere), with small whole-number gradients, so values compare bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import httpx2
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
+                                 run_state_machine_as_test)
+
+from client_sdk import AsyncPSClient, BadTensorError, PSClient
+from client_sdk.optimizers import SGD, Adagrad, Add
+from client_sdk.placement import shard_for
+from server import optim
+
+SHAPES = [(4,), (2, 3), (300,)]
+DTYPES = [np.float32, np.float64]
+OPTIMIZERS = [Add(), SGD(lr=0.5), Adagrad(lr=0.25)]
+_runs = itertools.count()
+
+
+class _OnLoop:
+    """An ``AsyncPSClient`` driven from synchronous code, on a loop of its own."""
+
+    def __init__(self, client: AsyncPSClient) -> None:
+        self.client = client
+        self.loop = asyncio.new_event_loop()
+
+    def __getattr__(self, verb: str):
+        method = getattr(self.client, verb)
+        return lambda *args, **kwargs: self.loop.run_until_complete(method(*args, **kwargs))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.close())
+        self.loop.close()
+
+
+class FleetMachine(RuleBasedStateMachine):
+    urls: list[str] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefix = f"model{next(_runs)}"
+        self.workers = [PSClient(self.urls, worker_id=f"{self.prefix}-a"),
+                        PSClient(self.urls, worker_id=f"{self.prefix}-b",
+                                 transport=httpx2.HTTPTransport()),
+                        _OnLoop(AsyncPSClient(self.urls, worker_id=f"{self.prefix}-c"))]
+        self.values: dict[str, np.ndarray] = {}
+        self.state: dict[str, dict[str, np.ndarray]] = {}
+        self.optimizer: dict[str, object] = {}
+        self.counters: dict[str, int | float] = {}
+        self.groups: list[list[str]] = []
+        self.made = 0
+
+    def teardown(self) -> None:
+        for ps in self.workers:
+            ps.close()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def new_name(self) -> str:
+        self.made += 1
+        return f"{self.prefix}/v{self.made}"
+
+    def names(self) -> list[str]:
+        return list(self.values)
+
+    def grads(self, data, names: list[str], cast: bool) -> dict[str, np.ndarray]:
+        out = {}
+        for name in names:
+            value = self.values[name]
+            ints = data.draw(st.lists(st.integers(-3, 3), min_size=1, max_size=4))
+            grad = np.resize(np.array(ints, np.float64), value.size).reshape(value.shape)
+            out[name] = grad if cast and value.dtype == np.float32 else grad.astype(value.dtype)
+        return out
+
+    def apply(self, grads: dict[str, np.ndarray]) -> None:
+        for name, grad in grads.items():
+            value = self.values[name]
+            optim.apply(self.optimizer[name], value, grad.astype(value.dtype),
+                        self.state[name], scratch=True)
+
+    def settle(self) -> None:
+        for ps in self.workers:
+            ps.flush()
+
+    # -- rules ------------------------------------------------------------------------------
+
+    @rule(worker=st.integers(0, 2), count=st.integers(1, 5), shape=st.sampled_from(SHAPES),
+          dtype=st.sampled_from(DTYPES), opt=st.sampled_from(OPTIMIZERS),
+          odd_one=st.sampled_from([False, False, True]))
+    def init(self, worker, count, shape, dtype, opt, odd_one):
+        """One worker inits a group of same-shaped variables (spread over both shards), with
+        one optimizer, perhaps with one of another shape among them."""
+        values = {self.new_name(): np.full(shape, float(self.made), dtype) for _ in range(count)}
+        if odd_one:
+            values[self.new_name()] = np.arange(5.0, dtype=np.float32)
+        result = self.workers[worker].init(values, optimizer=opt)
+        assert all(r == {"version": 0, "created": True} for r in result.values())
+        for name, value in values.items():
+            self.values[name] = value.copy()
+            self.optimizer[name] = opt
+            self.state[name] = optim.init_state(opt, value)
+        self.groups.append(list(values))
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data(), worker=st.integers(0, 2),
+          how=st.sampled_from(["group", "group", "part", "any"]),
+          cast=st.sampled_from([False, False, True]), background=st.sampled_from([False, True]))
+    def push(self, data, worker, how, cast, background):
+        """A push of a whole group (all same-shaped: a packed table), part of one, or any
+        names; gradients cast or not; in the background (flushed before the next read)."""
+        group = data.draw(st.sampled_from(self.groups))
+        if how == "group":
+            names = list(group)
+        else:
+            pool = group if how == "part" else self.names()
+            names = data.draw(st.lists(st.sampled_from(pool), min_size=1, unique=True))
+        grads = self.grads(data, names, cast)
+        ps = self.workers[worker]
+        if background:
+            ps.push_async(grads)
+        else:
+            result = ps.push(grads)
+            assert sorted(result) == sorted(names)
+            assert all(r["status"] == "applied" for r in result.values())
+        self.apply(grads)
+
+    @precondition(lambda self: self.values)
+    @rule(data=st.data(), worker=st.integers(0, 2), whole_group=st.booleans())
+    def pull(self, data, worker, whole_group):
+        """Either worker pulls a group (in its order, as a training step does) or any names
+        in any order: exactly the model's values, read-only."""
+        self.settle()
+        if whole_group and self.groups:
+            names = list(data.draw(st.sampled_from(self.groups)))
+        else:
+            names = data.draw(st.lists(st.sampled_from(self.names()), min_size=1, unique=True))
+        pulled = self.workers[worker].pull(names)
+        assert list(pulled) == names
+        for name in names:
+            assert pulled[name].dtype == self.values[name].dtype
+            np.testing.assert_array_equal(pulled[name], self.values[name], err_msg=name)
+            assert not pulled[name].flags.writeable
+
+    @precondition(lambda self: self.values)
+    @rule(data=st.data(), worker=st.integers(0, 2))
+    def assign(self, data, worker):
+        self.settle()
+        names = data.draw(st.lists(st.sampled_from(self.names()), min_size=1, unique=True))
+        values = {n: np.full(self.values[n].shape, data.draw(st.integers(-9, 9)), np.float64)
+                  for n in names}
+        self.workers[worker].assign(values)
+        for name, value in values.items():
+            self.values[name][...] = value
+
+    @rule(worker=st.integers(0, 2), which=st.integers(0, 2), delta=st.integers(-5, 5))
+    def increment(self, worker, which, delta):
+        name = f"{self.prefix}/counter{which}"
+        expect = self.counters.get(name, 0) + delta
+        assert self.workers[worker].increment(name, delta) == expect
+        self.counters[name] = expect
+
+    @precondition(lambda self: self.values)
+    @rule(data=st.data(), worker=st.integers(0, 2))
+    def refused_push(self, data, worker):
+        """A push with one non-finite gradient is refused by its shard, which applies none of
+        its part; the other shard's part is applied (the error says where)."""
+        self.settle()
+        names = data.draw(st.lists(st.sampled_from(self.names()), min_size=1, unique=True))
+        grads = self.grads(data, names, False)
+        bad = data.draw(st.sampled_from(names))
+        grads[bad] = grads[bad].copy()
+        grads[bad].flat[0] = np.inf
+        ps = self.workers[worker]
+        with pytest.raises(BadTensorError) as info:
+            ps.push(grads)
+        assert bad in str(info.value)
+        # The other shard's part was applied (each shard checks its own part whole).
+        applied = [n for n in names if shard_for(n, 2) != shard_for(bad, 2)]
+        self.apply({n: grads[n] for n in applied})
+
+    # -- invariants -------------------------------------------------------------------------
+
+    @invariant()
+    def every_value_is_the_models(self):
+        if not self.values:
+            return
+        self.settle()
+        names = self.names()
+        for ps in self.workers:
+            pulled = ps.pull(names)
+            for name in names:
+                np.testing.assert_array_equal(pulled[name], self.values[name], err_msg=name)
+
+
+def test_workers_against_a_model(fleet2):
+    FleetMachine.urls = fleet2.urls
+    run_state_machine_as_test(FleetMachine, settings=settings(
+        max_examples=60, stateful_step_count=25, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]))
