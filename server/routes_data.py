@@ -268,15 +268,20 @@ def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: Versions are signed 64-bit ints on the wire (docs/PROTOCOL.md §3): a push's staleness, the
+#: version before it minus the one offered, must fit one too.
+MAX_VERSION = (1 << 63) - 1
+
+
 def _versions(msg: Mapping[str, Any], verb: str) -> dict[str, int] | None:
     versions = msg.get("versions")
     if versions is None:
         return None
     if not isinstance(versions, dict):
-        raise _bad_field(verb, "versions", "a map of name -> int >= 0", versions)
+        raise _bad_field(verb, "versions", "a map of name -> int in 0..2**63-1", versions)
     for k, v in versions.items():
-        if type(k) is not str or type(v) is not int or v < 0:
-            raise _bad_field(verb, "versions", "a map of name -> int >= 0", versions)
+        if type(k) is not str or type(v) is not int or not 0 <= v <= MAX_VERSION:
+            raise _bad_field(verb, "versions", "a map of name -> int in 0..2**63-1", versions)
     return versions
 
 
@@ -287,8 +292,9 @@ def _held_list(msg: Mapping[str, Any], names: list[str]) -> list[int | None]:
         raise _bad_field("pull", "versions", f"a list as long as 'names' ({len(names)})",
                          versions)
     for v in versions:
-        if v is not None and (type(v) is not int or v < 0):
-            raise _bad_field("pull", "versions", "a list of ints >= 0 or nils", versions)
+        if v is not None and (type(v) is not int or not 0 <= v <= MAX_VERSION):
+            raise _bad_field("pull", "versions", "a list of ints in 0..2**63-1 or nils",
+                             versions)
     return versions
 
 
