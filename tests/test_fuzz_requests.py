@@ -192,12 +192,20 @@ def state(shard) -> list[tuple[str, int, int]]:
     return [(v["name"], v["version"], v["updates"]) for v in r.json()["variables"]]
 
 
-def check(shard, verb: str, body: bytes, content_type: str) -> None:
+#: What the SDK sends with every data-plane request to shard 0 of 1 (its replies may come
+#: framed, and small table pulls are then answered by the shard's protocol itself).
+SDK_HEADERS = {"x-paramshard-fleet": "0/1", "accept": f"{wire.FRAME}, {wire.MSGPACK}"}
+
+
+def check(shard, verb: str, body: bytes, content_type: str,
+          headers: dict[str, str] | None = None) -> None:
     url, names, http = shard
     before = state(shard)
-    r = http.post(f"{url}/v1/{verb}", content=body, headers={"content-type": content_type})
+    r = http.post(f"{url}/v1/{verb}", content=body,
+                  headers={**SDK_HEADERS, "content-type": content_type, **(headers or {})})
     assert r.status_code < 500, (r.status_code, r.content[:300])
     if r.status_code >= 400:
+        assert r.headers["content-type"].startswith(wire.MSGPACK), r.headers
         error = msgpack.unpackb(r.content)["error"]
         assert error["code"] and error["message"], error
         assert state(shard) == before, f"a refused {verb} changed state: {error}"
@@ -243,3 +251,19 @@ def test_damaged_bytes_are_refused_whole_or_taken_whole(shard, case, data):
         size = data.draw(st.sampled_from([0, 1, 7, 2**31, 2**32 - 1]) | st.integers(0, 400))
         body = _HEAD.pack(wire.FRAME_MAGIC, size) + body[8:]
     check(shard, verb, body, content_type)
+
+
+@pytest.mark.parametrize("case", CASES)
+@FUZZ
+@given(data=st.data())
+def test_damaged_headers_are_refused_whole_or_taken_whole(shard, case, data):
+    """The fleet check, content type and accept headers, each a near miss or junk."""
+    verb, msg, arrays, how = requests(shard[1])[case]
+    _, body, content_type = encode(msg, arrays, how)
+    header = data.draw(st.sampled_from(["x-paramshard-fleet", "content-type", "accept"]))
+    value = data.draw(st.sampled_from([
+        "0/2", "1/1", "0/0", "-1/1", "1/0", "0/1/2", "x", "", "0/18446744073709551616", "0 /1",
+        wire.MSGPACK, wire.FRAME, wire.JSON, "text/plain", f"{wire.FRAME}; charset=utf-8",
+        "application/msgpack, */*", "*/*", content_type.upper()]) | st.text(
+            st.characters(min_codepoint=32, max_codepoint=126), max_size=20).map(str.strip))
+    check(shard, verb, body, content_type, {header: value})
