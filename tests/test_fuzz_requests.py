@@ -2,7 +2,8 @@
 
 Hypothesis takes well-formed requests of every body form a shard reads (a push as a packed
 uniform table, as a table with dtype and shape columns, as framed tensor maps, as msgpack; a
-pull as a table with versions; an assign; an init), damages each one (a value anywhere in the
+pull as a table with versions; an assign; an init; an increment, a wait; a checkpoint's
+pause, snapshot and resume), damages each one (a value anywhere in the
 header replaced by anything msgpack can carry, a key dropped, a list cut or grown, the frame's
 bytes cut short, overwritten or extended) and sends it to a shard process over HTTP. Whatever
 the damage, the shard answers a status below 500 (a refusal in the protocol's error form, or
@@ -50,7 +51,7 @@ def shard(fleet_module):
 def fleet_module(tmp_path_factory):
     from conftest import Fleet
 
-    fleet = Fleet(1, tmp_path_factory.mktemp("fuzz"))
+    fleet = Fleet(1, tmp_path_factory.mktemp("fuzz"), data=True)  # checkpoints need a disk
     yield fleet
     fleet.close()
 
@@ -77,6 +78,12 @@ def requests(names: list[str]) -> dict[str, tuple[str, dict, list[np.ndarray] | 
         "init": ("init", {"variables": {names[2]: {"value": np.zeros(SIZE, np.float32),
                                                    "optimizer": {"type": "sgd", "lr": 0.1}}}},
                  None, "msgpack"),
+        "increment": ("increment", {**push, "name": names[0] + "-steps", "delta": 2}, None,
+                      "msgpack"),
+        "wait": ("wait", {"names": names, "timeout": 0.01}, None, "msgpack"),
+        "pause": ("pause", {"checkpoint": "fuzz-ck", "lease": 5.0}, None, "msgpack"),
+        "snapshot": ("snapshot", {"checkpoint": "fuzz-ck"}, None, "msgpack"),
+        "resume": ("resume", {"checkpoint": "fuzz-ck"}, None, "msgpack"),
     }
 
 
@@ -210,10 +217,15 @@ def check(shard, verb: str, body: bytes, content_type: str,
         assert error["code"] and error["message"], error
         assert state(shard) == before, f"a refused {verb} changed state: {error}"
     assert http.get(f"{url}/healthz").status_code == 200
+    paused = http.get(f"{url}/v1/cluster").json()["admission"]["paused_for"]
+    if paused is not None:  # a damaged pause that was still a valid one: end it
+        r = http.post(f"{url}/v1/resume", content=msgpack.packb({"checkpoint": paused}),
+                      headers={"content-type": wire.MSGPACK})
+        assert r.status_code == 200, r.content
 
 
 CASES = list(requests(["a", "b", "c"]))
-FUZZ = settings(max_examples=100, deadline=None,
+FUZZ = settings(max_examples=60, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
 
