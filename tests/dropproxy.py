@@ -9,6 +9,10 @@ if ``drop(method, path, n)`` says so (``n`` counts requests to that path, from 1
 client's connection instead of relaying the reply: the request *was* applied, the client never
 learns it. That is the case a retried write must not be applied twice for.
 
+``alter``, when set (at construction or later, as an attribute), is applied to every reply the
+proxy relays, ``alter(method, path, reply) -> reply`` (the whole HTTP message, head and body):
+a shard, or something between it and the worker, that answers what it should not.
+
 Only what the shard and SDK send is understood: requests and replies with ``Content-Length``.
 Threads; ``close()`` (or leaving the ``with`` block) stops it.
 """
@@ -50,9 +54,11 @@ class DroppingProxy:
     """See the module. ``drops`` counts replies lost on purpose; ``seen`` requests per path."""
 
     def __init__(self, upstream: tuple[str, int],
-                 drop: Callable[[str, str, int], bool]) -> None:
+                 drop: Callable[[str, str, int], bool] = lambda method, path, n: False,
+                 alter: Callable[[str, str, bytes], bytes] | None = None) -> None:
         self.upstream = upstream
         self.drop = drop
+        self.alter = alter
         self.drops = 0
         self.seen: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
@@ -95,6 +101,9 @@ class DroppingProxy:
                     self.drops += lose
                 if lose:
                     return  # the shard answered; the client sees the connection close
+                alter = self.alter
+                if alter is not None:
+                    reply = alter(method.decode(), path.decode(), reply)
                 client.sendall(reply)
         except OSError:
             return
