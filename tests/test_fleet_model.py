@@ -8,6 +8,10 @@ of numpy arrays: what the fast paths keep (each worker's version cache, packed r
 the shards, the protocol's immediate answers) must never show, so a pull returns exactly what
 the last writes made, whichever worker made them.
 
+A second run does the same on a fleet with a data dir, with fleet checkpoints and shard
+restarts among the steps: graceful ones, and crashes that take a shard back to its newest
+snapshot, after which a version a worker cached may name another value.
+
 The optimizers' math is the shard's own ``server.optim.apply`` on the model's copies (its rules
 are tested elsewhere), with small whole-number gradients, so values compare bit for bit.
 """
@@ -211,8 +215,82 @@ class FleetMachine(RuleBasedStateMachine):
                 np.testing.assert_array_equal(pulled[name], self.values[name], err_msg=name)
 
 
+class RestartingFleetMachine(FleetMachine):
+    """The same, on a fleet with a data dir (and no periodic snapshots), plus fleet
+    checkpoints and shard restarts: a graceful one (SIGTERM: its final snapshot keeps every
+    value) or a crash (SIGKILL: the shard comes back as its newest snapshot had it, a
+    checkpoint's or a graceful stop's, and what was made since is gone). Either way the shard
+    is a new incarnation: a worker must not offer it the versions it cached of the old one,
+    which after a crash may name other values."""
+
+    fleet = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Per shard, what its newest snapshot holds of this run's variables and counters.
+        self.saved: list[dict[str, tuple]] = [{}, {}]
+        self.quiet = 0  # steps since the last restart: restarts are rare (each takes ~0.5 s)
+
+    def snapshot_of(self, shard: int) -> dict[str, tuple]:
+        out = {}
+        for name in self.values:
+            if shard_for(name, 2) == shard:
+                out[name] = (self.values[name].copy(),
+                             {k: a.copy() for k, a in self.state[name].items()})
+        for name, value in self.counters.items():
+            if shard_for(name, 2) == shard:
+                out[name] = (value, None)
+        return out
+
+    @invariant()
+    def count_steps(self):
+        self.quiet += 1
+
+    @rule(worker=st.integers(0, 2))
+    def checkpoint(self, worker):
+        self.settle()
+        self.workers[worker].checkpoint()
+        self.saved = [self.snapshot_of(0), self.snapshot_of(1)]
+
+    @precondition(lambda self: self.quiet >= 4)
+    @rule(shard=st.integers(0, 1), crash=st.booleans())
+    def restart(self, shard, crash):
+        self.settle()
+        if crash:
+            self.fleet.kill(shard)
+            saved = self.saved[shard]
+            for name in [n for n in self.values if shard_for(n, 2) == shard]:
+                if name in saved:
+                    value, state = saved[name]
+                    self.values[name] = value.copy()
+                    self.state[name] = {k: a.copy() for k, a in state.items()}
+                else:
+                    del self.values[name], self.state[name], self.optimizer[name]
+            for name in [n for n in self.counters if shard_for(n, 2) == shard]:
+                if name in saved:
+                    self.counters[name] = saved[name][0]
+                else:
+                    del self.counters[name]
+            self.groups = [kept for g in self.groups if (kept := [n for n in g
+                                                                   if n in self.values])]
+        else:
+            self.fleet.stop(shard)
+            self.saved[shard] = self.snapshot_of(shard)
+        self.fleet.start(shard)
+        self.quiet = 0
+
+
 def test_workers_against_a_model(fleet2):
     FleetMachine.urls = fleet2.urls
     run_state_machine_as_test(FleetMachine, settings=settings(
         max_examples=60, stateful_step_count=25, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]))
+
+
+def test_workers_against_a_model_while_shards_restart(fleet_factory):
+    fleet = fleet_factory(2, "--snapshot-interval", "0", data=True)
+    RestartingFleetMachine.urls = fleet.urls
+    RestartingFleetMachine.fleet = fleet
+    run_state_machine_as_test(RestartingFleetMachine, settings=settings(
+        max_examples=12, stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]))
