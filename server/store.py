@@ -130,8 +130,9 @@ class _Slab:
     buffer instead of one per variable (the kernel's send costs per buffer).
 
     A variable's home is its row. An update that must not write in place (a reader holds the
-    value) moves the value to fresh memory and the variable is *away*; the first update after
-    every reader of the row has let go of it brings the value home again
+    value, or a big push computes it off the loop into new memory while readers go on reading
+    the old value: Adagrad's) moves the value to fresh memory and the variable is *away*; the
+    first update after every reader of the row has let go of it brings the value home again
     (:meth:`Variable.target`). The block goes out whole only while every member is home."""
 
     __slots__ = ("memory", "address", "stride", "members", "away", "_rows")
