@@ -25,6 +25,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def examples(n: int) -> int:
+    """``n`` Hypothesis examples, times ``PARAMSHARD_TEST_SCALE`` (default 1): raise it for a
+    long hunt with the randomized tests (``PARAMSHARD_TEST_SCALE=20 make test``)."""
+    return max(1, round(n * float(os.environ.get("PARAMSHARD_TEST_SCALE", "1"))))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -24,6 +24,7 @@ import itertools
 import httpx2
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
@@ -283,7 +284,7 @@ class RestartingFleetMachine(FleetMachine):
 def test_workers_against_a_model(fleet2):
     FleetMachine.urls = fleet2.urls
     run_state_machine_as_test(FleetMachine, settings=settings(
-        max_examples=60, stateful_step_count=25, deadline=None,
+        max_examples=examples(60), stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]))
 
 
@@ -292,5 +293,5 @@ def test_workers_against_a_model_while_shards_restart(fleet_factory):
     RestartingFleetMachine.urls = fleet.urls
     RestartingFleetMachine.fleet = fleet
     run_state_machine_as_test(RestartingFleetMachine, settings=settings(
-        max_examples=12, stateful_step_count=25, deadline=None,
+        max_examples=examples(12), stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]))

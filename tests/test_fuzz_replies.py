@@ -25,6 +25,7 @@ import msgpack
 import numpy as np
 import pytest
 from dropproxy import DroppingProxy
+from conftest import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -172,7 +173,7 @@ def client(kind: str, url: str):
 
 
 @pytest.mark.parametrize("kind", ["native", "httpx2", "async"])
-@settings(max_examples=80, deadline=None,
+@settings(max_examples=examples(80), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data(), path=st.sampled_from(PATHS))
 def test_a_damaged_reply_is_a_ps_error_or_a_result(proxy, kind, data, path):

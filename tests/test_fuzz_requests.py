@@ -22,6 +22,7 @@ import httpx2
 import msgpack
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -225,7 +226,7 @@ def check(shard, verb: str, body: bytes, content_type: str,
 
 
 CASES = list(requests(["a", "b", "c"]))
-FUZZ = settings(max_examples=60, deadline=None,
+FUZZ = settings(max_examples=examples(60), deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -449,5 +450,5 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 TestStoreModel = StoreMachine.TestCase
-TestStoreModel.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
+TestStoreModel.settings = settings(max_examples=examples(200), stateful_step_count=40, deadline=None,
                                    suppress_health_check=[HealthCheck.too_slow])
