@@ -10,6 +10,7 @@ test ends, killed if it does not stop in time.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -23,6 +24,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class OnLoop:
+    """An ``AsyncPSClient`` driven from synchronous code, on an event loop of its own: each
+    method runs to completion when called (``push_async``'s tasks progress in later calls)."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.loop = asyncio.new_event_loop()
+
+    def __getattr__(self, verb: str):
+        method = getattr(self.client, verb)
+        return lambda *args, **kwargs: self.loop.run_until_complete(method(*args, **kwargs))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.close())
+        self.loop.close()
 
 
 def examples(n: int) -> int:
