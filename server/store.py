@@ -14,10 +14,10 @@ Rules every verb keeps:
   observes a half-applied update; or, for a big push (:meth:`ParameterStore.push_async`), in
   a worker thread while every reader of those variables waits for it
   (:meth:`ParameterStore.readable`), at most one such push each. A big push whose value a
-  reader still holds (or waits for) is computed in the thread into fresh buffers instead, which replace the live ones on the loop, all at
-  once. Meanwhile its variables are marked as being written, and other writers of them wait
-  (:meth:`ParameterStore.settled`), so no update is lost either. Thread-safety: none — call
-  from one thread (the loop's).
+  reader still holds (or waits for) is computed in the thread into fresh buffers instead,
+  which replace the live ones on the loop, all at once. Meanwhile its variables are marked as
+  being written, and other writers of them wait (:meth:`ParameterStore.settled`), so no
+  update is lost either. Thread-safety: none — call from one thread (the loop's).
 * **Copy on write, only while read.** ``pull`` hands out a read-only view of the live value (it
   may still be being written to a socket after the handler returns) and marks the variable
   shared. The next update of a shared variable first asks whether a reader still holds that
@@ -736,9 +736,8 @@ class ParameterStore:
           the loop) until the thread is done, readers of the variable wait for it
           (:meth:`readable`), so none sees it half-done and no new one can hold it;
         * any other (a reader holds the value or waits for the write before, or ``Adagrad``'s
-          many passes) is computed into
-          fresh buffers for the value and slots, which replace the old ones back on the loop;
-          its readers meanwhile read the value before the push.
+          many passes) is computed into fresh buffers for the value and slots, which replace
+          the old ones back on the loop; its readers meanwhile read the value before the push.
 
         Every gradient is checked before any variable is written. The versions move, all at
         once, back on the loop once every variable of the push is done: a pull sees the value
