@@ -371,6 +371,16 @@ def pull_now(store: ParameterStore, limit: int, headers: Mapping[bytes, bytes], 
 _MSGPACK, _FRAME = wire.MSGPACK.encode(), wire.FRAME.encode()
 
 
+def _flag(msg: Mapping[str, Any], key: str, verb: str) -> bool:
+    """The optional bool field ``key`` (absent or nil: false)."""
+    value = msg.get(key)
+    if value is None:
+        return False
+    if type(value) is not bool:
+        raise _bad_field(verb, key, "true or false (or absent)", value)
+    return value
+
+
 def _pull_args(msg: Mapping[str, Any], frame: bool
                ) -> tuple[list[str], Mapping[str, int] | list[int | None] | None, bool,
                           tuple[bool, bool]]:
@@ -379,15 +389,7 @@ def _pull_args(msg: Mapping[str, Any], frame: bool
     ``frame``: whether the client accepts a framed reply."""
     names = _name_list(msg, "names", "pull")
     layout = _layout(msg, "pull")
-    uniform, packed = msg.get("uniform"), msg.get("packed")
-    if uniform is None:
-        uniform = False
-    elif type(uniform) is not bool:
-        raise _bad_field("pull", "uniform", "true or false (or absent)", uniform)
-    if packed is None:
-        packed = False
-    elif type(packed) is not bool:
-        raise _bad_field("pull", "packed", "true or false (or absent)", packed)
+    uniform, packed = _flag(msg, "uniform", "pull"), _flag(msg, "packed", "pull")
     table = layout == "table" and frame
     versions: Mapping[str, int] | list[int | None] | None
     if layout == "table" and type(msg.get("versions")) is list:
