@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -58,6 +59,9 @@ logger = logging.getLogger("paramshard.server")
 FLEET_HEADER = "x-paramshard-fleet"
 _FLEET_KEY = FLEET_HEADER.encode()
 _STATE_VERSION = wire.HEADER_STATE_VERSION.encode()
+#: ``<index>/<num_shards>``: ASCII digits, at most 9 each (a fleet has at most 65,536 shards),
+#: so that no header value turns into an unbounded ``int``.
+_FLEET_RE = re.compile(r"\s*([0-9]{1,9})\s*/\s*([0-9]{1,9})\s*")
 
 
 def is_data_plane(scope: Scope) -> bool:
@@ -86,10 +90,10 @@ def _jsonable(obj: Any) -> Any:
 
 
 def _parse_fleet(text: str) -> tuple[int, int] | None:
-    index, sep, num = text.partition("/")
-    if not sep or not index.strip().isdigit() or not num.strip().isdigit():
+    m = _FLEET_RE.fullmatch(text)
+    if m is None:
         return None
-    return int(index), int(num)
+    return int(m.group(1)), int(m.group(2))
 
 
 class ShardMiddleware:
@@ -128,11 +132,11 @@ class ShardMiddleware:
                 message["headers"] = [*message.get("headers", ()), *self.reply_headers()]
             await send(message)
 
-        refusal = self._check_fleet(scope)
-        if refusal is not None:
-            await refusal(scope, receive, send_with_headers)
-            return
         try:
+            refusal = self._check_fleet(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send_with_headers)
+                return
             await self.app(scope, receive, send_with_headers)
         except Exception:
             logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
@@ -164,8 +168,9 @@ class ShardMiddleware:
         parsed = _parse_fleet(raw)
         if parsed is None:
             return error_response(scope, 400, "bad_request",
-                                  f"{FLEET_HEADER} must be '<index>/<num_shards>', e.g. '0/2'; "
-                                  f"got {raw[:40]!r}")
+                                  f"{FLEET_HEADER} must be '<index>/<num_shards>' (decimal, at "
+                                  f"most 9 digits each), e.g. '0/2'; got {raw[:40]!r} "
+                                  f"({len(raw)} characters)")
         index, num = parsed
         if (index, num) != (self.config.shard_index, self.config.num_shards):
             return error_response(
