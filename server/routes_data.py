@@ -214,13 +214,17 @@ def _too_large(size: int, limit: int, partial: bool = False) -> ShardError:
                       {"limit": limit, **({} if partial else {"size": size})})
 
 
-async def _message(request: Request, scan: bool = False) -> tuple[dict[str, Any], wire.Buffer]:
+async def _message(request: Request, scan: bool = False
+                   ) -> tuple[dict[str, Any], wire.Buffer | None]:
+    """The request's message, and the body its tensors' ``offset``s point into: the framed
+    body, or ``None`` for a msgpack one (its tensors are inline; an ``offset`` there would
+    read the message's own bytes as a tensor, so such a tensor is refused, 422)."""
     body, kind = await read_body(request, request.app.state.config.max_request_bytes, scan)
     msg = wire.unpack(body, kind)
     if not isinstance(msg, dict):
         raise ShardError("bad_request",
                          f"the body must be a msgpack map, got {type(msg).__name__}")
-    return msg, body
+    return msg, (body if kind == wire.FRAME else None)
 
 
 def _reply(request: Request, msg: dict[str, Any], tensors: bool = False) -> EncodedResponse:
@@ -298,7 +302,7 @@ def _held_list(msg: Mapping[str, Any], names: list[str]) -> list[int | None]:
     return versions
 
 
-def _tensor_map(msg: Mapping[str, Any], key: str, verb: str, body: wire.Buffer
+def _tensor_map(msg: Mapping[str, Any], key: str, verb: str, body: wire.Buffer | None
                 ) -> dict[str, Any]:
     value = _required(msg, key, verb)
     if not isinstance(value, dict):
@@ -437,7 +441,7 @@ def _layout(msg: Mapping[str, Any], verb: str) -> str:
 
 
 def _table_map(request: Request, msg: Mapping[str, Any], key: str, verb: str,
-               body: wire.Buffer) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+               body: wire.Buffer | None) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     """A verb's tensor field sent as a tensor table: ``{name: tensor}``, every row a tensor;
     and the rows as one block when they have one dtype and shape (``wire.table_rows``)."""
     value = _required(msg, key, verb)

@@ -3,7 +3,8 @@ health and readiness.
 
 All are coroutines that run on the event loop and read the store synchronously, so what they
 report is one consistent state. Statistics are computed in float64 over blocks, so inspecting a
-huge variable does not allocate a copy of it.
+huge variable does not allocate a copy of it, and scaled so that they are finite for any finite
+value (JSON has no NaN or infinity: a statistic that is not finite is null).
 """
 
 from __future__ import annotations
@@ -36,19 +37,32 @@ def _store(request: Request) -> ParameterStore:
 
 
 def value_stats(value: np.ndarray) -> dict[str, float | None]:
-    """``l2_norm``, ``min``, ``max``, ``mean`` of a value (``None`` for an empty one)."""
+    """``l2_norm``, ``min``, ``max``, ``mean`` of a value (``None`` for an empty one).
+
+    Finite for any finite value, however large: the sum of squares is taken over the value
+    divided by its largest magnitude (float64 1e200 squared would overflow) and the mean as
+    the sum of the value divided by its size. A statistic that is still not finite (a value
+    holding NaN or an infinity) is ``None``: JSON has no such numbers."""
     flat = value.reshape(-1)
     if flat.size == 0:
         return {"l2_norm": None, "min": None, "max": None, "mean": None}
-    total = squares = 0.0
     lo, hi = math.inf, -math.inf
     for start in range(0, flat.size, _BLOCK):
-        block = flat[start:start + _BLOCK].astype(np.float64, copy=False)
-        total += float(block.sum())
-        squares += float(np.dot(block, block))
+        block = flat[start:start + _BLOCK]
         lo = min(lo, float(block.min()))
         hi = max(hi, float(block.max()))
-    return {"l2_norm": math.sqrt(squares), "min": lo, "max": hi, "mean": total / flat.size}
+    scale = max(abs(lo), abs(hi))
+    if not math.isfinite(scale) or scale == 0.0:
+        scale = 1.0
+    total = squares = 0.0
+    with np.errstate(all="ignore"):
+        for start in range(0, flat.size, _BLOCK):
+            block = flat[start:start + _BLOCK].astype(np.float64)
+            total += float(np.divide(block, flat.size).sum())
+            np.divide(block, scale, out=block)
+            squares += float(np.dot(block, block))
+    return {name: stat if math.isfinite(stat) else None for name, stat in (
+        ("l2_norm", scale * math.sqrt(squares)), ("min", lo), ("max", hi), ("mean", total))}
 
 
 @router.get("/v1/cluster")
@@ -116,6 +130,11 @@ async def variable(
                 f"{name} has {var.value.size:,} elements; ?values=true returns at most "
                 f"{MAX_JSON_VALUES:,}: fetch it as ?format=npy (numpy.load) or pull it with "
                 "the SDK", {"elements": var.value.size, "limit": MAX_JSON_VALUES})
+        if var.value.dtype.kind == "f" and not np.isfinite(var.value).all():
+            raise ShardError(
+                "bad_tensor",
+                f"{name} holds NaN or infinite entries, which JSON cannot carry: fetch it as "
+                "?format=npy (numpy.load) or pull it with the SDK", {"variable": name})
         summary["values"] = var.value.tolist()
     return JSONResponse(summary)
 

@@ -1,0 +1,134 @@
+"""Hostile or unlucky input to the store, over real HTTP to real shard processes: statistics of
+huge values, tensors that point outside a msgpack body, seqs that would lock a worker out, the
+dedup table's bounds, updates whose result is not finite, optimizer settings that divide by
+zero, and requests big enough to block the event loop (docs/PROTOCOL.md, "Limits").
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import httpx2
+import msgpack
+import numpy as np
+import pytest
+
+from client_sdk import wire
+from tests.conftest import Fleet
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    """One shard (it owns every name), shared by the tests that only add unique names."""
+    f = Fleet(1, tmp_path_factory.mktemp("limits"))
+    yield f.urls[0]
+    f.close()
+
+
+@pytest.fixture(scope="module")
+def http():
+    with httpx2.Client(timeout=60.0) as client:
+        yield client
+
+
+def fresh(prefix: str = "v") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def post(http, url: str, verb: str, msg: Any, *, frame: bool = False) -> tuple[int, Any]:
+    enc = wire.encode(msg, frame=frame)
+    r = http.post(f"{url}/v1/{verb}", content=enc.join(),
+                  headers={"content-type": enc.content_type})
+    return r.status_code, wire.unpack(bytearray(r.content), r.headers["content-type"])
+
+
+def post_raw(http, url: str, verb: str, body: bytes) -> tuple[int, Any]:
+    r = http.post(f"{url}/v1/{verb}", content=body, headers={"content-type": wire.MSGPACK})
+    return r.status_code, wire.unpack(bytearray(r.content), r.headers["content-type"])
+
+
+def refused(reply: tuple[int, Any], status: int, code: str) -> dict[str, Any]:
+    got, msg = reply
+    assert got == status, (got, msg)
+    err = msg["error"]
+    assert err["code"] == code, err
+    assert err["message"]
+    return err
+
+
+def init(http, url: str, name: str, value: np.ndarray, optimizer: dict | None = None) -> None:
+    entry: dict[str, Any] = {"value": value}
+    if optimizer is not None:
+        entry["optimizer"] = optimizer
+    status, msg = post(http, url, "init", {"variables": {name: entry}})
+    assert status == 200, msg
+
+
+def stats(http, url: str, name: str) -> dict[str, Any]:
+    r = http.get(f"{url}/v1/variables/{name}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def value(http, url: str, name: str) -> np.ndarray:
+    status, msg = post(http, url, "pull", {"names": [name]})
+    assert status == 200, msg
+    return wire.decode_tensor(msg["variables"][name]["value"]).copy()
+
+
+def assert_healthy(http, url: str) -> None:
+    r = http.get(url + "/healthz")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+# -- statistics (item 10) --------------------------------------------------------------------
+
+@pytest.mark.parametrize("values", [
+    np.full(1000, 1e200),                          # the sum of squares overflows float64
+    np.array([1e308, 1e308, -1e308]),             # so does the plain sum
+    np.array([3e38, -3e38], np.float32),
+    np.array([1e-300, 2e-300]),
+])
+def test_statistics_of_huge_finite_values_are_numbers(shard, http, values):
+    name = fresh()
+    init(http, shard, name, values)
+    got = stats(http, shard, name)
+    exact = values.astype(np.float64)
+    assert got["min"] == exact.min() and got["max"] == exact.max()
+    mean = float(np.mean(exact / exact.size) * exact.size)
+    assert got["mean"] == pytest.approx(mean, rel=1e-9)
+    scale = np.abs(exact).max()
+    assert got["l2_norm"] == pytest.approx(scale * np.sqrt(np.sum((exact / scale) ** 2)),
+                                           rel=1e-9)
+    r = http.get(f"{shard}/v1/variables/{name}", params={"values": "true"})
+    assert r.status_code == 200 and r.json()["values"] == exact.tolist()
+
+
+def test_a_statistic_past_float64_is_null(shard, http):
+    name = fresh()
+    init(http, shard, name, np.full(4, 1.7e308))  # its l2 norm, 3.4e308, is no float64
+    got = stats(http, shard, name)
+    assert got["l2_norm"] is None and got["max"] == 1.7e308 and got["mean"] == 1.7e308
+
+
+# -- tensors by offset in a msgpack body -------------------------------------------------------
+
+@pytest.mark.parametrize("verb", ["init", "push", "assign"])
+def test_a_msgpack_tensor_by_offset_is_refused(shard, http, verb):
+    """Offsets point into a framed body; in a msgpack body one would read the message's own
+    bytes as a tensor."""
+    name = fresh()
+    init(http, shard, name, np.zeros(4, np.float32))
+    by_offset = {"dtype": "<f4", "shape": [4], "offset": 0, "nbytes": 16}
+    other = fresh()
+    msg = {
+        "init": {"variables": {other: {"value": by_offset}}},
+        "push": {"worker_id": fresh("w"), "seq": 1, "grads": {name: by_offset}},
+        "assign": {"values": {name: by_offset}},
+    }[verb]
+    err = refused(post_raw(http, shard, verb, msgpack.packb(msg)), 422, "bad_tensor")
+    assert "framed" in err["message"]
+    assert value(http, shard, name).tolist() == [0, 0, 0, 0]
+    assert stats(http, shard, name)["version"] == 0
+    refused(post(http, shard, "pull", {"names": [other]}), 404, "not_found")
