@@ -77,8 +77,13 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
                    help=f"snapshot this often when something changed, 0 for never (still on "
                         f"shutdown and on request) [{env_name('snapshot_interval')}, default 30]")
     p.add_argument("--keep-snapshots", dest="keep_snapshots", metavar="K",
-                   help=f"snapshots kept, and checkpoint snapshots kept besides "
-                        f"[{env_name('keep_snapshots')}, default 3]")
+                   help=f"periodic, shutdown and requested snapshots kept (the newest K; "
+                        f"fleet checkpoints are not counted) [{env_name('keep_snapshots')}, "
+                        "default 3]")
+    p.add_argument("--keep-checkpoints", dest="keep_checkpoints", metavar="N",
+                   help=f"fleet checkpoints kept: the newest N, or 0 for every one until it is "
+                        f"deleted (DELETE /v1/checkpoints/ID) [{env_name('keep_checkpoints')}, "
+                        "default 0]")
     p.add_argument("--restore", dest="restore", metavar="CHECKPOINT",
                    help=f"restore this fleet checkpoint's snapshot instead of the newest "
                         f"[{env_name('restore')}]")
@@ -181,7 +186,7 @@ def _config_from(args: argparse.Namespace) -> ShardConfig:
 
 #: Flags ``up`` passes on to every shard unchanged (``--data-dir`` becomes DIR/shard-i).
 _PASSED_ON = ("max_request_bytes", "log_level", "access_log", "snapshot_interval",
-              "keep_snapshots", "restore", "max_queued_bytes", "max_queued_requests")
+              "keep_snapshots", "keep_checkpoints", "restore", "max_queued_bytes", "max_queued_requests")
 
 
 # -- serve ----------------------------------------------------------------------------------

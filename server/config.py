@@ -168,6 +168,8 @@ class ShardConfig:
     data_dir: str | None = None
     snapshot_interval: float = 30.0
     keep_snapshots: int = 3
+    #: Fleet checkpoints' snapshots kept (the newest N); 0: every one, until deleted.
+    keep_checkpoints: int = 0
     #: Restore this fleet checkpoint's snapshot instead of the newest one.
     restore: str | None = None
     #: Body bytes admitted at once; 0: the larger of 2 GiB and ``max_request_bytes``.
@@ -254,6 +256,7 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "data_dir": _path,
     "snapshot_interval": _seconds,
     "keep_snapshots": _int(1, 1000),
+    "keep_checkpoints": _int(0, 100000),
     "restore": _checkpoint,
     "max_queued_bytes": _size,
     "max_queued_requests": _int(1, 65536),

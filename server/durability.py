@@ -190,6 +190,44 @@ class Durability:
                 del self._checkpoints[next(iter(self._checkpoints))]
         return task
 
+    def checkpoints(self) -> list[dict[str, Any]]:
+        """The fleet checkpoints in the data dir, oldest first: ``checkpoint``, ``snapshot``
+        (its number) and ``bytes`` (of its two files). Reads only the directory."""
+        self.require()
+        assert self.data_dir is not None
+        out = []
+        for number, checkpoint, manifest in persistence.list_snapshots(self.data_dir):
+            if checkpoint is not None:
+                out.append({"checkpoint": checkpoint, "snapshot": number,
+                            "bytes": _size(manifest) + _size(manifest.with_suffix(
+                                ".safetensors"))})
+        return out
+
+    async def delete_checkpoint(self, checkpoint: str) -> list[str]:
+        """Delete the snapshot(s) of fleet checkpoint ``checkpoint``; returns the file names
+        removed. Raises :class:`ShardError`: ``not_found`` if there is none, ``conflict`` if
+        one is the newest snapshot in the data dir (the state a restart would come back to:
+        it goes once a newer snapshot is written)."""
+        self.require()
+        assert self.data_dir is not None
+        async with self._lock:  # no snapshot is written or pruned meanwhile
+            snapshots = persistence.list_snapshots(self.data_dir)
+            doomed = [path for _, c, path in snapshots if c == checkpoint]
+            if not doomed:
+                raise ShardError("not_found", f"shard {self.config.fleet} holds no snapshot of "
+                                 f"checkpoint {checkpoint!r} (GET /v1/checkpoints lists them)",
+                                 {"checkpoint": checkpoint})
+            if snapshots[-1][2] in doomed:
+                raise ShardError("conflict", f"checkpoint {checkpoint!r} is shard "
+                                 f"{self.config.fleet}'s newest snapshot, the state it would "
+                                 "restart from: write a newer one first (POST /v1/snapshot with "
+                                 "{}), then delete it", {"checkpoint": checkpoint})
+            removed = await asyncio.to_thread(persistence.remove, self.data_dir, doomed)
+            self._checkpoints.pop(checkpoint, None)
+        logger.info("shard %s deleted checkpoint %s (%s)", self.config.fleet, checkpoint,
+                    ", ".join(removed))
+        return removed
+
     def checkpoint_write(self, checkpoint: str) -> asyncio.Task | None:
         """The write of ``checkpoint``'s snapshot, if this process captured one recently."""
         return self._checkpoints.get(checkpoint)
@@ -208,7 +246,8 @@ class Durability:
             self._number = number + 1
             self._saved_mutations = max(self._saved_mutations, capture.mutations)
             removed = await asyncio.to_thread(persistence.prune, self.data_dir,
-                                              self.config.keep_snapshots)
+                                              self.config.keep_snapshots,
+                                              self.config.keep_checkpoints)
             self.last = {**snap.info(), "seconds": seconds, "reason": reason}
             logger.info("shard %s wrote snapshot %s (%s: %d variables, %d bytes) in %.2fs%s",
                         self.config.fleet, snap.manifest_path.name, reason,
@@ -222,3 +261,10 @@ class Durability:
         if not task.cancelled() and task.exception() is not None:
             logger.error("shard %s: writing a snapshot failed: %r", self.config.fleet,
                          task.exception())
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -10,13 +10,20 @@ A data dir belongs to one shard and holds numbered snapshots, each two files::
 The **manifest** says, per variable, its dtype, shape, version, update count, optimizer spec,
 bookkeeping and the safetensors key and CRC-32 of its value and of each optimizer slot; plus the
 dedup table, the shard's index, fleet size and incarnation, its state version, and when it was
-written. It carries a CRC-32 of its own canonical JSON form (``checksum``).
+written. It carries a CRC-32 of its own canonical JSON form (``checksum``). Safetensors keys are
+made from positions (:func:`tensor_key`), never from names, so any name round-trips; snapshots
+whose keys are names (as older ones are) read the same way, through the manifest.
+
+**Keeping** (:func:`prune`): the newest K plain snapshots (periodic, shutdown, requested); a
+fleet checkpoint's snapshot is a user's and stays until deleted (:func:`remove`), unless the
+shard is told to keep only the newest N.
 
 **Writing** (:func:`write_snapshot`): the values go to a temporary file (safetensors' writer
 reads the arrays' own memory: no copy), which is fsynced and renamed; then the manifest the
 same way; then the directory is fsynced. The manifest is renamed last, so a snapshot exists
 exactly when its manifest does: a crash at any point leaves the earlier snapshots intact and at
-worst a temporary or orphan file, which :func:`clean` removes at the next start.
+worst a temporary file (ours, or the safetensors writer's own: :func:`is_temporary`) or an
+orphan values file, which :func:`clean` removes at the next start.
 
 **Reading** (:func:`read_manifest`, :func:`read_arrays`) checks everything it can: the
 manifest's checksum and structure, the safetensors header against the manifest, the file's
@@ -64,11 +71,14 @@ __all__ = [
     "checkpoint_id_error",
     "clean",
     "find_restorable",
+    "is_temporary",
     "list_snapshots",
     "next_number",
     "prune",
     "read_arrays",
     "read_manifest",
+    "remove",
+    "tensor_key",
     "to_variables",
     "write_snapshot",
 ]
@@ -80,6 +90,8 @@ FORMAT_VERSION = 1
 _NAME_RE = re.compile(r"snapshot-(\d{8,})(?:-([A-Za-z0-9_-]{1,64}))?\.json")
 _CHECKPOINT_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _TMP_PREFIX = ".tmp-"
+#: The temporary files of safetensors' writer (Rust's ``tempfile``: ``.tmp`` + 6 characters).
+_FOREIGN_TMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 #: numpy dtype kind+size -> safetensors dtype name.
 _ST_DTYPES = {"f2": "F16", "f4": "F32", "f8": "F64", "i1": "I8", "i2": "I16", "i4": "I32",
               "i8": "I64", "u1": "U8", "u2": "U16", "u4": "U32", "u8": "U64"}
@@ -171,16 +183,24 @@ def _entries(data_dir: Path) -> list[str]:
         return []
 
 
+def is_temporary(name: str) -> bool:
+    """Whether ``name`` is a temporary file a snapshot write makes in its data dir: ours
+    (``.tmp-snapshot-*``) or the safetensors writer's own (``.tmp`` and 6 letters or digits,
+    which it renames onto ours when it is done)."""
+    return name.startswith(_TMP_PREFIX + "snapshot-") or _FOREIGN_TMP_RE.fullmatch(name) is not None
+
+
 def clean(data_dir: Path) -> list[str]:
-    """Remove leftovers of interrupted writes: temporary files, and values files whose
-    manifest never appeared. Returns the names removed."""
+    """Remove leftovers of interrupted writes: temporary files (:func:`is_temporary`), and
+    values files whose manifest never appeared. Call it only while no snapshot is being
+    written to ``data_dir``. Returns the names removed."""
     names = set(_entries(data_dir))
     stems = {n[:-len(".json")] for n in names if _NAME_RE.fullmatch(n)}
     removed = []
     for name in sorted(names):
         orphan = name.endswith(".safetensors") and name.startswith("snapshot-") \
             and name[:-len(".safetensors")] not in stems
-        if name.startswith(_TMP_PREFIX + "snapshot-") or orphan:
+        if is_temporary(name) or orphan:
             try:
                 os.unlink(data_dir / name)
                 removed.append(name)
@@ -191,21 +211,30 @@ def clean(data_dir: Path) -> list[str]:
     return removed
 
 
-def prune(data_dir: Path, keep: int) -> list[str]:
-    """Keep the newest ``keep`` snapshots, and separately the newest ``keep`` that belong to a
-    fleet checkpoint; delete the rest (manifest first). Returns the names removed."""
-    plain = [(n, p) for n, c, p in list_snapshots(data_dir) if c is None]
-    ckpts = [(n, p) for n, c, p in list_snapshots(data_dir) if c is not None]
+def prune(data_dir: Path, keep: int, keep_checkpoints: int = 0) -> list[str]:
+    """Keep the newest ``keep`` plain snapshots (periodic, shutdown, requested) and delete the
+    older ones; fleet checkpoints are kept apart: every one with ``keep_checkpoints=0``, else
+    the newest ``keep_checkpoints``. Returns the names removed."""
+    snapshots = list_snapshots(data_dir)
+    plain = [p for _, c, p in snapshots if c is None]
+    ckpts = [p for _, c, p in snapshots if c is not None]
+    doomed = plain[:-keep] if keep > 0 else plain
+    if keep_checkpoints > 0:
+        doomed += ckpts[:-keep_checkpoints]
+    return remove(data_dir, doomed)
+
+
+def remove(data_dir: Path, manifests: list[Path]) -> list[str]:
+    """Delete these snapshots of ``data_dir`` (each manifest first, then its values, so none
+    is ever left half there). Returns the names removed."""
     removed = []
-    for group in (plain, ckpts):
-        for _, manifest in group[:-keep] if keep > 0 else group:
-            values = manifest.with_suffix(".safetensors")
-            for path in (manifest, values):
-                try:
-                    os.unlink(path)
-                    removed.append(path.name)
-                except FileNotFoundError:
-                    pass
+    for manifest in manifests:
+        for path in (manifest, manifest.with_suffix(".safetensors")):
+            try:
+                os.unlink(path)
+                removed.append(path.name)
+            except FileNotFoundError:
+                pass
     if removed:
         _fsync_dir(data_dir)
     return removed
@@ -239,6 +268,14 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
+def tensor_key(index: int, slot: str) -> str:
+    """The safetensors key of slot ``slot`` (``"value"`` or an optimizer slot) of the
+    ``index``-th variable of a snapshot. Keys are made from positions, never from names, so
+    that no variable name can collide with another key or with safetensors' own
+    ``__metadata__``; the manifest maps each name to its keys."""
+    return f"t{index}" if slot == "value" else f"t{index}.{slot}"
+
+
 def write_snapshot(data_dir: Path, number: int, capture: Capture, *, incarnation: str,
                    checkpoint: str | None = None) -> Snapshot:
     """Write ``capture`` as snapshot ``number`` of ``data_dir`` (created if missing),
@@ -251,14 +288,16 @@ def write_snapshot(data_dir: Path, number: int, capture: Capture, *, incarnation
     data_dir.mkdir(parents=True, exist_ok=True)
     stem = f"snapshot-{number:08d}" + (f"-{checkpoint}" if checkpoint else "")
     tensors: dict[str, np.ndarray] = {}
+    entries: list[dict[str, Any]] = []  # the manifest's entry of each tensor, in order
     variables: dict[str, Any] = {}
-    for name, (meta, arrays) in capture.variables.items():
-        entries = {}
+    for j, (name, (meta, arrays)) in enumerate(capture.variables.items()):
+        slots = {}
         for slot, array in arrays.items():
-            key = name if slot == "value" else f"{name}#{slot}"
+            key = tensor_key(j, slot)
             tensors[key] = array
-            entries[slot] = {"key": key, "crc32": 0}  # filled in below
-        variables[name] = {**meta, "tensors": entries}
+            slots[slot] = {"key": key, "crc32": 0}  # filled in below
+            entries.append(slots[slot])
+        variables[name] = {**meta, "tensors": slots}
     values_name = stem + ".safetensors"
     tmp_values = data_dir / (_TMP_PREFIX + values_name)
     tmp_manifest = data_dir / (_TMP_PREFIX + stem + ".json")
@@ -266,9 +305,8 @@ def write_snapshot(data_dir: Path, number: int, capture: Capture, *, incarnation
         with ThreadPoolExecutor(1, thread_name_prefix="paramshard-crc") as pool:
             crcs = pool.map(_crc, tensors.values())  # alongside the write: both read the arrays
             save_file(tensors, tmp_values, metadata={"paramshard_snapshot": str(number)})
-            for key, crc in zip(tensors, crcs):
-                name, _, slot = key.partition("#")
-                variables[name]["tensors"][slot or "value"]["crc32"] = crc
+            for entry, crc in zip(entries, crcs):
+                entry["crc32"] = crc
         _fsync_path(tmp_values)
         values_bytes = tmp_values.stat().st_size
         os.replace(tmp_values, data_dir / values_name)
@@ -390,20 +428,38 @@ def _values_header(snap: Snapshot, f: Any) -> tuple[dict[str, Any], int, int]:
     _need(0 < n <= min(size - 8, _MAX_HEADER), path, "bad safetensors header length")
     raw = f.read(n)
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_Pairs)
     except (ValueError, UnicodeDecodeError):
         raise SnapshotError(f"{path.name}: corrupt safetensors header") from None
-    _need(isinstance(header, dict), path, "corrupt safetensors header")
-    meta = header.get("__metadata__") or {}
+    _need(isinstance(header, _Pairs), path, "corrupt safetensors header")
+    tensors: dict[str, Any] = {}
+    meta: Any = {}
+    for key, entry in header.pairs:
+        if key == "__metadata__" and not (isinstance(entry, dict) and "data_offsets" in entry):
+            meta = entry
+            continue
+        _need(key not in tensors, path, f"corrupt safetensors header (two tensors {key!r})")
+        tensors[key] = entry
     _need(isinstance(meta, dict) and meta.get("paramshard_snapshot") == str(snap.number), path,
           "belongs to another snapshot")
-    return header, 8 + n, size
+    return tensors, 8 + n, size
+
+
+class _Pairs(dict):
+    """A JSON object that also keeps its ``(key, value)`` pairs in order, repeated keys
+    included: format-1 snapshots stored a value under its variable's name, so a variable named
+    ``__metadata__`` wrote that key twice (the metadata, then its tensor), and both are
+    needed to read the file."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        self.pairs = pairs
 
 
 def _planned(snap: Snapshot, header: Mapping[str, Any], start: int, size: int
              ) -> Iterator[tuple[str, str, np.dtype, tuple[int, ...], int, int]]:
     """(variable, slot, dtype, shape, file offset, crc) of every array, checked against the
-    safetensors header."""
+    safetensors header's tensors (key -> entry)."""
     path = snap.values_path
     for name, meta in snap.manifest["variables"].items():
         dtype = np.dtype(meta["dtype"])

@@ -1,4 +1,6 @@
-"""Fleet checkpoints: ``POST /v1/pause``, ``/v1/snapshot``, ``/v1/resume`` (docs/PROTOCOL.md §3).
+"""Fleet checkpoints: ``POST /v1/pause``, ``/v1/snapshot``, ``/v1/resume`` to take one, and
+``GET /v1/checkpoints``, ``DELETE /v1/checkpoints/{id}`` to list and delete them
+(docs/PROTOCOL.md §3).
 
 A client checkpoints a fleet in three rounds, each sent to every shard at once: **pause** (stop
 applying writes; the reply comes once no write is being applied), **snapshot** (capture the
@@ -8,7 +10,9 @@ Because every shard is paused before any captures, the snapshots form one consis
 the fleet, and writes stop only for as long as capturing takes. A pause holds for ``lease``
 seconds at most, so a client that dies mid-checkpoint cannot stop a fleet.
 
-The messages are small msgpack maps, read whole (at most :data:`MAX_BODY` bytes).
+The messages are small msgpack maps, read whole (at most :data:`MAX_BODY` bytes). A
+checkpoint's snapshots are kept until a client deletes them (or ``--keep-checkpoints``), never
+pruned like periodic ones; listing and deleting answer JSON, like the inspection endpoints.
 """
 
 from __future__ import annotations
@@ -146,3 +150,23 @@ def _write_failed(exc: OSError) -> ShardError:
     return ShardError("unavailable", f"writing the snapshot to the data dir failed: {exc}; "
                       "check the disk (space, permissions) and retry",
                       headers={"Retry-After": "1"})
+
+
+@router.get("/checkpoints", tags=["fleet checkpoints (JSON)"])
+async def checkpoints(request: Request) -> dict[str, Any]:
+    """The fleet checkpoints this shard keeps, oldest first: `{"checkpoints": [{"checkpoint",
+    "snapshot", "bytes"}, ...]}`. A checkpoint is kept until it is deleted (or, with
+    `--keep-checkpoints N`, until N newer ones exist)."""
+    return {"checkpoints": _durability(request).checkpoints()}
+
+
+@router.delete("/checkpoints/{checkpoint}", tags=["fleet checkpoints (JSON)"])
+async def delete_checkpoint(request: Request, checkpoint: str) -> dict[str, Any]:
+    """Delete this shard's snapshot of a fleet checkpoint: `{"checkpoint", "removed": [file
+    names]}`; 404 if it holds none, 409 if it is the shard's newest snapshot."""
+    problem = checkpoint_id_error(checkpoint)
+    if problem is not None:
+        raise ShardError("bad_request", f"DELETE /v1/checkpoints/{{id}}: {problem}; got "
+                         f"{checkpoint[:80]!r}", {"field": "checkpoint"})
+    removed = await _durability(request).delete_checkpoint(checkpoint)
+    return {"checkpoint": checkpoint, "removed": removed}

@@ -68,8 +68,74 @@ def test_round_trip_keeps_values_versions_state_and_dedup(tmp_path):
 def test_values_file_is_plain_safetensors(tmp_path):
     snap = snapshot(make_store(), tmp_path)
     tensors = load_file(snap.values_path)
-    assert set(tensors) == {"w", "w#accumulator", "b", "empty", "step"}
-    np.testing.assert_array_equal(tensors["b"], np.zeros(3) - 1.0)
+    keys = {name: {slot: t["key"] for slot, t in meta["tensors"].items()}
+            for name, meta in snap.manifest["variables"].items()}
+    assert set(tensors) == {k for slots in keys.values() for k in slots.values()}
+    assert set(keys["w"]) == {"value", "accumulator"} and len(set(tensors)) == 5
+    np.testing.assert_array_equal(tensors[keys["b"]["value"]], np.zeros(3) - 1.0)
+
+
+#: Names that collide with safetensors' own key, or with keys a snapshot makes for others.
+AWKWARD = ["__metadata__", "t0", "t1", "t0.accumulator", "t2.accumulator", "w"]
+
+
+def awkward_store() -> ParameterStore:
+    store = ParameterStore(0, 1)
+    store.init({name: (np.full((2, 2), i, np.float32), Adagrad(lr=0.1).to_wire())
+                for i, name in enumerate(AWKWARD)})
+    store.push("w0", 1, {name: np.ones((2, 2), np.float32) for name in AWKWARD})
+    return store
+
+
+def assert_same(back: ParameterStore, store: ParameterStore) -> None:
+    assert sorted(v.name for v in back) == sorted(v.name for v in store)
+    for var in store:
+        got = back.get(var.name)
+        np.testing.assert_array_equal(got.value, var.value)
+        assert got.version == var.version and got.state.keys() == var.state.keys()
+        for slot in var.state:
+            np.testing.assert_array_equal(got.state[slot], var.state[slot])
+
+
+def test_any_name_round_trips_even_safetensors_own_metadata_key(tmp_path):
+    store = awkward_store()
+    snap = snapshot(store, tmp_path)
+    assert "__metadata__" in snap.manifest["variables"]
+    assert_same(restore(tmp_path), store)
+    assert len(load_file(snap.values_path)) == 2 * len(AWKWARD)  # plain safetensors still
+
+
+def test_format_1_snapshots_keyed_by_name_still_restore(tmp_path, monkeypatch):
+    """Snapshots written with each value under its variable's name (and slots under
+    ``name#slot``) restore, also the ones where a variable named ``__metadata__`` wrote that
+    key twice into the safetensors header."""
+    store = awkward_store()
+    names = list(store.capture().variables)
+    monkeypatch.setattr(persistence, "tensor_key",
+                        lambda j, slot: names[j] if slot == "value" else f"{names[j]}#{slot}")
+    snap = snapshot(store, tmp_path)
+    monkeypatch.undo()
+    head = snap.values_path.read_bytes()[:4096]
+    assert head.count(b'"__metadata__"') == 2  # what such a writer made
+    assert snap.manifest["variables"]["w"]["tensors"]["value"]["key"] == "w"
+    assert_same(restore(tmp_path), store)
+
+
+def test_reshard_moves_awkward_names(tmp_path):
+    from server.reshard import reshard
+
+    store = awkward_store()
+    capture = store.capture()
+    persistence.write_snapshot(tmp_path / "one", 1, capture, incarnation="x", checkpoint="ck")
+    result = reshard([tmp_path / "one"], tmp_path / "two", 2, checkpoint="ck")
+    assert result.variables == len(AWKWARD)
+    held = {v.name: v for j in range(2) for v in persistence.find_restorable(
+        tmp_path / "two" / f"shard-{j}", j, 2).variables}
+    assert sorted(held) == sorted(AWKWARD)
+    for var in store:
+        np.testing.assert_array_equal(held[var.name].value, var.value)
+        np.testing.assert_array_equal(held[var.name].state["accumulator"],
+                                      var.state["accumulator"])
 
 
 def test_capture_is_one_instant_and_later_updates_do_not_touch_it(tmp_path):
@@ -157,16 +223,18 @@ def test_an_empty_or_missing_dir_has_nothing_to_restore(tmp_path):
     assert persistence.find_restorable(tmp_path / "nope", 0, 1) is None
 
 
-def test_keep_k_plain_and_checkpoint_snapshots_separately(tmp_path):
+def test_keep_k_plain_snapshots_and_every_checkpoint(tmp_path):
     store = make_store()
-    for n in range(1, 6):
-        snapshot(store, tmp_path, n, checkpoint="ckpt-a" if n == 2 else None)
+    for n in range(1, 10):
+        snapshot(store, tmp_path, n, checkpoint=f"ck{n}" if n in (2, 5, 6, 7) else None)
     persistence.prune(tmp_path, keep=2)
     left = [(n, c) for n, c, _ in persistence.list_snapshots(tmp_path)]
-    assert left == [(2, "ckpt-a"), (4, None), (5, None)]
+    assert left == [(2, "ck2"), (5, "ck5"), (6, "ck6"), (7, "ck7"), (8, None), (9, None)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        f"snapshot-{n:08d}{'-ckpt-a' if c else ''}{ext}" for n, c in left
+        f"snapshot-{n:08d}{'-' + c if c else ''}{ext}" for n, c in left
         for ext in (".json", ".safetensors"))
+    persistence.prune(tmp_path, keep=2, keep_checkpoints=2)  # --keep-checkpoints 2
+    assert [c for _, c, _ in persistence.list_snapshots(tmp_path)] == ["ck6", "ck7", None, None]
 
 
 def test_leftovers_of_interrupted_writes_are_cleaned(tmp_path):
@@ -174,10 +242,13 @@ def test_leftovers_of_interrupted_writes_are_cleaned(tmp_path):
     snap = snapshot(store, tmp_path, 1)
     (tmp_path / ".tmp-snapshot-00000002.safetensors").write_bytes(b"half")
     (tmp_path / "snapshot-00000003.safetensors").write_bytes(b"no manifest")
+    (tmp_path / ".tmpA1b2C3").write_bytes(b"safetensors' writer's own, killed mid-write")
+    for other in (".tmpA1b2C", ".tmp-notes", "notes.txt"):  # not ours: left alone
+        (tmp_path / other).write_bytes(b"x")
     assert sorted(persistence.clean(tmp_path)) == [".tmp-snapshot-00000002.safetensors",
-                                                   "snapshot-00000003.safetensors"]
+                                                   ".tmpA1b2C3", "snapshot-00000003.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [snap.manifest_path.name, snap.values_path.name])
+        [snap.manifest_path.name, snap.values_path.name, ".tmpA1b2C", ".tmp-notes", "notes.txt"])
     assert persistence.next_number(tmp_path) == 2
 
 
