@@ -43,6 +43,7 @@ from client_sdk import wire
 from . import __version__
 from .admission import AdmissionMiddleware, Gate
 from .config import ShardConfig
+from .dedup import DedupTable
 from .durability import Durability
 from .errors import ShardError
 from .fastpath import DirectRoutes
@@ -264,7 +265,8 @@ def create_app(config: ShardConfig) -> FastAPI:
         ),
         lifespan=_lifespan,
     )
-    store = ParameterStore(config.shard_index, config.num_shards)
+    store = ParameterStore(config.shard_index, config.num_shards,
+                           DedupTable(config.dedup_max_workers, config.dedup_idle_seconds))
     gate = Gate(config.max_queued_bytes, config.max_queued_requests)
     app.state.config = config
     app.state.store = store

@@ -94,6 +94,12 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
     p.add_argument("--max-queued-requests", dest="max_queued_requests", metavar="N",
                    help=f"pushes/pulls admitted at once [{env_name('max_queued_requests')}, "
                         "default 64]")
+    p.add_argument("--dedup-max-workers", dest="dedup_max_workers", metavar="N",
+                   help=f"workers whose applied seqs are remembered, the least recently seen "
+                        f"forgotten first [{env_name('dedup_max_workers')}, default 10000]")
+    p.add_argument("--dedup-idle-seconds", dest="dedup_idle_seconds", metavar="S",
+                   help=f"forget a worker's applied seqs after S seconds without a write from "
+                        f"it, 0 for never [{env_name('dedup_idle_seconds')}, default 3600]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,7 +192,8 @@ def _config_from(args: argparse.Namespace) -> ShardConfig:
 
 #: Flags ``up`` passes on to every shard unchanged (``--data-dir`` becomes DIR/shard-i).
 _PASSED_ON = ("max_request_bytes", "log_level", "access_log", "snapshot_interval",
-              "keep_snapshots", "keep_checkpoints", "restore", "max_queued_bytes", "max_queued_requests")
+              "keep_snapshots", "keep_checkpoints", "restore", "max_queued_bytes",
+              "max_queued_requests", "dedup_max_workers", "dedup_idle_seconds")
 
 
 # -- serve ----------------------------------------------------------------------------------

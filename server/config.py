@@ -175,6 +175,10 @@ class ShardConfig:
     #: Body bytes admitted at once; 0: the larger of 2 GiB and ``max_request_bytes``.
     max_queued_bytes: int = 0
     max_queued_requests: int = 64
+    #: Workers whose applied seqs are remembered at most (the least recently seen forgotten).
+    dedup_max_workers: int = 10_000
+    #: A worker not seen for this many seconds is forgotten; 0: never.
+    dedup_idle_seconds: float = 3600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard_index < self.num_shards:
@@ -260,4 +264,6 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "restore": _checkpoint,
     "max_queued_bytes": _size,
     "max_queued_requests": _int(1, 65536),
+    "dedup_max_workers": _int(1, 10_000_000),
+    "dedup_idle_seconds": _seconds,
 }

@@ -26,6 +26,7 @@ from starlette.responses import Response
 
 from client_sdk import wire
 
+from .dedup import MAX_SEQ
 from .errors import ShardError
 from .headers import header
 from .scan import SCAN_FROM, FiniteScan, finite_rows
@@ -426,8 +427,8 @@ def _writer(msg: Mapping[str, Any], verb: str, required: bool) -> tuple[Any, Any
     if not isinstance(worker_id, str) or not 0 < len(worker_id) <= 256:
         raise _bad_field(verb, "worker_id", "a string of 1-256 characters", worker_id)
     seq = _required(msg, "seq", verb)
-    if not _int(seq) or seq < 0:
-        raise _bad_field(verb, "seq", "an int >= 0", seq)
+    if not _int(seq) or not 0 <= seq <= MAX_SEQ:
+        raise _bad_field(verb, "seq", "an int in 0..2**63-1", seq)
     return worker_id, seq
 
 

@@ -436,7 +436,8 @@ class ParameterStore:
     :meth:`wait` is a coroutine on that same loop. None of them blocks on I/O.
     """
 
-    def __init__(self, shard_index: int, num_shards: int) -> None:
+    def __init__(self, shard_index: int, num_shards: int, dedup: DedupTable | None = None
+                 ) -> None:
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index must be in 0..{num_shards - 1}, got {shard_index}")
         self.shard_index = shard_index
@@ -444,7 +445,7 @@ class ParameterStore:
         self._vars: dict[str, Variable] = {}
         self._nbytes = 0
         self._waiters: dict[str, set[asyncio.Event]] = {}
-        self.dedup = DedupTable()
+        self.dedup = DedupTable() if dedup is None else dedup
         self._state_version = 0
         #: How many variables a push is writing in place off the loop right now (see
         #: :meth:`readable`): 0 nearly always, so readers check one int.
@@ -998,13 +999,15 @@ class ParameterStore:
 
     def restore(self, variables: Iterable[Variable], dedup: DedupTable) -> None:
         """Replace the whole state with restored ``variables`` and ``dedup`` table (at start,
-        before any request is served). The state version becomes the sum of their versions."""
+        before any request is served). The state version becomes the sum of their versions;
+        the table keeps this store's bounds (:meth:`DedupTable.bound`)."""
         self._vars = {}
         self._nbytes = 0
         variables = list(variables)
         _into_slabs(variables)
         for var in variables:
             self._add(var)
+        dedup.bound(self.dedup.max_workers, self.dedup.idle_seconds)
         self.dedup = dedup
         self._state_version = sum(v.version for v in self._vars.values())
 

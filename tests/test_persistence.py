@@ -7,6 +7,7 @@ The shard-level behaviour (restart on a damaged data dir, SIGTERM, kill -9) is i
 from __future__ import annotations
 
 import json
+import random
 import struct
 
 import numpy as np
@@ -272,10 +273,43 @@ def test_dedup_window_duplicates_and_expiry():
         t.record("w", seq)
     assert [t.check("w", s) for s in (99, 100, 101, 102, 103)] == \
         ["new", "duplicate", "duplicate", "duplicate", "new"]
-    t.record("w", 102 + WINDOW)
-    assert t.check("w", 102) == "expired"  # below the window: cannot tell, so refused
-    assert t.check("w", 103) == "new" and t.check("w", 102 + WINDOW) == "duplicate"
+    t.record("w", 102 + WINDOW)  # a jump: the window behind it is kept below
+    assert [t.check("w", s) for s in (99, 100, 103, 102 + WINDOW)] == \
+        ["new", "duplicate", "new", "duplicate"]
+    t.record("w", 103)  # the writes below the jump go on
+    assert t.check("w", 103) == "duplicate" and t.check("w", 104) == "new"
+    t.record("w", 102 + 3 * WINDOW)  # a second jump: the lowest window is forgotten
+    assert t.check("w", 102) == "expired"  # below the windows: cannot tell, so refused
+    assert t.check("w", 102 + WINDOW) == "duplicate"
+    assert t.check("w", 102 + 2 * WINDOW) == "new"  # between the windows: never applied
     assert t.check("other", 100) == "new"
+
+
+def test_dedup_matches_an_exact_model():
+    """Random writes (runs, retries, jumps): a seq the table calls new was never applied, one
+    it calls a duplicate was; also through export/load and merge."""
+    rng = random.Random(7)
+    for _ in range(30):
+        t, applied, seq = DedupTable(), set(), rng.randrange(10**6)
+        for _ in range(300):
+            r = rng.random()
+            if r < 0.02:
+                s = seq + rng.choice([WINDOW, 3 * WINDOW, 10**12])  # a jump
+            elif r < 0.3 and applied:
+                s = rng.choice(sorted(applied))  # a retry
+            else:
+                seq += rng.randrange(1, 3 * WINDOW // 2 if rng.random() < 0.05 else 5)
+                s = seq
+            outcome = t.check("w", s)
+            assert outcome != "new" or s not in applied, s
+            assert outcome != "duplicate" or s in applied, s
+            if outcome == "new":
+                t.record("w", s)
+                applied.add(s)
+            if rng.random() < 0.05:
+                t = DedupTable.load(json.loads(json.dumps(t.export())))
+            if rng.random() < 0.05:
+                t = DedupTable.merge([t, DedupTable()])
 
 
 def test_dedup_export_load_and_merge():

@@ -6,6 +6,7 @@ zero, and requests big enough to block the event loop (docs/PROTOCOL.md, "Limits
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -132,3 +133,82 @@ def test_a_msgpack_tensor_by_offset_is_refused(shard, http, verb):
     assert value(http, shard, name).tolist() == [0, 0, 0, 0]
     assert stats(http, shard, name)["version"] == 0
     refused(post(http, shard, "pull", {"names": [other]}), 404, "not_found")
+
+
+# -- seqs and the dedup table (items 14, 15) -----------------------------------------------------
+
+def increment(http, url: str, name: str, worker: str, seq: int) -> tuple[int, Any]:
+    return post(http, url, "increment", {"name": name, "worker_id": worker, "seq": seq})
+
+
+def workers(http, url: str) -> dict[str, dict[str, Any]]:
+    r = http.get(url + "/v1/workers")
+    assert r.status_code == 200, r.text
+    return {w["worker_id"]: w for w in r.json()["workers"]}
+
+
+def test_one_poisoned_seq_cannot_lock_a_worker_out(fleet_factory, http):
+    """A seq past a signed 64-bit int is refused and changes nothing; one that is valid but far
+    above the worker's own (someone else's write under its id) leaves the worker's next writes,
+    and its retries, working: also after a restart."""
+    fleet = fleet_factory(1, data=True)
+    url = fleet.urls[0]
+    name, real = fresh("step"), fresh("w")
+    base = 1_700_000_000_000_000  # the SDK's first seq is the clock in microseconds
+    assert increment(http, url, name, real, base)[1]["value"] == 1
+    for poison in (2**64 - 1, 2**63):
+        err = refused(increment(http, url, name, real, poison), 400, "bad_request")
+        assert "seq" in err["message"]
+    assert workers(http, url)[real]["high_seq"] == base
+    assert value(http, url, name).item() == 1
+    # a valid seq far above (the highest a seq may be): applied, as any write
+    assert increment(http, url, name, real, 2**63 - 1)[1]["status"] == "applied"
+    # the worker goes on from its own counter, and its retries are still recognised
+    status, msg = increment(http, url, name, real, base + 1)
+    assert status == 200 and msg["status"] == "applied" and msg["value"] == 3, msg
+    assert increment(http, url, name, real, base)[1]["status"] == "duplicate"
+    fleet.stop(0)
+    fleet.start(0)
+    assert increment(http, url, name, real, base + 1)[1] == {"value": 3, "version": 3,
+                                                            "status": "duplicate"}
+    status, msg = increment(http, url, name, real, base + 2)
+    assert status == 200 and msg["status"] == "applied" and msg["value"] == 4, msg
+    assert increment(http, url, name, real, 2**63 - 1)[1]["status"] == "duplicate"
+
+
+def test_the_dedup_table_is_bounded_and_its_snapshot_small(fleet_factory, http, tmp_path):
+    """Many fresh worker ids, each with two seqs a window apart (the widest bitmap): the
+    table keeps at most --dedup-max-workers of them, and the snapshot holds what it keeps in
+    a few bytes each."""
+    fleet = fleet_factory(1, "--dedup-max-workers", "40", data=True)
+    url = fleet.urls[0]
+    name = fresh("c")
+    ids = [fresh("w") for _ in range(60)]
+    for w in ids:
+        for seq in (0, 65535):
+            assert increment(http, url, name, w, seq)[0] == 200
+    kept = workers(http, url)
+    assert len(kept) == 40 and set(kept) == set(ids[20:])  # the least recently seen went first
+    status, msg = post(http, url, "snapshot", {})
+    assert status == 200, msg
+    manifests = list(fleet.data_dirs[0].glob("snapshot-*.json"))
+    assert len(manifests) == 1, manifests
+    size = manifests[0].stat().st_size
+    assert size < 40 * 1024, size  # 16 KB a worker as a hex bitmap
+    fleet.stop(0)
+    fleet.start(0)
+    assert set(workers(http, url)) == set(ids[20:])
+    assert increment(http, url, name, ids[-1], 0)[1]["status"] == "duplicate"
+
+
+def test_idle_workers_are_forgotten(fleet_factory, http):
+    fleet = fleet_factory(1, "--dedup-idle-seconds", "1")
+    url = fleet.urls[0]
+    name, old, new = fresh("c"), fresh("w"), fresh("w")
+    assert increment(http, url, name, old, 5)[0] == 200
+    time.sleep(1.5)
+    assert increment(http, url, name, new, 5)[0] == 200
+    assert set(workers(http, url)) == {new}
+    # the forgotten worker's next write starts a new record
+    assert increment(http, url, name, old, 6)[1]["status"] == "applied"
+    assert set(workers(http, url)) == {old, new}
