@@ -13,6 +13,10 @@
   most :data:`ADMIT_WAIT` seconds; then, or when :data:`MAX_WAITING` already wait, they get 429
   ``overloaded`` with ``Retry-After``. Long polls (``/v1/wait``) and control verbs are not
   counted.
+* **Cannot persist.** While the shard's snapshots fail (a full or read-only disk:
+  ``server/durability.py`` sets it), writes are answered 503 ``unavailable`` (``reason:
+  cannot_persist``) with ``Retry-After``, so none is acknowledged that a restart could lose;
+  reads go on.
 * **Pauses.** While the gate is closed (a fleet checkpoint's pause, or the instant a snapshot
   is captured), a write that has read its body waits before its handler sees the last byte, so
   nothing is applied; :meth:`Gate.quiesce` and :meth:`Gate.pause` return once every write
@@ -27,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -69,6 +74,9 @@ class Gate:
         self.reason = "restoring its snapshot"
         #: The fleet checkpoint this shard is paused for, if any.
         self.paused_for: str | None = None
+        #: Why the shard cannot write snapshots now (writes are refused meanwhile), or ``None``.
+        self.persist_error: str | None = None
+        self._persist_retry = RETRY_AFTER
         self.requests = 0
         self.bytes = 0
         self.refused = 0
@@ -114,6 +122,24 @@ class Gate:
             ": see the shard's log, fix the data dir and restart it"
         return ShardError("unavailable", message, {"reason": self.phase},
                           headers={"Retry-After": RETRY_AFTER})
+
+    def cannot_persist(self, reason: str | None, retry_after: float = 1.0) -> None:
+        """While ``reason`` is set, refuse writes (503, ``reason: cannot_persist``): the shard
+        could not write a snapshot, so a write it acknowledged now could be lost. ``None``
+        takes writes again."""
+        self.persist_error = reason
+        self._persist_retry = str(max(1, math.ceil(retry_after)))
+
+    def write_refusal(self) -> ShardError | None:
+        """Why writes (not reads) are refused now although the shard is ready, or ``None``."""
+        if self.persist_error is None:
+            return None
+        return ShardError(
+            "unavailable", f"the shard cannot write snapshots to its data dir "
+            f"({self.persist_error}), so it takes no write it could lose (reads go on): retry "
+            "later; the shard's operator must free space in its data dir or fix its "
+            "permissions", {"reason": "cannot_persist", "error": self.persist_error},
+            headers={"Retry-After": self._persist_retry})
 
     # -- bounded work -----------------------------------------------------------------------
 
@@ -308,6 +334,8 @@ class AdmissionMiddleware:
             return
         gate = self.gate
         refusal = gate.refusal()
+        if refusal is None and verb in WRITES:
+            refusal = gate.write_refusal()
         if refusal is None and verb in WRITES and gate.paused_for is not None:
             if not await gate.wait_unpaused(PAUSE_WAIT):
                 refusal = ShardError(

@@ -12,6 +12,15 @@ on shutdown.
   the write, ``POST /v1/resume`` waits for it: ``server/routes_checkpoint.py``);
 * :meth:`stop` (after uvicorn has finished the requests in flight) writes the final snapshot.
 
+**When the disk refuses** a snapshot (full, over quota, read-only, gone), nothing that is on
+disk is touched, and: out of space, the write first frees what no restore needs (temporary
+files, plain snapshots older than the newest one known to be whole; never that one, never a
+fleet checkpoint) and tries once more; this is what lets the final snapshot on SIGTERM succeed
+on a full disk. If it still fails, the shard **cannot persist**: it logs an error naming the
+data dir and the cause, refuses writes with 503 (``Gate.cannot_persist``: none is acknowledged
+that a restart could lose; reads go on), reports it in ``/readyz`` and ``/v1/cluster``, and
+tries again every :data:`PERSIST_RETRY` seconds; the first snapshot that succeeds ends it.
+
 A snapshot is captured while the gate is quiesced (no write being applied), which costs no
 copy (``ParameterStore.capture``), then written in a worker thread while the shard serves on;
 so a fleet checkpoint pauses writes only while every shard captures, not while they write.
@@ -24,7 +33,10 @@ Coroutines run on the event loop; not thread-safe.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +54,10 @@ logger = logging.getLogger("paramshard.server")
 
 #: Checkpoint writes remembered, so that a retried resume still finds its snapshot.
 _RECENT_CHECKPOINTS = 8
+#: Seconds between attempts to write a snapshot while the shard cannot persist.
+PERSIST_RETRY = 5.0
+#: A write that fails with one of these frees space (older snapshots) and tries once more.
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class Durability:
@@ -61,6 +77,12 @@ class Durability:
         #: The last snapshot written by this process, or ``None``.
         self.last: dict[str, Any] | None = None
         self.failed: str | None = None
+        #: While the last snapshot write failed: ``error`` (its cause, without paths),
+        #: ``since`` (Unix seconds) and ``attempts``; else ``None``.
+        self.cannot_persist: dict[str, Any] | None = None
+        #: The newest snapshot known to be whole (written or restored by this process).
+        self._good: int | None = None
+        self._failed = asyncio.Event()
         self._saved_mutations = 0
         self._lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
@@ -98,6 +120,7 @@ class Durability:
             return
         if found is not None:
             self.store.restore(found.variables, found.dedup)
+            self._good = found.snapshot.number
             self.restored = {**found.snapshot.info(), "seconds": found.seconds,
                              "skipped": found.skipped}
             logger.info("shard %s restored snapshot %s (%d variables, %d bytes, state version "
@@ -111,9 +134,7 @@ class Durability:
         if self.gate.phase != "restoring":  # SIGTERM arrived meanwhile
             return
         self.gate.set_phase("ready")
-        if self.config.snapshot_interval > 0:
-            self._tasks.append(asyncio.create_task(self._periodic(),
-                                                   name="paramshard-snapshots"))
+        self._tasks.append(asyncio.create_task(self._periodic(), name="paramshard-snapshots"))
 
     def _read(self) -> persistence.Restorable | None:
         assert self.data_dir is not None
@@ -127,12 +148,26 @@ class Durability:
                                            self.config.num_shards, self.config.restore)
 
     async def _periodic(self) -> None:
+        """Every ``--snapshot-interval`` seconds, a snapshot if anything changed; while the
+        shard cannot persist, one every :data:`PERSIST_RETRY` seconds, changed or not."""
+        interval = self.config.snapshot_interval
         while True:
-            await asyncio.sleep(self.config.snapshot_interval)
-            if self.store.mutations == self._saved_mutations or self._lock.locked():
+            if self.cannot_persist is not None:
+                await asyncio.sleep(PERSIST_RETRY)
+            else:
+                self._failed.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._failed.wait(), interval if interval > 0 else None)
+                if self.cannot_persist is not None:
+                    continue  # a write failed meanwhile: the next try is PERSIST_RETRY away
+            retry = self.cannot_persist is not None
+            if self._lock.locked() or (not retry and
+                                       self.store.mutations == self._saved_mutations):
                 continue
             try:
-                await self.snapshot(reason="periodic")
+                await self.snapshot(reason="retry" if retry else "periodic")
+            except OSError:
+                pass  # logged by _write; the next period tries again
             except Exception:  # noqa: BLE001 - logged; the next period tries again
                 logger.exception("periodic snapshot of shard %s failed", self.config.fleet)
 
@@ -234,16 +269,29 @@ class Durability:
 
     async def _write(self, capture: Capture, checkpoint: str | None, reason: str
                      ) -> dict[str, Any]:
-        """Write ``capture`` (holding the lock, which this releases)."""
+        """Write ``capture`` (holding the lock, which this releases). Out of space, it frees
+        what it safely can and tries once more; if the disk still refuses, the shard cannot
+        persist (:meth:`_cannot_persist`) until a later write succeeds."""
         assert self.data_dir is not None
         try:
             number = self._number
             started = time.perf_counter()
-            snap = await asyncio.to_thread(
-                persistence.write_snapshot, self.data_dir, number, capture,
-                incarnation=self.incarnation, checkpoint=checkpoint)
+            try:
+                snap = await self._write_freeing(number, capture, checkpoint)
+            except OSError as exc:
+                self._number = number + 1  # never reuse a number a leftover may carry
+                self._cannot_persist(exc, reason)
+                raise
             seconds = time.perf_counter() - started
             self._number = number + 1
+            self._good = number
+            if self.cannot_persist is not None:
+                logger.warning("shard %s can persist again: snapshot %s written to %s after %d "
+                               "failed attempt(s); writes are taken again", self.config.fleet,
+                               snap.manifest_path.name, self.data_dir,
+                               self.cannot_persist["attempts"])
+                self.cannot_persist = None
+                self.gate.cannot_persist(None)
             self._saved_mutations = max(self._saved_mutations, capture.mutations)
             removed = await asyncio.to_thread(persistence.prune, self.data_dir,
                                               self.config.keep_snapshots,
@@ -257,8 +305,60 @@ class Durability:
         finally:
             self._lock.release()
 
+    async def _write_freeing(self, number: int, capture: Capture, checkpoint: str | None
+                             ) -> persistence.Snapshot:
+        assert self.data_dir is not None
+        write = (persistence.write_snapshot, self.data_dir, number, capture)
+        try:
+            return await asyncio.to_thread(*write, incarnation=self.incarnation,
+                                           checkpoint=checkpoint)
+        except OSError as exc:
+            if exc.errno not in _NO_SPACE:
+                raise
+            removed = await asyncio.to_thread(self._free_space)
+            if not removed:
+                raise
+            logger.warning("shard %s: out of space in %s (%s); removed %s to make room and "
+                           "writes snapshot %d again", self.config.fleet, self.data_dir,
+                           exc.strerror, ", ".join(removed), number)
+        return await asyncio.to_thread(*write, incarnation=self.incarnation,
+                                       checkpoint=checkpoint)
+
+    def _free_space(self) -> list[str]:
+        """Remove what no restore needs (holding the lock: no write is under way): temporary
+        files, and plain snapshots older than the newest one known to be whole. Never that
+        one, never a fleet checkpoint."""
+        assert self.data_dir is not None
+        removed = persistence.clean(self.data_dir)
+        if self._good is not None:
+            older = [path for n, c, path in persistence.list_snapshots(self.data_dir)
+                     if c is None and n < self._good]
+            removed += persistence.remove(self.data_dir, older)
+        return removed
+
+    def _cannot_persist(self, exc: OSError, reason: str) -> None:
+        """Enter (or stay in) the state where snapshots fail: writes are refused (503) so
+        none is acknowledged that a restart could lose, ``/readyz`` says why, and
+        :meth:`_periodic` tries again every :data:`PERSIST_RETRY` seconds."""
+        problem = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
+        state = self.cannot_persist
+        if state is None:
+            state = self.cannot_persist = {"error": problem, "errno": exc.errno,
+                                           "since": time.time(), "attempts": 0}
+        state.update(error=problem, errno=exc.errno)
+        state["attempts"] += 1
+        self.gate.cannot_persist(f"{problem}; the shard retries every {PERSIST_RETRY:g}s",
+                                 PERSIST_RETRY)
+        self._failed.set()
+        logger.error("shard %s cannot persist: writing a snapshot (%s) to %s failed: %s; "
+                     "writes are refused until a snapshot succeeds (retried every %gs; "
+                     "attempt %d): free space in the data dir or fix its permissions",
+                     self.config.fleet, reason, self.data_dir, exc, PERSIST_RETRY,
+                     state["attempts"])
+
     def _log_failure(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
+        if not task.cancelled() and task.exception() is not None \
+                and not isinstance(task.exception(), OSError):  # those: _cannot_persist
             logger.error("shard %s: writing a snapshot failed: %r", self.config.fleet,
                          task.exception())
 

@@ -37,6 +37,7 @@ All functions block on file I/O; run them off the event loop. None shares state 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -281,7 +282,8 @@ def write_snapshot(data_dir: Path, number: int, capture: Capture, *, incarnation
     """Write ``capture`` as snapshot ``number`` of ``data_dir`` (created if missing),
     atomically and durably (see the module). Blocks; returns the written snapshot.
 
-    Raises ``OSError`` if the disk refuses (the earlier snapshots are untouched either way).
+    Raises ``OSError`` if the disk refuses, with the ``errno`` of the failed call (also when the
+    safetensors writer failed); the earlier snapshots are untouched either way.
     """
     from safetensors.numpy import save_file
 
@@ -300,16 +302,23 @@ def write_snapshot(data_dir: Path, number: int, capture: Capture, *, incarnation
         variables[name] = {**meta, "tensors": slots}
     values_name = stem + ".safetensors"
     tmp_values = data_dir / (_TMP_PREFIX + values_name)
+    renamed: Path | None = None  # the values file, once renamed: removed if the manifest fails
     tmp_manifest = data_dir / (_TMP_PREFIX + stem + ".json")
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="paramshard-crc") as pool:
             crcs = pool.map(_crc, tensors.values())  # alongside the write: both read the arrays
-            save_file(tensors, tmp_values, metadata={"paramshard_snapshot": str(number)})
+            try:
+                save_file(tensors, tmp_values, metadata={"paramshard_snapshot": str(number)})
+            except OSError:
+                raise
+            except Exception as exc:  # safetensors' own error type, for I/O errors too
+                raise _os_error(exc) from exc
             for entry, crc in zip(entries, crcs):
                 entry["crc32"] = crc
         _fsync_path(tmp_values)
         values_bytes = tmp_values.stat().st_size
         os.replace(tmp_values, data_dir / values_name)
+        renamed = data_dir / values_name
         manifest: dict[str, Any] = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -333,15 +342,26 @@ def write_snapshot(data_dir: Path, number: int, capture: Capture, *, incarnation
             os.fsync(f.fileno())
         manifest_path = data_dir / (stem + ".json")
         os.replace(tmp_manifest, manifest_path)
+        renamed = None  # the snapshot is whole now
         _fsync_dir(data_dir)
     except BaseException:
-        for path in (tmp_values, tmp_manifest):
+        for path in (tmp_values, tmp_manifest, renamed):
+            if path is None:
+                continue
             try:
                 os.unlink(path)
             except OSError:
                 pass
         raise
     return Snapshot(manifest_path, manifest)
+
+
+def _os_error(exc: Exception) -> OSError:
+    """The ``OSError`` an error of the safetensors writer stands for: its message ends with
+    the errno of the failed call (``... (os error 28)``); EIO when it has none."""
+    m = re.search(r"os error (\d+)", str(exc))
+    code = int(m.group(1)) if m else errno.EIO
+    return OSError(code, f"{os.strerror(code)} (the safetensors writer: {exc})")
 
 
 # -- reading ----------------------------------------------------------------------------------

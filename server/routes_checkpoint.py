@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -116,7 +117,7 @@ async def snapshot(request: Request) -> Response:
     if checkpoint is None:
         try:
             return _reply({"snapshot": await durability.snapshot()})
-        except OSError as exc:
+        except (OSError, asyncio.TimeoutError) as exc:
             raise _write_failed(exc) from None
     if gate.paused_for != checkpoint:
         raise ShardError("conflict", f"snapshot: this shard is not paused for checkpoint "
@@ -124,7 +125,10 @@ async def snapshot(request: Request) -> Response:
                          "first (its lease may have run out: use a longer one)",
                          {"paused_for": gate.paused_for})
     if durability.checkpoint_write(checkpoint) is None:  # a retry must not capture twice
-        await durability.begin_snapshot(checkpoint, reason="checkpoint")
+        try:
+            await durability.begin_snapshot(checkpoint, reason="checkpoint")
+        except asyncio.TimeoutError as exc:
+            raise _write_failed(exc) from None
     return _reply({"checkpoint": checkpoint, "captured": True})
 
 
@@ -146,9 +150,18 @@ async def resume(request: Request) -> Response:
     return _reply({"checkpoint": checkpoint, "resumed": resumed, "snapshot": info})
 
 
-def _write_failed(exc: OSError) -> ShardError:
-    return ShardError("unavailable", f"writing the snapshot to the data dir failed: {exc}; "
-                      "check the disk (space, permissions) and retry",
+def _write_failed(exc: Exception) -> ShardError:
+    """503 for a snapshot that could not be taken: the disk refused it (``OSError``, with its
+    strerror but not the data dir's path), or writes being applied did not finish in time."""
+    if isinstance(exc, OSError):
+        problem = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
+        return ShardError("unavailable", f"writing the snapshot to the data dir failed "
+                          f"({problem}): the shard's operator must check its disk (space, "
+                          "permissions; the shard's log names the directory); retry later",
+                          {"reason": "cannot_persist", "error": problem,
+                           "errno": exc.errno}, headers={"Retry-After": "1"})
+    return ShardError("unavailable", "the snapshot could not be captured: writes being applied "
+                      "did not finish in time; retry", {"reason": "busy"},
                       headers={"Retry-After": "1"})
 
 

@@ -85,6 +85,7 @@ async def cluster(request: Request) -> dict[str, Any]:
         "data_dir": state.config.data_dir,
         "restored": state.durability.restored,
         "last_snapshot": state.durability.last,
+        "cannot_persist": state.durability.cannot_persist,
         "admission": state.gate.stats(),
     }
 
@@ -148,11 +149,15 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", response_model=None)
 async def readyz(request: Request) -> JSONResponse:
     """200 once the shard's state is restored and while it takes requests; 503 while it
-    restores, after a failed restore, and while it drains on shutdown."""
+    restores, after a failed restore, while it cannot write snapshots (it refuses writes
+    then), and while it drains on shutdown."""
     gate = request.app.state.gate
-    body = {"status": "ready" if gate.ready else gate.phase,
-            "paused_for": gate.paused_for}
+    ready = gate.ready and gate.persist_error is None
+    status = "ready" if ready else "cannot_persist" if gate.ready else gate.phase
+    body = {"status": status, "paused_for": gate.paused_for}
     if gate.phase == "failed":
         body["error"] = gate.reason
-    return JSONResponse(body, status_code=200 if gate.ready else 503,
-                        headers=None if gate.ready else {"Retry-After": "1"})
+    elif status == "cannot_persist":
+        body["error"] = gate.persist_error
+    return JSONResponse(body, status_code=200 if ready else 503,
+                        headers=None if ready else {"Retry-After": "1"})
