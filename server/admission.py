@@ -11,8 +11,13 @@
   flight and their declared bodies (``Content-Length``) sum to at most ``max_bytes``. Others
   wait, first come first served, before their body is read (so waiting costs no memory), for at
   most :data:`ADMIT_WAIT` seconds; then, or when :data:`MAX_WAITING` already wait, they get 429
-  ``overloaded`` with ``Retry-After``. Long polls (``/v1/wait``) and control verbs are not
-  counted.
+  ``overloaded`` with ``Retry-After``. A body without ``Content-Length`` (chunked) counts as it
+  arrives: it holds no room before its bytes come, and a piece for which there is no room is
+  answered 429. Long polls (``/v1/wait``) count their body's bytes, until they answer, but take
+  no request slot (a long poll waits, it does not work), and their body is at most
+  :data:`MAX_WAIT_BODY` bytes (413 past it). Control verbs are not counted; their body is at
+  most :data:`MAX_CONTROL_BODY` bytes, checked as it arrives. A body whose sender stalls is
+  cut off by the HTTP layer (:mod:`server.readguard`), which releases what it held.
 * **Cannot persist.** While the shard's snapshots fail (a full or read-only disk:
   ``server/durability.py`` sets it), writes are answered 503 ``unavailable`` (``reason:
   cannot_persist``) with ``Retry-After``, so none is acknowledged that a restart could lose;
@@ -42,7 +47,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .errors import ShardError
 from .headers import request_headers
 
-__all__ = ["ADMIT_WAIT", "MAX_WAITING", "PAUSE_WAIT", "AdmissionMiddleware", "Gate"]
+__all__ = ["ADMIT_WAIT", "MAX_CONTROL_BODY", "MAX_WAITING", "MAX_WAIT_BODY", "PAUSE_WAIT",
+           "AdmissionMiddleware", "Gate"]
 
 logger = logging.getLogger("paramshard.server")
 
@@ -55,10 +61,14 @@ PAUSE_WAIT = 1.0
 #: Longest a pause waits for writes already past the gate to answer.
 DRAIN_WRITES = 10.0
 RETRY_AFTER = "1"
+#: Largest body of a long poll (``/v1/wait``: variable names), and of a control verb.
+MAX_WAIT_BODY = 16 << 20
+MAX_CONTROL_BODY = 64 << 10
 
 WRITES = frozenset({"init", "push", "assign", "increment"})
 READS = frozenset({"pull"})
 CONTROL = frozenset({"pause", "snapshot", "resume"})
+LONG = frozenset({"wait"})
 
 Render = Callable[..., Response]
 
@@ -143,37 +153,49 @@ class Gate:
 
     # -- bounded work -----------------------------------------------------------------------
 
-    def _fits(self, nbytes: int) -> bool:
-        if self.requests == 0:
+    def _fits(self, nbytes: int, slot: bool = True) -> bool:
+        if self.requests == 0 and (slot or self.bytes == 0):
             return True
-        return self.requests < self.max_requests and self.bytes + nbytes <= self.max_bytes
+        if slot and self.requests >= self.max_requests:
+            return False
+        return self.bytes + nbytes <= self.max_bytes
 
     def room_now(self, nbytes: int) -> bool:
         """Whether a read of ``nbytes`` would be admitted at once (ready, room, nobody waiting
         in line before it): what lets a shard answer a pull before this returns."""
         return self.phase == "ready" and not self._waiters and self._fits(nbytes)
 
-    def _take(self, nbytes: int) -> None:
-        self.requests += 1
+    def _take(self, nbytes: int, slot: bool = True) -> None:
+        self.requests += slot
         self.bytes += nbytes
 
     def _wake(self) -> None:
-        while self._waiters and self._fits(self._waiters[0][0]):
-            nbytes, fut = self._waiters.popleft()
+        while self._waiters and self._fits(self._waiters[0][0], self._waiters[0][2]):
+            nbytes, fut, slot = self._waiters.popleft()
             if not fut.done():
-                self._take(nbytes)
+                self._take(nbytes, slot)
                 fut.set_result(True)
 
-    async def admit(self, nbytes: int) -> bool:
-        """Take room for a request of ``nbytes``, waiting up to :data:`ADMIT_WAIT` seconds in
-        line; ``False`` if there was none (answer 429). Pair a ``True`` with :meth:`release`."""
-        if not self._waiters and self._fits(nbytes):
-            self._take(nbytes)
+    def grow(self, nbytes: int) -> bool:
+        """Count ``nbytes`` more for a request already admitted (a body without a declared
+        length, as it arrives); ``False``, counting nothing, if they do not fit beside the
+        others in flight. Release them with the request's own."""
+        if self.requests > 1 and self.bytes + nbytes > self.max_bytes:
+            return False
+        self.bytes += nbytes
+        return True
+
+    async def admit(self, nbytes: int, slot: bool = True) -> bool:
+        """Take room for a request of ``nbytes`` (and a request slot, unless ``slot`` is
+        False: a long poll), waiting up to :data:`ADMIT_WAIT` seconds in line; ``False`` if
+        there was none (answer 429). Pair a ``True`` with :meth:`release`."""
+        if not self._waiters and self._fits(nbytes, slot):
+            self._take(nbytes, slot)
             return True
         if len(self._waiters) >= MAX_WAITING:
             return False
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        entry = [nbytes, fut]
+        entry = [nbytes, fut, slot]
         self._waiters.append(entry)
         try:
             return await asyncio.wait_for(asyncio.shield(fut), ADMIT_WAIT)
@@ -181,7 +203,7 @@ class Gate:
             return self._give_up(entry)
         except asyncio.CancelledError:
             if self._give_up(entry):
-                self.release(nbytes)
+                self.release(nbytes, slot)
             raise
 
     def _give_up(self, entry: list[Any]) -> bool:
@@ -195,8 +217,8 @@ class Gate:
         self._wake()
         return False
 
-    def release(self, nbytes: int) -> None:
-        self.requests -= 1
+    def release(self, nbytes: int, slot: bool = True) -> None:
+        self.requests -= slot
         self.bytes -= nbytes
         self._wake()
 
@@ -312,6 +334,29 @@ def _content_length(scope: Scope) -> int | None:
         return None
 
 
+def _too_large(verb: str, size: int, limit: int) -> ShardError:
+    return ShardError("too_large", f"{verb}: a body of {size} bytes or more is above the "
+                      f"{limit} bytes this verb takes: send fewer names per request",
+                      {"limit": limit})
+
+
+def _capped(receive: Receive, limit: int, verb: str) -> Receive:
+    """``receive`` that answers 413 once more than ``limit`` body bytes arrived."""
+    seen = 0
+
+    async def capped_receive() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise ShardError("too_large", f"{verb}: body above the {limit} bytes a control "
+                                 "message may have", {"limit": limit})
+        return message
+
+    return capped_receive
+
+
 class AdmissionMiddleware:
     """Applies a :class:`Gate` to ``POST /v1/<verb>`` (pure ASGI, inside ShardMiddleware).
 
@@ -329,11 +374,12 @@ class AdmissionMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
         verb = path[4:] if scope.get("method") == "POST" and path.startswith("/v1/") else ""
-        if verb not in WRITES and verb not in READS and verb not in CONTROL:
-            await self.app(scope, receive, send)  # long polls, inspection, unknown paths
+        if verb not in WRITES and verb not in READS and verb not in CONTROL \
+                and verb not in LONG:
+            await self.app(scope, receive, send)  # inspection, unknown paths
             return
         gate = self.gate
-        refusal = gate.refusal()
+        refusal = None if verb in LONG else gate.refusal()
         if refusal is None and verb in WRITES:
             refusal = gate.write_refusal()
         if refusal is None and verb in WRITES and gate.paused_for is not None:
@@ -344,31 +390,41 @@ class AdmissionMiddleware:
                     {"reason": "paused", "checkpoint": gate.paused_for},
                     headers={"Retry-After": RETRY_AFTER})
         if refusal is None and verb in CONTROL:
-            await self.app(scope, receive, send)
+            await self.app(scope, _capped(receive, MAX_CONTROL_BODY, verb), send)
             return
         nbytes = 0
+        declared = _content_length(scope)
+        slot = verb not in LONG
         if refusal is None:
-            declared = _content_length(scope)
-            nbytes = self.max_body if declared is None else declared
-            if nbytes > self.max_body:
-                nbytes = 0  # refused unread by the handler (413)
-            if not await gate.admit(nbytes):
-                refusal = gate.refusal() or self._overloaded()
+            limit = self.max_body if slot else MAX_WAIT_BODY
+            if declared is not None and declared > limit:
+                if slot:
+                    declared = 0  # refused unread by the handler (413)
+                else:
+                    refusal = _too_large(verb, declared, limit)
+            if refusal is None:
+                nbytes = declared or 0  # without a length: counted as it arrives
+                if not await gate.admit(nbytes, slot):
+                    refusal = gate.refusal() or self._overloaded()
         if refusal is not None:
             await self.render(scope, refusal.status, refusal.code, refusal.message,
                               refusal.details, refusal.headers)(scope, receive, send)
             return
-        if verb not in WRITES:  # a read: counted, but nothing to hold back from applying
+        held = [nbytes]
+        if declared is None:
+            receive = self._counted(receive, held, verb, None if slot else MAX_WAIT_BODY)
+        if verb not in WRITES:  # a read or a long poll: counted, nothing to hold back
             try:
                 await self.app(scope, receive, send)
             finally:
-                gate.release(nbytes)
+                gate.release(held[0], slot)
             return
         applying = False
+        received = receive
 
         async def gated_receive() -> Message:
             nonlocal applying
-            message = await receive()
+            message = await received()
             if (message["type"] == "http.request"
                     and not message.get("more_body", False) and not applying):
                 await gate.enter_apply()
@@ -387,7 +443,27 @@ class AdmissionMiddleware:
         finally:
             if applying:
                 gate.exit_apply()
-            gate.release(nbytes)
+            gate.release(held[0])
+
+    def _counted(self, receive: Receive, held: list[int], verb: str,
+                 limit: int | None) -> Receive:
+        """``receive`` for a body without a declared length: its bytes are counted in the
+        gate as they arrive (in ``held[0]``); past the room the gate has, 429; past
+        ``limit`` (if given), 413."""
+        gate = self.gate
+
+        async def counted_receive() -> Message:
+            message = await receive()
+            n = len(message.get("body", b"")) if message["type"] == "http.request" else 0
+            if n:
+                if limit is not None and held[0] + n > limit:
+                    raise _too_large(verb, held[0] + n, limit)
+                if not gate.grow(n):
+                    raise self._overloaded()
+                held[0] += n
+            return message
+
+        return counted_receive
 
     def _overloaded(self) -> ShardError:
         gate = self.gate

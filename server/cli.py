@@ -100,6 +100,21 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
     p.add_argument("--dedup-idle-seconds", dest="dedup_idle_seconds", metavar="S",
                    help=f"forget a worker's applied seqs after S seconds without a write from "
                         f"it, 0 for never [{env_name('dedup_idle_seconds')}, default 3600]")
+    p.add_argument("--max-head-bytes", dest="max_head_bytes", metavar="SIZE",
+                   help=f"largest request head (request line and headers); a bigger one is "
+                        f"answered 400 and its connection closed [{env_name('max_head_bytes')}, "
+                        "default 64KiB]")
+    p.add_argument("--head-timeout", dest="head_timeout", metavar="SECONDS",
+                   help=f"a connection whose request head is not complete this long after "
+                        f"its first byte (or the connection's opening) is closed "
+                        f"[{env_name('head_timeout')}, default 10]")
+    p.add_argument("--body-timeout", dest="body_timeout", metavar="SECONDS",
+                   help=f"while a request body is read, every SECONDS must bring SECONDS x "
+                        f"--min-body-rate bytes of it (at least 1), else the connection is "
+                        f"closed [{env_name('body_timeout')}, default 30]")
+    p.add_argument("--min-body-rate", dest="min_body_rate", metavar="SIZE",
+                   help=f"bytes per second a request body must average over each "
+                        f"--body-timeout [{env_name('min_body_rate')}, default 16KiB]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,7 +208,8 @@ def _config_from(args: argparse.Namespace) -> ShardConfig:
 #: Flags ``up`` passes on to every shard unchanged (``--data-dir`` becomes DIR/shard-i).
 _PASSED_ON = ("max_request_bytes", "log_level", "access_log", "snapshot_interval",
               "keep_snapshots", "keep_checkpoints", "restore", "max_queued_bytes",
-              "max_queued_requests", "dedup_max_workers", "dedup_idle_seconds")
+              "max_queued_requests", "dedup_max_workers", "dedup_idle_seconds",
+              "max_head_bytes", "head_timeout", "body_timeout", "min_body_rate")
 
 
 # -- serve ----------------------------------------------------------------------------------
@@ -209,8 +225,11 @@ def serve(config: ShardConfig) -> int:
     from .app import create_app, serving_app
     from .memory import keep_big_buffers
     from .protocol import protocol_class
+    from .readguard import EdgeLimits
 
     keep_big_buffers()
+    limits = EdgeLimits(max_head_bytes=config.max_head_bytes, head_timeout=config.head_timeout,
+                        body_timeout=config.body_timeout, min_body_rate=config.min_body_rate)
 
     logging.basicConfig(level=logging.DEBUG if config.log_level == "trace"
                         else getattr(logging, config.log_level.upper()),
@@ -221,7 +240,8 @@ def serve(config: ShardConfig) -> int:
         host=config.host,
         port=config.port,
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        http=protocol_class(),
+        http=protocol_class(limits),
+        h11_max_incomplete_event_size=limits.max_head_bytes,  # the head bound, on h11
         log_level=config.log_level,
         access_log=config.access_log,
         server_header=False,

@@ -130,6 +130,21 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _timeout(text: str) -> float:
+    value = _seconds(text)
+    if value <= 0:
+        raise ValueError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _rate(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise ValueError(f"expected bytes per second such as 16384, 16k or 1MiB (0: only a "
+                         f"body that stops entirely is cut), got {text!r}") from None
+
+
 def _path(text: str) -> str:
     if not text.strip():
         raise ValueError("expected a directory path, got an empty string")
@@ -179,6 +194,11 @@ class ShardConfig:
     dedup_max_workers: int = 10_000
     #: A worker not seen for this many seconds is forgotten; 0: never.
     dedup_idle_seconds: float = 3600.0
+    #: Bounds of a connection's unfinished request (server/readguard.py).
+    max_head_bytes: int = 64 * 1024
+    head_timeout: float = 10.0
+    body_timeout: float = 30.0
+    min_body_rate: int = 16 * 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard_index < self.num_shards:
@@ -266,4 +286,8 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "max_queued_requests": _int(1, 65536),
     "dedup_max_workers": _int(1, 10_000_000),
     "dedup_idle_seconds": _seconds,
+    "max_head_bytes": _size,
+    "head_timeout": _timeout,
+    "body_timeout": _timeout,
+    "min_body_rate": _rate,
 }

@@ -67,6 +67,13 @@ documented option). It relies on uvicorn's request cycle keeping the pending bod
 first httptools protocol; the shard tests run every request through it, and
 tests/test_datapath.py runs it on its own under uvloop and asyncio's loop. Without httptools,
 :func:`protocol_class` picks uvicorn's h11 (no :class:`BodyInto`: the app reads pieces).
+
+Both bound what a connection may cost before its request is whole, with
+:class:`server.readguard.ReadGuard`: the head's size, a deadline for an unfinished head and a
+minimum pace for a body (:class:`~server.readguard.EdgeLimits`, bound to the class by
+:func:`protocol_class`); here the head is measured in ``data_received`` and
+``on_headers_complete``, and uvicorn's plain-text answer to a parser error
+(``send_400_response``) is the protocol's error format instead.
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from .headers import request_headers
+from .readguard import BODY, DEFAULT_LIMITS, HEAD, IDLE, INVALID, EdgeLimits, ReadGuard
 
 __all__ = ["ANSWER_BELOW", "Answerer", "BODY_INTO", "BYPASS_BELOW", "GATHER", "IMMEDIATE",
            "BodyInto", "BodyPieces", "Gathered", "Immediate", "ShardHttpProtocol", "gathers",
@@ -232,17 +240,30 @@ except ImportError:  # httptools is not installed
     HttpToolsProtocol = None  # type: ignore[assignment, misc]
 
 
-def protocol_class() -> type[asyncio.Protocol] | str:
+def protocol_class(limits: EdgeLimits = DEFAULT_LIMITS) -> type[asyncio.Protocol]:
     """What to give uvicorn as ``http``: :class:`ShardHttpProtocol` when httptools is
-    installed, else ``"h11"`` (uvicorn's pure-Python protocol)."""
-    return "h11" if HttpToolsProtocol is None else ShardHttpProtocol
+    installed, else :class:`server.readguard.GuardedH11Protocol` (uvicorn's pure-Python
+    protocol), either enforcing ``limits`` (give uvicorn ``h11_max_incomplete_event_size=
+    limits.max_head_bytes`` too, for h11)."""
+    if HttpToolsProtocol is None:
+        from .readguard import GuardedH11Protocol
+        base: type[asyncio.Protocol] = GuardedH11Protocol
+    else:
+        base = ShardHttpProtocol
+    if limits == DEFAULT_LIMITS:
+        return base
+    return type(base.__name__, (base,), {"limits": limits})
 
 
 if HttpToolsProtocol is not None:
 
-    class ShardHttpProtocol(HttpToolsProtocol):  # type: ignore[misc, valid-type]
+    class _HeadTooLarge(Exception):
+        """Raised in a parser callback to stop parsing a head above the bound."""
+
+    class ShardHttpProtocol(ReadGuard, HttpToolsProtocol):  # type: ignore[misc, valid-type]
         """uvicorn's ``HttpToolsProtocol`` with :class:`BodyPieces` as the pending body, and
-        the rest of a big body past the parser."""
+        the rest of a big body past the parser; and the head bound and read deadlines of
+        :class:`server.readguard.ReadGuard`."""
 
         #: Body bytes of the current request announced by its Content-Length and not parsed
         #: yet (None: no length, or the body is complete).
@@ -259,11 +280,44 @@ if HttpToolsProtocol is not None:
         #: the body's pieces so far.
         _now: tuple[Answerer, list[bytes]] | None = None
 
+        #: The size of the read being parsed; of the current head, what arrived of it
+        #: counting only the reads after the one it began in (a lower bound), and counting
+        #: that one whole (an upper bound); whether it was refused as too big.
+        _read = 0
+        _head_low = 0
+        _head_high = 0
+        _head_refused = False
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._answerers: dict[bytes, Answerer] = getattr(self.app, IMMEDIATE, None) or {}
 
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._guard_made()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._guard_lost()
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._enter(HEAD)
+            self._head_low, self._head_high = 0, self._read
+
+        def _head_size(self) -> int:
+            """The bytes of the head just parsed (request line, header lines, blank line)."""
+            size = len(self.parser.get_method()) + len(self.url) + 14
+            for name, value in self.headers:
+                size += len(name) + len(value) + 4
+            return size
+
         def on_headers_complete(self) -> None:
+            self._enter(BODY)
+            if self._head_high > self.limits.max_head_bytes \
+                    and self._head_size() > self.limits.max_head_bytes:
+                self._head_refused = True
+                raise _HeadTooLarge()
             if self._answerers:
                 answerer = self._answerers.get(self.url)
                 if answerer is not None and self._may_answer_now():
@@ -360,6 +414,7 @@ if HttpToolsProtocol is not None:
             self._hand_on(body)
 
         def on_message_complete(self) -> None:
+            self._enter(IDLE)
             now = self._now
             if now is not None:
                 self._now = None
@@ -369,6 +424,40 @@ if HttpToolsProtocol is not None:
             super().on_message_complete()
 
         def data_received(self, data: bytes) -> None:
+            size = len(data)
+            self._got += size
+            if self._phase == HEAD:
+                self._head_low += size
+                self._head_high += size
+            self._read = size
+            self._take(data)
+            if self._phase == HEAD and self._head_low > self.limits.max_head_bytes \
+                    and not self.transport.is_closing():
+                self._refuse_head()
+            self._guard_read()
+
+        def _refuse_head(self) -> None:
+            limit = self.limits.max_head_bytes
+            self._refuse(f"the request head is above {limit} bytes (--max-head-bytes): send "
+                         "fewer or shorter headers, or a shorter URL", {"limit": limit},
+                         self._data_plane())
+
+        def _data_plane(self) -> bool:
+            """Whether the request being parsed is ``POST /v1/...`` (as far as it is known)."""
+            try:
+                return self.parser.get_method() == b"POST" and self.url.startswith(b"/v1/")
+            except Exception:
+                return False
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's answer to a parser error (plain text): the protocol's format instead.
+            if self._head_refused:
+                self._head_refused = False
+                self._refuse_head()
+            else:
+                self._refuse(INVALID, {}, self._data_plane())
+
+        def _take(self, data: bytes) -> None:
             if self._bypass:
                 self._unset_keepalive_if_required()
                 take = min(len(data), self._bypass)
@@ -417,6 +506,7 @@ if HttpToolsProtocol is not None:
             return self._into_buffer[self._into.received:]  # type: ignore[index, union-attr]
 
         def _direct_received(self, nbytes: int) -> None:
+            self._got += nbytes
             into = self._into
             into.received += nbytes  # type: ignore[union-attr]
             self._bypass -= nbytes

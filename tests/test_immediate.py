@@ -233,7 +233,7 @@ def test_a_pull_the_gate_would_hold_or_refuse_goes_to_the_app(phase, monkeypatch
                 gate.requests, gate.bytes = 1, 0  # a request in flight fills the shard
             if phase == "queue":  # room, but another waits in line before it (and stays)
                 gate.max_requests = 2
-                gate._waiters.append([0, asyncio.get_running_loop().create_future()])
+                gate._waiters.append([0, asyncio.get_running_loop().create_future(), True])
             mine = await Connection(immediate).send(request())
             gate._waiters.clear()
             assert immediate.calls == 1
