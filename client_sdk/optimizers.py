@@ -8,6 +8,13 @@ A spec is a small frozen dataclass; on the wire it is a map ``{"type": ..., <fie
 ``SGD``      value -= lr * (grad + weight_decay * value)
 ``Adagrad``  acc += g*g;  value -= lr * g / (sqrt(acc) + epsilon)    (Downpour's choice)
 ``Add``      value += grad  (the worker runs its own optimizer and pushes deltas)
+
+Every field is a finite number in ``0..MAX_SETTING`` (1e6), and Adagrad needs ``epsilon`` or
+``initial_accumulator_value`` above 0 (else a zero gradient divides 0 by 0): a spec outside
+that raises ``ValueError`` at construction here, and is refused (400) by the shard at init.
+The shard also refuses an Adagrad whose ``epsilon`` and ``initial_accumulator_value`` are both
+0 in the variable's dtype (e.g. below float16's smallest number), and any update whose result
+would not be finite (422, nothing applied).
 """
 
 from __future__ import annotations
@@ -16,7 +23,11 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Mapping
 
-__all__ = ["SGD", "Adagrad", "Add", "Optimizer", "from_wire"]
+__all__ = ["MAX_SETTING", "SGD", "Adagrad", "Add", "Optimizer", "from_wire"]
+
+#: The largest value of any optimizer field (a learning rate above it is a mistake, and
+#: its products overflow float32).
+MAX_SETTING = 1e6
 
 
 @dataclass(frozen=True)
@@ -28,8 +39,9 @@ class Optimizer:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"{type(self).__name__}.{f.name} must be a finite number, got {v!r}")
-            if v < 0:
-                raise ValueError(f"{type(self).__name__}.{f.name} must be >= 0, got {v!r}")
+            if not 0 <= v <= MAX_SETTING:
+                raise ValueError(f"{type(self).__name__}.{f.name} must be in 0..{MAX_SETTING:g}, "
+                                 f"got {v!r}")
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": self.type, **{k: float(v) for k, v in asdict(self).items()}}
@@ -53,6 +65,13 @@ class Adagrad(Optimizer):
     initial_accumulator_value: float = 0.1
     epsilon: float = 1e-7
     weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.epsilon == 0 and self.initial_accumulator_value == 0:
+            raise ValueError("Adagrad.epsilon and Adagrad.initial_accumulator_value are both 0: "
+                             "a zero gradient would divide 0 by 0; make epsilon > 0 (1e-7 is "
+                             "the default)")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ at most two temporaries the size of the variable (none when ``scratch`` says the
 may be overwritten, as a framed request's buffer may). Everything here is synchronous, pure CPU
 (numpy releases the GIL) and not thread-safe: the caller serialises updates to one variable
 (the store runs small ones on the event-loop thread, in place, and big ones in a worker thread
-into fresh ``out``/``state_out`` buffers).
+into fresh ``out``/``state_out`` buffers). Settings that would divide by zero are refused at
+init (:func:`check_settings`); the store checks that an update stays finite.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 
 from client_sdk.optimizers import SGD, Adagrad, Add, Optimizer
 
-__all__ = ["apply", "fresh_state", "init_state", "state_nbytes"]
+__all__ = ["apply", "check_settings", "fresh_state", "init_bound", "init_state", "state_nbytes"]
 
 
 def init_state(opt: Optimizer, value: np.ndarray) -> dict[str, np.ndarray]:
@@ -30,6 +31,25 @@ def init_state(opt: Optimizer, value: np.ndarray) -> dict[str, np.ndarray]:
         return {"accumulator": np.full(value.shape, opt.initial_accumulator_value,
                                        dtype=value.dtype)}
     return {}
+
+
+def init_bound(opt: Optimizer) -> float:
+    """The largest magnitude in the slots :func:`init_state` makes (0 when there are none)."""
+    return float(opt.initial_accumulator_value) if isinstance(opt, Adagrad) else 0.0
+
+
+def check_settings(opt: Optimizer, dtype: np.dtype) -> None:
+    """``ValueError`` for settings that would divide by zero on a variable of ``dtype``:
+    Adagrad's ``epsilon`` and ``initial_accumulator_value`` both 0 in that dtype (the first
+    zero gradient would make the value NaN). The specs check their ranges themselves
+    (``client_sdk/optimizers.py``)."""
+    if isinstance(opt, Adagrad) and dtype.kind == "f" \
+            and not (dtype.type(opt.epsilon) > 0 or dtype.type(opt.initial_accumulator_value) > 0):
+        raise ValueError(
+            f"Adagrad epsilon {opt.epsilon!r} and initial_accumulator_value "
+            f"{opt.initial_accumulator_value!r} are both 0 in {dtype.str}: a zero gradient would "
+            f"divide 0 by 0; make epsilon at least {float(np.finfo(dtype).tiny):g} "
+            "(1e-7 is the default)")
 
 
 def state_nbytes(state: dict[str, np.ndarray]) -> int:

@@ -471,7 +471,7 @@ async def push(request: Request) -> Response:
     worker_id, seq = _writer(msg, "push", required=True)
     versions = _versions(msg, "push")
     # Gradients a FiniteScan found finite while the body arrived (same header, same bytes).
-    finite = getattr(request.state, "finite", ())
+    finite = getattr(request.state, "finite", None) or {}
     block = None
     if _layout(msg, "push") == "table":
         grads, block = _table_map(request, msg, "grads", "push", body)

@@ -7,7 +7,8 @@ buffer (:class:`server.protocol.BodyInto`), piece by piece, and between pieces t
 for the network. :class:`FiniteScan` uses those waits: it is called with the count of bytes
 received after each piece, reads the frame's header as soon as it is complete, and checks
 each float gradient's bytes as they land, while they are still in the CPU's caches. When the
-body is complete, :attr:`FiniteScan.finite` names the gradients found finite; the store skips
+body is complete, :attr:`FiniteScan.finite` maps the gradients found finite to their sum of
+squares (which bounds what the update can do: ``server.store._bounds_after``); the store skips
 its own check for those (``ParameterStore.push(..., finite=...)``) and checks the rest as
 before.
 
@@ -44,7 +45,7 @@ _PREFIX = struct.Struct("<4sI")
 
 
 class _Row:
-    __slots__ = ("name", "flat", "start", "itemsize", "next", "finite")
+    __slots__ = ("name", "flat", "start", "itemsize", "next", "finite", "squares")
 
     def __init__(self, name: str, flat: np.ndarray, start: int) -> None:
         self.name = name
@@ -53,19 +54,21 @@ class _Row:
         self.itemsize = flat.dtype.itemsize
         self.next = 0  # elements checked so far
         self.finite = True
+        self.squares = 0.0  # of the elements checked so far
 
 
 class FiniteScan:
     """Call with the body's received byte count after each piece lands in ``buffer`` (the
-    body's whole buffer, ``Content-Length`` bytes). :attr:`finite` holds the names of the
-    gradients (``grads``, map or table layout) checked whole and found finite."""
+    body's whole buffer, ``Content-Length`` bytes). :attr:`finite` maps the names of the
+    gradients (``grads``, map or table layout) checked whole and found finite to their sum
+    of squares."""
 
     def __init__(self, buffer: memoryview) -> None:
         self._buffer = buffer
         self._rows: list[_Row] | None = None
         self._base = np.frombuffer(buffer, np.uint8).__array_interface__["data"][0]
-        #: Gradients checked in full and finite in their own dtype.
-        self.finite: set[str] = set()
+        #: Gradients checked in full and finite in their own dtype: name -> sum of squares.
+        self.finite: dict[str, float] = {}
 
     def __call__(self, received: int) -> None:
         rows = self._rows
@@ -85,11 +88,14 @@ class FiniteScan:
                 continue
             segment = row.flat[row.next:upto]
             with np.errstate(all="ignore"):
-                if not math.isfinite(float(np.dot(segment, segment))):
-                    row.finite = False  # non-finite, or an overflow: the store decides
+                squares = float(np.dot(segment, segment))
+            if math.isfinite(squares):
+                row.squares += squares
+            else:
+                row.finite = False  # non-finite, or an overflow: the store decides
             row.next = upto
             if upto == size and row.finite:
-                self.finite.add(row.name)
+                self.finite[row.name] = row.squares
 
     def _layout(self, received: int) -> list[_Row] | None:
         """The float gradients and where they lie, once the header has arrived (else None)."""
@@ -120,21 +126,22 @@ class FiniteScan:
         return rows
 
 
-def finite_rows(names: list[str], block: np.ndarray | None) -> set[str]:
-    """The names whose gradient is finite, checked in one pass over ``block``, the gradients
+def finite_rows(names: list[str], block: np.ndarray | None) -> dict[str, float]:
+    """The names whose gradient is finite, each with at least its sum of squares, checked in
+    one pass over ``block``, the gradients
     of a tensor table whose rows all have one float dtype and one shape as one view
     (``client_sdk.wire.table_rows(..., with_block=True)``; ``block[i]`` is ``names[i]``'s).
     A step's many small gradients are typically that; one reduction over the block costs a fraction of one per
     gradient (100 x 1,000 float32: ~28 against ~124 us).
 
-    ``None`` or any other block gives the empty set, and a row whose reduction is not finite
+    ``None`` or any other block gives an empty map, and a row whose reduction is not finite
     (a NaN or an infinity, or an overflow of finite values) is left out: the store's exact
     check decides for whatever is not named here."""
     n = len(names)
     if block is None or n < 2 or block.ndim < 2 or len(block) != n \
             or block.dtype.kind != "f" or block.dtype.itemsize < 4 \
             or not block.dtype.isnative or not block[0].size:
-        return set()
+        return {}
     rows = block.reshape(n, -1)  # each row is contiguous: a view
     with np.errstate(all="ignore"):
         # The usual case first: all finite, told by one reduction over the memory from the
@@ -144,7 +151,8 @@ def finite_rows(names: list[str], block: np.ndarray | None) -> set[str]:
         item, stride, width = rows.itemsize, rows.strides[0], rows.shape[1]
         if stride % item == 0 and stride >= width * item:
             span = as_strided(rows, ((n - 1) * (stride // item) + width,), (item,))
-            if math.isfinite(float(np.dot(span, span))):
-                return set(names)
-        ok = np.isfinite(np.einsum("ij,ij->i", rows, rows)).tolist()
-    return {name for name, good in zip(names, ok) if good}
+            total = float(np.dot(span, span))  # at least each row's sum of squares
+            if math.isfinite(total):
+                return dict.fromkeys(names, total)
+        squares = np.einsum("ij,ij->i", rows, rows).tolist()
+    return {name: s for name, s in zip(names, squares) if math.isfinite(s)}

@@ -8,7 +8,11 @@ Rules every verb keeps:
 
 * **Validate the whole request, then apply it.** A verb checks every name (valid, owned, known),
   every tensor (dtype, shape, finite) and every option before it changes anything, so a refused
-  request leaves no trace.
+  request leaves no trace. That includes what a push's update makes: each variable keeps a
+  bound on its magnitudes (:attr:`Variable.bound`), from which a few float operations tell
+  that an update stays finite (:func:`_bounds_after`); one they cannot vouch for is computed
+  into fresh memory and checked first (:func:`_checked_update`), so an update that would
+  overflow is refused (422) with nothing written.
 * **No torn reads.** Live arrays (values and optimizer slots) are written on the event-loop
   thread with no ``await`` between validation and the last write, so no other request
   observes a half-applied update; or, for a big push (:meth:`ParameterStore.push_async`), in
@@ -53,8 +57,9 @@ import operator
 import sys
 import time
 import weakref
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -83,6 +88,8 @@ OFFLOAD_BYTES = 16 << 20
 #: ~0.3 and ~1 us), nothing next to moving a bigger value; and a value that moves away from
 #: its row while a reader holds it keeps both until it comes back (:class:`_Slab`).
 SLAB_ROW_BYTES = 1 << 20
+#: No gradient checked already (:meth:`ParameterStore.push`'s ``finite``).
+_NONE: Mapping[str, float] = MappingProxyType({})
 
 
 #: Whether reference counts can tell that no reader holds a value any more (CPython's are
@@ -186,6 +193,12 @@ class Variable:
     last_writer: str | None = None
     shared: bool = False
     state_shared: bool = False
+    #: At least the largest magnitude in the value, and in its optimizer slots (Adagrad's
+    #: accumulator): what a push's update provably keeps finite is told from these
+    #: (:func:`_bounds_after`); ``inf``: not known, so the next push computes its update into
+    #: fresh memory and checks it.
+    bound: float = field(default=math.inf, repr=False)
+    slot_bound: float = field(default=math.inf, repr=False)
     #: Set while a push computes this variable's next value off the event loop (resolved when
     #: it is done): other writers wait for it.
     writing: asyncio.Future | None = field(default=None, repr=False)
@@ -387,6 +400,24 @@ def all_finite(a: np.ndarray) -> bool:
     return bool(np.isfinite(a).all())
 
 
+def finite_squares(a: np.ndarray) -> float | None:
+    """None if ``a`` has a NaN or an infinity; else at least its sum of squares (exact for f4
+    and f8 up to rounding, the same pass as :func:`all_finite`'s; ``inf`` where it is not
+    known: f2, integers, or an overflow). The dot may warn when it overflows: call it under
+    ``np.errstate(all="ignore")``."""
+    dtype = a.dtype
+    if dtype.kind != "f":
+        return math.inf
+    if a.size == 0:
+        return 0.0
+    if dtype.itemsize >= 4:
+        flat = a if a.ndim == 1 else a.reshape(-1)
+        total = float(np.dot(flat, flat))
+        if math.isfinite(total):
+            return total
+    return math.inf if all_finite(a) else None
+
+
 def _finite_quiet(a: np.ndarray) -> bool:
     """:func:`all_finite` without its overflow warning, for callers outside a loop that
     silences floating-point errors once for many arrays (as push does)."""
@@ -555,6 +586,7 @@ class ParameterStore:
         self.check_names(entries)
         plans: list[tuple[str, np.ndarray, Optimizer]] = []
         optimizers: dict[Optimizer, Optimizer] = {}
+        bounds: dict[str, float] = {}
         conflicts = {}
         for name, (value, spec) in entries.items():
             dtype = native(value.dtype)
@@ -567,16 +599,20 @@ class ParameterStore:
                         "requested": {"shape": list(value.shape), "dtype": dtype.str},
                     }
                 continue
-            if not _finite_quiet(value):
+            with np.errstate(all="ignore"):
+                squares = finite_squares(value)
+            if squares is None:
                 raise _tensor_error(name, "initial value has NaN or infinite entries")
             try:
                 opt = DEFAULT_OPTIMIZER if spec is None else from_wire(spec)
+                optim.check_settings(opt, dtype)
             except (ValueError, TypeError) as exc:
                 raise ShardError("bad_request", f"{name}: bad optimizer: {exc}",
                                  {"variable": name}) from None
             # One object per distinct optimizer of the request (they are immutable): a push
             # to all of a slab's members tells that they share one by identity.
             plans.append((name, value, optimizers.setdefault(opt, opt)))
+            bounds[name] = math.sqrt(squares)
         if conflicts:
             first = next(iter(conflicts))
             c = conflicts[first]
@@ -595,7 +631,8 @@ class ParameterStore:
                 home[0].row(home[1], dtype, value.shape)
             np.copyto(owned, value)
             var = Variable(name=name, value=owned, optimizer=opt,
-                           state=optim.init_state(opt, owned))
+                           state=optim.init_state(opt, owned), bound=bounds[name],
+                           slot_bound=optim.init_bound(opt))
             if home is not None:
                 var._slab, var._row = home
                 home[0].members.append(var)
@@ -659,15 +696,16 @@ class ParameterStore:
 
     def push(self, worker_id: str, seq: int, grads: Mapping[str, np.ndarray],
              versions: Mapping[str, int] | None = None, *,
-             finite: Collection[str] = (), block: np.ndarray | None = None
+             finite: Mapping[str, float] = _NONE, block: np.ndarray | None = None
              ) -> dict[str, dict[str, Any]]:
         """Apply one gradient per variable with the variable's optimizer, on this thread, once
         per ``(worker_id, seq)``: a seq already applied is answered ``"duplicate"``.
 
         Writable gradient arrays (views of a framed request's own buffer, or cast copies) may be
-        overwritten as scratch space. ``finite`` names gradients the caller has checked for
-        NaN and infinities already (:mod:`server.scan`); they are not checked again unless
-        they are cast. ``block``: the gradients, when they are the rows of one array in the
+        overwritten as scratch space. ``finite`` maps the gradients the caller has checked for
+        NaN and infinities already (:mod:`server.scan`) to at least their sum of squares; they
+        are not checked again unless they are cast. An update whose result would not be finite
+        (an overflow) is refused whole, 422, and changes nothing (:func:`_bounds_after`). ``block``: the gradients, when they are the rows of one array in the
         order of ``grads`` (a table's, ``wire.table_rows(..., with_block=True)``). The event
         loop calls :meth:`push_async` instead.
         """
@@ -675,7 +713,7 @@ class ParameterStore:
 
     def _push(self, variables: list[Variable], worker_id: str, seq: int,
               grads: Mapping[str, np.ndarray], versions: Mapping[str, int] | None,
-              finite: Collection[str], block: np.ndarray | None = None
+              finite: Mapping[str, float], block: np.ndarray | None = None
               ) -> dict[str, dict[str, Any]]:
         """:meth:`push` of the checked ``variables`` (``grads``' names, in order), all of it on
         this thread. A step's push is typically a hundred small gradients or more, so the work
@@ -686,23 +724,44 @@ class ParameterStore:
         207 -> 133 us here). And when the gradients are all the members of one slab, in its
         order, as one ``block`` (a table's same-shaped rows, ``wire.table_rows``), with one
         optimizer that keeps no slots and no reader holding a value, the arithmetic is one
-        operation on the whole slab (:meth:`_one_update`)."""
+        operation on the whole slab (:meth:`_one_update`). Whether the update stays finite is
+        told from bounds kept per variable (:func:`_bounds_after`, a few float operations);
+        only an update they cannot vouch for is computed into fresh memory and checked before
+        anything is written."""
         _not_being_written(variables)
         todo = [grads[var.name] for var in variables]
         # Every dtype and shape, then the values. No local name for a value anywhere before
         # target() below: it would count as a reader holding it (Variable.held).
         _check_kinds(variables, todo)
+        squares: list[float] = []
         with np.errstate(all="ignore"):  # once per push, not per variable (~0.5 us each)
-            todo = [_ready(var, grad, var.name in finite) for var, grad in zip(variables, todo)]
+            todo = [_ready(var, grad, finite.get(var.name), squares)
+                    for var, grad in zip(variables, todo)]
         if self._seen("push", worker_id, seq):
             return self._duplicates(variables)
         whole = _one_update(variables, todo, block)
+        if whole is not None:  # one bound for all the slab's members
+            after = _after(whole[1], max([v.bound for v in variables]), 0.0, max(squares),
+                           _LIMITS[block.itemsize])
+            if after is None:
+                whole = None
+        computed = None
         with np.errstate(all="ignore"):
             if whole is not None:
                 rows, opt = whole
                 optim.apply(opt, rows, block, {}, out=rows, scratch=block.flags.writeable)
+                bound = after[0]
+                for var in variables:
+                    var.bound = bound
             else:
+                bounds = list(map(_bounds_after, variables, squares))
+                if None in bounds:
+                    bounds = list(map(_bounds_known, variables, squares, bounds))
+                    if None in bounds:
+                        computed = _compute_unsure(variables, todo, bounds)
                 for var, grad in zip(variables, todo):
+                    if computed is not None and var.name in computed:
+                        continue  # computed into fresh memory and checked already
                     target = var.target() if var.shared or var._gone is not None else var.value
                     value = var.value
                     opt = var.optimizer
@@ -715,14 +774,19 @@ class ParameterStore:
                         var.shared = False  # what replace() does for an update in place
                     else:
                         var.replace(target)
+                for var, (bound, slot_bound) in zip(variables, bounds):
+                    var.bound = bound
+                    var.slot_bound = slot_bound
+        if computed is not None:
+            _install(computed)
         out = self._applied(variables, worker_id, versions)
         self.dedup.record(worker_id, seq)
         return out
 
     async def push_async(self, worker_id: str, seq: int, grads: Mapping[str, np.ndarray],
                          versions: Mapping[str, int] | None = None, *,
-                         finite: Collection[str] = (), block: np.ndarray | None = None
-                         ) -> dict[str, dict[str, Any]]:
+                         finite: Mapping[str, float] = _NONE,
+                         block: np.ndarray | None = None) -> dict[str, dict[str, Any]]:
         """:meth:`push` for the event loop, with big updates computed off it.
 
         First waits until no other push computing off the loop writes one of these variables
@@ -740,7 +804,9 @@ class ParameterStore:
           many passes) is computed into fresh buffers for the value and slots, which replace
           the old ones back on the loop; its readers meanwhile read the value before the push.
 
-        Every gradient is checked before any variable is written. The versions move, all at
+        Every gradient is checked before any variable is written, and so is every update that
+        might not stay finite (computed into fresh memory first, :func:`_bounds_after`). The
+        versions move, all at
         once, back on the loop once every variable of the push is done: a pull sees the value
         before the push or after it, never a torn one.
         """
@@ -773,7 +839,9 @@ class ParameterStore:
                     var.in_place = False
                     self._in_place -= 1
             done.set_result(None)
-        for var, computed in zip(variables, outputs):
+        for plan, computed in zip(plans, outputs):
+            var = plan.var
+            var.bound, var.slot_bound = plan.bounds
             if computed is None:  # written in place
                 var.replace(var.value)
                 continue
@@ -787,11 +855,11 @@ class ParameterStore:
         return out
 
     def _push_plans(self, variables: list[Variable], grads: Mapping[str, np.ndarray],
-                    finite: Collection[str] = ()) -> list[_PushPlan]:
+                    finite: Mapping[str, float] = _NONE) -> list[_PushPlan]:
         """Check dtypes and shapes of a whole push (not yet the values: see _PushPlan)."""
         todo = [grads[var.name] for var in variables]
         _check_kinds(variables, todo)
-        return [_PushPlan(var, grad, var.name in finite) for var, grad in zip(variables, todo)]
+        return [_PushPlan(var, grad, finite.get(var.name)) for var, grad in zip(variables, todo)]
 
     def _applied(self, variables: list[Variable], worker_id: str,
                  versions: Mapping[str, int] | None) -> dict[str, dict[str, Any]]:
@@ -890,6 +958,7 @@ class ParameterStore:
             target = var.target()
             np.copyto(target, value, casting="unsafe")
             var.replace(target)
+            var.bound = math.inf
             self._touch(var, worker_id)
         if worker_id is not None and seq is not None:
             self.dedup.record(worker_id, seq)
@@ -947,6 +1016,7 @@ class ParameterStore:
                            kind="counter")
             self._add(var)
         var.replace(new_value)  # a fresh 0-d array: no reader's view is touched
+        var.bound = math.inf
         self._touch(var, worker_id)
         if keyed:
             self.dedup.record(worker_id, seq, [new_value.item(), var.version])
@@ -1064,23 +1134,30 @@ def _cast_checked(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 class _PushPlan:
     """One variable's part of a push: the gradient as received, and once :meth:`prepare`-d,
-    cast to the variable's dtype and checked finite (request-local work, safe off the loop)."""
+    cast to the variable's dtype and checked finite, with the bounds the update keeps
+    (request-local work, safe off the loop)."""
 
-    __slots__ = ("var", "grad", "scratch", "checked")
+    __slots__ = ("var", "grad", "scratch", "checked", "bounds")
 
-    def __init__(self, var: Variable, grad: np.ndarray, checked: bool = False) -> None:
+    def __init__(self, var: Variable, grad: np.ndarray, checked: float | None = None) -> None:
         self.var = var
         self.grad = grad
         self.scratch = bool(grad.flags.writeable)
-        #: Found finite already, as received (server/scan.py).
+        #: Found finite already, as received, with at least this sum of squares
+        #: (server/scan.py); None: not checked.
         self.checked = checked
+        #: The variable's :attr:`~Variable.bound` and ``slot_bound`` after the update, once
+        #: known (:func:`_bounds_after`), else None.
+        self.bounds: tuple[float, float] | None = None
 
     def prepare(self) -> None:
         grad = self.grad
+        squares: list[float] = []
         with np.errstate(all="ignore"):
-            self.grad = _ready(self.var, grad, self.checked)
+            self.grad = _ready(self.var, grad, self.checked, squares)
         if self.grad is not grad:
             self.scratch = True
+        self.bounds = _bounds_known(self.var, squares[0], _bounds_after(self.var, squares[0]))
 
 
 #: Optimizers whose update is at most two passes over the value: a big push updates these in
@@ -1098,13 +1175,24 @@ def _in_place_ok(var: Variable) -> bool:
 def _compute_offloop(plans: list[_PushPlan],
                      outputs: list[tuple[np.ndarray, dict[str, np.ndarray] | None] | None]
                      ) -> None:
-    """In a worker thread: check every gradient, then compute each new value and optimizer
+    """In a worker thread: check every gradient, then compute each update that might not stay
+    finite into fresh memory and check it (replacing its ``outputs`` entry; 422 for one that
+    is not finite, before anything is written), then each other new value and optimizer
     state into its ``outputs`` entry (fresh buffers), or for a ``None`` entry, in place into
     the live arrays (which the loop keeps every reader away from meanwhile)."""
     with np.errstate(all="ignore"):
         for plan in plans:
             plan.prepare()
-        for plan, computed in zip(plans, outputs):
+        unsure = [i for i, plan in enumerate(plans) if plan.bounds is None]
+        for i in unsure:
+            plan = plans[i]
+            computed = outputs[i]
+            value, state, plan.bounds = _checked_update(
+                plan.var, plan.grad, *(computed if computed is not None else (None, None)))
+            outputs[i] = (value, state)
+        for i, (plan, computed) in enumerate(zip(plans, outputs)):
+            if unsure and i in unsure:
+                continue
             var = plan.var
             if computed is None:
                 optim.apply(var.optimizer, var.value, plan.grad, var.state,
@@ -1204,16 +1292,129 @@ def _check_kinds(variables: list[Variable], grads: list[np.ndarray]) -> None:
             raise _grad_error(var, grad)
 
 
-def _ready(var: Variable, grad: np.ndarray, checked: bool) -> np.ndarray:
+def _ready(var: Variable, grad: np.ndarray, checked: float | None, squares: list[float]
+           ) -> np.ndarray:
     """``grad`` as it is applied to ``var``: cast to its dtype if need be (a fresh, writable
-    copy) and found finite, unless ``checked`` says it was already and it needed no cast (a
-    cast can overflow: what is applied is checked). Call under ``np.errstate``."""
+    copy) and found finite, unless ``checked`` (at least its sum of squares) says it was
+    already and it needed no cast (a cast can overflow: what is applied is checked). At
+    least its sum of squares goes to ``squares``. Call under ``np.errstate``."""
     if grad.dtype != var.value.dtype:
         grad = grad.astype(var.value.dtype)
-        checked = False
-    if not checked and not all_finite(grad):
-        raise _not_finite(var)
+        checked = None
+    if checked is None:
+        checked = finite_squares(grad)
+        if checked is None:
+            raise _not_finite(var)
+    squares.append(checked)
     return grad
+
+
+#: Half the largest value of each float dtype, by item size: a bound below it leaves room
+#: for rounding.
+_LIMITS = {np.dtype(t).itemsize: float(np.finfo(t).max) / 2 for t in ("f2", "f4", "f8")}
+#: Adagrad's step is at most ``lr`` times this (``|g| / sqrt(acc + g*g)`` is at most 1, up
+#: to rounding).
+_ADAGRAD_STEP = 1.001
+
+
+def _bounds_after(var: Variable, squares: float) -> tuple[float, float] | None:
+    """The variable's :attr:`~Variable.bound` and ``slot_bound`` after applying a gradient
+    whose sum of squares is at most ``squares`` (so is the square of its largest magnitude),
+    when they show the update stays finite; else None (the update must be computed into
+    fresh memory and checked, :func:`_checked_update`). Pure arithmetic on a few floats:
+    the update's values are not read."""
+    return _after(var.optimizer, var.bound, var.slot_bound, squares,
+                  _LIMITS[var.value.itemsize])
+
+
+def _after(opt: Optimizer, bound: float, slot_bound: float, squares: float, limit: float
+           ) -> tuple[float, float] | None:
+    """:func:`_bounds_after` of a value and slots bounded by ``bound`` and ``slot_bound``,
+    for ``opt``, against ``limit`` (:data:`_LIMITS`)."""
+    kind = type(opt)
+    grad = math.sqrt(squares)
+    if kind is Add:
+        after, slot = bound + grad, 0.0
+    elif kind is SGD:
+        after, slot = abs(1.0 - opt.lr * opt.weight_decay) * bound + opt.lr * grad, 0.0
+    else:  # Adagrad: |g| <= |grad| + wd*|value|; acc grows by g*g; the step is <= lr
+        g = grad + opt.weight_decay * bound
+        slot = slot_bound + g * g
+        after = bound + opt.lr * _ADAGRAD_STEP
+    if after <= limit and slot <= limit:  # False for NaN too
+        return after, slot
+    return None
+
+
+def _bounds_known(var: Variable, squares: float, bounds: tuple[float, float] | None
+                  ) -> tuple[float, float] | None:
+    """``bounds`` (:func:`_bounds_after`'s), or where that is None because the variable's own
+    bounds are not known (after an assign, a restart, a push that was not vouched for), those
+    measured first (two read-only passes over the value and slots) and tried again: such an
+    update need not go to fresh memory."""
+    if bounds is None and (var.bound == math.inf or var.slot_bound == math.inf):
+        var.bound = _magnitude(var.value)
+        var.slot_bound = max(map(_magnitude, var.state.values())) if var.state else 0.0
+        if math.isfinite(var.bound) and math.isfinite(var.slot_bound):
+            return _bounds_after(var, squares)
+        var.bound = var.slot_bound = math.inf
+    return bounds
+
+
+def _magnitude(a: np.ndarray) -> float:
+    """The largest magnitude in ``a`` (NaN if it holds one, inf if an infinity); two
+    passes, no temporary."""
+    if not a.size:
+        return 0.0
+    return max(abs(float(a.max())), abs(float(a.min())))
+
+
+def _checked_update(var: Variable, grad: np.ndarray, value: np.ndarray | None = None,
+                    state: dict[str, np.ndarray] | None = None
+                    ) -> tuple[np.ndarray, dict[str, np.ndarray] | None, tuple[float, float]]:
+    """Apply ``grad`` to ``var`` into fresh memory (``value`` and ``state`` if given, else
+    new), and the new value and slots with their exact bounds; 422 ``bad_tensor`` if a result
+    is not finite (the live arrays are untouched). Call under ``np.errstate``."""
+    if value is None:
+        value = np.empty_like(var.value)
+    if state is None:
+        state = optim.fresh_state(var.state) or None
+    optim.apply(var.optimizer, var.value, grad, var.state, out=value, state_out=state,
+                scratch=bool(grad.flags.writeable))
+    bound = _magnitude(value)
+    slot = max(map(_magnitude, state.values())) if state else 0.0
+    if not (math.isfinite(bound) and math.isfinite(slot)):
+        where = "value" if not math.isfinite(bound) else "optimizer state"
+        raise _tensor_error(
+            var.name, f"this update would make the {where} NaN or infinite in "
+            f"{var.value.dtype.str} ({type(var.optimizer).__name__}), so none of the push was "
+            "applied: clip the gradient or lower the learning rate")
+    return value, state, (bound, slot)
+
+
+def _compute_unsure(variables: list[Variable], grads: list[np.ndarray],
+                    bounds: list[tuple[float, float] | None]
+                    ) -> dict[str, tuple[Variable, np.ndarray, dict[str, np.ndarray] | None]]:
+    """Each update of a push that :func:`_bounds_after` cannot vouch for (a ``None`` in
+    ``bounds``, filled in here), computed into fresh memory and checked (:func:`_checked_update`:
+    422 before anything is written if one is not finite); on the event loop."""
+    computed = {}
+    with np.errstate(all="ignore"):
+        for i, (var, grad, known) in enumerate(zip(variables, grads, bounds)):
+            if known is None:
+                value, state, bounds[i] = _checked_update(var, grad, var.elsewhere())
+                computed[var.name] = (var, value, state)
+    return computed
+
+
+def _install(computed: Mapping[str, tuple[Variable, np.ndarray, dict[str, np.ndarray] | None]]
+             ) -> None:
+    """Make the values and slots :func:`_compute_unsure` computed the live ones."""
+    for var, value, state in computed.values():
+        var.replace(value)
+        if state is not None:
+            var.state = state
+            var.state_shared = False
 
 
 def _not_finite(var: Variable) -> ShardError:

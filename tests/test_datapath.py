@@ -776,7 +776,7 @@ def test_the_finiteness_check_is_exact(dtype, shape):
             assert all_finite(a) == bool(np.isfinite(a).all()), label
 
 
-def _scan_in_pieces(body: bytes, seed: int) -> set[str]:
+def _scan_in_pieces(body: bytes, seed: int) -> dict[str, float]:
     """Feed a FiniteScan the body as a socket would: into one buffer, in random pieces."""
     buf = memoryview(np.empty(len(body), np.uint8))
     scan = FiniteScan(buf)
@@ -816,12 +816,15 @@ def test_the_arrival_scan_names_exactly_the_finite_float_gradients(layout):
     else:
         body = wire.encode({**msg, "grads": grads}, frame=True).join()
     for seed in range(3):
-        assert _scan_in_pieces(body, seed) == {"ok32", "ok64", "small"}
+        found = _scan_in_pieces(body, seed)
+        assert set(found) == {"ok32", "ok64", "small"}
+        for name, squares in found.items():  # each with its sum of squares
+            assert squares == pytest.approx(float(np.sum(grads[name].astype(np.float64) ** 2)))
     # Not a framed push, or a header that does not parse: nothing named, nothing raised.
-    assert _scan_in_pieces(wire.encode({**msg, "grads": {"a": np.ones(3)}}).join(), 0) == set()
+    assert _scan_in_pieces(wire.encode({**msg, "grads": {"a": np.ones(3)}}).join(), 0) == {}
     broken = bytearray(body)
     broken[8:12] = b"\xc1\xc1\xc1\xc1"  # msgpack's never-used byte
-    assert _scan_in_pieces(bytes(broken), 0) == set()
+    assert _scan_in_pieces(bytes(broken), 0) == {}
 
 
 def _same_shaped_push(rows: list[np.ndarray], big: bool = False
@@ -851,14 +854,16 @@ def test_same_shaped_gradients_are_checked_in_one_pass_exactly(big):
     rows[3][0, 0] = -np.inf
     rows[4][1, 1] = 3e38  # finite, but its square overflows
     names, block = _same_shaped_push(rows, big)
-    assert finite_rows(names, block) == {"g0", "g2", "g5"}
-    assert finite_rows(names[:1], block[:1]) == set()  # one row: the store's check
-    assert finite_rows(names[:5], block) == set()  # names and rows do not match
-    assert finite_rows(names, None) == set()
+    found = finite_rows(names, block)
+    assert set(found) == {"g0", "g2", "g5"}
+    assert all(found[n] >= 15 for n in found)  # at least each row's sum of squares
+    assert finite_rows(names[:1], block[:1]) == {}  # one row: the store's check
+    assert finite_rows(names[:5], block) == {}  # names and rows do not match
+    assert finite_rows(names, None) == {}
     halves = _same_shaped_push([np.ones(8, np.float16)] * 3, big)
-    assert halves[1] is not None and finite_rows(*halves) == set()
+    assert halves[1] is not None and finite_rows(*halves) == {}
     mixed = _same_shaped_push([np.ones(8, np.float32), np.ones(9, np.float32)], big)
-    assert mixed[1] is None and finite_rows(*mixed) == set()
+    assert mixed[1] is None and finite_rows(*mixed) == {}
 
 
 def test_finite_rows_first_reduces_the_whole_span_padding_and_all():
@@ -869,16 +874,16 @@ def test_finite_rows_first_reduces_the_whole_span_padding_and_all():
     memory = np.zeros(n * 16, np.float32)
     block = np.ndarray((n, width), np.float32, memory, 0, (64, 4))
     names = [f"g{i}" for i in range(n)]
-    assert finite_rows(names, block) == set(names)
+    assert set(finite_rows(names, block)) == set(names)
     memory[15::16] = np.nan  # every row's padding
     assert not np.isfinite(memory).all() and np.isfinite(block).all()
-    assert finite_rows(names, block) == set(names)
+    assert set(finite_rows(names, block)) == set(names)
     memory[3 * 16 + 7] = np.inf  # inside row 3
-    assert finite_rows(names, block) == set(names) - {"g3"}
-    assert finite_rows(names[1:], block[1:]) == set(names[1:]) - {"g3"}
+    assert set(finite_rows(names, block)) == set(names) - {"g3"}
+    assert set(finite_rows(names[1:], block[1:])) == set(names[1:]) - {"g3"}
     memory[:] = 0
     memory[(n - 1) * 16 + width - 1] = np.nan  # the very last element of the span
-    assert finite_rows(names, block) == set(names) - {f"g{n - 1}"}
+    assert set(finite_rows(names, block)) == set(names) - {f"g{n - 1}"}
 
 
 @pytest.mark.parametrize("count", [8, 100])  # a 32 KB body, and a 400 KB one (read into
@@ -909,10 +914,10 @@ def test_a_gradient_found_finite_as_received_is_checked_again_once_cast():
     store = ParameterStore(0, 1)
     store.init({"w": (np.zeros(4, np.float32), Add().to_wire())})
     with pytest.raises(ShardError) as err:
-        store.push("worker", 0, {"w": np.full(4, 1e39)}, finite={"w"})
+        store.push("worker", 0, {"w": np.full(4, 1e39)}, finite={"w": 0.0})
     assert err.value.code == "bad_tensor"
     assert store.get("w").version == 0
-    store.push("worker", 1, {"w": np.full(4, 2.0, np.float32)}, finite={"w"})
+    store.push("worker", 1, {"w": np.full(4, 2.0, np.float32)}, finite={"w": 16.0})
     assert (store.get("w").value == 2).all()
 
 

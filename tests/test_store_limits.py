@@ -212,3 +212,92 @@ def test_idle_workers_are_forgotten(fleet_factory, http):
     # the forgotten worker's next write starts a new record
     assert increment(http, url, name, old, 6)[1]["status"] == "applied"
     assert set(workers(http, url)) == {old, new}
+
+
+# -- updates whose result is not finite, and settings that divide by zero (item 13) ----------
+
+def push(http, url: str, grads: dict[str, np.ndarray], *, frame: bool = False,
+         table: bool = False) -> tuple[int, Any]:
+    msg: dict[str, Any] = {"worker_id": fresh("w"), "seq": 1}
+    if not table:
+        return post(http, url, "push", {**msg, "grads": grads}, frame=frame)
+    cols = {"names": list(grads)}
+    body = wire.encode_table({**msg, "layout": "table", "grads": cols}, cols,
+                             list(grads.values())).join()
+    r = http.post(f"{url}/v1/push", content=body, headers={"content-type": wire.FRAME})
+    return r.status_code, wire.unpack(bytearray(r.content), r.headers["content-type"])
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"type": "adagrad", "epsilon": 0.0, "initial_accumulator_value": 0.0}, "epsilon"),
+    ({"type": "sgd", "lr": 1e308}, "lr"),
+    ({"type": "adagrad", "lr": float("inf")}, "lr"),
+    ({"type": "sgd", "weight_decay": 1e7}, "weight_decay"),
+])
+def test_optimizer_settings_out_of_range_are_refused_at_init(shard, http, spec, field):
+    name = fresh()
+    err = refused(post(http, shard, "init", {"variables": {name: {
+        "value": np.zeros(3, np.float32), "optimizer": spec}}}), 400, "bad_request")
+    assert field in err["message"]
+    refused(post(http, shard, "pull", {"names": [name]}), 404, "not_found")
+
+
+def test_an_adagrad_epsilon_that_is_zero_in_the_variables_dtype_is_refused(shard, http):
+    spec = {"type": "adagrad", "epsilon": 1e-10, "initial_accumulator_value": 0.0}
+    name = fresh()
+    err = refused(post(http, shard, "init", {"variables": {name: {
+        "value": np.zeros(3, np.float16), "optimizer": spec}}}), 400, "bad_request")
+    assert "epsilon" in err["message"] and "<f2" in err["message"]
+    init(http, shard, name, np.zeros(3, np.float32), spec)  # 1e-10 is a float32
+
+
+def test_the_sdk_refuses_such_settings_at_construction():
+    from client_sdk.optimizers import SGD, Adagrad
+    with pytest.raises(ValueError, match="epsilon"):
+        Adagrad(epsilon=0.0, initial_accumulator_value=0.0)
+    with pytest.raises(ValueError, match="lr"):
+        SGD(lr=1e308)
+    Adagrad(epsilon=0.0, initial_accumulator_value=0.1)
+    SGD(lr=1e6)
+
+
+@pytest.mark.parametrize("way", ["msgpack", "frame", "table", "big"])
+def test_an_update_whose_result_is_not_finite_is_refused_whole(shard, http, way):
+    """float32 3e38 plus 3e38 is inf: the push is refused (422) and changes no variable,
+    whichever way the store applies it (in place on the loop, one update of a whole slab,
+    off the loop)."""
+    n = 5_000_000 if way == "big" else 4  # 20 MB: applied off the event loop
+    ok, bad = fresh("ok"), fresh("bad")
+    status, msg = post(http, shard, "init", {"variables": {
+        ok: {"value": np.zeros(n, np.float32), "optimizer": {"type": "add"}},
+        bad: {"value": np.full(n, 3e38, np.float32), "optimizer": {"type": "add"}}}})
+    assert status == 200, msg
+    grads = {ok: np.ones(n, np.float32), bad: np.full(n, 3e38, np.float32)}
+    err = refused(push(http, shard, grads, frame=way != "msgpack", table=way == "table"),
+                  422, "bad_tensor")
+    assert err["details"]["variable"] == bad and "infinite" in err["message"]
+    for name, expected in ((ok, 0.0), (bad, np.float32(3e38))):
+        got = stats(http, shard, name)
+        assert got["version"] == 0 and got["min"] == got["max"] == expected
+    # a push that stays finite goes through
+    grads = {ok: np.ones(n, np.float32), bad: np.full(n, -3e38, np.float32)}
+    status, msg = push(http, shard, grads, frame=way != "msgpack", table=way == "table")
+    assert status == 200 and {r["status"] for r in msg["variables"].values()} == {"applied"}
+    assert stats(http, shard, bad)["max"] == 0.0 and stats(http, shard, ok)["max"] == 1.0
+
+
+@pytest.mark.parametrize("spec, start, grad", [
+    ({"type": "sgd", "lr": 1e6}, 0.0, 1e33),  # lr * grad overflows float32
+    ({"type": "adagrad", "lr": 0.1}, 1.0, 1e20),  # grad**2 overflows the accumulator
+    ({"type": "sgd", "lr": 1.0, "weight_decay": 1e6}, 1e34, 0.0),  # value * (1 - lr*wd)
+])
+def test_optimizer_updates_that_overflow_are_refused(shard, http, spec, start, grad):
+    name = fresh()
+    init(http, shard, name, np.full(3, start, np.float32), spec)
+    err = refused(push(http, shard, {name: np.full(3, grad, np.float32)}), 422, "bad_tensor")
+    assert err["details"]["variable"] == name
+    got = stats(http, shard, name)
+    assert got["version"] == 0 and got["max"] == np.float32(start)
+    if "weight_decay" not in spec:  # (that one overflows whatever the gradient)
+        status, msg = push(http, shard, {name: np.full(3, 1.0, np.float32)})  # and goes on
+        assert status == 200, msg
