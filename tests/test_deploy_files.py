@@ -154,10 +154,41 @@ def test_shard_env_is_what_paramshard_serve_reads(compose):
         volumes.add(source)
         # the inspection REST published on the host
         (port,) = svc["ports"]
-        published, container = str(port).split(":")
+        _, published, container = published_port(port)
         assert int(container) == config.port, name
         host_ports.add(published)
     assert len(volumes) == len(shards) and len(host_ports) == len(shards)
+
+
+def published_port(port: str | int | dict) -> tuple[str | None, str, str]:
+    """(host address or None for every interface, host port, container port) of a ``ports``
+    entry, in the short (``[ADDR:]HOST:CONTAINER``) or the long (``host_ip``...) syntax."""
+    if isinstance(port, dict):
+        return port.get("host_ip"), str(port.get("published", "")), str(port["target"])
+    text = str(port)
+    address, sep, rest = text.rpartition(":")
+    assert sep and rest, f"ports entry {text!r}: no host port is published"
+    host_address, sep, host_port = address.rpartition(":")
+    return (host_address.strip("[]") if sep else None), host_port, rest
+
+
+def test_published_ports_are_bound_to_loopback(compose):
+    # the shards check no token yet (DEPLOYMENT.md): what is published stays on this host
+    published = [(name, port) for name, svc in compose["services"].items()
+                 for port in svc.get("ports", [])]
+    assert published
+    for name, port in published:
+        address, _, _ = published_port(port)
+        assert address in ("127.0.0.1", "::1", "localhost"), (
+            f"{name} publishes {port!r} on every host interface; bind it to 127.0.0.1")
+
+
+def test_published_port_reads_every_spelling():
+    assert published_port("7100:7100") == (None, "7100", "7100")
+    assert published_port("127.0.0.1:7101:7100") == ("127.0.0.1", "7101", "7100")
+    assert published_port("[::1]:7101:7100") == ("::1", "7101", "7100")
+    assert published_port({"target": 7100, "published": "7102", "host_ip": "0.0.0.0"}) == (
+        "0.0.0.0", "7102", "7100")
 
 
 def test_worker_service_reaches_every_shard_in_order(compose, monkeypatch):
