@@ -3,8 +3,10 @@
 The asyncio twin of ``_pool.py`` (for ``AsyncPSClient``), sharing its HTTP with it
 (``_http11.py``). Sockets are non-blocking and used directly: a send or receive is attempted at
 once, and only when the socket is not ready does the request wait on the loop, for readiness
-(``loop.add_reader``/``add_writer``, with a timer for the timeout), so a small request that the
-shard answers quickly costs no more than a couple of awaits. Bodies go out with ``sendmsg`` of
+(``loop.add_reader``/``add_writer``, with a timer for what is left of the exchange's deadline),
+so a small request that the shard answers quickly costs no more than a couple of awaits, and
+the timeout bounds the whole exchange (connect, request, whole reply) however the server spaces
+its bytes. Bodies go out with ``sendmsg`` of
 their own buffers and come in with ``recv_into`` straight into their final buffer, as in the
 blocking pool. Needs a loop with ``add_reader`` (asyncio's selector loops and uvloop; not the
 Windows proactor loop, for which ``_transport.py`` uses httpx2).
@@ -91,15 +93,19 @@ class _AsyncConnection:
             return not self.poller.poll(0)
         return not select.select([self.sock], [], [], 0)[0]
 
-    async def _wait(self, writing: bool, timeout: float | None) -> None:
-        """Until the socket is ready to write (or read); ``TimeoutError`` after ``timeout``."""
+    async def _wait(self, writing: bool, deadline: float) -> None:
+        """Until the socket is ready to write (or read); ``TimeoutError`` once ``deadline``
+        (``time.monotonic()`` seconds) passed."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError()
         loop = self.loop
         fut = loop.create_future()
         if writing:
             loop.add_writer(self.fd, _ready, fut)
         else:
             loop.add_reader(self.fd, _ready, fut)
-        timer = loop.call_later(timeout, _expired, fut) if timeout is not None else None
+        timer = loop.call_later(left, _expired, fut)
         try:
             await fut
         finally:
@@ -107,10 +113,9 @@ class _AsyncConnection:
                 loop.remove_writer(self.fd)
             else:
                 loop.remove_reader(self.fd)
-            if timer is not None:
-                timer.cancel()
+            timer.cancel()
 
-    async def send(self, head: bytes, body: Sequence[Buffer], timeout: float | None) -> None:
+    async def send(self, head: bytes, body: Sequence[Buffer], deadline: float) -> None:
         """See ``_pool.Connection.send``."""
         views = [head, *body]
         sock = self.sock
@@ -120,7 +125,7 @@ class _AsyncConnection:
                 try:
                     sent = sock.sendmsg(next_send(views, first))
                 except (BlockingIOError, InterruptedError):
-                    await self._wait(True, timeout)
+                    await self._wait(True, deadline)
                     continue
                 first = advance(views, first, sent)
         except TimeoutError as exc:
@@ -128,9 +133,9 @@ class _AsyncConnection:
         except OSError as exc:
             raise httpx2.WriteError(str(exc) or type(exc).__name__) from exc
 
-    async def receive(self, timeout: float | None) -> tuple[Response, bool]:
-        """Read one response; return it and whether the connection may be reused."""
-        reading = read_response(self.buf)
+    async def receive(self, deadline: float, max_size: int) -> tuple[Response, bool]:
+        """See ``_pool.Connection.receive``."""
+        reading = read_response(self.buf, max_size)
         recv_into = self.sock.recv_into
         try:
             target = next(reading)
@@ -138,13 +143,13 @@ class _AsyncConnection:
                 try:
                     n = recv_into(target)
                 except (BlockingIOError, InterruptedError):
-                    await self._wait(False, timeout)
+                    await self._wait(False, deadline)
                     continue
                 target = reading.send(n)
         except StopIteration as done:
             return done.value
         except TimeoutError as exc:
-            raise httpx2.ReadTimeout("timed out waiting for the response") from exc
+            raise httpx2.ReadTimeout("timed out waiting for the whole response") from exc
         except OSError as exc:
             raise httpx2.ReadError(str(exc) or type(exc).__name__) from exc
 
@@ -153,32 +158,34 @@ class AsyncHTTPPool:
     """The asyncio twin of :class:`~client_sdk._pool.HTTPPool`: the same arguments and
     behaviour, ``await``-ed. Use it from one event loop."""
 
-    def __init__(self, *, max_idle: int, connect_timeout: float | None,
-                 read_timeout: float | None, write_timeout: float | None) -> None:
+    def __init__(self, *, max_idle: int, connect_timeout: float, timeout: float,
+                 max_reply: int) -> None:
         self.max_idle = max_idle
         self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
-        self.write_timeout = write_timeout
+        self.timeout = timeout
+        self.max_reply = max_reply
         self._idle: dict[tuple[str, int], list[_AsyncConnection]] = {}
         self._closed = False
 
     async def request(self, origin: Origin, method: str, target: str,
                       headers: Mapping[str, str] | None, body: Sequence[Buffer] = (), *,
-                      read_timeout: float | None = None) -> Response:
+                      deadline: float | None = None, max_reply: int | None = None) -> Response:
         """See :meth:`client_sdk._pool.HTTPPool.request`."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
         head = request_head(origin, method, target, headers)
-        conn = await self._acquire(origin)
+        conn = await self._acquire(origin, deadline)
         try:
-            await conn.send(head, body, self.write_timeout)
+            await conn.send(head, body, deadline)
             response, reusable = await conn.receive(
-                self.read_timeout if read_timeout is None else read_timeout)
+                deadline, self.max_reply if max_reply is None else max_reply)
         except BaseException:  # cancelled too: the connection is mid-exchange
             conn.close()
             raise
         self._release(origin, conn, reusable)
         return response
 
-    async def _acquire(self, origin: Origin) -> _AsyncConnection:
+    async def _acquire(self, origin: Origin, deadline: float) -> _AsyncConnection:
         if self._closed:
             raise httpx2.ConnectError("the client is closed")
         idle = self._idle.get(origin.key)
@@ -189,7 +196,10 @@ class AsyncHTTPPool:
             if conn.loop is loop and conn.reusable(now):
                 return conn
             conn.close()
-        return await _AsyncConnection.open(origin, self.connect_timeout)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise httpx2.ConnectTimeout(f"no time left to connect to {origin.host_header}")
+        return await _AsyncConnection.open(origin, min(self.connect_timeout, left))
 
     def _release(self, origin: Origin, conn: _AsyncConnection, reusable: bool) -> None:
         if reusable and not self._closed:

@@ -86,6 +86,16 @@ WAIT_POLL_SECONDS = 10.0
 WAIT_READ_SLACK = 10.0
 #: The longest a fleet checkpoint may take (a shard's pause lease is at most 600 s).
 MAX_CHECKPOINT_SECONDS = 570.0
+#: Default of ``max_reply_bytes``: the most a reply may take where the SDK cannot know its
+#: size (values of variables it never initialised or pulled, the variables listing). A shard's
+#: default request limit is the same, so a variable created through it fits.
+DEFAULT_MAX_REPLY_BYTES = 1 << 30
+#: A reply's room beyond its values: the message (names, versions, dtypes, shapes, offsets,
+#: an error's details), a fixed part and a part per variable named in the request.
+REPLY_HEADROOM = 64 * 1024
+REPLY_PER_NAME = 2048
+#: Verbs whose replies carry no tensors: bounded by the headroom alone.
+_SMALL_REPLIES = frozenset({"init", "push", "assign", "increment", "wait"})
 
 logger = logging.getLogger("client_sdk")
 
@@ -110,6 +120,7 @@ class Settings:
     timeout: float = 30.0
     retry_deadline: float = 30.0
     max_inflight: int = 2
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
 
 
 def load_settings(
@@ -120,6 +131,7 @@ def load_settings(
     timeout: float = 30.0,
     retry_deadline: float = 30.0,
     max_inflight: int = 2,
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
     environ: Mapping[str, str] | None = None,
 ) -> Settings:
     """Resolve arguments, falling back to ``PARAMSHARD_*`` environment variables.
@@ -177,7 +189,11 @@ def load_settings(
             raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
     if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
         raise ConfigError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
-    return Settings(urls, worker_id, token, float(timeout), float(retry_deadline), max_inflight)
+    if isinstance(max_reply_bytes, bool) or not isinstance(max_reply_bytes, int) \
+            or max_reply_bytes < 1:
+        raise ConfigError(f"max_reply_bytes must be an int >= 1 (bytes), got {max_reply_bytes!r}")
+    return Settings(urls, worker_id, token, float(timeout), float(retry_deadline), max_inflight,
+                    max_reply_bytes)
 
 
 def _check_url(url: Any, position: int, source: str) -> str:
@@ -205,8 +221,11 @@ class ShardRequest:
 
     ``mutating`` requests change state; unless ``retry_safe`` (the shard applies a repeat at
     most once: writes with a seq, init) they are retried only when they certainly did not
-    reach the shard. ``deadline`` (``time.monotonic()`` seconds) bounds every retry;
-    ``read_timeout`` overrides the client's read timeout (long polls).
+    reach the shard. ``deadline`` (``time.monotonic()`` seconds) bounds the call: no attempt
+    starts or runs past it. ``timeout`` replaces the client's ``timeout`` for each attempt
+    (long polls, checkpoints: they plan their own time, and their attempts may end past
+    ``deadline``). ``max_reply`` bounds the reply's body (bytes; the core sets it: see
+    :meth:`Core._pull_bound`, :meth:`Core._post`).
     """
 
     shard: int
@@ -218,8 +237,9 @@ class ShardRequest:
     deadline: float
     verb: str
     names: tuple[str, ...] = ()
-    read_timeout: float | None = None
+    timeout: float | None = None
     retry_safe: bool = False
+    max_reply: int | None = None
 
 
 @dataclass
@@ -304,6 +324,12 @@ class Core:
         #: tuple of names -> a pull's (checked names, names per shard); see _pull_plan.
         self._plans: dict[tuple, tuple[list[str], dict[int, list[str]]]] = {}
         self._seq = _seq_counter(settings.worker_id)
+        #: name -> (shape, dtype) of variables this client initialised (what it knows of those
+        #: it never pulled); dropped with the cache of their shard when it restarts.
+        self._known: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        #: tuple of a pull's names for one shard -> the most bytes its reply can take, for
+        #: lists whose sizes are all known (see _pull_bound).
+        self._bounds: dict[tuple[str, ...], int] = {}
         #: name -> owning shard, for names already validated and placed (see _place)
         self._placed: dict[str, int] = {}
         base = {"accept": ACCEPT, "accept-encoding": "identity"}
@@ -324,8 +350,9 @@ class Core:
         A reply with status 429/503 is always retryable (the shard changed nothing). A transport
         failure (connection refused or lost, timeout) is retryable for read-only and retry-safe
         requests, and for other mutating ones only when ``unsent`` (the request certainly never
-        reached the shard). Backoff is exponential with jitter, ``Retry-After`` is honoured, and
-        no wait reaches past the request's deadline.
+        reached the shard). Backoff is exponential with jitter and ``Retry-After`` is honoured;
+        a retry that could not start before the request's deadline is not made (an attempt may
+        not run past it: :func:`client_sdk._transport.attempt_deadline`).
         """
         if status is not None:
             if status not in (429, 503):
@@ -340,7 +367,7 @@ class Core:
         hinted = _parse_retry_after(retry_after)
         if hinted is not None:
             delay = max(delay, hinted)
-        return min(delay, remaining)
+        return delay if delay < remaining else None
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -355,12 +382,15 @@ class Core:
     _TENSOR_VERBS = frozenset({"init", "push", "assign"})
 
     def _post(self, shard: int, verb: str, msg: Any, deadline: float, *, mutating: bool,
-              names: Iterable[str] = (), read_timeout: float | None = None,
+              names: Iterable[str] = (), timeout: float | None = None,
               retry_safe: bool = False, table: dict | None = None,
-              arrays: list[np.ndarray] | None = None) -> ShardRequest:
+              arrays: list[np.ndarray] | None = None,
+              max_reply: int | None = None) -> ShardRequest:
         """A POST of ``msg``; with ``table`` (a map inside ``msg``) and ``arrays``, encoded as
         a framed body whose tensor table ``table`` holds ``arrays`` (where the shard takes it,
-        arrays of one dtype and shape as a packed uniform table: docs/PROTOCOL.md §2)."""
+        arrays of one dtype and shape as a packed uniform table: docs/PROTOCOL.md §2). Its
+        reply is bounded by ``max_reply``, by default: the headroom and the room for its names
+        for a verb that returns no tensors, the headroom and ``max_reply_bytes`` otherwise."""
         try:
             if table is not None:
                 packed = self._packed[shard]
@@ -370,8 +400,12 @@ class Core:
         except wire.WireError as exc:
             raise BadTensorError(f"cannot encode the {verb} request: {exc.message}",
                                  code=exc.code, details=exc.details) from exc
+        names = tuple(names)
+        if max_reply is None:
+            max_reply = REPLY_HEADROOM + (REPLY_PER_NAME * len(names) if verb in _SMALL_REPLIES
+                                          else self.settings.max_reply_bytes)
         return ShardRequest(shard, "POST", f"/v1/{verb}", self._data_headers[shard], body,
-                            mutating, deadline, verb, tuple(names), read_timeout, retry_safe)
+                            mutating, deadline, verb, names, timeout, retry_safe, max_reply)
 
     def next_seq(self) -> int:
         """A new sequence number for one write of this worker."""
@@ -379,7 +413,8 @@ class Core:
             return next(self._seq)
 
     def _get(self, shard: int, path: str, deadline: float, verb: str) -> ShardRequest:
-        return ShardRequest(shard, "GET", path, self._base_headers, None, False, deadline, verb)
+        return ShardRequest(shard, "GET", path, self._base_headers, None, False, deadline, verb,
+                            max_reply=REPLY_HEADROOM + self.settings.max_reply_bytes)
 
     def split(self, names: Iterable[str]) -> dict[int, list[str]]:
         """Group names by owning shard, in shard order."""
@@ -490,9 +525,13 @@ class Core:
                 shard, self.url(shard), old, incarnation, version, seen, lost)
 
     def _drop_cached(self, shard: int) -> None:
-        """Forget cached values of variables placed on ``shard`` (hold the lock)."""
+        """Forget cached values, and the shapes initialised, of variables placed on ``shard``
+        (hold the lock)."""
         for name in [k for k in self._cache if shard_for(k, self.n) == shard]:
             del self._cache[name]
+        for name in [k for k in self._known if shard_for(k, self.n) == shard]:
+            del self._known[name]
+        self._bounds.clear()
         self._writes += 1
 
     def _error(self, request: ShardRequest, status: int, msg: Any,
@@ -672,7 +711,13 @@ class Core:
             batch.append(self._post(shard, "init", {"variables": variables}, deadline,
                                     mutating=True, names=names, retry_safe=True))
         replies = self._collect(batch, (yield batch))
-        return self._per_variable(batch, replies, "variables")
+        out = self._per_variable(batch, replies, "variables")
+        with self._lock:  # the shards hold these shapes and dtypes now (else: 409)
+            known = self._known
+            if len(known) + len(arrays) > PLACEMENT_CACHE:
+                known.clear()
+            known.update((name, (a.shape, a.dtype)) for name, a in arrays.items())
+        return out
 
     def pull(self, names: Any) -> Flow[dict[str, np.ndarray]]:
         names, groups = self._pull_plan(names)
@@ -696,7 +741,7 @@ class Core:
                             msg["versions"] = {k: c[1] for k, c in zip(group, entries)
                                                if c is not None}
                 batch.append(self._post(shard, "pull", msg, deadline, mutating=False,
-                                        names=group))
+                                        names=group, max_reply=self._pull_bound(group)))
             replies = self._collect(batch, (yield batch))
             todo: list[str] = []
             for request, reply in zip(batch, replies):
@@ -731,6 +776,33 @@ class Core:
                 plans.clear()
             plans[key] = plan
         return plan
+
+    def _pull_bound(self, names: list[str]) -> int:
+        """The most bytes a pull reply for ``names`` (one shard's) can take: the headroom, the
+        size of each value this client knows (from its cache, or its init) and the room per
+        name; plus ``max_reply_bytes`` once for all those of unknown size."""
+        key = tuple(names)
+        bound = self._bounds.get(key)
+        if bound is not None:
+            return bound
+        bound = REPLY_HEADROOM + REPLY_PER_NAME * len(names)
+        unknown = False
+        with self._lock:
+            cache, known = self._cache, self._known
+            for name in names:
+                cached = cache.get(name)
+                if cached is not None:
+                    bound += cached[2].nbytes
+                elif (shape_dtype := known.get(name)) is not None:
+                    shape, dtype = shape_dtype
+                    bound += math.prod(shape) * dtype.itemsize
+                else:
+                    unknown = True
+            if not unknown:
+                if len(self._bounds) >= _MAX_PLANS:
+                    self._bounds.clear()
+                self._bounds[key] = bound
+        return bound + self.settings.max_reply_bytes if unknown else bound
 
     def _cached(self, shard: int, names: list[str]) -> Held:
         """What the cache holds of ``names`` from the shard's current incarnation: a list
@@ -896,6 +968,29 @@ class Core:
                     chosen[k] = int(v)
         return PushJob(arrays, chosen, self.next_seq())
 
+    def check_push(self, job: PushJob) -> None:
+        """Raise :class:`BadTensorError` for a gradient the shard is sure to refuse, as far as
+        this client knows its variable (from its init or its last pull): another shape, or a
+        dtype that is not a float one (or a variable that is not). Unknown variables pass."""
+        with self._lock:
+            cache, known = self._cache, self._known
+            for name, grad in job.grads.items():
+                cached = cache.get(name)
+                if cached is not None:
+                    shape, dtype = cached[2].shape, cached[2].dtype
+                elif (shape_dtype := known.get(name)) is not None:
+                    shape, dtype = shape_dtype
+                else:
+                    continue
+                if grad.shape != shape or grad.dtype.kind != "f" or dtype.kind != "f":
+                    raise BadTensorError(
+                        f"push: gradient of {name!r} is {grad.dtype.str} {list(grad.shape)}, "
+                        f"but the variable is {dtype.str} {list(shape)}: a gradient must have "
+                        "its variable's shape and a float dtype (of a float variable)",
+                        code="bad_tensor", details={"variable": name,
+                                                    "shape": list(grad.shape),
+                                                    "expected_shape": list(shape)})
+
     def merge_push(self, into: PushJob, new: PushJob) -> None:
         """Add ``new``'s gradients into ``into`` (a push not yet sent), for coalescing. A
         variable's version becomes the older of the two, so staleness is never understated."""
@@ -1003,7 +1098,7 @@ class Core:
             first = False
             poll = max(0.0, min(remaining, WAIT_POLL_SECONDS))
             batch = [self._post(shard, "wait", {"names": group, "timeout": poll}, deadline,
-                                mutating=False, names=group, read_timeout=poll + WAIT_READ_SLACK)
+                                mutating=False, names=group, timeout=poll + WAIT_READ_SLACK)
                      for shard, group in missing.items()]
             results = yield batch
             for request, result in zip(batch, results):
@@ -1052,7 +1147,7 @@ class Core:
 
         def round_(verb: str, msg: dict[str, Any]) -> list[ShardRequest]:
             return [self._post(i, verb, msg, deadline, mutating=True, retry_safe=True,
-                               read_timeout=timeout) for i in shards]
+                               timeout=timeout) for i in shards]
 
         msg = {"checkpoint": checkpoint_id}
         try:

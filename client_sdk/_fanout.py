@@ -12,8 +12,8 @@ connection's buffer, or a big body into its own preallocated buffer, as it arriv
 The rules are the blocking pool's (``_pool.py``): each exchange holds its connection alone,
 taken idle from the :class:`~client_sdk._pool.HTTPPool` or opened anew (new connections are
 opened concurrently, on the threads ``submit`` gives, since connecting blocks), and hands it
-back if the reply allows reuse or closes it if the exchange failed. The write timeout bounds
-each wait for the socket to take bytes and the read timeout each wait for reply bytes; one
+back if the reply allows reuse or closes it if the exchange failed. Each exchange has a deadline
+for the whole of it (connecting, sending, the whole reply) and a bound on its reply's body; one
 exchange's failure or timeout ends that exchange alone. Failures are the pool's
 ``httpx2`` exception classes, returned in the exchange's place for ``_transport.py`` to
 translate and retry.
@@ -25,7 +25,6 @@ until every exchange ended.
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import selectors
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -48,29 +47,30 @@ _Selector = getattr(selectors, "PollSelector", selectors.SelectSelector)
 
 class Exchange:
     """One request to send: what :meth:`HTTPPool.request <client_sdk._pool.HTTPPool.request>`
-    takes, as a value (``read_timeout``: ``None`` for the pool's)."""
+    takes, as a value (``deadline``, ``max_reply``: ``None`` for the pool's)."""
 
-    __slots__ = ("origin", "method", "target", "headers", "body", "read_timeout")
+    __slots__ = ("origin", "method", "target", "headers", "body", "deadline", "max_reply")
 
     def __init__(self, origin: Origin, method: str, target: str,
                  headers: Mapping[str, str] | None, body: Sequence[Buffer] = (), *,
-                 read_timeout: float | None = None) -> None:
+                 deadline: float | None = None, max_reply: int | None = None) -> None:
         self.origin = origin
         self.method = method
         self.target = target
         self.headers = headers
         self.body = body
-        self.read_timeout = read_timeout
+        self.deadline = deadline
+        self.max_reply = max_reply
 
 
 class _Flight:
     """One exchange under way on its connection: sending, then reading."""
 
-    __slots__ = ("index", "origin", "conn", "views", "first", "reading", "into", "wait",
-                 "read_wait", "deadline")
+    __slots__ = ("index", "origin", "conn", "views", "first", "reading", "into", "deadline",
+                 "max_reply")
 
-    def __init__(self, index: int, exchange: Exchange, conn: Connection, write_timeout:
-                 float | None, read_timeout: float | None) -> None:
+    def __init__(self, index: int, exchange: Exchange, conn: Connection, deadline: float,
+                 max_reply: int) -> None:
         self.index = index
         self.origin = exchange.origin
         self.conn = conn
@@ -79,15 +79,10 @@ class _Flight:
         self.first = 0
         self.reading: Reading | None = None
         self.into: memoryview | None = None
-        self.wait = write_timeout  # the timeout of the current phase
-        self.read_wait = read_timeout
-        self.deadline = math.inf
+        self.deadline = deadline  # for the whole exchange
+        self.max_reply = max_reply
 
-    def progressed(self, now: float) -> None:
-        """Bytes moved at ``now``: the current phase's timeout runs from here."""
-        self.deadline = now + self.wait if self.wait is not None else math.inf
-
-    def send_some(self, now: float) -> bool:
+    def send_some(self) -> bool:
         """Send what the socket takes now; whether the whole request is out."""
         views, sendmsg = self.views, self.conn.sock.sendmsg
         first = self.first
@@ -95,20 +90,16 @@ class _Flight:
             while first < len(views):
                 first = advance(views, first, sendmsg(next_send(views, first)))
         except (BlockingIOError, InterruptedError):
-            if first != self.first:
-                self.first = first
-                self.progressed(now)
+            self.first = first
             return False
         except OSError as exc:
             raise httpx2.WriteError(str(exc) or type(exc).__name__) from exc
         self.first = first
-        self.reading = read_response(self.conn.buf)
+        self.reading = read_response(self.conn.buf, self.max_reply)
         self.into = next(self.reading)
-        self.wait = self.read_wait
-        self.progressed(now)
         return True
 
-    def receive_some(self, now: float) -> tuple[Response, bool] | None:
+    def receive_some(self) -> tuple[Response, bool] | None:
         """Receive what has arrived; the response and whether the connection may be reused
         once it is whole, else ``None``."""
         assert self.reading is not None and self.into is not None
@@ -122,13 +113,12 @@ class _Flight:
             self.into = self.reading.send(n)
         except StopIteration as done:
             return done.value
-        self.progressed(now)
         return None
 
     def timed_out(self) -> httpx2.TimeoutException:
         if self.reading is None:
             return httpx2.WriteTimeout("timed out sending the request")
-        return httpx2.ReadTimeout("timed out waiting for the response")
+        return httpx2.ReadTimeout("timed out waiting for the whole response")
 
 
 def exchange_all(pool: HTTPPool, exchanges: Sequence[Exchange], submit: Submit
@@ -157,13 +147,15 @@ def _take_off(pool: HTTPPool, exchanges: Sequence[Exchange], submit: Submit,
     opened concurrently. An exchange that gets none has its failure in ``outcomes``."""
     conns: list[Connection | None] = []
     opening: dict[int, concurrent.futures.Future[Connection]] = {}
+    now = time.monotonic()
+    deadlines = [now + pool.timeout if e.deadline is None else e.deadline for e in exchanges]
     try:
         for i, exchange in enumerate(exchanges):
             conn = None
             try:
                 conn = pool.take_idle(exchange.origin)
                 if conn is None:
-                    opening[i] = submit(pool.connect, exchange.origin)
+                    opening[i] = submit(pool.connect, exchange.origin, deadlines[i])
             except httpx2.HTTPError as exc:
                 outcomes[i] = exc
             conns.append(conn)
@@ -179,9 +171,8 @@ def _take_off(pool: HTTPPool, exchanges: Sequence[Exchange], submit: Submit,
             if conn is not None:
                 conn.close()
         raise
-    return [_Flight(i, exchanges[i], conn, pool.write_timeout,
-                    pool.read_timeout if exchanges[i].read_timeout is None
-                    else exchanges[i].read_timeout)
+    return [_Flight(i, exchanges[i], conn, deadlines[i],
+                    pool.max_reply if exchanges[i].max_reply is None else exchanges[i].max_reply)
             for i, conn in enumerate(conns) if conn is not None]
 
 
@@ -193,12 +184,9 @@ def _close_opened(future: concurrent.futures.Future[Connection]) -> None:
 def _fly(pool: HTTPPool, flights: list[_Flight], outcomes: list[Outcome | None]) -> None:
     """Drive the flights until each has its outcome."""
     with _Selector() as selector:
-        now = time.monotonic()
         for flight in flights:
-            flight.conn.nonblocking()
-            flight.progressed(now)
             try:
-                sent = flight.send_some(now)
+                sent = flight.send_some()
             except httpx2.HTTPError as exc:
                 _fail(flight, exc, outcomes)
                 continue
@@ -207,17 +195,16 @@ def _fly(pool: HTTPPool, flights: list[_Flight], outcomes: list[Outcome | None])
         pending = selector.get_map()
         while pending:
             soonest = min(key.data.deadline for key in pending.values())
-            ready = selector.select(
-                None if soonest == math.inf else max(0.0, soonest - time.monotonic()))
+            ready = selector.select(max(0.0, soonest - time.monotonic()))
             now = time.monotonic()
             for key, _ in ready:
                 flight = key.data
                 try:
                     if flight.reading is None:
-                        if flight.send_some(now):
+                        if flight.send_some():
                             selector.modify(key.fileobj, selectors.EVENT_READ, flight)
                         continue
-                    result = flight.receive_some(now)
+                    result = flight.receive_some()
                 except httpx2.HTTPError as exc:
                     selector.unregister(key.fileobj)
                     _fail(flight, exc, outcomes)

@@ -14,7 +14,10 @@ everything but the waiting, which lives here:
   received straight into one ``np.empty`` buffer of that size (framed tensors become views into
   it, with no further copy; ``np.empty`` rather than ``bytearray``, which would zero-fill it
   first). Chunked bodies and bodies delimited by the end of the connection are read too, for
-  servers that are not shards.
+  servers that are not shards. A body larger than the caller says its reply could need
+  (``max_size``) is refused before anything is allocated for it (:class:`ReplyTooLarge`): a
+  declared ``Content-Length`` at once, a chunked or close-delimited body as soon as what came
+  passes the bound.
 
 Failures are httpx2's exception classes (the pools add the connect/read/write ones), so
 ``_transport.py`` translates them and the retry policy tells "never sent" from "may have
@@ -32,8 +35,8 @@ from typing import Union
 import httpx2
 import numpy as np
 
-__all__ = ["HEAD_BUFFER", "IDLE_EXPIRY", "MAX_IOV", "SEND_SLICE", "Origin", "Response", "advance", "next_send",
-           "read_response", "request_head"]
+__all__ = ["HEAD_BUFFER", "IDLE_EXPIRY", "MAX_IOV", "SEND_SLICE", "Origin", "ReplyTooLarge",
+           "Response", "advance", "next_send", "read_response", "request_head"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 #: What :func:`read_response` yields (where to receive) and is sent (how many bytes came).
@@ -53,6 +56,20 @@ IDLE_EXPIRY = 4.0
 
 _NO_BODY = (204, 304)
 _CRLF2 = b"\r\n\r\n"
+
+
+class ReplyTooLarge(httpx2.RemoteProtocolError):
+    """A response body larger than the request's reply could need: ``size`` bytes declared
+    (``Content-Length``), or received so far (chunked, or delimited by the close), where at
+    most ``limit`` were expected. Not worth retrying: ``_transport.py`` raises it as a
+    ``ProtocolError`` at once."""
+
+    def __init__(self, size: int, limit: int, declared: bool) -> None:
+        self.size = size
+        self.limit = limit
+        self.declared = declared
+        what = "declared a body of" if declared else "sent a body of more than"
+        super().__init__(f"the server {what} {size} bytes where at most {limit} were expected")
 
 
 class Origin:
@@ -133,10 +150,11 @@ def advance(views: list[Buffer], first: int, sent: int) -> int:
     return first
 
 
-def read_response(buf: bytearray) -> Reading:
+def read_response(buf: bytearray, max_size: int) -> Reading:
     """Parse one response (not to a ``HEAD``: its body is taken by its headers) received
     through ``buf``, the connection's receive buffer; return it and whether the connection may
-    carry another request."""
+    carry another request. A body of more than ``max_size`` bytes raises
+    :class:`ReplyTooLarge` before it is read (a chunked one, once that much came)."""
     view = memoryview(buf)
     end = 0
     while True:  # skip interim (1xx) responses
@@ -152,14 +170,17 @@ def read_response(buf: bytearray) -> Reading:
         if headers["transfer-encoding"].strip().lower() != "chunked":
             raise httpx2.RemoteProtocolError(
                 f"unsupported Transfer-Encoding {headers['transfer-encoding']!r}")
-        body, left_over = yield from _chunked(buf, view, start, end)
+        body, left_over = yield from _chunked(buf, view, start, end, max_size)
         return Response(status, headers, body), reusable and not left_over
     length = headers.get("content-length")
     if length is None:
-        return Response(status, headers, (yield from _until_close(view, start, end))), False
+        return Response(status, headers, (yield from _until_close(view, start, end, max_size))), \
+            False
     if not length.isdigit():
         raise httpx2.RemoteProtocolError(f"bad Content-Length {length!r}")
     size = int(length)
+    if size > max_size:
+        raise ReplyTooLarge(size, max_size, declared=True)
     have = end - start
     if have >= size:
         return Response(status, headers, bytes(view[start:start + size])), \
@@ -246,7 +267,7 @@ def _line(buf: bytearray, view: memoryview, start: int, end: int
     return bytes(view[start:at]), at + 2, end
 
 
-def _chunked(buf: bytearray, view: memoryview, start: int, end: int
+def _chunked(buf: bytearray, view: memoryview, start: int, end: int, max_size: int
              ) -> Generator[memoryview, int, tuple[bytes, bool]]:
     out = bytearray()
     while True:
@@ -261,6 +282,8 @@ def _chunked(buf: bytearray, view: memoryview, start: int, end: int
                 line, start, end = yield from _line(buf, view, start, end)
                 if not line:
                     return bytes(out), start != end
+        if len(out) + size > max_size:
+            raise ReplyTooLarge(len(out) + size, max_size, declared=False)
         while size:
             if start == end:
                 start, end = yield from _fill(view, start, end)
@@ -275,9 +298,12 @@ def _chunked(buf: bytearray, view: memoryview, start: int, end: int
         start += 2
 
 
-def _until_close(view: memoryview, start: int, end: int) -> Generator[memoryview, int, bytes]:
+def _until_close(view: memoryview, start: int, end: int, max_size: int
+                 ) -> Generator[memoryview, int, bytes]:
     out = bytearray(view[start:end])
     while True:
+        if len(out) > max_size:
+            raise ReplyTooLarge(len(out), max_size, declared=False)
         n = yield view
         if n == 0:
             return bytes(out)

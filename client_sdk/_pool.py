@@ -2,7 +2,10 @@
 
 One request is one ``sendmsg`` of the head and the body's buffers, then ``recv_into`` the
 connection's receive buffer or, for a big body, straight into the body's own buffer
-(:func:`client_sdk._http11.read_response` does the parsing). Connections are kept per origin,
+(:func:`client_sdk._http11.read_response` does the parsing). Sockets are non-blocking once
+connected: a send or receive is tried at once and waits (``poll``) only when the socket is not
+ready, never past the exchange's deadline, so the timeout bounds the whole exchange (connect,
+request, whole reply) however the server spaces its bytes. Connections are kept per origin,
 most recently used first, at most ``max_idle`` idle; an idle connection that the server closed
 meanwhile, or that has been idle for :data:`~client_sdk._http11.IDLE_EXPIRY` seconds, is
 dropped rather than reused. Measured here against the same shard, the whole ``PSClient.pull``
@@ -15,6 +18,7 @@ alone. Every call blocks.
 
 from __future__ import annotations
 
+import math
 import select
 import socket
 import threading
@@ -29,15 +33,16 @@ from ._http11 import HEAD_BUFFER, IDLE_EXPIRY, Buffer, Origin, Response, advance
 __all__ = ["Connection", "HTTPPool"]
 
 
+def _remaining(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
 class Connection:
-    """One keep-alive TCP connection. Used by one thread at a time.
+    """One keep-alive TCP connection, non-blocking once connected. Used by one thread at a
+    time: :meth:`send` and :meth:`receive` wait for it, :mod:`client_sdk._fanout` drives it
+    alongside others."""
 
-    Blocking with a timeout for :meth:`send` and :meth:`receive`; :mod:`client_sdk._fanout`
-    makes it non-blocking (:meth:`nonblocking`) to drive it alongside others, and the next
-    blocking use sets the timeout again.
-    """
-
-    __slots__ = ("sock", "buf", "timeout", "poller", "idle_since")
+    __slots__ = ("sock", "buf", "poller", "idle_since")
 
     def __init__(self, origin: Origin, connect_timeout: float | None) -> None:
         try:
@@ -47,8 +52,8 @@ class Connection:
         except OSError as exc:
             raise httpx2.ConnectError(str(exc) or type(exc).__name__) from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(0.0)
         self.sock = sock
-        self.timeout = connect_timeout
         self.buf = bytearray(HEAD_BUFFER)
         self.idle_since = 0.0
         self.poller = None
@@ -68,43 +73,63 @@ class Connection:
             return not self.poller.poll(0)
         return not select.select([self.sock], [], [], 0)[0]
 
-    def _settimeout(self, timeout: float | None) -> None:
-        if timeout != self.timeout:  # each settimeout is a system call
-            self.sock.settimeout(timeout)
-            self.timeout = timeout
+    def _wait(self, writing: bool, deadline: float) -> bool:
+        """Wait until the socket is ready to write (or read); ``False`` once ``deadline``
+        (``time.monotonic()`` seconds) passed first."""
+        while True:
+            left = _remaining(deadline)
+            if left <= 0:
+                return False
+            if self.poller is None:
+                ready = select.select([] if writing else [self.sock],
+                                      [self.sock] if writing else [], [], left)
+                if ready[0] or ready[1]:
+                    return True
+                continue
+            if writing:  # the poller watches reads between requests: watch writes for now
+                self.poller.modify(self.sock, select.POLLOUT)
+            try:
+                if self.poller.poll(max(1, math.ceil(left * 1000))):
+                    return True
+            finally:
+                if writing:
+                    self.poller.modify(self.sock, select.POLLIN)
 
-    def nonblocking(self) -> None:
-        """Make the socket non-blocking (calls that would wait raise ``BlockingIOError``)."""
-        self._settimeout(0.0)
-
-    def send(self, head: bytes, body: Sequence[Buffer], timeout: float | None) -> None:
+    def send(self, head: bytes, body: Sequence[Buffer], deadline: float) -> None:
         """Send ``head`` and ``body`` (bytes, or flat byte memoryviews as ``wire`` makes
-        them: ``len()`` is their size) with as few ``sendmsg`` calls as the socket allows."""
-        self._settimeout(timeout)
+        them: ``len()`` is their size) with as few ``sendmsg`` calls as the socket allows, all
+        of it by ``deadline`` (``time.monotonic()`` seconds)."""
         views = [head, *body]
-        sock = self.sock
+        sendmsg = self.sock.sendmsg
         first = 0
         try:
             while first < len(views):
-                first = advance(views, first, sock.sendmsg(next_send(views, first)))
-        except socket.timeout as exc:
-            raise httpx2.WriteTimeout("timed out sending the request") from exc
+                try:
+                    first = advance(views, first, sendmsg(next_send(views, first)))
+                except (BlockingIOError, InterruptedError):
+                    if not self._wait(True, deadline):
+                        raise httpx2.WriteTimeout("timed out sending the request") from None
         except OSError as exc:
             raise httpx2.WriteError(str(exc) or type(exc).__name__) from exc
 
-    def receive(self, timeout: float | None) -> tuple[Response, bool]:
-        """Read one response; return it and whether the connection may be reused."""
-        self._settimeout(timeout)
-        reading = read_response(self.buf)
+    def receive(self, deadline: float, max_size: int) -> tuple[Response, bool]:
+        """Read one response, all of it by ``deadline`` (``time.monotonic()`` seconds), its
+        body at most ``max_size`` bytes; return it and whether the connection may be reused."""
+        reading = read_response(self.buf, max_size)
         recv_into = self.sock.recv_into
         try:
             target = next(reading)
             while True:
-                target = reading.send(recv_into(target))
+                try:
+                    n = recv_into(target)
+                except (BlockingIOError, InterruptedError):
+                    if not self._wait(False, deadline):
+                        raise httpx2.ReadTimeout(
+                            "timed out waiting for the whole response") from None
+                    continue
+                target = reading.send(n)
         except StopIteration as done:
             return done.value
-        except socket.timeout as exc:
-            raise httpx2.ReadTimeout("timed out waiting for the response") from exc
         except OSError as exc:
             raise httpx2.ReadError(str(exc) or type(exc).__name__) from exc
 
@@ -112,32 +137,36 @@ class Connection:
 class HTTPPool:
     """Keep-alive connections to any number of origins; at most ``max_idle`` idle per origin.
 
-    ``connect_timeout``, ``read_timeout`` and ``write_timeout`` are seconds (``None``: wait
-    forever); the read timeout bounds each wait for bytes, as in httpx. Thread-safe; every
-    call blocks.
+    ``timeout`` (seconds) bounds each whole exchange: connecting (at most ``connect_timeout``
+    of it), sending the request and receiving the whole response, however the server spaces
+    its bytes. ``max_reply`` bounds a response body (bytes). Thread-safe; every call blocks.
     """
 
-    def __init__(self, *, max_idle: int, connect_timeout: float | None,
-                 read_timeout: float | None, write_timeout: float | None) -> None:
+    def __init__(self, *, max_idle: int, connect_timeout: float, timeout: float,
+                 max_reply: int) -> None:
         self.max_idle = max_idle
         self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
-        self.write_timeout = write_timeout
+        self.timeout = timeout
+        self.max_reply = max_reply
         self._idle: dict[tuple[str, int], list[Connection]] = {}
         self._lock = threading.Lock()
         self._closed = False
 
     def request(self, origin: Origin, method: str, target: str,
                 headers: Mapping[str, str] | None, body: Sequence[Buffer] = (), *,
-                read_timeout: float | None = None) -> Response:
+                deadline: float | None = None, max_reply: int | None = None) -> Response:
         """Send ``method target`` (see :func:`~client_sdk._http11.request_head`) and the
-        ``body`` buffers in order; return the whole response (not for ``HEAD``)."""
+        ``body`` buffers in order; return the whole response (not for ``HEAD``), all by
+        ``deadline`` (``time.monotonic()`` seconds; default: the pool's timeout from now), its
+        body at most ``max_reply`` bytes (default: the pool's)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
         head = request_head(origin, method, target, headers)
-        conn = self.take_idle(origin) or self.connect(origin)
+        conn = self.take_idle(origin) or self.connect(origin, deadline)
         try:
-            conn.send(head, body, self.write_timeout)
+            conn.send(head, body, deadline)
             response, reusable = conn.receive(
-                self.read_timeout if read_timeout is None else read_timeout)
+                deadline, self.max_reply if max_reply is None else max_reply)
         except BaseException:
             conn.close()
             raise
@@ -165,10 +194,14 @@ class HTTPPool:
             old.close()
         return conn
 
-    def connect(self, origin: Origin) -> Connection:
+    def connect(self, origin: Origin, deadline: float) -> Connection:
         """A new connection to ``origin``, held by the caller (blocks up to the connect
-        timeout; raises :class:`httpx2.ConnectError` or :class:`httpx2.ConnectTimeout`)."""
-        return Connection(origin, self.connect_timeout)
+        timeout, and not past ``deadline``; raises :class:`httpx2.ConnectError` or
+        :class:`httpx2.ConnectTimeout`)."""
+        left = _remaining(deadline)
+        if left <= 0:
+            raise httpx2.ConnectTimeout(f"no time left to connect to {origin.host_header}")
+        return Connection(origin, min(self.connect_timeout, left))
 
     def release(self, origin: Origin, conn: Connection, reusable: bool) -> None:
         """Hand back a connection whose exchange ended: kept idle if ``reusable`` and there is

@@ -18,6 +18,17 @@ Both shells send a :class:`~client_sdk._core.ShardRequest` through :func:`send` 
   sized by ``Content-Length`` (a ``bytearray`` would be zero-filled first, which for 100 MB
   costs as much as copying the body in).
 
+Every attempt has one deadline for the whole exchange (connect, request, whole reply):
+``timeout`` from its start (a long poll's or a checkpoint's own time instead), and never past
+the call's ``retry_deadline`` (:func:`attempt_deadline`). The native pools wait on sockets
+until that deadline; over httpx2, whose timeouts bound each wait for bytes, the sync sender
+gives each connection's reads and writes only what is left of the deadline (``_Deadlines``,
+for the transports it can reach) and checks the deadline between the pieces of a reply, and
+the async one cancels the exchange at its deadline. Every reply body is bounded by
+the request's ``max_reply`` (what the SDK knows its reply can need, see
+:meth:`~client_sdk._core.Core._pull_bound`) before a byte of it is allocated; a bigger one is
+a :class:`~client_sdk.ProtocolError` at once, not retried, and its connection is closed.
+
 :func:`send`, :func:`send_all` and :func:`asend` return a :class:`~client_sdk._core.Reply` or
 the ``PSError`` that prevented one, and never raise transport errors: both senders fail with httpx2's exception
 classes, and every one is translated here, where it enters (``raise ... from exc``), to the most
@@ -30,9 +41,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import Union
+from typing import Any, Union
 
 import httpx2
 import numpy as np
@@ -101,9 +113,13 @@ def sync_sender(settings: Settings, transport: httpx2.BaseTransport | None) -> S
     or a shard is ``https://``. Does no I/O."""
     if _native(settings, transport):
         return NativeSender(settings)
-    return HTTPXSender(httpx2.Client(timeout=timeout(settings.timeout),
-                                     limits=limits(len(settings.shards), settings.max_inflight),
-                                     transport=transport, trust_env=False))
+    pool_limits = limits(len(settings.shards), settings.max_inflight)
+    if transport is None:
+        transport = httpx2.HTTPTransport(limits=pool_limits, trust_env=False)
+    _Deadlines.install(transport)
+    return HTTPXSender(httpx2.Client(timeout=timeout(settings.timeout), limits=pool_limits,
+                                     transport=transport, trust_env=False),
+                       settings.max_reply_bytes)
 
 
 def async_sender(settings: Settings,
@@ -116,16 +132,25 @@ def async_sender(settings: Settings,
     return AsyncHTTPXSender(httpx2.AsyncClient(
         timeout=timeout(settings.timeout),
         limits=limits(len(settings.shards), settings.max_inflight),
-        transport=transport, trust_env=False))
+        transport=transport, trust_env=False), settings.max_reply_bytes)
 
 
 # -- the native senders -----------------------------------------------------------------------
 
 
 def _pool_args(settings: Settings) -> dict:
-    t = timeout(settings.timeout)
-    return {"max_idle": _idle_per_shard(settings.max_inflight), "connect_timeout": t.connect,
-            "read_timeout": t.read, "write_timeout": t.write}
+    return {"max_idle": _idle_per_shard(settings.max_inflight),
+            "connect_timeout": min(settings.timeout, CONNECT_TIMEOUT),
+            "timeout": settings.timeout, "max_reply": settings.max_reply_bytes}
+
+
+def attempt_deadline(core: Core, req: ShardRequest) -> float:
+    """When an attempt at ``req`` starting now must have ended, in ``time.monotonic()``
+    seconds: the client's ``timeout`` from now, but not past the call's deadline; or the
+    request's own ``timeout`` from now (long polls, checkpoints)."""
+    if req.timeout is not None:
+        return time.monotonic() + req.timeout
+    return min(time.monotonic() + core.settings.timeout, req.deadline)
 
 
 def _native_request(req: ShardRequest) -> tuple[Mapping[str, str], list]:
@@ -156,7 +181,7 @@ class NativeSender:
     def once(self, core: Core, req: ShardRequest) -> Reply:
         headers, chunks = _native_request(req)
         r = self.pool.request(self.origins[req.shard], req.method, req.path, headers, chunks,
-                              read_timeout=req.read_timeout)
+                              deadline=attempt_deadline(core, req), max_reply=req.max_reply)
         return _native_reply(core, req, r)
 
     def once_all(self, core: Core, reqs: Sequence[ShardRequest], submit: Submit
@@ -168,7 +193,8 @@ class NativeSender:
         for req in reqs:
             headers, chunks = _native_request(req)
             exchanges.append(Exchange(self.origins[req.shard], req.method, req.path, headers,
-                                      chunks, read_timeout=req.read_timeout))
+                                      chunks, deadline=attempt_deadline(core, req),
+                                      max_reply=req.max_reply))
         replies: list[Union[Reply, Exception]] = []
         for req, outcome in zip(reqs, exchange_all(self.pool, exchanges, submit)):
             if isinstance(outcome, _http11.Response):
@@ -194,7 +220,8 @@ class AsyncNativeSender:
     async def once(self, core: Core, req: ShardRequest) -> Reply:
         headers, chunks = _native_request(req)
         r = await self.pool.request(self.origins[req.shard], req.method, req.path, headers,
-                                    chunks, read_timeout=req.read_timeout)
+                                    chunks, deadline=attempt_deadline(core, req),
+                                    max_reply=req.max_reply)
         return _native_reply(core, req, r)
 
     async def close(self) -> None:
@@ -234,29 +261,147 @@ class _AsyncBody:
 
 
 def _build(client: Union[httpx2.Client, httpx2.AsyncClient], core: Core, req: ShardRequest,
-           body: object) -> httpx2.Request:
+           body: object, deadline: float) -> httpx2.Request:
+    """The request, each of its waits for bytes bounded by what is left until ``deadline``."""
     headers = dict(req.headers)
-    extensions = {}
     if req.body is not None:
         headers["content-type"] = req.body.content_type
         headers["content-length"] = str(req.body.nbytes)
-    if req.read_timeout is not None:
-        t = client.timeout
-        extensions["timeout"] = httpx2.Timeout(connect=t.connect, read=req.read_timeout,
-                                               write=t.write, pool=t.pool).as_dict()
+    left = max(0.0, deadline - time.monotonic())
+    t = client.timeout
     request = client.build_request(req.method, core.url(req.shard) + req.path, headers=headers,
                                    content=body if req.body is not None else None)
-    request.extensions.update(extensions)
+    read = left if req.timeout is not None else _within(t.read, left)  # a long poll: its own
+    request.extensions["timeout"] = httpx2.Timeout(
+        connect=_within(t.connect, left), read=read, write=_within(t.write, left),
+        pool=_within(t.pool, left)).as_dict()
     return request
 
 
-def _sized_buffer(response: httpx2.Response) -> memoryview | None:
+def _within(limit: float | None, left: float) -> float:
+    return left if limit is None else min(limit, left)
+
+
+class _Deadlines:
+    """The deadline of the exchange under way on this thread, kept by httpx2's own network
+    streams: a wrapper of an ``httpx2.HTTPTransport``'s network backend (httpcore2's) whose
+    streams give each connect, read and write at most what is left of it. httpx2's timeouts
+    bound each wait for bytes; with this, the sync sender's exchange ends at its deadline even
+    when a server trickles its reply's head. Outside an exchange of the sender, a wrapped
+    stream passes every call through unchanged.
+
+    The backend is a private attribute of httpx2's transport (``_pool._network_backend``):
+    :meth:`install` reaches it there and nowhere else, and when it is not there (another
+    transport, another httpx2) the sync sender keeps the deadline between the pieces of a
+    reply only.
+    """
+
+    _local = threading.local()
+
+    @classmethod
+    def install(cls, transport: object) -> bool:
+        """Wrap ``transport``'s network backend, if it has one this knows; whether it did."""
+        pool = getattr(transport, "_pool", None)
+        backend = getattr(pool, "_network_backend", None)
+        if backend is None or not callable(getattr(backend, "connect_tcp", None)):
+            return False
+        if not isinstance(backend, _DeadlineBackend):
+            pool._network_backend = _DeadlineBackend(backend)  # type: ignore[union-attr]
+        return True
+
+    @classmethod
+    def set(cls, deadline: float | None) -> None:
+        cls._local.deadline = deadline
+
+    @classmethod
+    def left(cls, limit: float | None, phase: str) -> float | None:
+        """``limit`` (seconds), cut to what is left of this thread's deadline; raises
+        httpcore2's timeout of ``phase`` (which httpx2 maps to its own) once it passed."""
+        deadline = getattr(cls._local, "deadline", None)
+        if deadline is None:
+            return limit
+        left = deadline - time.monotonic()
+        if left <= 0:
+            import httpcore2
+
+            error = {"connect": httpcore2.ConnectTimeout, "read": httpcore2.ReadTimeout,
+                     "write": httpcore2.WriteTimeout}[phase]
+            raise error(f"the exchange's deadline passed ({phase})")
+        return left if limit is None else min(limit, left)
+
+
+class _DeadlineStream:
+    """A network stream whose waits stop at the thread's deadline (see :class:`_Deadlines`)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, _Deadlines.left(timeout, "read"))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, _Deadlines.left(timeout, "write"))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                  timeout: float | None = None) -> _DeadlineStream:
+        return _DeadlineStream(self._inner.start_tls(ssl_context, server_hostname,
+                                                     _Deadlines.left(timeout, "connect")))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _DeadlineBackend:
+    """A network backend whose streams are :class:`_DeadlineStream`."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                    local_address: str | None = None, socket_options: Any = None
+                    ) -> _DeadlineStream:
+        return _DeadlineStream(self._inner.connect_tcp(
+            host, port, _Deadlines.left(timeout, "connect"), local_address, socket_options))
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options: Any = None) -> _DeadlineStream:
+        return _DeadlineStream(self._inner.connect_unix_socket(
+            path, _Deadlines.left(timeout, "connect"), socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+def _sized_buffer(response: httpx2.Response, limit: int, url: str) -> memoryview | None:
+    """One buffer for the body, sized by its ``Content-Length`` (refused past ``limit``);
+    ``None`` when the length is not given or the body is encoded."""
+    length = response.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _too_large(int(length), limit, True, url)
     if response.headers.get("content-encoding", "identity") != "identity":
         return None
-    length = response.headers.get("content-length")
     if length is None or not length.isdigit():
         return None
     return memoryview(np.empty(int(length), np.uint8))
+
+
+def _too_large(size: int, limit: int, declared: bool, url: str) -> ProtocolError:
+    what = "declared a reply body of" if declared else "sent a reply body of more than"
+    return ProtocolError(
+        f"shard {url} {what} {size} bytes where at most {limit} were expected: refused before "
+        "reading it, and the connection closed. Something that is not a shard answered, or a "
+        "variable is bigger than this client knows (then raise max_reply_bytes=...)",
+        shard=url, details={"size": size, "limit": limit})
+
+
+def _in_time(deadline: float) -> None:
+    """Raise :class:`httpx2.ReadTimeout` once ``deadline`` passed (between a reply's pieces,
+    for transports whose streams do not keep it)."""
+    if time.monotonic() > deadline:
+        raise httpx2.ReadTimeout("timed out waiting for the whole response")
 
 
 def _fill(buf: memoryview, pos: int, chunk: bytes, url: str) -> int:
@@ -278,26 +423,49 @@ def _headers(response: httpx2.Response) -> dict[str, str]:
 
 
 class HTTPXSender:
-    """One exchange through an ``httpx2.Client``. Thread-safe."""
+    """One exchange through an ``httpx2.Client``, ending at its deadline (see
+    :class:`_Deadlines`), its reply at most ``max_reply`` bytes unless the request says.
+    Thread-safe."""
 
-    def __init__(self, client: httpx2.Client) -> None:
+    def __init__(self, client: httpx2.Client, max_reply: int) -> None:
         self.client = client
+        self.max_reply = max_reply
 
     def once(self, core: Core, req: ShardRequest) -> Reply:
-        client = self.client
-        body = _SyncBody(req.body) if req.body is not None else None
-        response = client.send(_build(client, core, req, body), stream=True)
+        deadline = attempt_deadline(core, req)
+        _Deadlines.set(deadline)
         try:
-            buf = None if response.is_stream_consumed else _sized_buffer(response)
-            if buf is None:
-                content: bytes | memoryview = response.read()
-            else:
+            return self._exchange(core, req, deadline)
+        finally:
+            _Deadlines.set(None)
+
+    def _exchange(self, core: Core, req: ShardRequest, deadline: float) -> Reply:
+        client = self.client
+        url = core.url(req.shard)
+        limit = self.max_reply if req.max_reply is None else req.max_reply
+        body = _SyncBody(req.body) if req.body is not None else None
+        response = client.send(_build(client, core, req, body, deadline), stream=True)
+        try:
+            if response.is_stream_consumed:  # a transport that read it already
+                content: bytes | memoryview = response.content
+                if len(content) > limit:
+                    raise _too_large(len(content), limit, True, url)
+            elif (buf := _sized_buffer(response, limit, url)) is not None:
                 pos = 0
                 for chunk in response.iter_raw():
-                    pos = _fill(buf, pos, chunk, core.url(req.shard))
+                    pos = _fill(buf, pos, chunk, url)
+                    _in_time(deadline)
                 if pos != len(buf):
-                    raise _short(pos, buf, core.url(req.shard))
+                    raise _short(pos, buf, url)
                 content = buf
+            else:
+                whole = bytearray()
+                for chunk in response.iter_bytes():
+                    whole += chunk
+                    if len(whole) > limit:
+                        raise _too_large(len(whole), limit, False, url)
+                    _in_time(deadline)
+                content = bytes(whole)
         finally:
             response.close()
         return Reply(response.status_code, _headers(response), content)
@@ -307,26 +475,46 @@ class HTTPXSender:
 
 
 class AsyncHTTPXSender:
-    """The async twin of :class:`HTTPXSender`, over an ``httpx2.AsyncClient``."""
+    """The async twin of :class:`HTTPXSender`, over an ``httpx2.AsyncClient``: an exchange
+    still under way at its deadline is cancelled (its connection closed)."""
 
-    def __init__(self, client: httpx2.AsyncClient) -> None:
+    def __init__(self, client: httpx2.AsyncClient, max_reply: int) -> None:
         self.client = client
+        self.max_reply = max_reply
 
     async def once(self, core: Core, req: ShardRequest) -> Reply:
-        client = self.client
-        body = _AsyncBody(req.body) if req.body is not None else None
-        response = await client.send(_build(client, core, req, body), stream=True)
+        deadline = attempt_deadline(core, req)
         try:
-            buf = None if response.is_stream_consumed else _sized_buffer(response)
-            if buf is None:
-                content: bytes | memoryview = await response.aread()
-            else:
+            return await asyncio.wait_for(self._exchange(core, req, deadline),
+                                          max(0.0, deadline - time.monotonic()))
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            raise httpx2.ReadTimeout("timed out waiting for the whole response") from exc
+
+    async def _exchange(self, core: Core, req: ShardRequest, deadline: float) -> Reply:
+        client = self.client
+        url = core.url(req.shard)
+        limit = self.max_reply if req.max_reply is None else req.max_reply
+        body = _AsyncBody(req.body) if req.body is not None else None
+        response = await client.send(_build(client, core, req, body, deadline), stream=True)
+        try:
+            if response.is_stream_consumed:
+                content: bytes | memoryview = response.content
+                if len(content) > limit:
+                    raise _too_large(len(content), limit, True, url)
+            elif (buf := _sized_buffer(response, limit, url)) is not None:
                 pos = 0
                 async for chunk in response.aiter_raw():
-                    pos = _fill(buf, pos, chunk, core.url(req.shard))
+                    pos = _fill(buf, pos, chunk, url)
                 if pos != len(buf):
-                    raise _short(pos, buf, core.url(req.shard))
+                    raise _short(pos, buf, url)
                 content = buf
+            else:
+                whole = bytearray()
+                async for chunk in response.aiter_bytes():
+                    whole += chunk
+                    if len(whole) > limit:
+                        raise _too_large(len(whole), limit, False, url)
+                content = bytes(whole)
         finally:
             await response.aclose()
         return Reply(response.status_code, _headers(response), content)
@@ -353,6 +541,8 @@ def _translate(exc: Exception, core: Core, req: ShardRequest, attempts: int,
     tried = f" (after {attempts} attempt{'s' if attempts != 1 else ''} over {took:.1f}s)"
     if isinstance(exc, PSError):
         return exc
+    if isinstance(exc, _http11.ReplyTooLarge):
+        return _too_large(exc.size, exc.limit, exc.declared, url)
     if isinstance(exc, (httpx2.UnsupportedProtocol, httpx2.InvalidURL)):
         return ConfigError(f"cannot use shard URL {url}: {exc}", shard=url)
     if isinstance(exc, httpx2.ConnectError):
@@ -439,6 +629,8 @@ def _judge(core: Core, req: ShardRequest, attempt: int, started: float,
     the request's result, or the seconds to wait before trying again."""
     if isinstance(outcome, PSError):
         return outcome
+    if isinstance(outcome, _http11.ReplyTooLarge):  # the same request would get it again
+        return _chain(_translate(outcome, core, req, attempt, started), outcome)
     if isinstance(outcome, Reply):
         delay = core.retry_delay(req, attempt - 1, status=outcome.status,
                                  retry_after=outcome.headers.get("retry-after"))

@@ -27,7 +27,8 @@ import httpx2
 import numpy as np
 
 from . import _transport
-from ._core import Core, Flow, PushJob, Result, ShardRequest, load_settings
+from ._core import DEFAULT_MAX_REPLY_BYTES, Core, Flow, PushJob, Result, ShardRequest, \
+    load_settings
 from ._exceptions import PSError
 from ._pusher import AsyncPusher, Pusher, closed_error
 from .optimizers import Optimizer
@@ -49,11 +50,17 @@ class PSClient:
     records and numbers its pushes; give every concurrent worker its own. ``token``
     (``PARAMSHARD_TOKEN``) is sent as ``Authorization: Bearer``.
 
-    ``timeout`` bounds each HTTP exchange (seconds); ``retry_deadline`` bounds how long one
-    call keeps retrying a shard that is unreachable, restarting, times out or answers 429/503,
-    with exponential backoff and jitter (and ``Retry-After``). Every call is safe to retry:
-    writes carry this worker's id and a sequence number, and a shard applies each one once.
-    ``max_inflight`` bounds :meth:`push_async`. ``transport`` replaces httpx2's network
+    ``timeout`` bounds each whole HTTP exchange with a shard, in seconds: connecting, sending
+    the request and receiving the whole reply, however slowly the bytes come (raise it for
+    tensors that take longer to move on your network). ``retry_deadline`` bounds each whole
+    call, its retries included: a shard that is unreachable, restarting, times out or answers
+    429/503 is retried with exponential backoff and jitter (and ``Retry-After``) until then,
+    and no attempt runs past it. Every call is safe to retry: writes carry this worker's id and
+    a sequence number, and a shard applies each one once. ``max_inflight`` bounds
+    :meth:`push_async`. ``max_reply_bytes`` (default 1 GiB) bounds a reply whose size the
+    client cannot know: a pull's values of variables it neither initialised nor pulled before
+    (those it knows bound their replies exactly), the variables listing; a bigger reply is a
+    :class:`ProtocolError`, refused before it is read. ``transport`` replaces httpx2's network
     transport (e.g. ``httpx2.MockTransport`` in tests).
 
     A shard that restarts comes back with a new incarnation: the client logs one warning (the
@@ -77,10 +84,12 @@ class PSClient:
         timeout: float = 30.0,
         retry_deadline: float = 30.0,
         max_inflight: int = 2,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         transport: httpx2.BaseTransport | None = None,
     ) -> None:
         settings = load_settings(shards, worker_id, token=token, timeout=timeout,
-                                 retry_deadline=retry_deadline, max_inflight=max_inflight)
+                                 retry_deadline=retry_deadline, max_inflight=max_inflight,
+                                 max_reply_bytes=max_reply_bytes)
         self._core = Core(settings)
         n = len(settings.shards)
         self._sender = _transport.sync_sender(settings, transport)
@@ -182,11 +191,15 @@ class PSClient:
         one future, the oldest ``versions``): a worker faster than its shards keeps its memory
         flat and loses no gradient. The future's result is what :meth:`push` returns. A failure
         is raised by the future, by the next :meth:`flush` (as :class:`PushError`) and by
-        :meth:`close`: never dropped. Argument errors are raised here, before anything is sent.
+        :meth:`close`: never dropped. Argument errors are raised here, before anything is sent:
+        among them :class:`BadTensorError` for a gradient whose shape is not its variable's, or
+        whose dtype (or variable's) is not a float one, as far as this client knows the variable
+        (from its :meth:`init` or its last :meth:`pull`).
         """
         if self._closed:
             raise closed_error()
         job = self._core.prepare_push(grads, versions, copy=True)
+        self._core.check_push(job)
         return self._pusher.submit(job, coalesce=coalesce)
 
     def _push_job(self, job: PushJob) -> dict[str, dict]:
@@ -285,10 +298,12 @@ class AsyncPSClient:
         timeout: float = 30.0,
         retry_deadline: float = 30.0,
         max_inflight: int = 2,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         transport: httpx2.AsyncBaseTransport | None = None,
     ) -> None:
         settings = load_settings(shards, worker_id, token=token, timeout=timeout,
-                                 retry_deadline=retry_deadline, max_inflight=max_inflight)
+                                 retry_deadline=retry_deadline, max_inflight=max_inflight,
+                                 max_reply_bytes=max_reply_bytes)
         self._core = Core(settings)
         self._sender = _transport.async_sender(settings, transport)
         self._pusher = AsyncPusher(max_inflight, self._push_job, self._core.merge_push)
@@ -346,6 +361,7 @@ class AsyncPSClient:
         if self._closed:
             raise closed_error()
         job = self._core.prepare_push(grads, versions, copy=True)
+        self._core.check_push(job)
         return await self._pusher.submit(job, coalesce=coalesce)
 
     async def _push_job(self, job: PushJob) -> dict[str, dict]:

@@ -13,6 +13,10 @@ learns it. That is the case a retried write must not be applied twice for.
 proxy relays, ``alter(method, path, reply) -> reply`` (the whole HTTP message, head and body):
 a shard, or something between it and the worker, that answers what it should not.
 
+``deliver``, when set (likewise), sends each reply in the proxy's place,
+``deliver(client_socket, method, path, reply) -> keep``: a server that spaces its bytes, or
+answers with a body it never sends; the client's connection is closed unless it returns true.
+
 Only what the shard and SDK send is understood: requests and replies with ``Content-Length``.
 Threads; ``close()`` (or leaving the ``with`` block) stops it.
 """
@@ -55,10 +59,13 @@ class DroppingProxy:
 
     def __init__(self, upstream: tuple[str, int],
                  drop: Callable[[str, str, int], bool] = lambda method, path, n: False,
-                 alter: Callable[[str, str, bytes], bytes] | None = None) -> None:
+                 alter: Callable[[str, str, bytes], bytes] | None = None,
+                 deliver: Callable[[socket.socket, str, str, bytes], bool] | None = None
+                 ) -> None:
         self.upstream = upstream
         self.drop = drop
         self.alter = alter
+        self.deliver = deliver
         self.drops = 0
         self.seen: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
@@ -104,7 +111,11 @@ class DroppingProxy:
                 alter = self.alter
                 if alter is not None:
                     reply = alter(method.decode(), path.decode(), reply)
-                client.sendall(reply)
+                deliver = self.deliver
+                if deliver is None:
+                    client.sendall(reply)
+                elif not deliver(client, method.decode(), path.decode(), reply):
+                    return
         except OSError:
             return
         finally:

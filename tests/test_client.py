@@ -448,8 +448,9 @@ def test_one_request_per_shard_per_call(fleet2):
 
 def test_push_async_failure_surfaces_on_future_flush_and_close(fleet2):
     w = unique("async_fail")
+    with PSClient(fleet2.urls) as other:  # so that ps does not know the variable's shape
+        other.init({w: np.zeros((2, 2))})
     ps = PSClient(fleet2.urls)
-    ps.init({w: np.zeros((2, 2))})
     bad = ps.push_async({w: np.ones(3)})  # wrong shape: 422 from the shard
     good = ps.push_async({w: np.ones((2, 2))})
     with pytest.raises(PushError) as info:
@@ -467,6 +468,41 @@ def test_push_async_failure_surfaces_on_future_flush_and_close(fleet2):
     assert isinstance(info.value.errors[0], BadTensorError)
     with pytest.raises(PSError, match="closed"):
         ps.pull([w])
+
+
+def test_push_async_refuses_at_the_call_a_gradient_that_cannot_fit(fleet2):
+    """A gradient of another shape than its variable's (or of an int dtype) is a BadTensorError
+    raised by push_async itself when the client knows the variable from its init or its last
+    pull: nothing is queued, so the next flush has nothing to report."""
+    w, v, unknown = unique("fit_w"), unique("fit_v"), unique("fit_unknown")
+    with PSClient(fleet2.urls) as other:
+        other.init({v: np.zeros(3, np.float32), unknown: np.zeros(3, np.float32)})
+    with PSClient(fleet2.urls) as ps:
+        ps.init({w: np.zeros((2, 2), np.float32)})
+        with pytest.raises(BadTensorError, match=r"\[4\].*\[2, 2\]") as info:
+            ps.push_async({w: np.ones(4, np.float32)})
+        assert info.value.details["variable"] == w
+        with pytest.raises(BadTensorError, match="float"):
+            ps.push_async({w: np.ones((2, 2), np.int64)})
+        ps.pull([v])  # known from a pull too
+        with pytest.raises(BadTensorError, match=r"\[3\]"):
+            ps.push_async({v: np.ones(5, np.float32), w: np.ones((2, 2), np.float32)})
+        ps.flush()  # nothing was queued
+        assert ps.push_async({w: np.ones((2, 2), np.float32)}).result()[w]["status"] == "applied"
+        # a variable it does not know goes to the shard, which says what is wrong
+        future = ps.push_async({unknown: np.ones(5, np.float32)})
+        with pytest.raises(PushError):
+            ps.flush()
+        assert isinstance(future.exception(), BadTensorError)
+
+    async def main() -> None:
+        async with AsyncPSClient(fleet2.urls) as aps:
+            await aps.pull([w])
+            with pytest.raises(BadTensorError, match=r"\[7\]"):
+                await aps.push_async({w: np.ones(7, np.float32)})
+            await aps.flush()
+
+    asyncio.run(main())
 
 
 def test_push_async_is_bounded_and_snapshots_gradients(fleet2):
@@ -490,9 +526,11 @@ def test_push_async_is_bounded_and_snapshots_gradients(fleet2):
 def test_async_client_push_async_failure(fleet2):
     w = unique("aasync_fail")
 
+    with PSClient(fleet2.urls) as other:  # so that ps does not know the variable's shape
+        other.init({w: np.zeros(2)})
+
     async def main() -> None:
         ps = AsyncPSClient(fleet2.urls)
-        await ps.init({w: np.zeros(2)})
         task = await ps.push_async({w: np.ones(7)})
         with pytest.raises(PushError) as info:
             await ps.flush()

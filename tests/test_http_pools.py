@@ -14,6 +14,7 @@ import concurrent.futures
 import json
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import httpx2
@@ -138,7 +139,7 @@ def ok(conn: socket.socket, method: str, path: str) -> bool:
 
 
 def pool(**kw) -> HTTPPool:
-    args = {"max_idle": 2, "connect_timeout": 5.0, "read_timeout": 5.0, "write_timeout": 5.0}
+    args = {"max_idle": 2, "connect_timeout": 5.0, "timeout": 5.0, "max_reply": 1 << 30}
     return HTTPPool(**{**args, **kw})
 
 
@@ -364,14 +365,16 @@ def test_one_exchange_failing_ends_it_alone(scripted):
     listener.close()
     reader = socket.create_server(("127.0.0.1", 0))  # accepts, never reads
     stuck = f"http://127.0.0.1:{reader.getsockname()[1]}"
-    p = pool(read_timeout=5.0, write_timeout=0.3)
+    p = pool()
     big = [memoryview(np.ones(64_000_000, np.uint8))]
+    soon = time.monotonic() + 0.3
     try:
         out = exchange_all(p, [
             Exchange(Origin(hung_up.url), "GET", "/x", None),
-            Exchange(Origin(mute.url), "GET", "/x", None, read_timeout=0.3),
+            Exchange(Origin(mute.url), "GET", "/x", None, deadline=soon),
             Exchange(Origin(refused), "GET", "/x", None),
-            Exchange(Origin(stuck), "POST", "/x", {"content-length": "64000000"}, big),
+            Exchange(Origin(stuck), "POST", "/x", {"content-length": "64000000"}, big,
+                     deadline=soon),
             Exchange(Origin(fine.url), "GET", "/x", None),
         ], submit)
     finally:
@@ -409,7 +412,7 @@ def test_async_pool_reuses_connections_and_closes_a_cancelled_one(scripted):
     origin = Origin(server.url)
 
     async def main() -> None:
-        p = AsyncHTTPPool(max_idle=2, connect_timeout=5.0, read_timeout=5.0, write_timeout=5.0)
+        p = AsyncHTTPPool(max_idle=2, connect_timeout=5.0, timeout=5.0, max_reply=1 << 30)
         for _ in range(3):
             assert (await p.request(origin, "GET", "/x", None)).status == 200
         assert server.connections == 1 and p.idle_count(origin) == 1
@@ -417,7 +420,7 @@ def test_async_pool_reuses_connections_and_closes_a_cancelled_one(scripted):
             await asyncio.wait_for(p.request(origin, "GET", "/hang", None), 0.2)
         assert p.idle_count(origin) == 0  # the idle one was taken, and closed when cancelled
         with pytest.raises(httpx2.ReadTimeout):
-            await p.request(origin, "GET", "/hang", None, read_timeout=0.2)
+            await p.request(origin, "GET", "/hang", None, deadline=time.monotonic() + 0.2)
         await p.close()
 
     try:
@@ -432,7 +435,7 @@ def test_async_pool_connect_errors(scripted):
     listener.close()  # nothing listens there now
 
     async def main() -> None:
-        p = AsyncHTTPPool(max_idle=2, connect_timeout=5.0, read_timeout=5.0, write_timeout=5.0)
+        p = AsyncHTTPPool(max_idle=2, connect_timeout=5.0, timeout=5.0, max_reply=1 << 30)
         with pytest.raises(httpx2.ConnectError):
             await p.request(Origin(f"http://127.0.0.1:{port}"), "GET", "/x", None)
 
