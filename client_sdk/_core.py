@@ -221,7 +221,7 @@ class ShardRequest:
 
     ``mutating`` requests change state; unless ``retry_safe`` (the shard applies a repeat at
     most once: writes with a seq, init) they are retried only when they certainly did not
-    reach the shard. ``deadline`` (``time.monotonic()`` seconds) bounds the call: no attempt
+    reach the shard. ``deadline`` (``time.monotonic()`` seconds) bounds the call: no retry
     starts or runs past it. ``timeout`` replaces the client's ``timeout`` for each attempt
     (long polls, checkpoints: they plan their own time, and their attempts may end past
     ``deadline``). ``max_reply`` bounds the reply's body (bytes; the core sets it: see

@@ -19,8 +19,8 @@ Both shells send a :class:`~client_sdk._core.ShardRequest` through :func:`send` 
   costs as much as copying the body in).
 
 Every attempt has one deadline for the whole exchange (connect, request, whole reply):
-``timeout`` from its start (a long poll's or a checkpoint's own time instead), and never past
-the call's ``retry_deadline`` (:func:`attempt_deadline`). The native pools wait on sockets
+``timeout`` from its start (a long poll's or a checkpoint's own time instead), and no retry
+runs past the call's ``retry_deadline`` (:func:`attempt_deadline`). The native pools wait on sockets
 until that deadline; over httpx2, whose timeouts bound each wait for bytes, the sync sender
 gives each connection's reads and writes only what is left of the deadline (``_Deadlines``,
 for the transports it can reach) and checks the deadline between the pieces of a reply, and
@@ -146,11 +146,15 @@ def _pool_args(settings: Settings) -> dict:
 
 def attempt_deadline(core: Core, req: ShardRequest) -> float:
     """When an attempt at ``req`` starting now must have ended, in ``time.monotonic()``
-    seconds: the client's ``timeout`` from now, but not past the call's deadline; or the
-    request's own ``timeout`` from now (long polls, checkpoints)."""
+    seconds: the client's ``timeout`` from now, but not past the call's deadline (its
+    ``retry_deadline``) unless ``timeout`` is the longer of the two, so that a call's first
+    attempt always has its whole ``timeout`` and the call ends within the longer of the two;
+    or the request's own ``timeout`` from now (long polls, checkpoints)."""
     if req.timeout is not None:
         return time.monotonic() + req.timeout
-    return min(time.monotonic() + core.settings.timeout, req.deadline)
+    settings = core.settings
+    return min(time.monotonic() + settings.timeout,
+               req.deadline + max(0.0, settings.timeout - settings.retry_deadline))
 
 
 def _native_request(req: ShardRequest) -> tuple[Mapping[str, str], list]:

@@ -55,7 +55,8 @@ class PSClient:
     tensors that take longer to move on your network). ``retry_deadline`` bounds each whole
     call, its retries included: a shard that is unreachable, restarting, times out or answers
     429/503 is retried with exponential backoff and jitter (and ``Retry-After``) until then,
-    and no attempt runs past it. Every call is safe to retry: writes carry this worker's id and
+    and no retry runs past it (the first attempt has its whole ``timeout``: a call ends within
+    the longer of the two). Every call is safe to retry: writes carry this worker's id and
     a sequence number, and a shard applies each one once. ``max_inflight`` bounds
     :meth:`push_async`. ``max_reply_bytes`` (default 1 GiB) bounds a reply whose size the
     client cannot know: a pull's values of variables it neither initialised nor pulled before

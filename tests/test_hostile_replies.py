@@ -13,7 +13,8 @@ transport) and asyncio (``_apool.py``).
 * A reply is never bigger than what the request can need: the sizes of the variables the client
   knows, or ``max_reply_bytes`` for those it does not. A reply declaring 8 GiB (or sending a
   chunked body without end) is a ProtocolError at once, and the worker's memory stays flat
-  (measured in a worker process of its own: its peak RSS against its RSS before the pull).
+  (measured in a worker process of its own: its peak RSS, VmHWM, against its RSS before the
+  pull).
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def test_a_trickled_reply_ends_at_the_deadline(proxies, kind, shards):
 
 
 HUGE = r"""
-import asyncio, json, resource, sys, httpx2, numpy as np
+import asyncio, json, sys, httpx2, numpy as np
 from client_sdk import AsyncPSClient, PSClient, PSError
 kind, urls, names, knows = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(","), \
     sys.argv[4]
@@ -163,9 +164,12 @@ options = dict(worker_id="flooded", timeout=20.0, retry_deadline=20.0)
 if knows == "capped":
     options["max_reply_bytes"] = 16 << 20
 
-def rss():
+def status(key):  # VmHWM: the peak RSS of this process's own memory (not its parent's)
     with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:"))
+        return next(int(l.split()[1]) for l in f if l.startswith(key + ":"))
+
+def rss():
+    return status("VmRSS")
 
 out = {}
 def before(ps_init):
@@ -191,7 +195,7 @@ try:
 except PSError as exc:
     out["error"] = type(exc).__name__
     out["message"] = str(exc)
-out["peak_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out["peak_kib"] = status("VmHWM")
 print(json.dumps(out))
 """
 
