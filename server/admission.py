@@ -61,6 +61,11 @@ PAUSE_WAIT = 1.0
 #: Longest a pause waits for writes already past the gate to answer.
 DRAIN_WRITES = 10.0
 RETRY_AFTER = "1"
+#: After this many seconds with nothing admitted, a shard that admitted at least
+#: :data:`TRIM_FROM` body bytes since it last did gives its free heap back
+#: (:func:`server.memory.trim_heap`).
+TRIM_AFTER = 2.0
+TRIM_FROM = 64 << 20
 #: Largest body of a long poll (``/v1/wait``: variable names), and of a control verb.
 MAX_WAIT_BODY = 16 << 20
 MAX_CONTROL_BODY = 64 << 10
@@ -98,6 +103,12 @@ class Gate:
         self._idle = asyncio.Event()
         self._idle.set()
         self._lease: asyncio.TimerHandle | None = None
+        #: Called (in a worker thread) once the gate was idle :data:`TRIM_AFTER` seconds after
+        #: admitting :data:`TRIM_FROM` bytes or more; ``None``: never.
+        self.trim: Callable[[], Any] | None = None
+        self.admitted = 0
+        self._untrimmed = 0
+        self._trim_timer: asyncio.TimerHandle | None = None
 
     # -- phase ------------------------------------------------------------------------------
 
@@ -168,6 +179,8 @@ class Gate:
     def _take(self, nbytes: int, slot: bool = True) -> None:
         self.requests += slot
         self.bytes += nbytes
+        self.admitted += 1
+        self._untrimmed += nbytes
 
     def _wake(self) -> None:
         while self._waiters and self._fits(self._waiters[0][0], self._waiters[0][2]):
@@ -183,6 +196,7 @@ class Gate:
         if self.requests > 1 and self.bytes + nbytes > self.max_bytes:
             return False
         self.bytes += nbytes
+        self._untrimmed += nbytes
         return True
 
     async def admit(self, nbytes: int, slot: bool = True) -> bool:
@@ -221,6 +235,24 @@ class Gate:
         self.requests -= slot
         self.bytes -= nbytes
         self._wake()
+        if self.trim is not None and self._untrimmed >= TRIM_FROM \
+                and self._trim_timer is None and not self.requests and not self.bytes:
+            self._trim_timer = asyncio.get_running_loop().call_later(
+                TRIM_AFTER, self._trim_if_idle, self.admitted)
+
+    def _trim_if_idle(self, admitted: int) -> None:
+        """The trim timer: trim if nothing was admitted since it was armed, else look again
+        :data:`TRIM_AFTER` seconds later while the gate is idle (the next release re-arms it
+        otherwise)."""
+        self._trim_timer = None
+        if self.requests or self.bytes:
+            return
+        loop = asyncio.get_running_loop()
+        if self.admitted != admitted:
+            self._trim_timer = loop.call_later(TRIM_AFTER, self._trim_if_idle, self.admitted)
+            return
+        self._untrimmed = 0
+        loop.run_in_executor(None, self.trim)
 
     # -- pauses -----------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ from .durability import Durability
 from .errors import ShardError
 from .fastpath import DirectRoutes
 from .headers import header
+from .memory import trim_heap
 from .protocol import Answerer, Immediate
 from .store import ParameterStore
 
@@ -268,6 +269,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     store = ParameterStore(config.shard_index, config.num_shards,
                            DedupTable(config.dedup_max_workers, config.dedup_idle_seconds))
     gate = Gate(config.max_queued_bytes, config.max_queued_requests)
+    gate.trim = trim_heap
     app.state.config = config
     app.state.store = store
     app.state.gate = gate

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import httpx2
@@ -292,3 +293,50 @@ def test_wait_bodies_are_bounded_and_counted_in_admission(fleet_factory):
         r = http.post(url + "/v1/wait", content=msgpack.packb({"names": [], "timeout": 0}),
                       headers={"content-type": wire.MSGPACK})
         assert r.status_code == 200
+
+
+# -- memory after a burst of big pushes (item 9) --------------------------------------------
+
+def test_the_memory_of_a_burst_of_big_pushes_is_given_back(fleet_factory):
+    """Sixteen concurrent 16 MiB pushes take the shard's heap up by what admission lets in
+    (256 MiB); once the shard is idle it gives that back (before, it kept its peak for good;
+    the next burst reused it)."""
+    from client_sdk import PSClient
+    from client_sdk.optimizers import SGD
+
+    fleet = fleet_factory(1, "--max-request-bytes", "32MiB", "--max-queued-bytes", "256MiB")
+    url, pid = fleet.urls[0], fleet.procs[0].pid
+    size = 4 << 20  # float32: 16 MiB
+    with PSClient([url], worker_id="w-init") as ps:
+        ps.init({"big": np.zeros(size, np.float32)}, optimizer=SGD(lr=0.1))
+    base = rss_mib(pid)
+    grad = np.ones(size, np.float32)
+    peak = [base]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_mib(pid))
+            time.sleep(0.01)
+
+    def push(k: int) -> None:
+        with PSClient([url], worker_id=f"w-{k}", retry_deadline=60.0) as ps:
+            ps.push({"big": grad})
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    for _ in range(2):
+        workers = [threading.Thread(target=push, args=(k,)) for k in range(16)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+    done.set()
+    watcher.join()
+    assert peak[0] > base + 100  # the burst did take memory
+    deadline = time.monotonic() + 20.0
+    while (now := rss_mib(pid)) > base + 64 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert now <= base + 64, (base, peak[0], now)
+    with PSClient([url], worker_id="w-after") as ps:
+        assert np.isclose(ps.pull(["big"])["big"][0], -0.1 * 32, rtol=1e-4)
