@@ -5,7 +5,8 @@
     ├── ShardUnavailableError    could not reach a shard (connect/read errors, timeouts, 503)
     │   └── OverloadedError      the shard kept answering 429/503 past the deadline
     ├── FleetMismatchError       the shard list disagrees with the fleet (index, size, 421)
-    ├── ProtocolError            a reply the SDK cannot understand, or another protocol version
+    ├── ProtocolError            a reply the SDK cannot understand, one bigger than the call can
+    │                            need (``max_reply_bytes``), or another protocol version
     ├── RequestRejectedError     the shard refused the request (4xx); nothing was changed
     │   ├── BadRequestError        400, 413, 415: a malformed request
     │   ├── AuthError              401, 403

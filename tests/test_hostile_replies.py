@@ -5,7 +5,7 @@ A real 2-shard fleet behind proxies (tests/dropproxy.py) whose ``deliver`` sends
 pulls in the hostile way and every other reply as the shard wrote it, so the fleet check and
 init go through and the pull meets the hostile reply. Each client kind is tried: the native
 pools (one shard: ``_pool.py``; both shards in one call: ``_fanout.py``), httpx2 (an injected
-transport) and asyncio (``_apool.py``).
+transport), asyncio (``_apool.py``) and asyncio over httpx2 (an injected async transport).
 
 * ``timeout`` bounds a whole exchange and ``retry_deadline`` a whole call: a pull whose reply
   comes at one byte per second (its head included) ends with ShardUnavailableError soon after
@@ -85,9 +85,10 @@ kind, urls, names = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
 options = dict(worker_id="trickled", timeout=2.0, retry_deadline=3.0)
 started = time.monotonic()
 try:
-    if kind == "async":
+    if kind.startswith("async"):
         async def main():
-            async with AsyncPSClient(urls, **options) as ps:
+            transport = httpx2.AsyncHTTPTransport() if kind == "async-httpx2" else None
+            async with AsyncPSClient(urls, transport=transport, **options) as ps:
                 await ps.wait_ready(names, timeout=10)
                 started_pull = time.monotonic()
                 try:
@@ -121,7 +122,7 @@ def trickle(stop: threading.Event):
 
 
 @pytest.mark.parametrize("kind,shards", [("native", 1), ("native", 2), ("httpx2", 2),
-                                         ("async", 2)])
+                                         ("async", 2), ("async-httpx2", 2)])
 def test_a_trickled_reply_ends_at_the_deadline(proxies, kind, shards):
     """Each call of the worker (a process of its own, so that a hang fails the test instead
     of holding it) must end with ShardUnavailableError well before 15 s: with timeout=2 and
@@ -178,9 +179,10 @@ def before(ps_init):
     out["rss_before_kib"] = rss()
 
 try:
-    if kind == "async":
+    if kind.startswith("async"):
         async def main():
-            async with AsyncPSClient(urls, **options) as ps:
+            transport = httpx2.AsyncHTTPTransport() if kind == "async-httpx2" else None
+            async with AsyncPSClient(urls, transport=transport, **options) as ps:
                 if knows == "knows":
                     await ps.init({n: np.zeros(64, np.float32) for n in names})
                 out["rss_before_kib"] = rss()
@@ -230,7 +232,8 @@ CASES = [(how, kind, shards, knows)
          for kind, shards, knows in (("native", 1, "knows"), ("native", 2, "knows"),
                                      ("native", 1, unknown), ("httpx2", 2, "knows"),
                                      ("httpx2", 1, unknown), ("async", 2, "knows"),
-                                     ("async", 1, unknown))]
+                                     ("async", 1, unknown), ("async-httpx2", 2, "knows"),
+                                     ("async-httpx2", 1, unknown))]
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
