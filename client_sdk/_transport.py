@@ -164,13 +164,19 @@ def _native_request(req: ShardRequest) -> tuple[Mapping[str, str], list]:
              "content-length": str(req.body.nbytes)}, req.body.chunks)
 
 
-def _native_reply(core: Core, req: ShardRequest, r: _http11.Response) -> Reply:
-    encoding = r.headers.get("content-encoding", "identity").strip().lower()
+def _identity(core: Core, req: ShardRequest, headers: Mapping[str, str], status: int) -> None:
+    """Refuse a reply whose body is encoded (compressed): the SDK asks for identity, and a
+    compressed body could expand past what the call can need before anything checked it."""
+    encoding = headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":
         url = core.url(req.shard)
         raise ProtocolError(f"shard {url} sent a body with Content-Encoding {encoding!r} "
                             "although the SDK asked for identity: is it behind a proxy "
-                            "that compresses?", shard=url, status=r.status)
+                            "that compresses?", shard=url, status=status)
+
+
+def _native_reply(core: Core, req: ShardRequest, r: _http11.Response) -> Reply:
+    _identity(core, req, r.headers, r.status)
     return Reply(r.status, r.headers, r.content)
 
 
@@ -381,12 +387,10 @@ class _DeadlineBackend:
 
 def _sized_buffer(response: httpx2.Response, limit: int, url: str) -> memoryview | None:
     """One buffer for the body, sized by its ``Content-Length`` (refused past ``limit``);
-    ``None`` when the length is not given or the body is encoded."""
+    ``None`` when the length is not given."""
     length = response.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise _too_large(int(length), limit, True, url)
-    if response.headers.get("content-encoding", "identity") != "identity":
-        return None
     if length is None or not length.isdigit():
         return None
     return memoryview(np.empty(int(length), np.uint8))
@@ -450,6 +454,7 @@ class HTTPXSender:
         body = _SyncBody(req.body) if req.body is not None else None
         response = client.send(_build(client, core, req, body, deadline), stream=True)
         try:
+            _identity(core, req, response.headers, response.status_code)
             if response.is_stream_consumed:  # a transport that read it already
                 content: bytes | memoryview = response.content
                 if len(content) > limit:
@@ -464,7 +469,7 @@ class HTTPXSender:
                 content = buf
             else:
                 whole = bytearray()
-                for chunk in response.iter_bytes():
+                for chunk in response.iter_raw():
                     whole += chunk
                     if len(whole) > limit:
                         raise _too_large(len(whole), limit, False, url)
@@ -501,6 +506,7 @@ class AsyncHTTPXSender:
         body = _AsyncBody(req.body) if req.body is not None else None
         response = await client.send(_build(client, core, req, body, deadline), stream=True)
         try:
+            _identity(core, req, response.headers, response.status_code)
             if response.is_stream_consumed:
                 content: bytes | memoryview = response.content
                 if len(content) > limit:
@@ -514,7 +520,7 @@ class AsyncHTTPXSender:
                 content = buf
             else:
                 whole = bytearray()
-                async for chunk in response.aiter_bytes():
+                async for chunk in response.aiter_raw():
                     whole += chunk
                     if len(whole) > limit:
                         raise _too_large(len(whole), limit, False, url)

@@ -10,6 +10,7 @@ transport), asyncio (``_apool.py``) and asyncio over httpx2 (an injected async t
 * ``timeout`` bounds a whole exchange and ``retry_deadline`` a whole call: a pull whose reply
   comes at one byte per second (its head included) ends with ShardUnavailableError soon after
   the retry deadline, where a timeout per read would let it run for minutes.
+* A compressed reply (the SDK asks for identity) is refused before it is decoded.
 * A reply is never bigger than what the request can need: the sizes of the variables the client
   knows, or ``max_reply_bytes`` for those it does not. A reply declaring 8 GiB (or sending a
   chunked body without end) is a ProtocolError at once, and the worker's memory stays flat
@@ -19,6 +20,8 @@ transport), asyncio (``_apool.py``) and asyncio over httpx2 (an injected async t
 
 from __future__ import annotations
 
+import asyncio
+import gzip
 import json
 import os
 import socket
@@ -28,11 +31,12 @@ import threading
 import uuid
 from pathlib import Path
 
+import httpx2
 import numpy as np
 import pytest
 from dropproxy import DroppingProxy
 
-from client_sdk import PSClient
+from client_sdk import AsyncPSClient, ProtocolError, PSClient
 from client_sdk.placement import shard_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -279,3 +283,38 @@ def test_a_reply_within_the_bound_is_taken(proxies):
         assert [v.shape for v in values.values()] == [(SIZE,)] * len(NAMES)
     with PSClient(urls, max_reply_bytes=1) as ps:  # the headroom alone holds small values
         assert ps.pull(NAMES)[NAMES[0]].shape == (SIZE,)
+
+
+def compressed(sock: socket.socket, reply: bytes) -> bool:
+    """The reply with its body gzip-compressed (as a compressing proxy would send it)."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    lines = [line for line in head.split(b"\r\n")
+             if not line.lower().startswith(b"content-length:")]
+    packed = gzip.compress(body)
+    lines += [b"content-encoding: gzip", b"content-length: %d" % len(packed)]
+    sock.sendall(b"\r\n".join(lines) + b"\r\n\r\n" + packed)
+    return True
+
+
+@pytest.mark.parametrize("kind", ["native", "httpx2", "async", "async-httpx2"])
+def test_a_compressed_reply_is_refused_unread(proxies, kind):
+    """The SDK asks for identity; a compressed body (which could expand far past the bound
+    before anything checked it) is a ProtocolError on every path, before it is decoded."""
+    hostile(proxies, compressed)
+    urls = [p.url for p in proxies]
+    options = dict(worker_id="gzipped-" + uuid.uuid4().hex[:6], retry_deadline=5.0)
+    try:
+        if kind.startswith("async"):
+            async def main() -> None:
+                transport = httpx2.AsyncHTTPTransport() if kind == "async-httpx2" else None
+                async with AsyncPSClient(urls, transport=transport, **options) as ps:
+                    with pytest.raises(ProtocolError, match="Content-Encoding 'gzip'"):
+                        await ps.pull(NAMES)
+            asyncio.run(main())
+        else:
+            transport = httpx2.HTTPTransport() if kind == "httpx2" else None
+            with PSClient(urls, transport=transport, **options) as ps:
+                with pytest.raises(ProtocolError, match="Content-Encoding 'gzip'"):
+                    ps.pull(NAMES)
+    finally:
+        quiet(proxies)
