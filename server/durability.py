@@ -114,7 +114,7 @@ class Durability:
             else:
                 logger.exception("cannot restore shard %s from %s", self.config.fleet,
                                  self.data_dir)
-            self.gate.set_phase("failed", str(exc))
+            self.gate.set_phase("failed", str(exc).replace(str(self.data_dir), "<data dir>"))
             if self.on_fatal is not None:
                 self.on_fatal(str(exc))
             return

@@ -142,12 +142,14 @@ class Snapshot:
         return int(self.manifest["state_version"])
 
     def info(self) -> dict[str, Any]:
-        """What the shard reports about this snapshot (``/v1/cluster``, checkpoint replies)."""
+        """What the shard reports about this snapshot (``/v1/cluster``, checkpoint replies) to
+        anyone who asks: ``path`` is the manifest's name in the data dir, never where the data
+        dir is (the shard's log says that)."""
         m = self.manifest
         return {"snapshot": m["snapshot"], "checkpoint": m.get("checkpoint"),
                 "created_at": m["created_at"], "state_version": m["state_version"],
                 "variables": len(m["variables"]), "bytes": m["values_bytes"],
-                "path": str(self.manifest_path)}
+                "path": self.manifest_path.name}
 
 
 # -- listing ----------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ async def cluster(request: Request) -> dict[str, Any]:
         "bytes": store.nbytes,
         "max_request_bytes": state.config.max_request_bytes,
         "state_version": store.state_version,
-        "data_dir": state.config.data_dir,
+        "data_dir": state.config.data_dir is not None,  # where it is: the shard's log only
         "restored": state.durability.restored,
         "last_snapshot": state.durability.last,
         "cannot_persist": state.durability.cannot_persist,

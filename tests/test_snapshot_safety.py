@@ -278,3 +278,24 @@ def readable_snapshots(data) -> list[tuple[int, str | None]]:
     from server import persistence
 
     return [(n, c) for n, c, _ in persistence.list_snapshots(data)]
+
+
+def test_no_reply_shows_where_the_data_dir_is(fleet_factory):
+    """``/v1/cluster`` and checkpoint replies name snapshots relative to the data dir and say
+    only whether there is one: where it is on the host is for the shard's log."""
+    fleet = fleet_factory(1, "--snapshot-interval", "0", data=True)
+    url, data = fleet.urls[0], fleet.data_dirs[0]
+    with PSClient(fleet.urls, worker_id="t") as ps:
+        ps.init({"w": np.zeros(3, np.float32)})
+    assert post(url, "pause", {"checkpoint": "c1"})[0] == 200
+    assert post(url, "snapshot", {"checkpoint": "c1"})[0] == 200
+    status, reply, _ = post(url, "resume", {"checkpoint": "c1"})
+    assert status == 200 and reply["snapshot"]["path"] == "snapshot-00000001-c1.json"
+    assert fleet.stop(0) == 0
+    fleet.start(0)
+    cluster = httpx2.get(url + "/v1/cluster", timeout=10)
+    assert str(data) not in cluster.text and str(fleet.workdir) not in cluster.text
+    info = cluster.json()
+    assert info["data_dir"] is True
+    assert (data / info["restored"]["path"]).is_file()
+    assert str(data) in fleet.log_tail(0, 400)  # the operator finds it in the log
