@@ -311,6 +311,8 @@ class Core:
         #: Per shard: whether its verbs take tensor tables (its /v1/cluster lists the feature),
         #: and uniform ones with packed rows.
         self._tables = [False] * self.n
+        #: Entries one request to each shard may hold (its ``max_request_names``).
+        self._max_names = [wire.MAX_REQUEST_NAMES] * self.n
         self._packed = [False] * self.n
         self._incarnation: list[str | None] = [None] * self.n
         #: Per shard: the last state version seen, and (old incarnation, that version) while
@@ -433,6 +435,18 @@ class Core:
             else:
                 group.append(name)
         return dict(sorted(out.items()))
+
+    def chunks(self, groups: Mapping[int, list[str]]) -> list[tuple[int, list[str]]]:
+        """``(shard, names)`` per request: each shard's names in runs of at most the
+        entries one request to it may hold (``max_request_names``, docs/PROTOCOL.md Limits)."""
+        out = []
+        for shard, names in groups.items():
+            size = self._max_names[shard]
+            if len(names) <= size:
+                out.append((shard, names))
+            else:
+                out += [(shard, names[i:i + size]) for i in range(0, len(names), size)]
+        return out
 
     def _place(self, name: str) -> int:
         """Validate ``name`` and remember its shard (a worker uses the same names each step,
@@ -649,6 +663,9 @@ class Core:
         features = info.get("features")
         self._tables[shard] = isinstance(features, list) and wire.FEATURE_TABLES in features
         self._packed[shard] = self._tables[shard] and wire.FEATURE_PACKED in features
+        limit = info.get("max_request_names")
+        if type(limit) is int and limit > 0:
+            self._max_names[shard] = limit
         incarnation = info.get("incarnation")
         if isinstance(incarnation, str):
             self._note_incarnation(shard, incarnation)
@@ -701,7 +718,7 @@ class Core:
         deadline = self.deadline()
         yield from self._ready(deadline)
         batch = []
-        for shard, names in self.split(arrays).items():
+        for shard, names in self.chunks(self.split(arrays)):
             variables = {}
             for name in names:
                 entry: dict[str, Any] = {"value": arrays[name]}
@@ -727,12 +744,13 @@ class Core:
         yield from self._ready(deadline)
         out: dict[str, np.ndarray] = {}
         for use_cache in (True, False):
-            batch, held = [], {}
-            for shard, group in groups.items():
+            batch, held = [], []
+            for shard, group in self.chunks(groups):
                 msg: dict[str, Any] = {"names": group, "layout": "table", "uniform": True,
                                        "packed": True}
                 if use_cache:
-                    entries, writes = held[shard] = self._cached(shard, group)
+                    entries, writes = self._cached(shard, group)
+                    held.append((entries, writes))
                     if entries is not None:
                         if self._tables[shard]:  # a list parallel to "names" (tables' form)
                             msg["versions"] = [c[1] if c is not None else None
@@ -744,9 +762,8 @@ class Core:
                                         names=group, max_reply=self._pull_bound(group)))
             replies = self._collect(batch, (yield batch))
             todo: list[str] = []
-            for request, reply in zip(batch, replies):
-                todo += self._take_pulled(request, reply, held.get(request.shard, _NOT_HELD),
-                                          out)
+            for i, (request, reply) in enumerate(zip(batch, replies)):
+                todo += self._take_pulled(request, reply, held[i] if held else _NOT_HELD, out)
             if not todo:
                 break
             groups = self.split(todo)
@@ -1019,8 +1036,13 @@ class Core:
         yield from self._ready(deadline)
         batch = []
         grads = job.grads
-        for shard, names in self.split(grads).items():
-            msg: dict[str, Any] = {"worker_id": self.settings.worker_id, "seq": job.seq}
+        first = set()
+        for shard, names in self.chunks(self.split(grads)):
+            # A shard's further requests (a batch above its max_request_names) are writes of
+            # their own, each with a seq of its own.
+            seq = job.seq if shard not in first else self.next_seq()
+            first.add(shard)
+            msg: dict[str, Any] = {"worker_id": self.settings.worker_id, "seq": seq}
             held = job.versions
             versions = {k: held[k] for k in names if k in held} if held else None
             if versions:
@@ -1044,11 +1066,11 @@ class Core:
             return {}
         deadline = self.deadline()
         yield from self._ready(deadline)
-        seq = self.next_seq()
         batch = [self._post(shard, "assign", {"values": {k: arrays[k] for k in names},
-                                              "worker_id": self.settings.worker_id, "seq": seq},
+                                              "worker_id": self.settings.worker_id,
+                                              "seq": self.next_seq()},
                             deadline, mutating=True, names=names, retry_safe=True)
-                 for shard, names in self.split(arrays).items()]
+                 for shard, names in self.chunks(self.split(arrays))]
         replies = self._collect(batch, (yield batch))
         return self._per_variable(batch, replies, "variables")
 
@@ -1099,11 +1121,13 @@ class Core:
             poll = max(0.0, min(remaining, WAIT_POLL_SECONDS))
             batch = [self._post(shard, "wait", {"names": group, "timeout": poll}, deadline,
                                 mutating=False, names=group, timeout=poll + WAIT_READ_SLACK)
-                     for shard, group in missing.items()]
+                     for shard, group in self.chunks(missing)]
             results = yield batch
+            missing = {}
             for request, result in zip(batch, results):
                 if isinstance(result, ShardUnavailableError):
                     unreachable[request.shard] = result
+                    missing.setdefault(request.shard, []).extend(request.names)
                     continue
                 msg = self._accept(request, result).msg
                 still = msg.get("missing")
@@ -1111,7 +1135,8 @@ class Core:
                     url = self.url(request.shard)
                     raise ProtocolError(f"shard {url} sent a wait reply without 'missing'",
                                         shard=url)
-                missing[request.shard] = [n for n in still if isinstance(n, str)]
+                missing.setdefault(request.shard, []).extend(n for n in still
+                                                             if isinstance(n, str))
 
     def _not_ready(self, missing: dict[int, list[str]], unreachable: Mapping[int, PSError],
                    waited: float) -> NotReadyError:

@@ -57,6 +57,7 @@ __all__ = [
     "HEADER_SHARD",
     "HEADER_STATE_VERSION",
     "JSON",
+    "MAX_REQUEST_NAMES",
     "MSGPACK",
     "PROTOCOL_VERSION",
     "Encoded",
@@ -102,6 +103,16 @@ DTYPES = frozenset(
 )
 _DTYPE_RE = re.compile(r"([<>|])([fiu])([1248])")
 MAX_NDIM = 32
+#: The most entries one request may hold in any one list or map (names, variables, gradients,
+#: a table's rows) that a shard takes by default (``--max-request-names``): past it, 413
+#: ``too_large``. The Python SDK splits bigger batches into requests of at most this many.
+MAX_REQUEST_NAMES = 2048
+#: A message of more bytes than this (a msgpack body, or a framed body's header) is decoded
+#: counting its lists, maps and their entries, at most :data:`OBJECTS_PER_NAME` per allowed
+#: name: a body of nothing but empty maps would otherwise decode to ~64 bytes of memory per
+#: byte.
+COUNT_FROM = 1 << 20
+OBJECTS_PER_NAME = 8
 #: numpy refuses shapes whose byte size (zero dimensions left out) does not fit in an intp.
 _MAX_ARRAY_BYTES = np.iinfo(np.intp).max
 
@@ -411,16 +422,19 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def unpack(body: Buffer, content_type: str | None) -> dict:
+def unpack(body: Buffer, content_type: str | None, max_entries: int | None = None) -> dict:
     """Decode a body's message, a map (tensors still as maps: pass them to
     :func:`decode_tensor` together with ``body``).
 
     Raises :class:`WireError`: ``bad_request`` for a body that is not what its type says or
-    whose message is not a map, ``unsupported_media_type`` for any other content type.
+    whose message is not a map, ``unsupported_media_type`` for any other content type, and
+    with ``max_entries`` (a shard decoding a request), ``too_large`` for a message with a list
+    or map of more entries, or a big one (:data:`COUNT_FROM`) of more than
+    :data:`OBJECTS_PER_NAME` times as many lists, maps and entries in all.
     """
     kind = (content_type or "").split(";")[0].strip().lower()
     if kind == MSGPACK:
-        return _unpack_map(body, "body")
+        return _unpack_map(body, "body", max_entries)
     if kind == FRAME:
         size = _buffer_size(body)
         if size < _HEAD.size:
@@ -431,17 +445,43 @@ def unpack(body: Buffer, content_type: str | None) -> dict:
         if _HEAD.size + hlen > size:
             raise WireError("framed body shorter than its declared header")
         return _unpack_map(memoryview(body).cast("B")[_HEAD.size:_HEAD.size + hlen],
-                           "framed header")
+                           "framed header", max_entries)
     raise WireError(
         f"unsupported content type {content_type!r}: send {MSGPACK} or {FRAME}",
         code="unsupported_media_type",
     )
 
 
-def _unpack_map(buf: Buffer, what: str) -> dict:
+class _TooMany(Exception):
+    pass
+
+
+def _unpack_map(buf: Buffer, what: str, max_entries: int | None = None) -> dict:
+    limits: dict[str, Any] = {}
+    if max_entries is not None:
+        limits = {"max_array_len": max_entries, "max_map_len": max_entries}
+        if _buffer_size(buf) > COUNT_FROM:
+            left = [OBJECTS_PER_NAME * max_entries]
+
+            def count(obj: Any) -> Any:
+                left[0] -= len(obj) + 1
+                if left[0] < 0:
+                    raise _TooMany
+                return obj
+
+            limits["object_hook"] = limits["list_hook"] = count
     try:
-        msg = msgpack.unpackb(buf, raw=False, strict_map_key=False)
+        msg = msgpack.unpackb(buf, raw=False, strict_map_key=False, **limits)
     except Exception as exc:  # msgpack raises several unrelated types
+        if max_entries is not None and (isinstance(exc, _TooMany) or (
+                f"max_array_len({max_entries})" in str(exc)
+                or f"max_map_len({max_entries})" in str(exc))):
+            raise WireError(
+                f"{what} holds a list or map of more than {max_entries} entries, or more than "
+                f"{OBJECTS_PER_NAME * max_entries} lists, maps and entries in all: a request "
+                f"may name at most {max_entries} variables (this shard's "
+                "--max-request-names); split it into smaller requests",
+                code="too_large", details={"limit": max_entries}) from None
         raise WireError(f"{what} is not valid msgpack: {exc}") from None
     if not isinstance(msg, dict):
         raise WireError(f"{what} must be one msgpack map, got {type(msg).__name__}")

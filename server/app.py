@@ -309,12 +309,13 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
 
     state = app.state
     store, gate, limit = state.store, state.gate, state.config.max_request_bytes
+    max_names = state.config.max_request_names
     shard = ShardMiddleware(app, state.config, state.incarnation, state)
 
     def pull(headers: Mapping[bytes, bytes], body: bytes) -> Immediate | None:
         if not shard.meant_for_me(headers.get(_FLEET_KEY)) or not gate.room_now(len(body)):
             return None
-        encoded = pull_now(store, limit, headers, body)
+        encoded = pull_now(store, limit, headers, body, max_names)
         if encoded is None:
             return None
         return Immediate([(b"content-type", encoded.content_type.encode("latin-1")),

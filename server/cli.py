@@ -94,6 +94,10 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
     p.add_argument("--max-queued-requests", dest="max_queued_requests", metavar="N",
                    help=f"pushes/pulls admitted at once [{env_name('max_queued_requests')}, "
                         "default 64]")
+    p.add_argument("--max-request-names", dest="max_request_names", metavar="N",
+                   help=f"entries (names, variables, gradients, table rows) one request may "
+                        f"hold; more are refused with 413 [{env_name('max_request_names')}, "
+                        f"default {ShardConfig.max_request_names}]")
     p.add_argument("--dedup-max-workers", dest="dedup_max_workers", metavar="N",
                    help=f"workers whose applied seqs are remembered, the least recently seen "
                         f"forgotten first [{env_name('dedup_max_workers')}, default 10000]")
@@ -208,8 +212,9 @@ def _config_from(args: argparse.Namespace) -> ShardConfig:
 #: Flags ``up`` passes on to every shard unchanged (``--data-dir`` becomes DIR/shard-i).
 _PASSED_ON = ("max_request_bytes", "log_level", "access_log", "snapshot_interval",
               "keep_snapshots", "keep_checkpoints", "restore", "max_queued_bytes",
-              "max_queued_requests", "dedup_max_workers", "dedup_idle_seconds",
-              "max_head_bytes", "head_timeout", "body_timeout", "min_body_rate")
+              "max_queued_requests", "max_request_names", "dedup_max_workers",
+              "dedup_idle_seconds", "max_head_bytes", "head_timeout", "body_timeout",
+              "min_body_rate")
 
 
 # -- serve ----------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from client_sdk.wire import MAX_REQUEST_NAMES
+
 __all__ = ["ENV_PREFIX", "LOG_LEVELS", "ConfigError", "ShardConfig", "index_from_hostname",
            "parse_size"]
 
@@ -190,6 +192,8 @@ class ShardConfig:
     #: Body bytes admitted at once; 0: the larger of 2 GiB and ``max_request_bytes``.
     max_queued_bytes: int = 0
     max_queued_requests: int = 64
+    #: Entries (names, variables, gradients, table rows) one request may hold in a list or map.
+    max_request_names: int = MAX_REQUEST_NAMES
     #: Workers whose applied seqs are remembered at most (the least recently seen forgotten).
     dedup_max_workers: int = 10_000
     #: A worker not seen for this many seconds is forgotten; 0: never.
@@ -284,6 +288,7 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "restore": _checkpoint,
     "max_queued_bytes": _size,
     "max_queued_requests": _int(1, 65536),
+    "max_request_names": _int(1, 1_000_000),
     "dedup_max_workers": _int(1, 10_000_000),
     "dedup_idle_seconds": _seconds,
     "max_head_bytes": _size,

@@ -220,8 +220,9 @@ async def _message(request: Request, scan: bool = False
     """The request's message, and the body its tensors' ``offset``s point into: the framed
     body, or ``None`` for a msgpack one (its tensors are inline; an ``offset`` there would
     read the message's own bytes as a tensor, so such a tensor is refused, 422)."""
-    body, kind = await read_body(request, request.app.state.config.max_request_bytes, scan)
-    msg = wire.unpack(body, kind)
+    config = request.app.state.config
+    body, kind = await read_body(request, config.max_request_bytes, scan)
+    msg = wire.unpack(body, kind, config.max_request_names)
     if not isinstance(msg, dict):
         raise ShardError("bad_request",
                          f"the body must be a msgpack map, got {type(msg).__name__}")
@@ -351,18 +352,19 @@ async def pull(request: Request) -> Response:
     return _reply(request, {"variables": store.pull(names, versions)}, tensors=True)
 
 
-def pull_now(store: ParameterStore, limit: int, headers: Mapping[bytes, bytes], body: bytes
-             ) -> wire.Encoded | None:
+def pull_now(store: ParameterStore, limit: int, headers: Mapping[bytes, bytes], body: bytes,
+             max_names: int = wire.MAX_REQUEST_NAMES) -> wire.Encoded | None:
     """The reply to a pull in the table layout, without waiting: what :func:`pull` answers for
     the same request, its arrays as the reply's own pieces; or ``None`` where :func:`pull`
     would do more than that (another layout or content type, a body above ``limit``, any
     error to answer, a push writing one of the variables in place), which it must then answer
-    itself. ``headers``: the request's, names lower-case. Synchronous; on the event loop."""
+    itself. ``headers``: the request's, names lower-case; ``max_names``: the shard's
+    ``--max-request-names``. Synchronous; on the event loop."""
     if len(body) > limit or headers.get(b"content-type") != _MSGPACK \
             or _FRAME not in headers.get(b"accept", b"").lower():
         return None
     try:
-        msg = wire.unpack(body, wire.MSGPACK)
+        msg = wire.unpack(body, wire.MSGPACK, max_names)
         if not isinstance(msg, dict):
             return None
         names, versions, table, layout = _pull_args(msg, True)

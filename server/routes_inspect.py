@@ -81,6 +81,7 @@ async def cluster(request: Request) -> dict[str, Any]:
         "variables": len(store),
         "bytes": store.nbytes,
         "max_request_bytes": state.config.max_request_bytes,
+        "max_request_names": state.config.max_request_names,
         "state_version": store.state_version,
         "data_dir": state.config.data_dir is not None,  # where it is: the shard's log only
         "restored": state.durability.restored,

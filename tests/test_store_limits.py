@@ -6,6 +6,7 @@ zero, and requests big enough to block the event loop (docs/PROTOCOL.md, "Limits
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Any
@@ -301,3 +302,100 @@ def test_optimizer_updates_that_overflow_are_refused(shard, http, spec, start, g
     if "weight_decay" not in spec:  # (that one overflows whatever the gradient)
         status, msg = push(http, shard, {name: np.full(3, 1.0, np.float32)})  # and goes on
         assert status == 200, msg
+
+
+# -- requests big enough to block the event loop (item 8) ------------------------------------
+
+def _msgpack_names(key: bytes, count: int) -> bytes:
+    """``{key: ["a", "a", ...]}`` (``count`` names) as raw msgpack, built without packing."""
+    return b"\x81" + bytes([0xa0 | len(key)]) + key + b"\xdd" + count.to_bytes(4, "big") \
+        + b"\xa1a" * count
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _hostile_bodies() -> list[tuple[str, str, bytes, str]]:
+    """The issue's four requests: (what, verb, body, content type)."""
+    names = [f"n{i}" for i in range(100_000)]
+    init = msgpack.packb({"variables": {n: {"value": {"dtype": "<f4", "shape": [1],
+                                                       "data": bytes(4)}} for n in names}})
+    rows = 2_000_000
+    header = msgpack.packb({"worker_id": "w", "seq": 1, "layout": "table", "grads": {
+        "names": [f"g{i}" for i in range(rows)], "uniform": {"dtype": "<f4", "shape": [1]}}})
+    frame = wire.FRAME_MAGIC + len(header).to_bytes(4, "little") + header
+    maps = b"\x81\xa5names\xdc" + (1250).to_bytes(2, "big") \
+        + (b"\xdc" + (4000).to_bytes(2, "big") + b"\x80" * 4000) * 1250
+    return [("init of 100k variables", "init", init, wire.MSGPACK),
+            ("pull of 5M names", "pull", _msgpack_names(b"names", 5_000_000), wire.MSGPACK),
+            ("push table of 2M rows", "push", frame, wire.FRAME),
+            ("5 MB of empty maps", "pull", maps, wire.MSGPACK)]
+
+
+def test_requests_too_big_to_process_are_refused_and_health_answers(fleet_factory, http):
+    """Each of the issue's requests is refused (413, saying how to split it) without the
+    shard's memory growing by more than a fraction of what decoding them cost, and /healthz
+    keeps answering meanwhile, also while the largest allowed init and pull are served."""
+    fleet = fleet_factory(1)
+    url = fleet.urls[0]
+    pid = fleet.procs[0].pid
+    bodies = _hostile_bodies()
+    before = _rss(pid)
+    slowest = 0.0
+    done = threading.Event()
+
+    def poll_health() -> None:
+        nonlocal slowest
+        with httpx2.Client(timeout=30.0) as own:
+            while not done.is_set():
+                started = time.monotonic()
+                assert own.get(url + "/healthz").status_code == 200
+                slowest = max(slowest, time.monotonic() - started)
+                time.sleep(0.02)
+
+    poller = threading.Thread(target=poll_health)
+    poller.start()
+    try:
+        for what, verb, body, ctype in bodies:
+            r = http.post(f"{url}/v1/{verb}", content=body, headers={"content-type": ctype})
+            assert r.status_code == 413, (what, r.status_code, r.content[:200])
+            err = wire.unpack(bytearray(r.content), r.headers["content-type"])["error"]
+            assert err["code"] == "too_large" and "split" in err["message"], (what, err)
+            assert err["details"]["limit"] == wire.MAX_REQUEST_NAMES
+        # the largest allowed requests are served, and health still answers
+        names = [f"big/{i}" for i in range(wire.MAX_REQUEST_NAMES)]
+        status, msg = post(http, url, "init", {"variables": {
+            n: {"value": np.zeros(1, np.float32)} for n in names}}, frame=True)
+        assert status == 200, msg
+        status, msg = post(http, url, "pull", {"names": names})
+        assert status == 200 and len(msg["variables"]) == len(names)
+        refused(post(http, url, "pull", {"names": names + ["one-more"]}), 413, "too_large")
+    finally:
+        done.set()
+        poller.join()
+    assert slowest < 2.0, slowest  # the issue's requests held it for 6-17 s
+    assert _rss(pid) - before < 200 << 20  # the maps alone decoded to ~320 MiB
+    assert_healthy(http, url)
+
+
+def test_the_sdk_splits_batches_above_the_shards_limit(fleet_factory):
+    """A worker with more variables per shard than one request may hold: init, wait_ready,
+    pull, push and assign all work, each sent as several requests."""
+    from client_sdk import PSClient
+    from client_sdk.optimizers import Add
+    fleet = fleet_factory(2, "--max-request-names", "100")
+    names = [f"many/{i}" for i in range(450)]
+    with PSClient(fleet.urls) as ps:
+        ps.init({n: np.full(2, i, np.float32) for i, n in enumerate(names)}, optimizer=Add())
+        ps.wait_ready(names, timeout=10)
+        assert [v[0] for v in ps.pull(names).values()] == list(range(450))
+        ps.push({n: np.ones(2, np.float32) for n in names})
+        assert [v[0] for v in ps.pull(names).values()] == list(range(1, 451))
+        ps.push({n: np.ones(2, np.float32) for n in names})  # a second step: new seqs
+        ps.assign({n: np.zeros(2, np.float32) for n in names})
+        assert all(not v.any() for v in ps.pull(names).values())
