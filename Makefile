@@ -9,7 +9,7 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 PEERS_VENV := .venv-peers
 PEERS_BIN  := $(PEERS_VENV)/bin
 
-.PHONY: demo test bench bench-peers redis-server lint clean
+.PHONY: demo test bench bench-peers redis-server lint typecheck clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,12 +23,16 @@ $(VENV)/.stamp-%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.stamp-demo
 	$(BIN)/paramshard demo
 
-test: lint
+test: lint typecheck
 	$(BIN)/python -m pytest -q
 
 # pyflakes-level checks (pyproject.toml [tool.ruff.lint]); part of make test.
 lint: $(VENV)/.stamp-test
 	$(BIN)/ruff check .
+
+# mypy --strict on the SDK (pyproject.toml [tool.mypy]); part of make test.
+typecheck: $(VENV)/.stamp-test
+	$(BIN)/mypy
 
 bench: $(VENV)/.stamp-bench
 	$(BIN)/python -m bench $(BENCH_ARGS)
@@ -50,4 +54,4 @@ bench-peers: $(PEERS_VENV)/.stamp redis-server
 	$(PEERS_BIN)/python -m bench --peers $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info .pytest_cache .hypothesis bench/results
+	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache bench/results

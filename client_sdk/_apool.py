@@ -30,12 +30,12 @@ from ._http11 import HEAD_BUFFER, IDLE_EXPIRY, Buffer, Origin, Response, advance
 __all__ = ["AsyncHTTPPool"]
 
 
-def _ready(fut: asyncio.Future) -> None:
+def _ready(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
 
 
-def _expired(fut: asyncio.Future) -> None:
+def _expired(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError())
 
@@ -147,7 +147,8 @@ class _AsyncConnection:
                     continue
                 target = reading.send(n)
         except StopIteration as done:
-            return done.value
+            result: tuple[Response, bool] = done.value
+            return result
         except TimeoutError as exc:
             raise httpx2.ReadTimeout("timed out waiting for the whole response") from exc
         except OSError as exc:

@@ -262,10 +262,10 @@ class _Message:
 
 #: A pulled value as the cache keeps it: ``(shard incarnation, version, value)``. A plain tuple:
 #: a pull of many variables makes one per variable, and a tuple is the cheapest record to make.
-_Cached = tuple  # [str | None, int, np.ndarray]
+_Cached = tuple[Union[str, None], int, np.ndarray]
 #: What a pull holds of one shard's names: cache entries parallel to them (or None), and the
 #: cache's write count when they were read (see Core._cached).
-Held = tuple  # [list[_Cached | None] | None, int | None]
+Held = tuple[Union[list[Union[_Cached, None]], None], Union[int, None]]
 _NOT_HELD: Held = (None, None)
 #: Lists of names whose pull plans are kept (all dropped when full).
 _MAX_PLANS = 64
@@ -324,7 +324,7 @@ class Core:
         #: where it was when the versions asked for were read may cache without comparing.
         self._writes = 0
         #: tuple of names -> a pull's (checked names, names per shard); see _pull_plan.
-        self._plans: dict[tuple, tuple[list[str], dict[int, list[str]]]] = {}
+        self._plans: dict[tuple[str, ...], tuple[list[str], dict[int, list[str]]]] = {}
         self._seq = _seq_counter(settings.worker_id)
         #: name -> (shape, dtype) of variables this client initialised (what it knows of those
         #: it never pulled); dropped with the cache of their shard when it restarts.
@@ -385,7 +385,7 @@ class Core:
 
     def _post(self, shard: int, verb: str, msg: Any, deadline: float, *, mutating: bool,
               names: Iterable[str] = (), timeout: float | None = None,
-              retry_safe: bool = False, table: dict | None = None,
+              retry_safe: bool = False, table: dict[str, Any] | None = None,
               arrays: list[np.ndarray] | None = None,
               max_reply: int | None = None) -> ShardRequest:
         """A POST of ``msg``; with ``table`` (a map inside ``msg``) and ``arrays``, encoded as
@@ -395,6 +395,7 @@ class Core:
         for a verb that returns no tensors, the headroom and ``max_reply_bytes`` otherwise."""
         try:
             if table is not None:
+                assert arrays is not None, "a table comes with its arrays"
                 packed = self._packed[shard]
                 body = wire.encode_table(msg, table, arrays, uniform=packed, packed=packed)
             else:
@@ -421,8 +422,8 @@ class Core:
     def split(self, names: Iterable[str]) -> dict[int, list[str]]:
         """Group names by owning shard, in shard order."""
         if self.n == 1:
-            group = list(names)
-            return {0: group} if group else {}
+            every = list(names)
+            return {0: every} if every else {}
         placed = self._placed
         out: dict[int, list[str]] = {}
         for name in names:
@@ -528,7 +529,7 @@ class Core:
                 self._state_version[shard] = version
                 if shard in self._restarted:
                     report = self._restarted.pop(shard)
-        if report is not None:
+        if report is not None and version is not None:  # a report waits for the version
             old, last_seen = report
             seen = "" if last_seen is None else f"; this client last saw it at {last_seen}"
             lost = "" if last_seen is None or last_seen <= version else \
@@ -661,7 +662,9 @@ class Core:
                                      shard=url, code="fleet_mismatch",
                                      details={"shard_index": index, "num_shards": total})
         features = info.get("features")
-        self._tables[shard] = isinstance(features, list) and wire.FEATURE_TABLES in features
+        if not isinstance(features, list):
+            features = []
+        self._tables[shard] = wire.FEATURE_TABLES in features
         self._packed[shard] = self._tables[shard] and wire.FEATURE_PACKED in features
         limit = info.get("max_request_names")
         if type(limit) is int and limit > 0:
@@ -710,7 +713,7 @@ class Core:
 
     # -- verbs -------------------------------------------------------------------------------
 
-    def init(self, values: Any, optimizer: Any = None) -> Flow[dict[str, dict]]:
+    def init(self, values: Any, optimizer: Any = None) -> Flow[dict[str, dict[str, Any]]]:
         arrays = self.arrays(values, "init")
         specs = _optimizers(optimizer, arrays)
         if not arrays:
@@ -853,7 +856,7 @@ class Core:
         entries = held[0]
         held_of = dict(zip(request.names, entries)) if entries is not None else {}
         for name in request.names:
-            entry = variables.get(name)
+            entry: Any = variables.get(name)  # a dict wherever version is an int
             version = entry.get("version") if isinstance(entry, dict) else None
             if type(version) is not int:
                 raise ProtocolError(f"shard {url} sent no version for {name!r} in a pull reply",
@@ -1029,7 +1032,7 @@ class Core:
                 into.versions[name] = new.versions[name] if old is None \
                     else min(old, new.versions[name])
 
-    def push(self, job: PushJob) -> Flow[dict[str, dict]]:
+    def push(self, job: PushJob) -> Flow[dict[str, dict[str, Any]]]:
         if not job.grads:
             return {}
         deadline = self.deadline()
@@ -1060,7 +1063,7 @@ class Core:
         replies = self._collect(batch, (yield batch))
         return self._per_variable(batch, replies, "variables")
 
-    def assign(self, values: Any) -> Flow[dict[str, dict]]:
+    def assign(self, values: Any) -> Flow[dict[str, dict[str, Any]]]:
         arrays = self.arrays(values, "assign")
         if not arrays:
             return {}
@@ -1193,7 +1196,7 @@ class Core:
                               "another", shard=url)
         return checkpoint_id
 
-    def variables(self) -> Flow[list[dict]]:
+    def variables(self) -> Flow[list[dict[str, Any]]]:
         deadline = self.deadline()
         yield from self._ready(deadline)
         batch = [self._get(i, "/v1/variables", deadline, "variables") for i in range(self.n)]
@@ -1208,8 +1211,8 @@ class Core:
         return sorted(out, key=lambda s: str(s.get("name")))
 
     def _per_variable(self, batch: list[ShardRequest], replies: list[_Message],
-                      key: str) -> dict[str, dict]:
-        out: dict[str, dict] = {}
+                      key: str) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
         for request, reply in zip(batch, replies):
             url = self.url(request.shard)
             entries = reply.msg.get(key)
@@ -1285,13 +1288,13 @@ def as_array(name: str, value: Any, *, copy: bool = False) -> np.ndarray:
 _SENDABLE_DTYPES = frozenset(np.dtype(o + k) for k in wire.DTYPES for o in "<>")
 
 
-def _optimizers(optimizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, dict | None]:
+def _optimizers(optimizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, dict[str, Any] | None]:
     """``optimizer`` is one spec for every variable, a dict name -> spec, or None."""
     if optimizer is None or isinstance(optimizer, Optimizer):
         spec = optimizer.to_wire() if optimizer is not None else None
         return {name: spec for name in arrays}
     if isinstance(optimizer, Mapping):
-        out: dict[str, dict | None] = {}
+        out: dict[str, dict[str, Any] | None] = {}
         for name in arrays:
             o = optimizer.get(name)
             if o is not None and not isinstance(o, Optimizer):

@@ -112,7 +112,8 @@ class _Flight:
         try:
             self.into = self.reading.send(n)
         except StopIteration as done:
-            return done.value
+            result: tuple[Response, bool] = done.value
+            return result
         return None
 
     def timed_out(self) -> httpx2.TimeoutException:
@@ -171,9 +172,8 @@ def _take_off(pool: HTTPPool, exchanges: Sequence[Exchange], submit: Submit,
             if conn is not None:
                 conn.close()
         raise
-    return [_Flight(i, exchanges[i], conn, deadlines[i],
-                    pool.max_reply if exchanges[i].max_reply is None else exchanges[i].max_reply)
-            for i, conn in enumerate(conns) if conn is not None]
+    return [_Flight(i, e, conn, deadlines[i], pool.max_reply if e.max_reply is None else e.max_reply)
+            for i, (e, conn) in enumerate(zip(exchanges, conns)) if conn is not None]
 
 
 def _close_opened(future: concurrent.futures.Future[Connection]) -> None:

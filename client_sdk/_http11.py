@@ -185,7 +185,7 @@ def read_response(buf: bytearray, max_size: int) -> Reading:
     if have >= size:
         return Response(status, headers, bytes(view[start:start + size])), \
             reusable and have == size
-    content = memoryview(np.empty(size, np.uint8))
+    content = memoryview(np.empty(size, np.uint8))  # type: ignore[arg-type]  # numpy types ndarray as a buffer for Python >= 3.12 only
     content[:have] = view[start:end]
     pos = have
     while pos < size:
@@ -293,7 +293,7 @@ def _chunked(buf: bytearray, view: memoryview, start: int, end: int, max_size: i
             size -= take
         while end - start < 2:
             start, end = yield from _fill(view, start, end)
-        if view[start:start + 2] != b"\r\n":
+        if view[start:start + 2] != b"\r\n":  # type: ignore[comparison-overlap]  # a bytes view
             raise httpx2.RemoteProtocolError("chunk not followed by CRLF")
         start += 2
 

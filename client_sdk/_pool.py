@@ -129,7 +129,8 @@ class Connection:
                     continue
                 target = reading.send(n)
         except StopIteration as done:
-            return done.value
+            result: tuple[Response, bool] = done.value
+            return result
         except OSError as exc:
             raise httpx2.ReadError(str(exc) or type(exc).__name__) from exc
 

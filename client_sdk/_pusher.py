@@ -26,7 +26,7 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ._exceptions import PSError, PushError
 
@@ -62,7 +62,7 @@ def _push_error(failures: list[PSError]) -> PushError:
     return PushError(message, errors=list(failures))
 
 
-class Pusher:
+class Pusher(Generic[T]):
     """Runs pushes on ``max_inflight`` background threads. Thread-safe.
 
     ``run(job)`` does one push and raises a ``PSError`` if it fails; ``merge(waiting, new)``
@@ -76,13 +76,13 @@ class Pusher:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_inflight, thread_name_prefix="paramshard-push")
         self._lock = threading.Lock()
-        self._pending: set[concurrent.futures.Future] = set()
+        self._pending: set[concurrent.futures.Future[T]] = set()
         self._running = 0  # pushes holding a slot (exact, unlike the set of futures)
-        self._waiting: tuple[Any, concurrent.futures.Future] | None = None
+        self._waiting: tuple[Any, concurrent.futures.Future[T]] | None = None
         self._failures: list[PSError] = []
         self._closed = False
 
-    def submit(self, job: Any, coalesce: bool = False) -> concurrent.futures.Future:
+    def submit(self, job: Any, coalesce: bool = False) -> concurrent.futures.Future[T]:
         """Start a push. Blocks while ``max_inflight`` pushes are running, unless
         ``coalesce``: then the push waits (merged into the one already waiting, if any)."""
         if self._closed:
@@ -106,14 +106,14 @@ class Pusher:
                 raise closed_error()
             return self._start(job, None)
 
-    def _future(self) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+    def _future(self) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._pending.add(fut)
         fut.add_done_callback(self._on_done)
         return fut
 
-    def _start(self, job: Any, fut: concurrent.futures.Future | None
-               ) -> concurrent.futures.Future:
+    def _start(self, job: Any, fut: concurrent.futures.Future[T] | None
+               ) -> concurrent.futures.Future[T]:
         """Run ``job`` on a slot the caller holds (and the lock)."""
         fut = fut or self._future()
         self._running += 1
@@ -126,7 +126,7 @@ class Pusher:
             raise
         return fut
 
-    def _call(self, job: Any, fut: concurrent.futures.Future) -> None:
+    def _call(self, job: Any, fut: concurrent.futures.Future[T]) -> None:
         try:
             if not fut.set_running_or_notify_cancel():
                 return  # cancelled while it waited: counted by _on_done
@@ -149,7 +149,7 @@ class Pusher:
                     return
             self._slots.release()
 
-    def _on_done(self, fut: concurrent.futures.Future) -> None:
+    def _on_done(self, fut: concurrent.futures.Future[T]) -> None:
         with self._lock:
             self._pending.discard(fut)
             if fut.cancelled():
@@ -182,22 +182,22 @@ class Pusher:
             self._executor.shutdown(wait=True)
 
 
-class AsyncPusher:
+class AsyncPusher(Generic[T]):
     """The asyncio twin of :class:`Pusher`: use it from one event loop."""
 
-    def __init__(self, max_inflight: int, run: Callable[[Any], Awaitable[Any]],
+    def __init__(self, max_inflight: int, run: Callable[[Any], Awaitable[T]],
                  merge: Merge) -> None:
         self._run = run
         self._merge = merge
         self._max = max_inflight
         self._slots: asyncio.Semaphore | None = None
-        self._inflight: set[asyncio.Task] = set()
+        self._inflight: set[asyncio.Task[T]] = set()
         self._running = 0
-        self._waiting: tuple[Any, asyncio.Task] | None = None
+        self._waiting: tuple[Any, asyncio.Task[T]] | None = None
         self._failures: list[PSError] = []
         self._closed = False
 
-    async def submit(self, job: Any, coalesce: bool = False) -> asyncio.Task:
+    async def submit(self, job: Any, coalesce: bool = False) -> asyncio.Task[T]:
         """Start a push as a task; waits while ``max_inflight`` pushes are running, unless
         ``coalesce`` (then the push waits in its task, merged into the one already waiting)."""
         if self._closed:
@@ -218,14 +218,14 @@ class AsyncPusher:
             raise closed_error()
         return self._spawn(job, holding=True)
 
-    def _spawn(self, job: Any, holding: bool) -> asyncio.Task:
+    def _spawn(self, job: Any, holding: bool) -> asyncio.Task[T]:
         state = {"started": False, "holding": holding}
         task = asyncio.get_running_loop().create_task(self._call(job, state))
         self._inflight.add(task)
         task.add_done_callback(lambda t: self._finished(t, state))
         return task
 
-    async def _call(self, job: Any, state: dict[str, bool]) -> Any:
+    async def _call(self, job: Any, state: dict[str, bool]) -> T:
         state["started"] = True
         assert self._slots is not None
         try:
@@ -249,7 +249,7 @@ class AsyncPusher:
                 raise
             raise err from exc
 
-    def _finished(self, task: asyncio.Task, state: dict[str, bool]) -> None:
+    def _finished(self, task: asyncio.Task[T], state: dict[str, bool]) -> None:
         # In a done callback, not in _call: a task cancelled before it started never runs
         # _call's body, yet it must give its slot back (and count as a failure).
         self._inflight.discard(task)

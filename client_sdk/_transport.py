@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import httpx2
 import numpy as np
@@ -56,6 +56,9 @@ from ._core import Core, Reply, Settings, ShardRequest
 from ._exceptions import ConfigError, ProtocolError, PSError, ShardUnavailableError
 from ._pool import HTTPPool
 from .wire import Encoded
+
+if TYPE_CHECKING:
+    import httpcore2
 
 __all__ = [
     "AsyncHTTPXSender",
@@ -81,7 +84,7 @@ Result = Union[Reply, PSError]
 #: What settles a request (anything else :func:`_judge` returns is a delay before a retry).
 _SETTLED = (Reply, PSError)
 #: Runs a blocking call on another thread (an executor's ``submit``).
-Submit = Callable[..., concurrent.futures.Future]
+Submit = Callable[..., concurrent.futures.Future[Any]]
 
 #: Transport errors after which the request certainly did not reach the shard.
 _UNSENT = (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout)
@@ -138,7 +141,7 @@ def async_sender(settings: Settings,
 # -- the native senders -----------------------------------------------------------------------
 
 
-def _pool_args(settings: Settings) -> dict:
+def _pool_args(settings: Settings) -> dict[str, Any]:
     return {"max_idle": _idle_per_shard(settings.max_inflight),
             "connect_timeout": min(settings.timeout, CONNECT_TIMEOUT),
             "timeout": settings.timeout, "max_reply": settings.max_reply_bytes}
@@ -157,7 +160,7 @@ def attempt_deadline(core: Core, req: ShardRequest) -> float:
                req.deadline + max(0.0, settings.timeout - settings.retry_deadline))
 
 
-def _native_request(req: ShardRequest) -> tuple[Mapping[str, str], list]:
+def _native_request(req: ShardRequest) -> tuple[Mapping[str, str], list[Any]]:
     if req.body is None:
         return req.headers, []
     return ({**req.headers, "content-type": req.body.content_type,
@@ -271,7 +274,7 @@ class _AsyncBody:
 
 
 def _build(client: Union[httpx2.Client, httpx2.AsyncClient], core: Core, req: ShardRequest,
-           body: object, deadline: float) -> httpx2.Request:
+           body: _SyncBody | _AsyncBody | None, deadline: float) -> httpx2.Request:
     """The request, each of its waits for bytes bounded by what is left until ``deadline``."""
     headers = dict(req.headers)
     if req.body is not None:
@@ -280,7 +283,8 @@ def _build(client: Union[httpx2.Client, httpx2.AsyncClient], core: Core, req: Sh
     left = max(0.0, deadline - time.monotonic())
     t = client.timeout
     request = client.build_request(req.method, core.url(req.shard) + req.path, headers=headers,
-                                   content=body if req.body is not None else None)
+                                   # httpx2 sends memoryview pieces as they are; its types say bytes
+                                   content=body)  # type: ignore[arg-type]
     read = left if req.timeout is not None else _within(t.read, left)  # a long poll: its own
     request.extensions["timeout"] = httpx2.Timeout(
         connect=_within(t.connect, left), read=read, write=_within(t.write, left),
@@ -327,7 +331,7 @@ class _Deadlines:
     def left(cls, limit: float | None, phase: str) -> float | None:
         """``limit`` (seconds), cut to what is left of this thread's deadline; raises
         httpcore2's timeout of ``phase`` (which httpx2 maps to its own) once it passed."""
-        deadline = getattr(cls._local, "deadline", None)
+        deadline: float | None = getattr(cls._local, "deadline", None)
         if deadline is None:
             return limit
         left = deadline - time.monotonic()
@@ -343,7 +347,7 @@ class _Deadlines:
 class _DeadlineStream:
     """A network stream whose waits stop at the thread's deadline (see :class:`_Deadlines`)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: httpcore2.NetworkStream) -> None:
         self._inner = inner
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
@@ -367,7 +371,7 @@ class _DeadlineStream:
 class _DeadlineBackend:
     """A network backend whose streams are :class:`_DeadlineStream`."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: httpcore2.NetworkBackend) -> None:
         self._inner = inner
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None,
@@ -393,7 +397,7 @@ def _sized_buffer(response: httpx2.Response, limit: int, url: str) -> memoryview
         raise _too_large(int(length), limit, True, url)
     if length is None or not length.isdigit():
         return None
-    return memoryview(np.empty(int(length), np.uint8))
+    return memoryview(np.empty(int(length), np.uint8))  # type: ignore[arg-type]  # numpy types ndarray as a buffer for Python >= 3.12 only
 
 
 def _too_large(size: int, limit: int, declared: bool, url: str) -> ProtocolError:
@@ -605,12 +609,12 @@ def send_all(sender: Sender, core: Core, reqs: Sequence[ShardRequest], submit: S
         _judge(core, req, 1, started, outcome)
         for req, outcome in zip(reqs, sender.once_all(core, reqs, submit))]
     again = [i for i, r in enumerate(results) if not isinstance(r, _SETTLED)]
-    futures = {i: submit(_retry, sender, core, reqs[i], started, 1, results[i])
-               for i in again[1:]}
+    retrying = {i: submit(_retry, sender, core, reqs[i], started, 1, results[i])
+                for i in again[1:]}
     if again:
         i = again[0]
         results[i] = _retry(sender, core, reqs[i], started, 1, results[i])  # type: ignore[arg-type]
-    for i, future in futures.items():
+    for i, future in retrying.items():
         results[i] = future.result()
     return results  # type: ignore[return-value]
 

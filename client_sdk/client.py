@@ -21,7 +21,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import httpx2
 import numpy as np
@@ -39,6 +39,7 @@ logger = logging.getLogger("client_sdk")
 
 Shards = Union[Sequence[str], str, None]
 OptimizerArg = Union[Optimizer, Mapping[str, Optimizer], None]
+T = TypeVar("T")
 
 
 class PSClient:
@@ -116,22 +117,23 @@ class PSClient:
 
     # -- driving the core -------------------------------------------------------------------
 
-    def _drive(self, flow: Flow[Any]) -> Any:
+    def _drive(self, flow: Flow[T]) -> T:
         if self._closed:
             raise closed_error()
         try:
-            batch = flow.send(None)
+            batch = next(flow)
             while True:
                 batch = flow.send(self._send_all(batch))
         except StopIteration as stop:
-            return stop.value
+            result: T = stop.value
+            return result
 
     def _send_all(self, batch: list[ShardRequest]) -> list[Result]:
         return _transport.send_all(self._sender, self._core, batch, self._pool.submit)
 
     # -- verbs ------------------------------------------------------------------------------
 
-    def init(self, values: Mapping[str, Any], optimizer: OptimizerArg = None) -> dict[str, dict]:
+    def init(self, values: Mapping[str, Any], optimizer: OptimizerArg = None) -> dict[str, dict[str, Any]]:
         """Create each variable unless it exists: the first value wins; no chief is needed.
 
         ``values`` maps names to array-likes; ``optimizer`` is one spec from
@@ -166,7 +168,7 @@ class PSClient:
         return self._drive(self._core.pull(names))
 
     def push(self, grads: Mapping[str, Any],
-             versions: Mapping[str, int] | None = None) -> dict[str, dict]:
+             versions: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
         """Send gradients; returns once every owning shard applied them (blocks).
 
         Each shard validates its whole part before applying any of it, then runs the
@@ -182,7 +184,7 @@ class PSClient:
         return self._drive(self._core.push(self._core.prepare_push(grads, versions)))
 
     def push_async(self, grads: Mapping[str, Any], versions: Mapping[str, int] | None = None,
-                   *, coalesce: bool = False) -> concurrent.futures.Future:
+                   *, coalesce: bool = False) -> concurrent.futures.Future[dict[str, dict[str, Any]]]:
         """Start a push in the background and return its ``concurrent.futures.Future``.
 
         The gradients are copied first, so the caller may reuse its buffers at once. Returns
@@ -203,7 +205,7 @@ class PSClient:
         self._core.check_push(job)
         return self._pusher.submit(job, coalesce=coalesce)
 
-    def _push_job(self, job: PushJob) -> dict[str, dict]:
+    def _push_job(self, job: PushJob) -> dict[str, dict[str, Any]]:
         return self._drive(self._core.push(job))
 
     def flush(self) -> None:
@@ -221,7 +223,7 @@ class PSClient:
         """
         return self._drive(self._core.increment(name, delta))
 
-    def assign(self, values: Mapping[str, Any]) -> dict[str, dict]:
+    def assign(self, values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """Overwrite existing variables (same shape; cast to the variable's dtype). Blocks.
 
         Optimizer state is kept. Returns name -> ``{"version"}``. Raises
@@ -229,7 +231,7 @@ class PSClient:
         """
         return self._drive(self._core.assign(values))
 
-    def variables(self) -> list[dict]:
+    def variables(self) -> list[dict[str, Any]]:
         """Summaries of every variable on every shard (``GET /v1/variables``), sorted by name,
         each with the index of its ``shard``. Blocks."""
         return self._drive(self._core.variables())
@@ -318,15 +320,16 @@ class AsyncPSClient:
     def worker_id(self) -> str:
         return self._core.settings.worker_id
 
-    async def _drive(self, flow: Flow[Any]) -> Any:
+    async def _drive(self, flow: Flow[T]) -> T:
         if self._closed:
             raise closed_error()
         try:
-            batch = flow.send(None)
+            batch = next(flow)
             while True:
                 batch = flow.send(await self._send_all(batch))
         except StopIteration as stop:
-            return stop.value
+            result: T = stop.value
+            return result
 
     async def _send_all(self, batch: list[ShardRequest]) -> list[Result]:
         if len(batch) == 1:
@@ -335,7 +338,7 @@ class AsyncPSClient:
             *(_transport.asend(self._sender, self._core, r) for r in batch)))
 
     async def init(self, values: Mapping[str, Any],
-                   optimizer: OptimizerArg = None) -> dict[str, dict]:
+                   optimizer: OptimizerArg = None) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.init`."""
         return await self._drive(self._core.init(values, optimizer))
 
@@ -348,13 +351,13 @@ class AsyncPSClient:
         return await self._drive(self._core.pull(names))
 
     async def push(self, grads: Mapping[str, Any],
-                   versions: Mapping[str, int] | None = None) -> dict[str, dict]:
+                   versions: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.push`."""
         return await self._drive(self._core.push(self._core.prepare_push(grads, versions)))
 
     async def push_async(self, grads: Mapping[str, Any],
                          versions: Mapping[str, int] | None = None, *,
-                         coalesce: bool = False) -> asyncio.Task:
+                         coalesce: bool = False) -> asyncio.Task[dict[str, dict[str, Any]]]:
         """Start a push as an ``asyncio.Task`` and return it; waits only while
         ``max_inflight`` pushes are running, and not even then with ``coalesce=True``.
         Failures surface on the task, on the next :meth:`flush` and on :meth:`close` (see
@@ -365,7 +368,7 @@ class AsyncPSClient:
         self._core.check_push(job)
         return await self._pusher.submit(job, coalesce=coalesce)
 
-    async def _push_job(self, job: PushJob) -> dict[str, dict]:
+    async def _push_job(self, job: PushJob) -> dict[str, dict[str, Any]]:
         return await self._drive(self._core.push(job))
 
     async def flush(self) -> None:
@@ -376,11 +379,11 @@ class AsyncPSClient:
         """See :meth:`PSClient.increment`."""
         return await self._drive(self._core.increment(name, delta))
 
-    async def assign(self, values: Mapping[str, Any]) -> dict[str, dict]:
+    async def assign(self, values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.assign`."""
         return await self._drive(self._core.assign(values))
 
-    async def variables(self) -> list[dict]:
+    async def variables(self) -> list[dict[str, Any]]:
         """See :meth:`PSClient.variables`."""
         return await self._drive(self._core.variables())
 

@@ -37,8 +37,8 @@ import itertools
 import math
 import re
 import struct
-from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypeGuard, Union
 
 import msgpack
 import numpy as np
@@ -153,7 +153,7 @@ class WireError(ValueError):
         self.details = details if details is not None else {}
 
 
-def error_payload(code: str, message: str, details: Mapping[str, Any] | None = None) -> dict:
+def error_payload(code: str, message: str, details: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The body of every error response: ``{"error": {"code", "message", "details"}}``."""
     return {"error": {"code": code, "message": message, "details": dict(details or {})}}
 
@@ -183,7 +183,8 @@ def parse_dtype(text: Any) -> np.dtype:
             f"dtype {text!r}: byte order must be '|' for one-byte types and '<' or '>' otherwise",
             code="bad_tensor",
         )
-    dtype = _PARSED[text] = np.dtype(text)
+    dtype: np.dtype[Any] = np.dtype(text)
+    _PARSED[text] = dtype
     if dtype.isnative:
         _PARSED_NATIVE[text] = dtype
     return dtype
@@ -209,7 +210,7 @@ def _parse_shape(shape: Any, itemsize: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -263,7 +264,7 @@ def decode_tensor(obj: Any, body: Buffer | None = None) -> np.ndarray:
     return np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
-def framed_view(obj: dict, body: Buffer) -> np.ndarray | None:
+def framed_view(obj: dict[Any, Any], body: Buffer) -> np.ndarray | None:
     """:func:`decode_tensor` for the common framed tensor (known dtype, positive dimensions, in
     bounds) with as little Python as possible; ``None`` for anything else, which the general
     path then decodes or refuses with the right message."""
@@ -306,7 +307,7 @@ class Encoded:
             return self.chunks[0]
         return b"".join(self.chunks)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Buffer]:
         return iter(self.chunks)
 
 
@@ -326,7 +327,7 @@ def _dtype_str(dtype: np.dtype) -> str:
     return text
 
 
-def _collect(obj: Any, found: list[tuple[dict, np.ndarray]]) -> Any:
+def _collect(obj: Any, found: list[tuple[dict[str, Any], np.ndarray]]) -> Any:
     """``obj`` with its containers copied and each ndarray replaced by a new descriptor map
     ``{"dtype", "shape"}``, appended to ``found`` with the (C-contiguous) array."""
     kind = type(obj)
@@ -381,7 +382,7 @@ def encode(msg: Any, frame: bool | None = None, *, tensors: bool = True) -> Enco
     if not tensors:
         body = msgpack.packb(msg, use_bin_type=True, default=_scalar)
         return Encoded(MSGPACK, [body], len(body))
-    found: list[tuple[dict, np.ndarray]] = []
+    found: list[tuple[dict[str, Any], np.ndarray]] = []
     header_obj = _collect(msg, found)
     if frame is None:
         frame = sum(a.nbytes for _, a in found) >= FRAME_THRESHOLD
@@ -422,7 +423,7 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def unpack(body: Buffer, content_type: str | None, max_entries: int | None = None) -> dict:
+def unpack(body: Buffer, content_type: str | None, max_entries: int | None = None) -> dict[Any, Any]:
     """Decode a body's message, a map (tensors still as maps: pass them to
     :func:`decode_tensor` together with ``body``).
 
@@ -456,7 +457,7 @@ class _TooMany(Exception):
     pass
 
 
-def _unpack_map(buf: Buffer, what: str, max_entries: int | None = None) -> dict:
+def _unpack_map(buf: Buffer, what: str, max_entries: int | None = None) -> dict[Any, Any]:
     limits: dict[str, Any] = {}
     if max_entries is not None:
         limits = {"max_array_len": max_entries, "max_map_len": max_entries}
@@ -510,7 +511,8 @@ def tensors_of(value: Any, body: Buffer | None, what: str) -> dict[str, np.ndarr
 # -- tensor tables ---------------------------------------------------------------------------
 
 
-def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
+def encode_table(message: dict[str, Any], table: dict[str, Any],
+                 arrays: Sequence[np.ndarray | None],
                  dtypes: list[str | None] | None = None,
                  shapes: list[list[int] | None] | None = None, *,
                  arrays_as_chunks: bool = False, uniform: bool = False,
@@ -561,12 +563,13 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
         table["dtype"], table["shape"] = dtypes, shapes
     head = msgpack.packb(message, use_bin_type=True)
     at = _HEAD.size + len(head)
-    chunks: list[Buffer] = [_HEAD.pack(FRAME_MAGIC, len(head)), head]
+    # Buffers, and with arrays_as_chunks the arrays themselves.
+    chunks: list[Any] = [_HEAD.pack(FRAME_MAGIC, len(head)), head]
     append = chunks.append
     pads = _PADS
     n = len(arrays)
     if arrays_as_chunks and same:
-        size = arrays[0].nbytes  # every row: one dtype, one shape, so one size and stride
+        size = arrays[0].nbytes  # type: ignore[union-attr]  # same: no None row; every row: one dtype, one shape, so one size and stride
         if size:
             pad = -at % ALIGN
             if pad:
@@ -596,7 +599,7 @@ def encode_table(message: dict, table: dict, arrays: list[np.ndarray | None],
 
 
 def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = False,
-               names: list[str] | None = None, with_block: bool = False) -> tuple:
+               names: list[str] | None = None, with_block: bool = False) -> tuple[Any, ...]:
     """Decode a tensor table of the framed ``body``: its names and, per row, the tensor (a
     view of ``body``, no copy) or ``None`` for a row without one. Other columns stay in
     ``table`` for the caller. With ``native=True`` a tensor in the other byte order is
@@ -616,7 +619,9 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
     """
     if type(table) is not dict:
         raise WireError(f"'{what}' must be a map of columns")
-    dtypes, shapes = table.get("dtype"), table.get("shape")
+    # Checked to be lists below unless the table is uniform.
+    dtypes: Any = table.get("dtype")
+    shapes: Any = table.get("shape")
     if "names" in table or names is None:
         names = table.get("names")
         if type(names) is not list or not all(type(n) is str for n in names):
@@ -635,8 +640,8 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
         raise WireError("a tensor table needs a framed body")
     start = _HEAD.size + _HEAD.unpack_from(body, 0)[1]
     if uniform is not None:
-        rows, block = _uniform_rows(uniform, n, body, start, size, what, native)
-        return (names, rows, block) if with_block else (names, rows)
+        same_rows, block = _uniform_rows(uniform, n, body, start, size, what, native)
+        return (names, same_rows, block) if with_block else (names, same_rows)
     try:
         block = _uniform_block(dtypes, shapes, body, start, size)
         rows = list(block) if block is not None else _fast_rows(dtypes, shapes, body, start,
@@ -663,8 +668,8 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
     return (names, out, None) if with_block else (names, out)
 
 
-def _uniform_rows(uniform: dict, n: int, body: Buffer, at: int, size: int, what: str,
-                  native: bool) -> tuple[list[np.ndarray], np.ndarray]:
+def _uniform_rows(uniform: dict[Any, Any], n: int, body: Buffer, at: int, size: int, what: str,
+                  native: bool) -> tuple[list[np.ndarray], np.ndarray | None]:
     """The ``n`` rows of a table whose tensors all have the dtype and shape of its ``uniform``
     map (padded to the next multiple of :data:`ALIGN`, or, with ``"packed": true``, one
     right after the other), and the ``(n, *shape)`` view of the body they are the rows of;
@@ -687,11 +692,12 @@ def _uniform_rows(uniform: dict, n: int, body: Buffer, at: int, size: int, what:
         block = np.empty((n, *dims), dtype.newbyteorder("=") if native else dtype)
         block.flags.writeable = False
     else:
-        block = _strided_rows(dtype, dims, n, body, at, size, packed)
-        if block is None:
+        strided = _strided_rows(dtype, dims, n, body, at, size, packed)
+        if strided is None:
             raise WireError(f"{what}: {n} tensors of {dtype.itemsize * math.prod(dims)} bytes "
                             f"each run past the end of the body ({size} bytes)",
                             code="bad_tensor")
+        block = strided
         if native and not dtype.isnative:
             block = block.astype(dtype.newbyteorder("="))
             block.flags.writeable = False
@@ -699,7 +705,7 @@ def _uniform_rows(uniform: dict, n: int, body: Buffer, at: int, size: int, what:
     return rows, (block if n > 1 and block.dtype.isnative else None)
 
 
-def _one_dtype_and_shape(dtypes: list, shapes: list) -> bool:
+def _one_dtype_and_shape(dtypes: list[Any], shapes: list[Any]) -> bool:
     """Whether a table has two or more rows, all tensors of one dtype and one shape (equal
     entries of its columns, compared in C)."""
     n = len(dtypes)
@@ -707,7 +713,7 @@ def _one_dtype_and_shape(dtypes: list, shapes: list) -> bool:
         and shapes.count(shapes[0]) == n
 
 
-def _uniform_block(dtypes: list, shapes: list, body: Buffer, at: int, size: int
+def _uniform_block(dtypes: list[Any], shapes: list[Any], body: Buffer, at: int, size: int
                    ) -> np.ndarray | None:
     """A table of two or more tensors that all have one dtype (already seen, in this
     machine's byte order) and one shape (ints > 0), lying in the body, as one strided view of
@@ -745,10 +751,11 @@ def _strided_rows(dtype: np.dtype, dims: Sequence[int], n: int, body: Buffer, at
     if n and first + stride * (n - 1) + span > size:
         return None
     strides.append(stride)
-    return np.ndarray((n, *dims), dtype, body, first, strides[::-1])
+    view: np.ndarray = np.ndarray((n, *dims), dtype, body, first, strides[::-1])
+    return view
 
 
-def _fast_rows(dtypes: list, shapes: list, body: Buffer, at: int, size: int
+def _fast_rows(dtypes: list[Any], shapes: list[Any], body: Buffer, at: int, size: int
                ) -> list[np.ndarray | None]:
     """The rows of a table whose tensors all have a dtype already seen in this machine's byte
     order and one positive dimension, and lie in the body; raises ``KeyError``, ``TypeError``

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import types
 
+import pytest
+
 import client_sdk
 from client_sdk import PSError
 from conftest import ROOT
@@ -78,3 +80,12 @@ def test_the_sdk_imports_without_server_packages():
     proc = subprocess.run([sys.executable, "-c", BLOCKER], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_sdk_ships_its_types():
+    """PEP 561: the marker sits in the package and the wheel's package data carries it, so a
+    user's type checker reads the SDK's annotations (checked by `make typecheck`)."""
+    assert (ROOT / "client_sdk" / "py.typed").is_file()
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "py.typed" in config["tool"]["setuptools"]["package-data"]["client_sdk"]
