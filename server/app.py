@@ -8,9 +8,10 @@ JSON inspection endpoints (``server/routes_inspect.py``). Its lifespan runs
 bounded work).
 
 Errors are rendered in one place, :func:`error_response`: ``{"error": {"code", "message",
-"details"}}`` as msgpack for data-plane requests (``POST /v1/...``) and as JSON for everything
-else. Handlers map :class:`~server.errors.ShardError`, ``wire.WireError``, FastAPI's validation
-errors and unknown routes/methods to it; :class:`ShardMiddleware` adds the shard headers to every
+"details"}}`` as msgpack for data-plane requests (``POST /v1/...``, and any method on a
+data-plane verb's path) and as JSON for everything else. Handlers map
+:class:`~server.errors.ShardError`, ``wire.WireError``, FastAPI's validation errors and unknown
+routes/methods to it; :class:`ShardMiddleware` adds the shard headers to every
 response, refuses requests meant for another shard (``x-paramshard-fleet``), and turns any
 exception that escapes a handler (a bug, never bad input) into a logged 500 ``internal``.
 :func:`serving_app` is what a shard serves: the app, except that data-plane ``POST`` requests go through
@@ -66,9 +67,19 @@ _STATE_VERSION = wire.HEADER_STATE_VERSION.encode()
 _FLEET_RE = re.compile(r"\s*([0-9]{1,9})\s*/\s*([0-9]{1,9})\s*")
 
 
+#: The data plane's verbs (docs/PROTOCOL.md §3), each ``POST /v1/<verb>``.
+DATA_PLANE_VERBS = ("init", "pull", "push", "assign", "increment", "wait", "pause", "snapshot",
+                    "resume")
+_DATA_PLANE_PATHS = frozenset(f"/v1/{verb}" for verb in DATA_PLANE_VERBS)
+
+
 def is_data_plane(scope: Scope) -> bool:
-    """Data-plane requests (``POST /v1/<verb>``) get msgpack errors; the rest get JSON."""
-    return scope.get("method") == "POST" and scope.get("path", "").startswith("/v1/")
+    """Data-plane requests get msgpack errors, the rest JSON: any ``POST /v1/...``, and any
+    request to a data-plane verb's path whatever its method (a ``GET /v1/push`` is 405 in the
+    family a client of that path decodes)."""
+    path = scope.get("path", "")
+    return path in _DATA_PLANE_PATHS or (scope.get("method") == "POST"
+                                         and path.startswith("/v1/"))
 
 
 def error_response(scope: Scope, status: int, code: str, message: str,
@@ -213,7 +224,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         method, path = request.method, request.url.path
         if exc.status_code == 404:
-            verbs = "init, pull, push, assign, increment, wait, pause, snapshot, resume"
+            verbs = ", ".join(DATA_PLANE_VERBS)
             hint = (f"the data-plane verbs are POST /v1/{{{verbs}}}" if is_data_plane(request.scope)
                     else "see /docs for the endpoints")
             return error_response(request.scope, 404, "not_found",

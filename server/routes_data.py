@@ -14,7 +14,6 @@ can be (:func:`server.app.immediate_routes`), with the same code and bytes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -423,8 +422,14 @@ def _pull_table(store: ParameterStore, names: list[str],
 
 def _writer(msg: Mapping[str, Any], verb: str, required: bool) -> tuple[Any, Any]:
     """``(worker_id, seq)`` of a write (both or neither when optional), checked."""
-    if not required and "worker_id" not in msg and "seq" not in msg:
-        return None, None
+    if not required:
+        if "worker_id" not in msg and "seq" not in msg:
+            return None, None
+        if "worker_id" not in msg or "seq" not in msg:
+            given, other = ("seq", "worker_id") if "seq" in msg else ("worker_id", "seq")
+            raise ShardError("bad_request", f"{verb}: {given!r} without {other!r}: a write is "
+                             "applied once per (worker_id, seq), so send both, or neither "
+                             "(docs/PROTOCOL.md)", {"field": other})
     worker_id = _required(msg, "worker_id", verb)
     if not isinstance(worker_id, str) or not 0 < len(worker_id) <= 256:
         raise _bad_field(verb, "worker_id", "a string of 1-256 characters", worker_id)
@@ -476,6 +481,10 @@ async def push(request: Request) -> Response:
     finite = getattr(request.state, "finite", None) or {}
     block = None
     if _layout(msg, "push") == "table":
+        if isinstance(msg.get("grads"), dict) and "versions" in msg["grads"]:
+            raise ShardError("bad_request", "push: 'versions' is not a column of the 'grads' "
+                             "table: send it at the top level of the message, as a map "
+                             "{name: version} (docs/PROTOCOL.md, push)", {"field": "grads.versions"})
         grads, block = _table_map(request, msg, "grads", "push", body)
         if not finite:  # a table of same-shaped gradients is checked in one pass
             finite = finite_rows(list(grads), block)
@@ -526,7 +535,7 @@ async def wait(request: Request) -> Response:
     if timeout is None:
         timeout = 10.0
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or not math.isfinite(timeout) or timeout < 0:
+            or not 0 <= timeout <= MAX_WAIT_SECONDS:
         raise _bad_field("wait", "timeout", f"a number of seconds in 0..{MAX_WAIT_SECONDS:g}",
                          timeout)
     return _reply(request, await _store(request).wait(names, timeout))

@@ -42,7 +42,9 @@ Rules every verb keeps:
 * **Applied once.** A write that carries ``worker_id`` and ``seq`` is checked against the
   :class:`~server.dedup.DedupTable` after validation: a seq already applied is answered
   ``"duplicate"`` and changes nothing (a retried increment gets the value it got the first
-  time); a seq too old to tell is refused (409 ``seq_expired``).
+  time, while the shard still holds that result: ``dedup.MAX_RESULTS`` per worker); a seq too
+  old to tell, or an increment's whose result is no longer held, is refused (409
+  ``seq_expired``).
 * **Snapshots see one instant.** :meth:`ParameterStore.capture` takes read-only views of every
   value and optimizer slot at once and marks them shared, so while the snapshot is written the
   updates go to fresh memory (as while a pull's reply is in flight) and the writer reads a
@@ -68,7 +70,7 @@ from client_sdk.optimizers import SGD, Add, Optimizer, from_wire
 from client_sdk.placement import shard_for, validate_name
 
 from . import optim
-from .dedup import DedupTable
+from .dedup import MAX_RESULTS, DedupTable
 from .errors import ShardError
 
 __all__ = ["DEFAULT_OPTIMIZER", "MAX_WAIT_SECONDS", "OFFLOAD_BYTES", "Capture", "ParameterStore",
@@ -437,6 +439,18 @@ def _expired(verb: str, worker_id: str, seq: int, high: int) -> ShardError:
         "Two processes sharing one worker_id, or a worker restarted with its clock set back, "
         "cause this: give every worker process its own worker_id",
         {"worker_id": worker_id, "seq": seq, "high_seq": high})
+
+
+def _result_dropped(worker_id: str, seq: int, high: int) -> ShardError:
+    return ShardError(
+        "seq_expired",
+        f"increment seq {seq} of worker {worker_id!r} was applied already, but this shard no "
+        f"longer holds what it answered (it keeps the results of each worker's {MAX_RESULTS} "
+        "highest-numbered increments), so it cannot answer the value the first attempt got; "
+        "nothing was added. A worker retries an increment with the seq of that attempt, so this "
+        f"means {MAX_RESULTS} or more later increments of the worker were applied first: two "
+        "processes sharing one worker_id cause this; give every worker process its own",
+        {"worker_id": worker_id, "seq": seq, "high_seq": high, "results_kept": MAX_RESULTS})
 
 
 @dataclass
@@ -985,6 +999,8 @@ class ParameterStore:
                 return {"value": earlier[0], "version": earlier[1], "status": "duplicate"}
             record = self.dedup.get(worker_id)
             self.dedup.count(worker_id, "expired")
+            if record is not None and record.status(seq) == "duplicate":
+                raise _result_dropped(worker_id, seq, record.high)
             raise _expired("increment", worker_id, seq, record.high if record else -1)
         var = self._vars.get(name)
         if var is not None:
