@@ -8,8 +8,8 @@ pull
     * ``PSClient.pull`` as a user sees it;
     * the same request through bare ``httpx2``: time to the response headers (the shard
       decodes the request, exports the value, encodes the reply), then the body read chunk by
-      chunk into one preallocated buffer (what the SDK did before it had its own connection
-      pool for ``http://`` shards), and the body read by httpx2's own ``Response.read()``
+      chunk into one preallocated buffer (what the SDK does over httpx2, for
+      ``https://`` shards; ``http://`` ones it reads through its own connection pool), and the body read by httpx2's own ``Response.read()``
       (which joins the chunks);
     * the same request over a bare socket, the body ``recv_into`` one buffer (no client
       library: what the shard's side costs);

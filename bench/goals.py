@@ -1,4 +1,4 @@
-"""The GOALS section: issue 3's speed goals, each a ratio of two figures from the same run.
+"""The GOALS section: the project's speed goals, each a ratio of two figures from the same run.
 
 * pull and push+apply of >= 10^6 elements: >= 0.5 x the raw socket's MB/s, and >= 1.2 x
   TensorFlow's gRPC parameter server's;

@@ -1,7 +1,7 @@
 """Scale on paper: from the shard's measured CPU-seconds per GB, how many shards a big model
 needs. Printed at the end of a run as SCALE; bench/README.md shows its latest result.
 
-The scenario (issue 3): a model of 10^9 float32 parameters (4 GB), 64 workers, each pushing
+The scenario: a model of 10^9 float32 parameters (4 GB), 64 workers, each pushing
 its whole gradient and pulling the whole model once a second: 256 GB/s into the fleet and
 256 GB/s out of it.
 

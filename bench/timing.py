@@ -20,8 +20,8 @@ MB = 1e6
 #: Sizes up to this many bytes get the full repetition count; bigger ones proportionally fewer.
 FULL_REPS_BYTES = 8 << 20
 #: Transfers of at most this many bytes get :data:`SMALL_FACTOR` times the repetition count:
-#: each takes a millisecond or so, and with 30 of them the median of the 100 x 4 KB step moved
-#: by a quarter from one run to the next (0.68-0.94 ms on one afternoon).
+#: each takes a millisecond or so, and with 30 of them the median of the 100 x 4 KB step moves
+#: by up to a quarter from one run to the next.
 SMALL_BYTES = 512 * 1024
 SMALL_FACTOR = 10
 

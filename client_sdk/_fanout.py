@@ -2,8 +2,8 @@
 
 A call that touches several ``http://`` shards sends one request to each. Giving each its own
 thread costs every request a hand-off (a pool thread woken, the GIL passed back and forth, a
-future waited on: measured here, about 6 voluntary context switches and 0.1 ms of Python per
-4 MB push to 2 shards, on top of the HTTP). :func:`exchange_all` instead drives all of them
+future waited on: several voluntary context switches per call, on top of the HTTP).
+:func:`exchange_all` instead drives all of them
 from the caller's thread over non-blocking sockets and one :mod:`selectors` selector: each
 request's head and body buffers go out with ``sendmsg`` as its socket takes bytes, and each
 reply is read (by :func:`client_sdk._http11.read_response`, as in the blocking pool) into its

@@ -44,9 +44,9 @@ Reading = Generator[memoryview, int, "tuple[Response, bool]"]
 
 #: Size of each connection's receive buffer, and the most a response head may take.
 HEAD_BUFFER = 64 * 1024
-#: At most this many bytes per ``sendmsg`` call. Measured here (100 MB push): a sendmsg per
-#: 0.5-2 MiB took 45-47 ms against 51-53 ms for the whole body offered at once (the kernel then
-#: holds the socket for as much as the send buffer takes, and the loopback receiver waits).
+#: At most this many bytes per ``sendmsg`` call. A big body offered at once goes slower: the
+#: kernel then holds the socket for as much as the send buffer takes, and the loopback
+#: receiver waits.
 SEND_SLICE = 1 << 20
 #: At most this many buffers per ``sendmsg`` call (Linux's IOV_MAX is 1024).
 MAX_IOV = 512

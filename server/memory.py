@@ -5,8 +5,8 @@ writes into) and frees the previous one, and so does every update that cannot go
 new values, while a reader holds the old ones); every one of them is big. glibc's
 ``malloc`` maps a block above its mmap threshold (at most 32 MiB) fresh from the kernel and
 unmaps it when freed, so each push of a 100 MB tensor would make the kernel zero-fill 100-200 MB of new
-pages and fault them in one by one: measured here, ``np.empty(100 MB)`` plus a copy into it
-took 24 ms, against 14 ms into memory already touched. :func:`keep_big_buffers` raises the
+pages and fault them in one by one, which makes a copy into a new buffer cost nearly twice
+one into memory already touched. :func:`keep_big_buffers` raises the
 thresholds so that blocks up to 1 GiB come from the heap, and freed ones stay there for the
 next request, which takes them back at the speed of touched memory.
 

@@ -175,7 +175,7 @@ async def _read_sized(request: Request, size: int, scan: bool = False) -> wire.B
     whole: bytes | None = None
     buf: memoryview | None = None
     pos = 0
-    receive = request.receive  # request.stream() without a generator: ~3 us a request less
+    receive = request.receive  # request.stream() without a generator's per-request cost
     more = True
     while more:
         message = await receive()

@@ -1,16 +1,16 @@
 """Checking a push's gradients for NaN and infinities while its body is still arriving.
 
-A push is validated whole before any of it is applied, so the finiteness check (one pass over
-every gradient byte) used to run after the last byte arrived, in series with the update: ~10%
-of a 40 MB push here. But the body of a big push is written by the socket straight into one
+A push is validated whole before any of it is applied, so a finiteness check (one pass over
+every gradient byte) run after the last byte arrived would sit in series with the update, a
+noticeable part of a big push. But the body of a big push is written by the socket straight into one
 buffer (:class:`server.protocol.BodyInto`), piece by piece, and between pieces the shard waits
 for the network. :class:`FiniteScan` uses those waits: it is called with the count of bytes
 received after each piece, reads the frame's header as soon as it is complete, and checks
 each float gradient's bytes as they land, while they are still in the CPU's caches. When the
 body is complete, :attr:`FiniteScan.finite` maps the gradients found finite to their sum of
 squares (which bounds what the update can do: ``server.store._bounds_after``); the store skips
-its own check for those (``ParameterStore.push(..., finite=...)``) and checks the rest as
-before.
+its own check for those (``ParameterStore.push(..., finite=...)``) and checks the rest
+itself.
 
 It only ever shortens the work: anything it does not understand (not a framed push, a header
 that does not parse, a dtype it does not scan, an overflow it cannot tell from an infinity)
@@ -31,11 +31,9 @@ from client_sdk import wire
 
 __all__ = ["MIN_SCAN_BYTES", "SCAN_FROM", "FiniteScan", "finite_rows"]
 
-#: Push bodies from this size on are scanned as they arrive. At 4 MB the scan is about even:
-#: in a push-only loop 1.92-1.98 ms with it against 1.83-1.86 without, in the bench's
-#: interleaved transfer case 1.86-2.00 against 1.92-2.07 with less shard CPU (0.09-0.13
-#: against 0.14-0.22 CPU-s/GB); at 40 MB 15.4-15.8 ms against 17.7-18.3, at 100 MB 37 against
-#: 49. Below ~1 MB the whole body tends to arrive in one or two reads: nothing to overlap.
+#: Push bodies from this size on are scanned as they arrive. Around 4 MB the scan is about
+#: even in time and saves shard CPU; from tens of MB up it shortens the push clearly. Below
+#: ~1 MB the whole body tends to arrive in one or two reads: nothing to overlap.
 SCAN_FROM = 1 << 20
 
 #: A gradient's arrived bytes are checked once at least this many are waiting (or the
@@ -132,7 +130,7 @@ def finite_rows(names: list[str], block: np.ndarray | None) -> dict[str, float]:
     of a tensor table whose rows all have one float dtype and one shape as one view
     (``client_sdk.wire.table_rows(..., with_block=True)``; ``block[i]`` is ``names[i]``'s).
     A step's many small gradients are typically that; one reduction over the block costs a fraction of one per
-    gradient (100 x 1,000 float32: ~28 against ~124 us).
+    gradient.
 
     ``None`` or any other block gives an empty map, and a row whose reduction is not finite
     (a NaN or an infinity, or an overflow of finite values) is left out: the store's exact
@@ -146,7 +144,7 @@ def finite_rows(names: list[str], block: np.ndarray | None) -> dict[str, float]:
     with np.errstate(all="ignore"):
         # The usual case first: all finite, told by one reduction over the memory from the
         # first row's start to the last one's end, the padding between rows included (as
-        # one flat view: 100 x 1,000 float32 ~10 against ~21 us row by row). Padding that
+        # one flat view, about half the cost of a reduction per row). Padding that
         # is not finite, or an overflow, only sends the rows to the row-by-row check.
         item, stride, width = rows.itemsize, rows.strides[0], rows.shape[1]
         if stride % item == 0 and stride >= width * item:

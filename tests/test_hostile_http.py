@@ -34,7 +34,7 @@ def error_of(r: httpx2.Response, family: str) -> dict:
     return json.loads(r.content)["error"]
 
 
-# -- header values the shard parses (item 11) -----------------------------------------------
+# -- header values the shard parses ---------------------------------------------------------
 
 ROUTES = [("GET", "/healthz", "json"), ("GET", "/readyz", "json"),
           ("GET", "/v1/cluster", "json"), ("GET", "/v1/variables", "json"),
@@ -67,7 +67,7 @@ def test_a_fleet_header_of_any_length_or_digits_is_a_400_on_every_route(fleet2, 
         assert r.status_code == 200
 
 
-# -- heads: their size and their deadline (item 6) ------------------------------------------
+# -- heads: their size and their deadline ---------------------------------------------------
 
 def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
@@ -182,7 +182,7 @@ def test_unfinished_heads_are_closed_after_the_head_timeout(edge_shard):
         assert closed
 
 
-# -- bodies that stall, and admission (item 5) ----------------------------------------------
+# -- bodies that stall, and admission -------------------------------------------------------
 
 def admission(url: str) -> dict:
     with httpx2.Client(timeout=10.0) as http:
@@ -249,7 +249,7 @@ def test_a_trickling_body_is_cut_off(edge_shard):
     assert admission(edge_shard.urls[0])["requests_in_flight"] == 0
 
 
-# -- long-poll bodies count (item 7) --------------------------------------------------------
+# -- long-poll bodies count -----------------------------------------------------------------
 
 def test_wait_bodies_are_bounded_and_counted_in_admission(fleet_factory):
     """``/v1/wait`` bodies above their bound are 413 unread (eight 120 MiB ones: no memory),
@@ -295,12 +295,12 @@ def test_wait_bodies_are_bounded_and_counted_in_admission(fleet_factory):
         assert r.status_code == 200
 
 
-# -- memory after a burst of big pushes (item 9) --------------------------------------------
+# -- memory after a burst of big pushes -----------------------------------------------------
 
 def test_the_memory_of_a_burst_of_big_pushes_is_given_back(fleet_factory):
     """Sixteen concurrent 16 MiB pushes take the shard's heap up by what admission lets in
-    (256 MiB); once the shard is idle it gives that back (before, it kept its peak for good;
-    the next burst reused it)."""
+    (256 MiB); once the shard is idle it gives that back, rather than keeping its peak for
+    good."""
     from client_sdk import PSClient
     from client_sdk.optimizers import SGD
 

@@ -79,7 +79,7 @@ def quiet(relays):
         relay.deliver = None
 
 
-# -- item 17: a trickled reply --------------------------------------------------------------
+# -- a trickled reply ---------------------------------------------------------------------------
 
 
 TRICKLE = r"""
@@ -157,7 +157,7 @@ def test_a_trickled_reply_ends_at_the_deadline(proxies, kind, shards):
     assert took < 15, f"the pull took {took:.1f} s"
 
 
-# -- item 16: a huge reply ------------------------------------------------------------------
+# -- a huge reply ---------------------------------------------------------------------------
 
 
 HUGE = r"""

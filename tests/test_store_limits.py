@@ -84,7 +84,7 @@ def assert_healthy(http, url: str) -> None:
     assert r.status_code == 200 and r.json() == {"status": "ok"}
 
 
-# -- statistics (item 10) --------------------------------------------------------------------
+# -- statistics ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("values", [
     np.full(1000, 1e200),                          # the sum of squares overflows float64
@@ -136,7 +136,7 @@ def test_a_msgpack_tensor_by_offset_is_refused(shard, http, verb):
     refused(post(http, shard, "pull", {"names": [other]}), 404, "not_found")
 
 
-# -- seqs and the dedup table (items 14, 15) -----------------------------------------------------
+# -- seqs and the dedup table -----------------------------------------------------
 
 def increment(http, url: str, name: str, worker: str, seq: int) -> tuple[int, Any]:
     return post(http, url, "increment", {"name": name, "worker_id": worker, "seq": seq})
@@ -215,7 +215,7 @@ def test_idle_workers_are_forgotten(fleet_factory, http):
     assert set(workers(http, url)) == {old, new}
 
 
-# -- updates whose result is not finite, and settings that divide by zero (item 13) ----------
+# -- updates whose result is not finite, and settings that divide by zero --------------------
 
 def push(http, url: str, grads: dict[str, np.ndarray], *, frame: bool = False,
          table: bool = False) -> tuple[int, Any]:
@@ -304,7 +304,7 @@ def test_optimizer_updates_that_overflow_are_refused(shard, http, spec, start, g
         assert status == 200, msg
 
 
-# -- requests big enough to block the event loop (item 8) ------------------------------------
+# -- requests big enough to block the event loop ---------------------------------------------
 
 def _msgpack_names(key: bytes, count: int) -> bytes:
     """``{key: ["a", "a", ...]}`` (``count`` names) as raw msgpack, built without packing."""

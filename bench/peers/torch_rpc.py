@@ -12,7 +12,7 @@ module-level functions there with ``rpc.rpc_sync``:
 TensorPipe is limited to its TCP transport and its basic channel (``_transports=["uv"]``,
 ``_channels=["basic"]``). Left to choose, it moves tensors between processes on one host
 through shared memory or cross-memory attach, never through a socket; that is faster here
-(a 100 MB pull in ~45 ms against ~65 ms) but is not what happens between two machines, which
+but is not what happens between two machines, which
 is what every other system in the table is made to do over loopback. Both processes listen on
 the loopback interface only (``TP_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME``, set by the
 driver).
