@@ -3,8 +3,8 @@
 FastAPI stays the app: every route is registered with it (and shows in ``/docs``), and anything
 this module does not take goes the usual way. But for a small request FastAPI's per-request
 machinery (routing by regex over every route, dependency solving, the exception and exit-stack
-layers, and the app-wide middleware in front of them) costs more than the verb itself:
-measured here, ~110 us of a ~130 us small pull before, ~19 us of CPU per small pull after.
+layers, and the app-wide middleware in front of them) costs several times what the verb
+itself does.
 :class:`DirectRoutes` is what uvicorn serves (:func:`server.app.serving_app`): it hands
 ``POST`` requests for a qualifying path through the app's own middleware (on a shard,
 :class:`~server.app.ShardMiddleware`, which adds the shard headers, checks

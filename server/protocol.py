@@ -4,9 +4,9 @@ written by the socket straight into the app's own buffer, and responses written 
 uvicorn (``httptools_impl``) feeds every piece of a request that the socket delivers through the
 httptools parser, which hands the body back as a new ``bytes`` (one copy); it appends that to a
 ``bytearray`` (a second copy), and each ASGI ``receive()`` turns the ``bytearray`` into ``bytes``
-(a third), before the app copies it once more into its own buffer. For a 100 MB push that was
-most of the time the shard spent reading (measured here: 131 ms for 100 MB, against ~50 ms for
-a bare socket). :class:`ShardHttpProtocol` changes two things, nothing else (flow control
+(a third), before the app copies it once more into its own buffer. For a big push those copies
+would be most of the time the shard spends reading, well over twice a bare socket's.
+:class:`ShardHttpProtocol` changes two things, nothing else (flow control
 included: reading pauses while more than 64 KiB wait for the app):
 
 * the pending body is a list of the pieces as they came (:class:`BodyPieces`), so ``receive()``
@@ -17,8 +17,7 @@ included: reading pauses while more than 64 KiB wait for the app):
   the request is completed as the parser would have done it, and the next request on the
   connection starts with a fresh parser.
 
-The app then copies each piece once, into the buffer it preallocated (``routes_data``): 58 ms
-for the same 100 MB with the first change, less with both.
+The app then copies each piece once, into the buffer it preallocated (``routes_data``).
 
 And the app can do without that copy, and without the pieces: a request whose body bypasses
 the parser carries a :class:`BodyInto` in ``scope["extensions"][BODY_INTO]``. The app hands it
@@ -41,8 +40,8 @@ message as it comes, and on loopback each write is a trip through the TCP stack 
 client. The head is held and written with the first body message; and a body message may carry
 a :class:`Gathered` (announced by :data:`GATHER` in the scope's extensions) whose pieces, e.g. a
 pull reply's header, padding and arrays, go out in one vectored write instead of being joined by
-the app. A 100-variable pull reply was two writes (and a joining copy of its 400 KB) and is now
-one ``writev``.
+the app: a 100-variable pull reply is one ``writev``, not two writes and a joining copy of its
+400 KB.
 
 And some requests never become a request cycle: the served app may name requests it can answer
 at once (its :data:`IMMEDIATE` attribute: raw path -> :data:`Answerer`; on a shard, a small
@@ -54,9 +53,8 @@ scope handed on, no task, no middleware, no ``receive``/``send`` messages. Its a
 as a shard's responses are (head with body, one vectored write) and the connection goes on as
 after any response (keep-alive timer, reading). When the answerer declines (``None``: any
 error, refusal or wait is the app's to answer) or fails, the request goes to the app as if the
-parser had just reached its head, body and end. Measured on a 100-variable pull with cold
-caches: from the request's arrival at the shard to the reply's first byte at the client 323 ->
-275 us, the whole pull ~10% (bench/README.md).
+parser had just reached its head, body and end. The work saved is a sizeable part of a small
+pull's time in the shard (``python -m bench.stepcost`` shows the shard's part).
 
 It is passed to uvicorn as its ``http`` protocol class (``uvicorn.Config(http=...)``, a
 documented option). It relies on uvicorn's request cycle keeping the pending body in
