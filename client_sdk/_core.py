@@ -1077,7 +1077,8 @@ class Core:
         replies = self._collect(batch, (yield batch))
         return self._per_variable(batch, replies, "variables")
 
-    def increment(self, name: Any, delta: Any = 1) -> Flow[Union[int, float]]:
+    def increment(self, name: Any, delta: Any = 1, kind: Any = None
+                  ) -> Flow[Union[int, float]]:
         _name(name)
         if isinstance(delta, np.generic):
             delta = delta.item()
@@ -1085,12 +1086,23 @@ class Core:
             raise BadRequestError(f"increment delta must be an int or float, got {delta!r}")
         if isinstance(delta, float) and not math.isfinite(delta):
             raise BadRequestError(f"increment delta must be finite, got {delta!r}")
+        if kind not in (None, "int", "float"):
+            raise BadRequestError(f"increment kind must be 'int', 'float' or None, got {kind!r}")
+        if kind == "float":
+            delta = float(delta)
+        elif kind == "int" and isinstance(delta, float):
+            if not delta.is_integer():
+                raise BadRequestError(f"increment delta {delta!r} is not a whole number, but "
+                                      "kind is 'int'")
+            delta = int(delta)
         if isinstance(delta, int) and not -(2 ** 63) <= delta < 2 ** 63:
             raise BadRequestError(f"increment delta must fit in 64 bits, got {delta!r}")
         deadline = self.deadline()
         yield from self._ready(deadline)
         msg = {"name": name, "delta": delta, "worker_id": self.settings.worker_id,
                "seq": self.next_seq()}
+        if kind is not None:
+            msg["kind"] = kind
         batch = [self._post(shard_for(name, self.n), "increment", msg, deadline, mutating=True,
                             names=[name], retry_safe=True)]
         (reply,) = self._collect(batch, (yield batch))

@@ -21,7 +21,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar, Union
+from typing import Any, Literal, Optional, TypeVar, Union
 
 import httpx2
 import numpy as np
@@ -213,15 +213,19 @@ class PSClient:
         :class:`PushError` (``errors``: each failure) if any failed since the last flush."""
         self._pusher.flush()
 
-    def increment(self, name: str, delta: Union[int, float] = 1) -> Union[int, float]:
+    def increment(self, name: str, delta: Union[int, float] = 1,
+                  kind: Optional[Literal["int", "float"]] = None) -> Union[int, float]:
         """Atomically add ``delta`` to counter ``name`` and return the new value. Blocks.
 
-        The counter is created at 0 on first use (an int64 for int deltas, float64 for float
-        ones). Concurrent callers, in any process, each get a distinct value: use it for
-        ``global_step``. Retried like a push: a retry of an increment already applied gets the
-        value the first attempt got.
+        The counter is created at 0 on first use: an int64 with ``kind="int"``, a float64 with
+        ``kind="float"``; without ``kind``, after ``delta``'s type (int or float). A ``kind``
+        the existing counter does not have raises :class:`ConflictError`; ``delta`` is taken
+        as that kind (``kind="int"`` with a float delta that is not a whole number raises
+        :class:`BadRequestError`). Concurrent callers, in any process, each get a distinct
+        value: use it for ``global_step``. Retried like a push: a retry of an increment already
+        applied gets the value the first attempt got.
         """
-        return self._drive(self._core.increment(name, delta))
+        return self._drive(self._core.increment(name, delta, kind))
 
     def assign(self, values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """Overwrite existing variables (same shape; cast to the variable's dtype). Blocks.
@@ -375,9 +379,10 @@ class AsyncPSClient:
         """See :meth:`PSClient.flush`."""
         await self._pusher.flush()
 
-    async def increment(self, name: str, delta: Union[int, float] = 1) -> Union[int, float]:
+    async def increment(self, name: str, delta: Union[int, float] = 1,
+                        kind: Optional[Literal["int", "float"]] = None) -> Union[int, float]:
         """See :meth:`PSClient.increment`."""
-        return await self._drive(self._core.increment(name, delta))
+        return await self._drive(self._core.increment(name, delta, kind))
 
     async def assign(self, values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.assign`."""

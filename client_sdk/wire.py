@@ -50,6 +50,7 @@ __all__ = [
     "FRAME",
     "FRAME_MAGIC",
     "FRAME_THRESHOLD",
+    "FEATURE_COUNTER_KIND",
     "FEATURE_PACKED",
     "FEATURE_TABLES",
     "HEADER_INCARNATION",
@@ -62,11 +63,13 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Encoded",
     "WireError",
+    "check_end",
     "decode_tensor",
     "encode",
     "encode_table",
     "error_payload",
     "framed_view",
+    "header_end",
     "is_tensor",
     "parse_dtype",
     "table_rows",
@@ -91,6 +94,9 @@ HEADER_STATE_VERSION = "x-paramshard-state-version"
 FEATURE_TABLES = "tables"
 #: A shard's verbs take request tables with a ``uniform`` map, packed or not (§2).
 FEATURE_PACKED = "packed"
+#: A shard's increment takes ``kind`` (``"int"`` or ``"float"``), the counter's kind stated
+#: instead of read from the msgpack type of ``delta``.
+FEATURE_COUNTER_KIND = "counter_kind"
 
 FRAME_MAGIC = b"PSF1"
 ALIGN = 64
@@ -261,6 +267,9 @@ def decode_tensor(obj: Any, body: Buffer | None = None) -> np.ndarray:
     if offset < 0 or offset + nbytes > size:
         raise WireError(f"tensor bytes [{offset}, {offset + nbytes}) lie outside the body "
                         f"of {size} bytes", code="bad_tensor")
+    if offset % ALIGN:
+        raise WireError(f"tensor offset {offset} is not a multiple of {ALIGN}: a framed body "
+                        f"starts every tensor at a multiple of {ALIGN}", code="bad_tensor")
     return np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
@@ -282,7 +291,7 @@ def framed_view(obj: dict[Any, Any], body: Buffer) -> np.ndarray | None:
     nbytes = count * dtype.itemsize
     declared = obj.get("nbytes")
     if type(declared) is not int or declared != nbytes or nbytes > _MAX_ARRAY_BYTES \
-            or offset < 0 or offset + nbytes > _buffer_size(body):
+            or offset < 0 or offset + nbytes > _buffer_size(body) or offset % ALIGN:
         return None
     view = np.frombuffer(body, dtype, count, offset)
     return view if len(shape) == 1 else view.reshape(shape)
@@ -489,22 +498,57 @@ def _unpack_map(buf: Buffer, what: str, max_entries: int | None = None) -> dict[
     return msg
 
 
-def tensors_of(value: Any, body: Buffer | None, what: str) -> dict[str, np.ndarray]:
-    """Decode a ``{name: tensor}`` map (a verb's tensor field) into ``{name: ndarray}``."""
+def tensors_of(value: Any, body: Buffer | None, what: str, *, whole: bool = False
+               ) -> dict[str, np.ndarray]:
+    """Decode a ``{name: tensor}`` map (a verb's tensor field) into ``{name: ndarray}``.
+
+    With ``whole=True`` and a framed ``body``, these are all the body's tensors (a shard
+    decoding a request): every framed tensor must start after the header, and the body must
+    end where the last one ends (:func:`check_end`).
+    """
     if not isinstance(value, Mapping):
         raise WireError(f"'{what}' must be a map of name -> tensor")
     out = {}
+    start = end = header_end(body) if whole and body is not None else -1
     for name, t in value.items():
         if not isinstance(name, str):
             raise WireError(f"'{what}' keys must be variable names (strings)")
         try:
             out[name] = decode_tensor(t, body)
+            if start >= 0:
+                offset = t.get("offset")
+                if offset is not None and "data" not in t:  # framed: offset, nbytes checked
+                    if offset < start:
+                        raise WireError(f"tensor offset {offset} lies in the header, which "
+                                        f"ends at byte {start}", code="bad_tensor")
+                    offset += t["nbytes"]
+                    if offset > end:
+                        end = offset
         except WireError as exc:
             exc.details = {"variable": name, **exc.details}
             exc.message = f"{name}: {exc.message}"
             exc.args = (exc.message,)
             raise
+    if start >= 0 and body is not None:
+        check_end(body, end)
     return out
+
+
+def header_end(body: Buffer) -> int:
+    """Where the header of a framed ``body`` (already :func:`unpack`-ed) ends: ``8 + H``."""
+    return _HEAD.size + int(_HEAD.unpack_from(body, 0)[1])
+
+
+def check_end(body: Buffer, end: int) -> None:
+    """:class:`WireError` (``bad_request``) unless the framed ``body`` ends at ``end``, where
+    its last tensor ends (its header, without tensors): the protocol leaves no bytes after it,
+    so a body with more is not what its sender meant (e.g. a tensor left out of the header)."""
+    size = _buffer_size(body)
+    if size != end:
+        raise WireError(f"framed body of {size} bytes goes on {size - end} bytes past the end "
+                        f"of its last tensor (byte {end}; without tensors, of its header): a "
+                        "framed body ends where its last tensor ends",
+                        details={"bytes": size, "end": end})
 
 
 
@@ -599,7 +643,8 @@ def encode_table(message: dict[str, Any], table: dict[str, Any],
 
 
 def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = False,
-               names: list[str] | None = None, with_block: bool = False) -> tuple[Any, ...]:
+               names: list[str] | None = None, with_block: bool = False,
+               whole: bool = False) -> tuple[Any, ...]:
     """Decode a tensor table of the framed ``body``: its names and, per row, the tensor (a
     view of ``body``, no copy) or ``None`` for a row without one. Other columns stay in
     ``table`` for the caller. With ``native=True`` a tensor in the other byte order is
@@ -613,6 +658,9 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
     view of ``body`` (the rows given are its rows), else ``None``. For work on all the rows
     at once, e.g. checking them for NaN in one pass (a row's ``base`` is not this view:
     numpy points it at the memory's owner).
+
+    With ``whole=True`` the table's are all the body's tensors (a shard decoding a request):
+    the body must end where the last row's tensor ends (:func:`check_end`).
 
     Raises :class:`WireError` (``bad_request`` for a malformed table, ``bad_tensor`` for a bad
     row, saying which).
@@ -640,12 +688,19 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
         raise WireError("a tensor table needs a framed body")
     start = _HEAD.size + _HEAD.unpack_from(body, 0)[1]
     if uniform is not None:
-        same_rows, block = _uniform_rows(uniform, n, body, start, size, what, native)
+        same_rows, block, end = _uniform_rows(uniform, n, body, start, size, what, native)
+        if whole:
+            check_end(body, end)
         return (names, same_rows, block) if with_block else (names, same_rows)
     try:
         block = _uniform_block(dtypes, shapes, body, start, size)
-        rows = list(block) if block is not None else _fast_rows(dtypes, shapes, body, start,
-                                                                size)
+        if block is not None:
+            rows: list[np.ndarray | None] = list(block)
+            end = _align(start) + block.strides[0] * (n - 1) + block.nbytes // n
+        else:
+            rows, end = _fast_rows(dtypes, shapes, body, start, size)
+        if whole:
+            check_end(body, end)
         return (names, rows, block) if with_block else (names, rows)
     except (KeyError, TypeError, ValueError):
         pass  # a row off the common path: decode again, row by row, with the checks
@@ -665,14 +720,17 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
             row = row.astype(row.dtype.newbyteorder("="))
             row.flags.writeable = False
         out.append(row)
+    if whole:
+        check_end(body, at)
     return (names, out, None) if with_block else (names, out)
 
 
 def _uniform_rows(uniform: dict[Any, Any], n: int, body: Buffer, at: int, size: int, what: str,
-                  native: bool) -> tuple[list[np.ndarray], np.ndarray | None]:
+                  native: bool) -> tuple[list[np.ndarray], np.ndarray | None, int]:
     """The ``n`` rows of a table whose tensors all have the dtype and shape of its ``uniform``
     map (padded to the next multiple of :data:`ALIGN`, or, with ``"packed": true``, one
-    right after the other), and the ``(n, *shape)`` view of the body they are the rows of;
+    right after the other), the ``(n, *shape)`` view of the body they are the rows of, and
+    where the last row ends in the body;
     :class:`WireError` (``bad_tensor``) for a bad dtype or shape or tensors running past the
     body's end."""
     try:
@@ -691,6 +749,7 @@ def _uniform_rows(uniform: dict[Any, Any], n: int, body: Buffer, at: int, size: 
     if 0 in dims:  # tensors without bytes take no room in the body
         block = np.empty((n, *dims), dtype.newbyteorder("=") if native else dtype)
         block.flags.writeable = False
+        end = _align(at) if n else at
     else:
         strided = _strided_rows(dtype, dims, n, body, at, size, packed)
         if strided is None:
@@ -698,11 +757,12 @@ def _uniform_rows(uniform: dict[Any, Any], n: int, body: Buffer, at: int, size: 
                             f"each run past the end of the body ({size} bytes)",
                             code="bad_tensor")
         block = strided
+        end = _align(at) + strided.strides[0] * (n - 1) + strided.nbytes // n if n else at
         if native and not dtype.isnative:
             block = block.astype(dtype.newbyteorder("="))
             block.flags.writeable = False
     rows = list(block) if dims else [block[i, ...] for i in range(n)]  # 0-d arrays, not scalars
-    return rows, (block if n > 1 and block.dtype.isnative else None)
+    return rows, (block if n > 1 and block.dtype.isnative else None), end
 
 
 def _one_dtype_and_shape(dtypes: list[Any], shapes: list[Any]) -> bool:
@@ -756,10 +816,10 @@ def _strided_rows(dtype: np.dtype, dims: Sequence[int], n: int, body: Buffer, at
 
 
 def _fast_rows(dtypes: list[Any], shapes: list[Any], body: Buffer, at: int, size: int
-               ) -> list[np.ndarray | None]:
+               ) -> tuple[list[np.ndarray | None], int]:
     """The rows of a table whose tensors all have a dtype already seen in this machine's byte
-    order and one positive dimension, and lie in the body; raises ``KeyError``, ``TypeError``
-    or ``ValueError`` for any other."""
+    order and one positive dimension, and lie in the body, and where the last one ends;
+    raises ``KeyError``, ``TypeError`` or ``ValueError`` for any other."""
     out: list[np.ndarray | None] = []
     append = out.append
     # Per dtype, one view of the whole body; each row is a slice of it (a slice costs about
@@ -788,7 +848,7 @@ def _fast_rows(dtypes: list[Any], shapes: list[Any], body: Buffer, at: int, size
             raise ValueError
         append(whole[at // itemsize:end // itemsize])
         at = end
-    return out
+    return out, at
 
 
 def _table_row(name: str, text: Any, shape: Any, offset: Any, body: Buffer, what: str

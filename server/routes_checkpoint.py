@@ -60,6 +60,8 @@ async def _message(request: Request, verb: str) -> dict[str, Any]:
     if len(body) > MAX_BODY:
         raise ShardError("too_large", f"{verb}: body above {MAX_BODY} bytes", {"limit": MAX_BODY})
     msg = wire.unpack(body, kind)
+    if kind == wire.FRAME:  # no tensors: the body ends with its header
+        wire.check_end(body, wire.header_end(body))
     if not isinstance(msg, dict):
         raise ShardError("bad_request", f"{verb}: the body must be a msgpack map, got "
                          f"{type(msg).__name__}")

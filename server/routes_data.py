@@ -30,7 +30,7 @@ from .errors import ShardError
 from .headers import header
 from .scan import SCAN_FROM, FiniteScan, finite_rows
 from .protocol import BODY_INTO, Gathered, gathers
-from .store import MAX_WAIT_SECONDS, ParameterStore
+from .store import COUNTER_KINDS, MAX_WAIT_SECONDS, ParameterStore
 
 __all__ = ["COALESCE_BELOW", "EncodedResponse", "coalesce", "pull_now", "read_body", "router"]
 
@@ -214,18 +214,24 @@ def _too_large(size: int, limit: int, partial: bool = False) -> ShardError:
                       {"limit": limit, **({} if partial else {"size": size})})
 
 
-async def _message(request: Request, scan: bool = False
+async def _message(request: Request, scan: bool = False, tensors: bool = False
                    ) -> tuple[dict[str, Any], wire.Buffer | None]:
     """The request's message, and the body its tensors' ``offset``s point into: the framed
     body, or ``None`` for a msgpack one (its tensors are inline; an ``offset`` there would
-    read the message's own bytes as a tensor, so such a tensor is refused, 422)."""
+    read the message's own bytes as a tensor, so such a tensor is refused, 422). A verb
+    without ``tensors`` refuses a framed body with bytes after its header; one with them
+    decodes its tensors with ``whole=True``, which refuses bytes after the last."""
     config = request.app.state.config
     body, kind = await read_body(request, config.max_request_bytes, scan)
     msg = wire.unpack(body, kind, config.max_request_names)
     if not isinstance(msg, dict):
         raise ShardError("bad_request",
                          f"the body must be a msgpack map, got {type(msg).__name__}")
-    return msg, (body if kind == wire.FRAME else None)
+    if kind != wire.FRAME:
+        return msg, None
+    if not tensors:
+        wire.check_end(body, wire.header_end(body))
+    return msg, body
 
 
 def _reply(request: Request, msg: dict[str, Any], tensors: bool = False) -> EncodedResponse:
@@ -308,7 +314,7 @@ def _tensor_map(msg: Mapping[str, Any], key: str, verb: str, body: wire.Buffer |
     value = _required(msg, key, verb)
     if not isinstance(value, dict):
         raise _bad_field(verb, key, "a map of name -> tensor", value)
-    return wire.tensors_of(value, body, key)
+    return wire.tensors_of(value, body, key, whole=True)
 
 
 # -- verbs ----------------------------------------------------------------------------------
@@ -317,7 +323,7 @@ def _tensor_map(msg: Mapping[str, Any], key: str, verb: str, body: wire.Buffer |
 async def init(request: Request) -> Response:
     """Create variables that do not exist yet: `{"variables": {name: {"value": tensor,
     "optimizer": {...}}}}` -> `{"variables": {name: {"version", "created"}}}`."""
-    msg, body = await _message(request)
+    msg, body = await _message(request, tensors=True)
     entries = _required(msg, "variables", "init")
     if not isinstance(entries, dict):
         raise _bad_field("init", "variables", "a map of name -> {value, optimizer}", entries)
@@ -329,7 +335,7 @@ async def init(request: Request) -> Response:
                              {"variable": name if isinstance(name, str) else repr(name)})
         values[name] = entry["value"]
         specs[name] = entry.get("optimizer")
-    decoded = wire.tensors_of(values, body, "variables")
+    decoded = wire.tensors_of(values, body, "variables", whole=True)
     result = _store(request).init({n: (decoded[n], specs[n]) for n in decoded})
     return _reply(request, {"variables": result})
 
@@ -457,7 +463,7 @@ def _table_map(request: Request, msg: Mapping[str, Any], key: str, verb: str,
     if kind != wire.FRAME:
         raise ShardError("bad_request", f"{verb}: a tensor table ('layout': 'table') needs a "
                          f"framed body ({wire.FRAME})", {"field": key})
-    names, arrays, block = wire.table_rows(value, body, key, with_block=True)
+    names, arrays, block = wire.table_rows(value, body, key, with_block=True, whole=True)
     out = dict(zip(names, arrays))
     if len(out) != len(names):
         raise _bad_field(verb, f"{key}.names", "a list of distinct names", names)
@@ -474,7 +480,7 @@ async def push(request: Request) -> Response:
     """Apply gradients once per (worker_id, seq): `{"worker_id", "seq", "grads": {name:
     tensor}, "versions"?}` -> `{"variables": {name: {"status", "version", "staleness"}}}`.
     With `"layout": "table"` (framed bodies), `grads` is one tensor table."""
-    msg, body = await _message(request, scan=True)
+    msg, body = await _message(request, scan=True, tensors=True)
     worker_id, seq = _writer(msg, "push", required=True)
     versions = _versions(msg, "push")
     # Gradients a FiniteScan found finite while the body arrived (same header, same bytes).
@@ -499,7 +505,7 @@ async def push(request: Request) -> Response:
 async def assign(request: Request) -> Response:
     """Overwrite values: `{"values": {name: tensor}, "worker_id"?, "seq"?}` ->
     `{"variables": {name: {"status", "version"}}}`."""
-    msg, body = await _message(request)
+    msg, body = await _message(request, tensors=True)
     worker_id, seq = _writer(msg, "assign", required=False)
     values = _tensor_map(msg, "values", "assign", body)
     store = _store(request)
@@ -509,8 +515,8 @@ async def assign(request: Request) -> Response:
 
 @router.post("/increment", openapi_extra=_BODY_DOC)
 async def increment(request: Request) -> Response:
-    """Atomic fetch-and-add: `{"name", "delta"?, "worker_id"?, "seq"?}` -> `{"value",
-    "version", "status"}`."""
+    """Atomic fetch-and-add: `{"name", "delta"?, "kind"?, "worker_id"?, "seq"?}` ->
+    `{"value", "version", "status"}`."""
     msg, _ = await _message(request)
     worker_id, seq = _writer(msg, "increment", required=False)
     name = _required(msg, "name", "increment")
@@ -521,9 +527,12 @@ async def increment(request: Request) -> Response:
         delta = 1
     if isinstance(delta, bool) or not isinstance(delta, (int, float)):
         raise _bad_field("increment", "delta", "an int or a float", delta)
+    kind = msg.get("kind")
+    if kind is not None and kind not in COUNTER_KINDS:
+        raise _bad_field("increment", "kind", "'int' or 'float' (or absent)", kind)
     store = _store(request)
     await store.settled([name])
-    return _reply(request, store.increment(name, delta, worker_id, seq))
+    return _reply(request, store.increment(name, delta, worker_id, seq, kind))
 
 
 @router.post("/wait", openapi_extra=_BODY_DOC)

@@ -75,7 +75,7 @@ async def cluster(request: Request) -> dict[str, Any]:
         "num_shards": state.config.num_shards,
         "incarnation": state.incarnation,
         "protocol_version": wire.PROTOCOL_VERSION,
-        "features": [wire.FEATURE_TABLES, wire.FEATURE_PACKED],
+        "features": [wire.FEATURE_TABLES, wire.FEATURE_PACKED, wire.FEATURE_COUNTER_KIND],
         "version": __version__,
         "started_at": state.started_at,
         "variables": len(store),

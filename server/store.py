@@ -73,11 +73,13 @@ from . import optim
 from .dedup import MAX_RESULTS, DedupTable
 from .errors import ShardError
 
-__all__ = ["DEFAULT_OPTIMIZER", "MAX_WAIT_SECONDS", "OFFLOAD_BYTES", "Capture", "ParameterStore",
+__all__ = ["COUNTER_KINDS", "DEFAULT_OPTIMIZER", "MAX_WAIT_SECONDS", "OFFLOAD_BYTES", "Capture", "ParameterStore",
            "PullRows", "Variable"]
 
 DEFAULT_OPTIMIZER: Optimizer = SGD(lr=0.01)
 MAX_WAIT_SECONDS = 30.0
+#: The kinds of counter an increment may ask for (``"kind"``): int64 or float64.
+COUNTER_KINDS = ("int", "float")
 #: A push whose gradients hold at least this many bytes is checked and applied off the event
 #: loop, in a worker thread (:meth:`ParameterStore.push_async`). Smaller ones are checked and
 #: applied on it: for them the hand-off and the fresh buffers cost more than the loop gains by
@@ -976,11 +978,15 @@ class ParameterStore:
         return {var.name: {"status": "applied", "version": var.version} for var, _ in plans}
 
     def increment(self, name: str, delta: int | float = 1, worker_id: str | None = None,
-                  seq: int | None = None) -> dict[str, Any]:
-        """Atomic fetch-and-add on a scalar; creates an ``i8`` (int delta) or ``f8`` counter.
+                  seq: int | None = None, kind: str | None = None) -> dict[str, Any]:
+        """Atomic fetch-and-add on a scalar; creates an ``i8`` or ``f8`` counter: of ``kind``
+        (``"int"`` or ``"float"``) when given, else after the delta's type.
 
-        With ``worker_id`` and ``seq``, a retry of an increment already applied answers the
-        value the first attempt got (``status: "duplicate"``) and adds nothing.
+        ``kind`` also states what an existing counter must be (409 ``conflict`` otherwise),
+        and the delta is taken as that kind (an int delta as a float; a float delta that is
+        a whole number as an int, any other 400): for a client whose numbers have no such
+        distinction. With ``worker_id`` and ``seq``, a retry of an increment already applied
+        answers the value the first attempt got (``status: "duplicate"``) and adds nothing.
         """
         self.check_names([name])
         if isinstance(delta, bool) or not isinstance(delta, (int, float)):
@@ -988,6 +994,18 @@ class ParameterStore:
                              f"{type(delta).__name__}")
         if isinstance(delta, float) and not math.isfinite(delta):
             raise _tensor_error(name, f"delta must be finite, got {delta}")
+        if kind is not None:
+            if kind not in COUNTER_KINDS:
+                raise ShardError("bad_request", f"increment: 'kind' must be 'int' or 'float', "
+                                 f"got {kind!r}", {"field": "kind"})
+            if kind == "float":
+                delta = float(delta)
+            elif isinstance(delta, float):
+                if not delta.is_integer():
+                    raise ShardError("bad_request", f"increment of {name!r}: delta {delta} is "
+                                     "not a whole number, but 'kind' is 'int': send a whole "
+                                     "delta, or kind 'float'", {"field": "delta"})
+                delta = int(delta)
         keyed = worker_id is not None and seq is not None
         if keyed and self.dedup.check(worker_id, seq) != "new":
             earlier = self.dedup.result(worker_id, seq)
@@ -1002,6 +1020,12 @@ class ParameterStore:
         var = self._vars.get(name)
         if var is not None:
             _not_being_written([var])
+            if kind is not None and (var.value.dtype.kind == "f") != (kind == "float"):
+                have = "float" if var.value.dtype.kind == "f" else "int"
+                raise ShardError("conflict", f"{name!r} is an {have} counter (dtype "
+                                 f"{var.value.dtype.str}), but the increment says kind "
+                                 f"{kind!r}: send kind {have!r} (or none)",
+                                 {"variable": name, "kind": have, "dtype": var.value.dtype.str})
         dtype = var.value.dtype if var is not None else np.dtype(
             "<i8" if isinstance(delta, int) else "<f8")
         if var is not None and var.value.shape != ():

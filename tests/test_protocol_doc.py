@@ -7,6 +7,7 @@ a body the SDK never sends). The shard is one process (a fleet of one owns every
 
 from __future__ import annotations
 
+import struct
 import uuid
 from typing import Any
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from client_sdk import wire
-from conftest import Fleet
+from conftest import Fleet, OnLoop
 
 ACCEPT_FRAME = f"{wire.FRAME}, {wire.MSGPACK}"
 
@@ -253,3 +254,104 @@ def test_a_reply_is_framed_from_64_kib_of_tensors_when_the_client_accepts_it(htt
     assert ctype.startswith(wire.FRAME)
     _, ctype, _, _ = send(http, url, "pull", enc.join(), enc.content_type, accept_frame=False)
     assert ctype.startswith(wire.MSGPACK)
+
+
+# -- §2 bodies: a framed body's layout -------------------------------------------------------
+
+def _push_frame(name: str, g: np.ndarray, offset: int) -> bytes:
+    """A framed push of ``g`` whose header says it lies at ``offset``, and the body ending
+    where it ends."""
+    header = {"worker_id": fresh("w"), "seq": 1,
+              "grads": {name: {"dtype": g.dtype.str, "shape": list(g.shape),
+                               "offset": offset, "nbytes": g.nbytes}}}
+    head = msgpack.packb(header)
+    prefix = struct.pack("<4sI", wire.FRAME_MAGIC, len(head)) + head
+    assert offset < len(prefix) or len(prefix) <= offset
+    body = bytearray(max(len(prefix), offset + g.nbytes))
+    body[offset:offset + g.nbytes] = g.tobytes()
+    body[:len(prefix)] = prefix
+    return bytes(body)
+
+
+@pytest.mark.parametrize("case", ["unaligned-offset", "offset-in-header", "trailing-bytes",
+                                  "trailing-bytes-table", "trailing-bytes-uniform",
+                                  "trailing-bytes-no-tensors"])
+def test_a_framed_body_off_its_layout_is_refused(http, url, case):
+    name = fresh()
+    init(http, url, name, np.zeros(32, np.float32))
+    g = np.arange(32, dtype=np.float32)
+    verb, status, code = "push", 400, "bad_request"
+    if case == "unaligned-offset":
+        body, status, code = _push_frame(name, g, 256 + 4), 422, "bad_tensor"
+    elif case == "offset-in-header":
+        body, status, code = _push_frame(name, g, 0), 422, "bad_tensor"
+    elif case == "trailing-bytes":
+        body = wire.encode({"worker_id": fresh("w"), "seq": 1, "grads": {name: g}},
+                           frame=True).join() + bytes(64)
+    elif case in ("trailing-bytes-table", "trailing-bytes-uniform"):
+        names = [name, fresh()]
+        init(http, url, names[1], np.zeros(32, np.float32))
+        table: dict[str, Any] = {"names": names}
+        enc = wire.encode_table({"worker_id": fresh("w"), "seq": 1, "layout": "table",
+                                 "grads": table}, table, [g, g],
+                                uniform=case.endswith("uniform"))
+        body = enc.join() + b"\0"
+    else:
+        verb = "pull"
+        body = wire.encode({"names": [name]}, frame=True).join() + bytes(8)
+    got, _, reply, _ = send(http, url, verb, body, wire.FRAME)
+    assert (got, reply["error"]["code"]) == (status, code), reply
+    assert state(http, url, name)["version"] == 0
+    # the same bodies laid out as the doc says are taken
+    if case in ("unaligned-offset", "offset-in-header"):
+        good = _push_frame(name, g, 256)
+        assert send(http, url, verb, good, wire.FRAME)[0] == 200
+    elif case != "trailing-bytes-no-tensors":
+        assert send(http, url, verb, body[:-64 if case == "trailing-bytes" else -1],
+                    wire.FRAME)[0] == 200
+
+
+# -- §3 increment: the counter's kind, chosen by the client ------------------------------------
+
+def test_increment_kind_makes_the_counter_whatever_type_the_delta_has(http, url):
+    as_float, as_int = fresh("c"), fresh("c")
+    reply = ok(http, url, "increment", {"name": as_float, "delta": 1, "kind": "float"})
+    assert reply["value"] == 1.0 and isinstance(reply["value"], float)
+    assert state(http, url, as_float)["dtype"] == "<f8"
+    reply = ok(http, url, "increment", {"name": as_float, "delta": 2, "kind": "float"})
+    assert reply["value"] == 3.0 and isinstance(reply["value"], float)
+    reply = ok(http, url, "increment", {"name": as_int, "delta": 2.0, "kind": "int"})
+    assert reply["value"] == 2 and isinstance(reply["value"], int)
+    assert state(http, url, as_int)["dtype"] == "<i8"
+    # without kind, the msgpack type of delta decides, as before
+    inferred = fresh("c")
+    assert isinstance(ok(http, url, "increment", {"name": inferred})["value"], int)
+    # refusals change nothing
+    err = refused(http, url, "increment", {"name": as_int, "delta": 1, "kind": "float"},
+                  409, "conflict")
+    assert err["details"]["kind"] == "int"
+    refused(http, url, "increment", {"name": as_float, "delta": 1, "kind": "int"}, 409,
+            "conflict")
+    refused(http, url, "increment", {"name": as_int, "delta": 1.5, "kind": "int"}, 400,
+            "bad_request")
+    refused(http, url, "increment", {"name": as_int, "kind": "decimal"}, 400, "bad_request")
+    assert (state(http, url, as_int)["values"], state(http, url, as_float)["values"]) == (2, 3.0)
+    features = http.get(f"{url}/v1/cluster").json()["features"]
+    assert wire.FEATURE_COUNTER_KIND in features
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_the_sdk_passes_the_counter_kind(url, flavour):
+    from client_sdk import AsyncPSClient, ConflictError, PSClient
+
+    client = PSClient([url]) if flavour == "sync" else OnLoop(AsyncPSClient([url]))
+    try:
+        name = fresh("c")
+        value = client.increment(name, 1, kind="float")
+        assert value == 1.0 and isinstance(value, float)
+        with pytest.raises(ConflictError):
+            client.increment(name, 1, kind="int")
+        value = client.increment(fresh("c"), 3.0, kind="int")
+        assert value == 3 and isinstance(value, int)
+    finally:
+        client.close()

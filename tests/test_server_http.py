@@ -409,8 +409,8 @@ def test_push_with_a_gradient_table(fleet2, http):
         rep = post_raw(http, url, "push", body, wire.FRAME)
         assert rep.status == status, (rep.status, rep.msg)
     assert post(http, url, "pull", {"names": [c]}).msg["variables"][c]["version"] == 0
-    assert http.get(f"{url}/v1/cluster").json()["features"] == [wire.FEATURE_TABLES,
-                                                                wire.FEATURE_PACKED]
+    assert http.get(f"{url}/v1/cluster").json()["features"] == [
+        wire.FEATURE_TABLES, wire.FEATURE_PACKED, wire.FEATURE_COUNTER_KIND]
 
 
 def test_init_is_idempotent_and_conflicts_create_nothing(fleet2, http):

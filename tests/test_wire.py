@@ -382,11 +382,12 @@ def test_offsets_outside_the_body(offset):
 @given(st.integers(1, 64))
 def test_tensor_running_past_the_end(over):
     body, _ = _framed({}, bytes(128))
-    t = {"dtype": "<f4", "shape": [8], "offset": len(body) - 32 + over, "nbytes": 32}
+    body += bytes(-len(body) % wire.ALIGN)
+    t = {"dtype": "<f4", "shape": [16], "offset": len(body) - 64 + over, "nbytes": 64}
     with pytest.raises(wire.WireError, match="outside"):
         wire.decode_tensor(t, body)
-    t["offset"] = len(body) - 32  # exactly at the end is fine
-    assert wire.decode_tensor(t, body).shape == (8,)
+    t["offset"] = len(body) - 64  # exactly at the end is fine
+    assert wire.decode_tensor(t, body).shape == (16,)
 
 
 @pytest.mark.parametrize("nbytes", [0, 15, 17, 32, -16, True, 16.0, "16"])
@@ -928,3 +929,55 @@ def test_arbitrary_uniform_tables_raise_only_wire_errors(dtype, shape, n, tail):
         assert exc.code in PROTOCOL_CODES
     else:
         assert len(out) == n
+
+
+# ------------------------------------------- the layout a shard checks (decoding with whole)
+
+@given(st.dictionaries(st.from_regex(r"[a-z]{1,8}", fullmatch=True), arrays(max_side=5),
+                       max_size=6))
+def test_framed_messages_end_where_their_last_tensor_ends(grads):
+    """What the encoder frames is what a shard takes whole: every offset a multiple of 64
+    after the header, no byte after the last tensor."""
+    enc, body, got = _round_trip({"seq": 1, "grads": grads}, True)
+    decoded = wire.tensors_of(got["grads"], body, "grads", whole=True)
+    for name, a in grads.items():
+        _same(decoded[name], a)
+        assert got["grads"][name]["offset"] % wire.ALIGN == 0
+    with pytest.raises(wire.WireError, match="past the end"):
+        wire.tensors_of(got["grads"], body + b"\0", "grads", whole=True)
+
+
+@given(st.lists(arrays(max_side=4, max_dims=3) | st.none(), max_size=8),
+       st.sampled_from(["columns", "uniform", "packed"]), st.booleans())
+def test_tables_end_where_their_last_tensor_ends(rows, form, as_chunks):
+    """Tables as the encoder lays them out, in every form, are taken whole; a byte more is
+    refused."""
+    if form != "columns" and rows:  # rows of one dtype and shape: the uniform forms
+        first = rows[0] if rows[0] is not None else np.zeros(3, np.float32)
+        rows = [first.copy() for _ in rows]
+    arrs = [None if a is None else _contiguous(a) for a in rows]
+    table: dict = {"names": [f"v{i}" for i in range(len(arrs))]}
+    enc = wire.encode_table({"t": table}, table, arrs, uniform=form != "columns",
+                            packed=form == "packed", arrays_as_chunks=as_chunks)
+    body = b"".join(bytes(memoryview(c).cast("B")) for c in enc.chunks)
+    assert len(body) == enc.nbytes
+    msg = wire.unpack(body, wire.FRAME)
+    _, out = wire.table_rows(msg["t"], body, whole=True)
+    for got, a in zip(out, arrs):
+        assert (got is None) == (a is None)
+        if a is not None:
+            _same(got, a)
+    with pytest.raises(wire.WireError, match="past the end"):
+        wire.table_rows(msg["t"], body + b"\0", whole=True)
+
+
+def test_framed_offsets_off_the_64_byte_grid_are_refused():
+    body, _ = _framed({}, bytes(256))
+    body += bytes(-len(body) % wire.ALIGN)
+    start = len(body) - 128
+    t = {"dtype": "<f4", "shape": [4], "offset": start + 4, "nbytes": 16}
+    with pytest.raises(wire.WireError, match="multiple of 64") as info:
+        wire.decode_tensor(t, body)
+    assert info.value.code == "bad_tensor"
+    t["offset"] = start
+    assert wire.decode_tensor(t, body).shape == (4,)
