@@ -32,7 +32,7 @@ happens at the body's last byte, so what follows on the connection is parsed as 
 Flow control is unchanged up to the switch (the app asks only once it has admitted the
 request, and its buffer is bounded by the admitted ``Content-Length``); after it the reads
 stop when the buffer is full, and a client that goes away mid-body is reported to the app as
-``http.disconnect``, as before.
+``http.disconnect``, as it is before the switch.
 
 Responses go out in fewer writes (:class:`_HeadWithBody`, the request cycle's transport):
 uvicorn writes a response's head as soon as the app sends ``http.response.start`` and each body
@@ -386,7 +386,7 @@ if HttpToolsProtocol is not None:
             self._announced = None
             if self.parser.should_upgrade():
                 return
-            headers = dict(self.headers)  # the last of repeated ones, as before
+            headers = dict(self.headers)  # the last of repeated ones counts
             if b"transfer-encoding" in headers:
                 return
             length = headers.get(b"content-length")

@@ -323,7 +323,7 @@ def test_increment_kind_makes_the_counter_whatever_type_the_delta_has(http, url)
     reply = ok(http, url, "increment", {"name": as_int, "delta": 2.0, "kind": "int"})
     assert reply["value"] == 2 and isinstance(reply["value"], int)
     assert state(http, url, as_int)["dtype"] == "<i8"
-    # without kind, the msgpack type of delta decides, as before
+    # without kind, the msgpack type of delta decides
     inferred = fresh("c")
     assert isinstance(ok(http, url, "increment", {"name": inferred})["value"], int)
     # refusals change nothing

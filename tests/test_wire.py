@@ -767,7 +767,7 @@ def test_arrays_as_chunks_encode_the_same_bytes(rows):
 def test_a_uniform_table_decodes_as_its_columns_do(rows, body_type, native, as_chunks):
     """encode_table(uniform=True): a table whose rows all hold a tensor of one dtype and shape
     carries that dtype and shape once (``uniform``) instead of two columns, the tensors laid
-    out exactly as before; it decodes to the same rows, views of the body; any other table
+    out exactly as with the columns; it decodes to the same rows, views of the body; any other table
     keeps its columns."""
     arrs = [None if a is None else _contiguous(a) for a in rows]
     t1 = {"versions": list(range(len(arrs)))}
