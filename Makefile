@@ -1,4 +1,6 @@
 # make demo | make test | make bench  -- each creates .venv if missing and installs what it needs.
+# make test-lowest: the suite in .venv-lowest, on exactly the lowest versions pyproject.toml
+# allows (constraints-lowest.txt); make test runs on the newest it allows.
 # make bench-peers: the same bench next to TensorFlow, PyTorch RPC, Ray and Redis, from its own
 # virtualenv (.venv-peers, ~3 GB) so their pins stay out of .venv.
 PYTHON ?= python3
@@ -6,10 +8,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
+LOWEST_VENV := .venv-lowest
+LOWEST_BIN  := $(LOWEST_VENV)/bin
+
 PEERS_VENV := .venv-peers
 PEERS_BIN  := $(PEERS_VENV)/bin
 
-.PHONY: demo test bench bench-peers redis-server lint typecheck clean
+.PHONY: demo test test-lowest bench bench-peers redis-server lint typecheck clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +39,16 @@ lint: $(VENV)/.stamp-test
 typecheck: $(VENV)/.stamp-test
 	$(BIN)/mypy
 
+$(LOWEST_VENV)/.stamp: pyproject.toml constraints-lowest.txt
+	test -x $(LOWEST_BIN)/python || $(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_BIN)/python -m pip --disable-pip-version-check -q install --upgrade pip
+	$(LOWEST_BIN)/python -m pip --disable-pip-version-check -q install \
+	  -c constraints-lowest.txt -e '.[test]'
+	@touch $@
+
+test-lowest: $(LOWEST_VENV)/.stamp
+	$(LOWEST_BIN)/python -m pytest -q
+
 bench: $(VENV)/.stamp-bench
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
@@ -54,4 +69,4 @@ bench-peers: $(PEERS_VENV)/.stamp redis-server
 	$(PEERS_BIN)/python -m bench --peers $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache bench/results
+	rm -rf $(VENV) $(LOWEST_VENV) $(PEERS_VENV) build *.egg-info .pytest_cache .hypothesis .mypy_cache bench/results

@@ -119,6 +119,11 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
     p.add_argument("--min-body-rate", dest="min_body_rate", metavar="SIZE",
                    help=f"bytes per second a request body must average over each "
                         f"--body-timeout [{env_name('min_body_rate')}, default 16KiB]")
+    p.add_argument("--http", dest="http", metavar="MODE",
+                   help=f"auto: serve through the fast HTTP path when the installed uvicorn "
+                        f"and FastAPI offer what it needs, else (with a warning) the stock "
+                        f"way; stock: always uvicorn's h11 protocol and the FastAPI routes "
+                        f"(slower, the same answers) [{env_name('http')}, default auto]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,7 +219,7 @@ _PASSED_ON = ("max_request_bytes", "log_level", "access_log", "snapshot_interval
               "keep_snapshots", "keep_checkpoints", "restore", "max_queued_bytes",
               "max_queued_requests", "max_request_names", "dedup_max_workers",
               "dedup_idle_seconds", "max_head_bytes", "head_timeout", "body_timeout",
-              "min_body_rate")
+              "min_body_rate", "http")
 
 
 # -- serve ----------------------------------------------------------------------------------
@@ -222,15 +227,15 @@ _PASSED_ON = ("max_request_bytes", "log_level", "access_log", "snapshot_interval
 def serve(config: ShardConfig) -> int:
     """Run one shard with uvicorn until SIGTERM/SIGINT; blocks; returns 0 after a clean stop.
 
-    Uses uvloop and httptools (through :mod:`server.protocol`) when installed. Returns 1 if the
-    shard cannot start (e.g. its port is taken).
+    Uses uvloop when installed, and the HTTP path :func:`server.upstream.serving` chooses
+    (``config.http``). Returns 1 if the shard cannot start (e.g. its port is taken).
     """
     import uvicorn
 
-    from .app import create_app, serving_app
+    from .app import create_app
     from .memory import keep_big_buffers
-    from .protocol import protocol_class
     from .readguard import EdgeLimits
+    from .upstream import serving
 
     keep_big_buffers()
     limits = EdgeLimits(max_head_bytes=config.max_head_bytes, head_timeout=config.head_timeout,
@@ -240,12 +245,13 @@ def serve(config: ShardConfig) -> int:
                         else getattr(logging, config.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(config)
+    served = serving(app, limits, config.http)
     uv_config = uvicorn.Config(
-        serving_app(app),
+        served.app,
         host=config.host,
         port=config.port,
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        http=protocol_class(limits),
+        http=served.protocol,
         h11_max_incomplete_event_size=limits.max_head_bytes,  # the head bound, on h11
         log_level=config.log_level,
         access_log=config.access_log,

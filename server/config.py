@@ -26,6 +26,8 @@ __all__ = ["ENV_PREFIX", "LOG_LEVELS", "ConfigError", "ShardConfig", "index_from
 
 ENV_PREFIX = "PARAMSHARD_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+#: The values of ``http`` (as :data:`server.upstream.MODES`, which needs uvicorn to import).
+HTTP_MODES = ("auto", "stock")
 DEFAULT_MAX_REQUEST_BYTES = 1 << 30  # 1 GiB
 DEFAULT_MAX_QUEUED_BYTES = 2 << 30  # 2 GiB
 _CHECKPOINT_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -122,6 +124,13 @@ def _log_level(text: str) -> str:
     return value
 
 
+def _http_mode(text: str) -> str:
+    value = text.strip().lower()
+    if value not in HTTP_MODES:
+        raise ValueError(f"expected one of {', '.join(HTTP_MODES)}, got {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text.strip())
@@ -203,6 +212,9 @@ class ShardConfig:
     head_timeout: float = 10.0
     body_timeout: float = 30.0
     min_body_rate: int = 16 * 1024
+    #: How the shard serves HTTP (:data:`server.upstream.MODES`): ``auto`` (the fast path
+    #: when the installed web stack offers what it needs) or ``stock``.
+    http: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard_index < self.num_shards:
@@ -295,4 +307,5 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "head_timeout": _timeout,
     "body_timeout": _timeout,
     "min_body_rate": _rate,
+    "http": _http_mode,
 }

@@ -29,36 +29,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .upstream import middleware, request_only_posts
+
 __all__ = ["DirectRoutes", "direct_routes"]
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
-try:  # FastAPI >= 0.13x includes routers lazily; this yields each route with its effective
-    # dependencies (the router's, the include's and the app's)
-    from fastapi.routing import iter_route_contexts as _routes
-except ImportError:  # earlier FastAPI copies included routes, dependencies merged, into the app
-    def _routes(routes: Any) -> Any:
-        return iter(routes)
-
 
 def direct_routes(app: FastAPI, prefix: str = "/v1/") -> dict[str, Endpoint]:
-    """``path -> endpoint`` of the app's ``POST`` routes under ``prefix`` that qualify."""
-    out: dict[str, Endpoint] = {}
-    for route in _routes(app.router.routes):
-        dep = getattr(route, "dependant", None)
-        path = getattr(route, "path", None) or ""
-        if dep is None or getattr(route, "methods", None) != {"POST"}:
-            continue
-        if not path.startswith(prefix) or "{" in path:
-            continue
-        if (dep.request_param_name is None or dep.dependencies or dep.path_params
-                or dep.query_params or dep.header_params or dep.cookie_params or dep.body_params
-                or dep.response_param_name or dep.background_tasks_param_name
-                or not inspect.iscoroutinefunction(route.endpoint)
-                or len(inspect.signature(route.endpoint).parameters) != 1):
-            continue
-        out[path] = route.endpoint
-    return out
+    """``path -> endpoint`` of the app's ``POST`` routes under ``prefix`` that qualify
+    (:func:`server.upstream.request_only_posts`, which reads FastAPI's route internals)."""
+    return request_only_posts(app, prefix)
 
 
 class DirectRoutes:
@@ -78,7 +59,7 @@ class DirectRoutes:
         self.routes = dict(direct_routes(app) if routes is None else routes)
         self.handlers = app.exception_handlers
         direct: ASGIApp = self._call_endpoint
-        for cls, args, kwargs in reversed(app.user_middleware):  # as Starlette stacks them
+        for cls, args, kwargs in reversed(middleware(app)):  # as Starlette stacks them
             direct = cls(direct, *args, **kwargs)
         self.direct = direct
         #: Requests the shard's HTTP protocol may answer itself (:data:`server.protocol.IMMEDIATE`);

@@ -57,14 +57,17 @@ parser had just reached its head, body and end. The work saved is a sizeable par
 pull's time in the shard (``python -m bench.stepcost`` shows the shard's part).
 
 It is passed to uvicorn as its ``http`` protocol class (``uvicorn.Config(http=...)``, a
-documented option). It relies on uvicorn's request cycle keeping the pending body in
-``cycle.body`` and turning it into ``bytes(cycle.body)`` in ``receive()``, on its
-``response_complete`` and ``disconnected`` flags, on its writing the head, then the body, through
+documented option), on the fast path only (:func:`server.upstream.serving`). It relies on
+uvicorn's request cycle keeping the pending body in ``cycle.body`` and turning it into
+``bytes(cycle.body)`` in ``receive()`` (uvicorn 0.42 and later), on its ``response_complete``
+and ``disconnected`` flags, on its writing the head, then the body, through
 ``cycle.transport`` (and closing it after a failure), and on the parser callbacks
-``on_headers_complete``/``on_body``/``on_message_complete``, as uvicorn has done since its
-first httptools protocol; the shard tests run every request through it, and
-tests/test_datapath.py runs it on its own under uvloop and asyncio's loop. Without httptools,
-:func:`protocol_class` picks uvicorn's h11 (no :class:`BodyInto`: the app reads pieces).
+``on_headers_complete``/``on_body``/``on_message_complete``. Its base class comes from
+:mod:`server.upstream`, which lists every uvicorn member used here and checks at start that the
+installed uvicorn has them (else the shard serves the stock way). The shard tests run every
+request through it, and tests/test_datapath.py runs it on its own under uvloop and asyncio's
+loop. Without httptools, :func:`protocol_class` picks uvicorn's h11 (no :class:`BodyInto`:
+the app reads pieces).
 
 Both bound what a connection may cost before its request is whole, with
 :class:`server.readguard.ReadGuard`: the head's size, a deadline for an unfinished head and a
@@ -83,6 +86,7 @@ from typing import Any, Optional
 
 from .headers import request_headers
 from .readguard import BODY, DEFAULT_LIMITS, HEAD, IDLE, INVALID, EdgeLimits, ReadGuard
+from .upstream import HIGH_WATER_LIMIT, HttpToolsProtocol, new_parser
 
 __all__ = ["ANSWER_BELOW", "Answerer", "BODY_INTO", "BYPASS_BELOW", "GATHER", "IMMEDIATE",
            "BodyInto", "BodyPieces", "Gathered", "Immediate", "ShardHttpProtocol", "gathers",
@@ -231,11 +235,6 @@ def _vectored(transport: asyncio.BaseTransport) -> bool:
     return type(transport).__module__.startswith("uvloop")
 
 
-try:
-    import httptools
-    from uvicorn.protocols.http.httptools_impl import HIGH_WATER_LIMIT, HttpToolsProtocol
-except ImportError:  # httptools is not installed
-    HttpToolsProtocol = None  # type: ignore[assignment, misc]
 
 
 def protocol_class(limits: EdgeLimits = DEFAULT_LIMITS) -> type[asyncio.Protocol]:
@@ -466,7 +465,7 @@ if HttpToolsProtocol is not None:
                     return
                 # The body is complete: finish the request as the parser would have, and
                 # parse whatever follows with a fresh parser.
-                self.parser = _new_parser(self)
+                self.parser = new_parser(self)
                 self.on_message_complete()
                 data = data[take:]
                 if not data:
@@ -517,7 +516,7 @@ if HttpToolsProtocol is not None:
             into.watch = None  # type: ignore[union-attr]
             self._into = self._into_buffer = None
             self.transport.set_protocol(self)
-            self.parser = _new_parser(self)
+            self.parser = new_parser(self)
             self.on_message_complete()
 
         def _hand_on(self, piece: bytes) -> None:
@@ -618,10 +617,3 @@ if HttpToolsProtocol is not None:
         def resume_writing(self) -> None:
             self.http.resume_writing()
 
-    def _new_parser(protocol: HttpToolsProtocol) -> httptools.HttpRequestParser:
-        parser = httptools.HttpRequestParser(protocol)
-        try:  # as uvicorn sets up its own
-            parser.set_dangerous_leniencies(lenient_data_after_close=True)
-        except AttributeError:  # httptools < 0.6.3
-            pass
-        return parser

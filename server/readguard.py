@@ -12,8 +12,9 @@ enforces :class:`EdgeLimits`:
 * **Head size.** A head (request line and headers) above ``max_head_bytes`` is answered 400
   ``bad_request`` and the connection closed. On httptools the head is measured as it is
   parsed, and one still unfinished is refused as soon as what arrived of it passes the bound
-  (so at most one socket read more is held); h11 enforces the same bound itself
-  (``h11_max_incomplete_event_size``).
+  (so at most one socket read more is held); h11 enforces the same bound on a head still
+  incomplete (``h11_max_incomplete_event_size``), and :class:`GuardedH11Protocol` on a head
+  that arrived whole.
 * **Head deadline.** A connection must complete each request head within ``head_timeout``
   seconds of its first byte (a new connection: of its opening); else it is closed.
 * **Body deadline.** While the shard waits for a request body, every ``body_timeout`` seconds
@@ -28,9 +29,10 @@ deadline is therefore met within one to two timeouts. An invalid request (any pa
 is answered 400 ``bad_request`` in the protocol's error format (JSON, msgpack for
 ``POST /v1/...``), then the connection is closed.
 
-Everything runs on the event loop. This module reaches into uvicorn's protocols (``flow``,
-``transport``, ``cycle``, ``server_state``, ``send_400_response``) as
-:mod:`server.protocol` does.
+Everything runs on the event loop. This module subclasses uvicorn's protocols and uses their
+members (``flow``, ``transport``, ``cycle``, ``server_state``, ``send_400_response``), as
+:mod:`server.protocol` does; the bases come from :mod:`server.upstream`, which checks at start
+that the installed uvicorn has those members.
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ from typing import Any
 
 import h11
 import msgpack
-from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from client_sdk import wire
+
+from .upstream import FlowControl, H11Protocol
 
 __all__ = ["DEFAULT_LIMITS", "EdgeLimits", "GuardedH11Protocol", "ReadGuard", "error_bytes"]
 
@@ -208,12 +210,33 @@ INVALID = ("the request is not valid HTTP/1.1 (malformed request line, header or
 
 
 class GuardedH11Protocol(ReadGuard, H11Protocol):
-    """uvicorn's h11 protocol (what a shard serves without httptools) with the read deadlines
-    of :class:`ReadGuard`; h11 bounds the head itself (``h11_max_incomplete_event_size``)."""
+    """uvicorn's h11 protocol (what a shard serves without httptools, and the stock way) with
+    the read deadlines of :class:`ReadGuard`; the head is bounded by h11 while incomplete
+    (``h11_max_incomplete_event_size``) and here once parsed."""
+
+    _head_refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._guard_made()
+        self.conn.next_event = self._next_event_bounded(self.conn.next_event)
+
+    def _next_event_bounded(self, next_event: Any) -> Any:
+        """``conn.next_event`` refusing a request whose head is above the bound (h11 bounds
+        only a head still incomplete; one that arrived whole in a read is parsed)."""
+
+        def bounded() -> Any:
+            event = next_event()
+            if type(event) is h11.Request:
+                size = len(event.method) + len(event.target) + 14
+                for name, value in event.headers:
+                    size += len(name) + len(value) + 4
+                if size > self.limits.max_head_bytes:
+                    self._head_refused = True
+                    raise h11.RemoteProtocolError("request head too large")
+            return event
+
+        return bounded
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._guard_lost()
@@ -233,7 +256,8 @@ class GuardedH11Protocol(ReadGuard, H11Protocol):
         self._guard_read()
 
     def send_400_response(self, msg: str) -> None:
-        too_big = len(self.conn.trailing_data[0]) > self.limits.max_head_bytes
+        too_big = self._head_refused \
+            or len(self.conn.trailing_data[0]) > self.limits.max_head_bytes
         if too_big:
             self._refuse(f"the request head is above {self.limits.max_head_bytes} bytes "
                          "(--max-head-bytes): send fewer or shorter headers",

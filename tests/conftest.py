@@ -5,7 +5,12 @@ waits until every ``/healthz`` answers, and returns a :class:`Fleet`. With ``dat
 gets ``--data-dir <workdir>/data/shard-i`` (``Fleet.data_dirs``) and the factory waits until every
 ``/readyz`` answers (its snapshot is restored). Every process a test started is stopped when the
 test ends, killed if it does not stop in time.
-``fleet2`` is a module-scoped 2-shard fleet for tests that only add uniquely named variables.
+``prelude=CODE`` runs CODE in each shard process before ``paramshard serve`` starts (e.g. to
+hide httptools, or to stand in for another release of a dependency); ``env=`` adds environment
+variables (``{"PARAMSHARD_HTTP": "stock"}``: the stock way of serving, :mod:`server.upstream`).
+``fleet2`` is a module-scoped 2-shard fleet for tests that only add uniquely named variables;
+``start_fleet2(factory, mode)`` starts one in the given way of serving (:data:`HTTP_MODES`), for
+modules that run their data-plane tests both ways.
 """
 
 from __future__ import annotations
@@ -64,11 +69,13 @@ class Fleet:
     """n shard processes; ``urls[i]`` is shard i. Restart a shard with ``start(i)``."""
 
     def __init__(self, n: int, workdir: Path, extra_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None, data: bool = False) -> None:
+                 env: dict[str, str] | None = None, data: bool = False,
+                 prelude: str = "") -> None:
         self.n = n
         self.workdir = workdir
         self.extra_args = tuple(extra_args)
         self.env = env or {}
+        self.prelude = prelude
         self.ports = [free_port() for _ in range(n)]
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         self.procs: list[subprocess.Popen | None] = [None] * n
@@ -81,7 +88,10 @@ class Fleet:
 
     def command(self, i: int) -> list[str]:
         data = ["--data-dir", str(self.data_dirs[i])] if self.data_dirs else []
-        return [sys.executable, "-m", "server.cli", "serve", "--shard-index", str(i),
+        start = ["-m", "server.cli"] if not self.prelude else \
+            ["-c", self.prelude + "\nimport sys\nfrom server.cli import main\n"
+                   "sys.exit(main(sys.argv[1:]))"]
+        return [sys.executable, *start, "serve", "--shard-index", str(i),
                 "--num-shards", str(self.n), "--host", "127.0.0.1", "--port", str(self.ports[i]),
                 *data, *self.extra_args]
 
@@ -167,10 +177,10 @@ def fleet_factory(tmp_path):
     fleets: list[Fleet] = []
 
     def make(n: int, *extra_args: str, env: dict[str, str] | None = None,
-             data: bool = False) -> Fleet:
+             data: bool = False, prelude: str = "") -> Fleet:
         d = tmp_path / f"fleet{len(fleets)}"
         d.mkdir()
-        f = Fleet(n, d, extra_args, env, data)
+        f = Fleet(n, d, extra_args, env, data, prelude)
         fleets.append(f)
         return f
 
@@ -179,8 +189,19 @@ def fleet_factory(tmp_path):
         f.close()
 
 
+#: The ways a shard serves HTTP (``--http``; "fast" is ``auto`` on a web stack that offers
+#: what the fast path needs, as tests/test_upstream.py checks).
+HTTP_MODES = ("fast", "stock")
+
+
+def start_fleet2(tmp_path_factory, mode: str = "fast") -> Fleet:
+    """A 2-shard fleet serving the ``mode`` way (:data:`HTTP_MODES`)."""
+    env = {"PARAMSHARD_HTTP": "stock"} if mode == "stock" else {"PARAMSHARD_HTTP": "auto"}
+    return Fleet(2, tmp_path_factory.mktemp(f"fleet2-{mode}"), env=env)
+
+
 @pytest.fixture(scope="module")
 def fleet2(tmp_path_factory):
-    f = Fleet(2, tmp_path_factory.mktemp("fleet2"))
+    f = start_fleet2(tmp_path_factory)
     yield f
     f.close()

@@ -31,7 +31,16 @@ from client_sdk import (
 from client_sdk import wire
 from client_sdk.optimizers import SGD, Adagrad
 from client_sdk.placement import shard_for
-from conftest import free_port
+from conftest import HTTP_MODES, free_port, start_fleet2
+
+
+@pytest.fixture(scope="module", params=HTTP_MODES)
+def fleet2(request, tmp_path_factory):
+    """This module's 2-shard fleet, once for each way a shard serves (server/upstream.py)."""
+    fleet = start_fleet2(tmp_path_factory, request.param)
+    yield fleet
+    fleet.close()
+
 
 _ids = itertools.count()
 

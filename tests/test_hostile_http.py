@@ -96,24 +96,15 @@ def closed_by_peer(sock: socket.socket, within: float) -> tuple[bool, bytes]:
     return False, got
 
 
-@pytest.fixture(params=["httptools", "h11"])
-def edge_shard(request, fleet_factory, monkeypatch):
-    """One shard with short head and body deadlines, on either of uvicorn's protocols."""
-    from tests import conftest
-
-    if request.param == "h11":
-        made = conftest.Fleet.command
-
-        def command(self, i):
-            cmd = made(self, i)
-            return [cmd[0], "-c", "import sys; sys.modules['httptools'] = None; "
-                    "from server.cli import main; sys.exit(main(sys.argv[1:]))", *cmd[3:]]
-
-        monkeypatch.setattr(conftest.Fleet, "command", command)
-    fleet = fleet_factory(1, "--head-timeout", "1", "--body-timeout", "1",
-                          "--max-request-bytes", "64MiB", "--max-queued-bytes", "128MiB")
-    monkeypatch.undo()
-    return fleet
+@pytest.fixture(params=["httptools", "h11", "stock"])
+def edge_shard(request, fleet_factory):
+    """One shard with short head and body deadlines, on either of uvicorn's protocols (h11:
+    httptools hidden), and served the stock way (server/upstream.py)."""
+    prelude = "import sys; sys.modules['httptools'] = None" if request.param == "h11" else ""
+    env = {"PARAMSHARD_HTTP": "stock"} if request.param == "stock" else {}
+    return fleet_factory(1, "--head-timeout", "1", "--body-timeout", "1",
+                         "--max-request-bytes", "64MiB", "--max-queued-bytes", "128MiB",
+                         env=env, prelude=prelude)
 
 
 def test_a_huge_head_is_refused_early_and_costs_no_memory(edge_shard):
