@@ -29,6 +29,9 @@ class Recorder(asyncio.Transport):
     def get_protocol(self):
         return self.protocol
 
+    def set_write_buffer_limits(self, high=None, low=None) -> None:  # websockets' legacy
+        pass  # protocol (uvicorn before 0.50) sets them when the connection is handed to it
+
     def write(self, data) -> None:
         self.calls.append(("write", bytes(data)))
 

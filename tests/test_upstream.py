@@ -135,3 +135,55 @@ def test_the_web_stack_is_bounded_above(name):
     bounded below the next minor release after the newest the suite ran on."""
     spec = _requirements()[name]
     assert re.search(r"<\s*\d+\.\d+(,|$)", spec), f"{name} has no upper bound ({spec!r})"
+
+
+# -- the lists of what the subclasses use -----------------------------------------------------
+
+def _attribute_reads(path, classes: set[str]) -> dict[str, set[str]]:
+    """``base -> attribute names`` read or written on ``self``, ``self.cycle``/``cycle`` and
+    ``self.flow`` inside the methods of ``classes`` in the module at ``path`` (and under
+    ``stored``, those assigned on ``self``)."""
+    import ast
+
+    out: dict[str, set[str]] = {"self": set(), "cycle": set(), "flow": set(), "stored": set()}
+    tree = ast.parse(path.read_text())
+    for cls in ast.walk(tree):
+        if not (isinstance(cls, ast.ClassDef) and cls.name in classes):
+            continue
+        for node in ast.walk(cls):
+            if not isinstance(node, ast.Attribute):
+                continue
+            base = node.value
+            if isinstance(base, ast.Name) and base.id == "self":
+                out["self"].add(node.attr)
+                if isinstance(node.ctx, ast.Store):
+                    out["stored"].add(node.attr)
+            elif isinstance(base, ast.Name) and base.id in ("cycle", "previous"):
+                out["cycle"].add(node.attr)
+            elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) \
+                    and base.value.id == "self" and base.attr in ("cycle", "flow"):
+                out[base.attr].add(node.attr)
+    return out
+
+
+def test_the_lists_name_every_upstream_member_the_subclasses_use():
+    """Every member of uvicorn's classes that server/protocol.py and server/readguard.py use
+    is in server/upstream.py's lists, so the check at start covers it."""
+    from server import protocol, readguard
+
+    own = set()
+    for cls in (protocol.ShardHttpProtocol, readguard.ReadGuard, readguard.GuardedH11Protocol):
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("server."):
+                own.update(vars(klass))
+    fast = _attribute_reads(ROOT / "server" / "protocol.py", {"ShardHttpProtocol"})
+    guard = _attribute_reads(ROOT / "server" / "readguard.py", {"ReadGuard",
+                                                                "GuardedH11Protocol"})
+    assigned_here = {"parser", "flow"}  # replaced by the subclasses, but uvicorn's to begin with
+    own |= fast["stored"] | guard["stored"]
+    http_used = (fast["self"] | guard["self"]) - (own - assigned_here)
+    assert http_used - set(upstream.HTTPTOOLS_NEEDS) - set(upstream.H11_NEEDS) == set()
+    assert fast["cycle"] - set(upstream.CYCLE_NEEDS) == set()
+    flow_own = set(vars(readguard._WatchedFlow)) | _attribute_reads(
+        ROOT / "server" / "readguard.py", {"_WatchedFlow"})["stored"]
+    assert (fast["flow"] | guard["flow"]) - flow_own - set(upstream.FLOW_NEEDS) == set()
