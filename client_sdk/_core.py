@@ -100,9 +100,9 @@ _SMALL_REPLIES = frozenset({"init", "push", "assign", "increment", "wait"})
 logger = logging.getLogger("client_sdk")
 
 T = TypeVar("T")
-Result = Union["Reply", PSError]
+Result = Union["Reply", PSError]  # noqa: UP007 (Reply is defined below)
 #: A whole reply body: bytes, or a view of the buffer it was read into.
-Body = Union[bytes, bytearray, memoryview]
+Body = bytes | bytearray | memoryview
 #: A verb: yields batches of requests, receives their results, returns the verb's result.
 Flow = Generator[list["ShardRequest"], list[Result], T]
 
@@ -262,10 +262,10 @@ class _Message:
 
 #: A pulled value as the cache keeps it: ``(shard incarnation, version, value)``. A plain tuple:
 #: a pull of many variables makes one per variable, and a tuple is the cheapest record to make.
-_Cached = tuple[Union[str, None], int, np.ndarray]
+_Cached = tuple[str | None, int, np.ndarray]
 #: What a pull holds of one shard's names: cache entries parallel to them (or None), and the
 #: cache's write count when they were read (see Core._cached).
-Held = tuple[Union[list[Union[_Cached, None]], None], Union[int, None]]
+Held = tuple[list[_Cached | None] | None, int | None]
 _NOT_HELD: Held = (None, None)
 #: Lists of names whose pull plans are kept (all dropped when full).
 _MAX_PLANS = 64

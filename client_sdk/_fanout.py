@@ -28,7 +28,6 @@ import concurrent.futures
 import selectors
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Union
 
 import httpx2
 
@@ -39,7 +38,7 @@ from ._pool import Connection, HTTPPool
 __all__ = ["Exchange", "Outcome", "exchange_all"]
 
 #: An exchange's result: the response, or the transport failure that ended it.
-Outcome = Union[Response, httpx2.HTTPError]
+Outcome = Response | httpx2.HTTPError
 Submit = Callable[..., "concurrent.futures.Future[Connection]"]
 
 _Selector = getattr(selectors, "PollSelector", selectors.SelectSelector)
@@ -166,7 +165,7 @@ def _take_off(pool: HTTPPool, exchanges: Sequence[Exchange], submit: Submit,
             except httpx2.HTTPError as exc:
                 outcomes[i] = exc
     except BaseException:
-        for i, future in opening.items():
+        for future in opening.values():
             future.add_done_callback(_close_opened)
         for conn in conns:
             if conn is not None:

@@ -30,7 +30,6 @@ arrived" exactly as it does for httpx2 itself: :class:`httpx2.ConnectError` and
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
-from typing import Union
 
 import httpx2
 import numpy as np
@@ -38,7 +37,7 @@ import numpy as np
 __all__ = ["HEAD_BUFFER", "IDLE_EXPIRY", "MAX_IOV", "SEND_SLICE", "Origin", "ReplyTooLarge",
            "Response", "advance", "next_send", "read_response", "request_head"]
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 #: What :func:`read_response` yields (where to receive) and is sent (how many bytes came).
 Reading = Generator[memoryview, int, "tuple[Response, bool]"]
 

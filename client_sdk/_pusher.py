@@ -146,8 +146,8 @@ class Pusher(Generic[T]):
                 waiting, self._waiting = self._waiting, None
                 if waiting is not None:  # hand this slot to the push that waits for one
                     self._start(*waiting)
-                    return
-            self._slots.release()
+            if waiting is None:
+                self._slots.release()
 
     def _on_done(self, fut: concurrent.futures.Future[T]) -> None:
         with self._lock:

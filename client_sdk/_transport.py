@@ -80,7 +80,7 @@ SLICE = 1 << 20
 #: Connect attempts fail fast so that retries (and wait_ready) notice a shard coming up.
 CONNECT_TIMEOUT = 5.0
 
-Result = Union[Reply, PSError]
+Result = Reply | PSError
 #: What settles a request (anything else :func:`_judge` returns is a delay before a retry).
 _SETTLED = (Reply, PSError)
 #: Runs a blocking call on another thread (an executor's ``submit``).
@@ -537,8 +537,8 @@ class AsyncHTTPXSender:
         await self.client.aclose()
 
 
-Sender = Union[NativeSender, HTTPXSender]
-AsyncSender = Union[AsyncNativeSender, AsyncHTTPXSender]
+Sender = NativeSender | HTTPXSender
+AsyncSender = AsyncNativeSender | AsyncHTTPXSender
 
 #: What a sender may raise for a failed exchange (the rest are bugs and propagate).
 _TRANSPORT_ERRORS = (httpx2.HTTPError, httpx2.InvalidURL, httpx2.StreamError)

@@ -37,8 +37,8 @@ __all__ = ["AsyncPSClient", "PSClient"]
 
 logger = logging.getLogger("client_sdk")
 
-Shards = Union[Sequence[str], str, None]
-OptimizerArg = Union[Optimizer, Mapping[str, Optimizer], None]
+Shards = Sequence[str] | str | None
+OptimizerArg = Optimizer | Mapping[str, Optimizer] | None
 T = TypeVar("T")
 
 

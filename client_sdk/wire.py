@@ -38,7 +38,7 @@ import math
 import re
 import struct
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeGuard, Union
+from typing import Any, TypeGuard
 
 import msgpack
 import numpy as np
@@ -141,7 +141,7 @@ ERROR_STATUS = {
     "unavailable": 503,
 }
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 _HEAD = struct.Struct("<4sI")
 
 

@@ -87,7 +87,7 @@ def load_data(seed: int = DEFAULT_SEED) -> Dataset:
     X = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int64)
     order = np.random.default_rng(seed).permutation(len(y))
-    n_test = int(round(len(y) * TEST_FRACTION))
+    n_test = round(len(y) * TEST_FRACTION)
     test, train = order[:n_test], order[n_test:]
     return Dataset(X[train], y[train], X[test], y[test])
 

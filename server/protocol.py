@@ -82,7 +82,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 from .headers import request_headers
 from .readguard import BODY, DEFAULT_LIMITS, HEAD, IDLE, INVALID, EdgeLimits, ReadGuard
@@ -128,7 +128,7 @@ class Immediate:
 #: ``None`` to hand the request to the app the usual way, which then answers it. Runs on the
 #: event loop, inside the protocol's parser callback: it must not block, and should not raise
 #: (an exception is logged and the request goes the usual way).
-Answerer = Callable[[dict[bytes, bytes], bytes], Optional[Immediate]]
+Answerer = Callable[[dict[bytes, bytes], bytes], Immediate | None]
 
 
 class BodyPieces:

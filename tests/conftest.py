@@ -158,7 +158,7 @@ class Fleet:
         self.stop(i, signal.SIGKILL)
 
     def close(self) -> None:
-        for i, proc in enumerate(self.procs):
+        for proc in self.procs:
             if proc is None or proc.poll() is not None:
                 continue
             proc.send_signal(signal.SIGTERM)

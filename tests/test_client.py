@@ -353,7 +353,7 @@ def test_pulled_arrays_are_read_only(fleet2):
     small, big = unique("ro_small"), unique("ro_big")
     with PSClient(fleet2.urls) as ps:
         ps.init({small: np.ones(3), big: np.ones(100_000)})  # inline and framed replies
-        for name, value in ps.pull([small, big]).items():
+        for value in ps.pull([small, big]).values():
             assert not value.flags.writeable
             with pytest.raises(ValueError):
                 value[0] = 5

@@ -379,7 +379,7 @@ def test_readers_wait_while_a_big_update_is_written_in_place():
         loop = asyncio.get_running_loop()
         loop.set_default_executor(Gated(1))
         first = asyncio.create_task(store.push_async("worker", 0, {"w": np.ones(BIG, np.float32)}))
-        while not started.is_set():
+        while not started.is_set():  # noqa: ASYNC110 (a threading.Event, set by the executor)
             await asyncio.sleep(0.001)
         assert var.in_place and var.writing is not None
         await asyncio.wait_for(store.readable(["v", "unknown"]), 1)  # others: no wait
@@ -418,7 +418,7 @@ class _Gates(concurrent.futures.ThreadPoolExecutor):
 
 
 async def _until(event: threading.Event) -> None:
-    while not event.is_set():
+    while not event.is_set():  # noqa: ASYNC110 (a threading.Event: no awaitable to wait on)
         await asyncio.sleep(0.001)
 
 

@@ -19,6 +19,7 @@ are tested elsewhere), with small whole-number gradients, so values compare bit 
 from __future__ import annotations
 
 import itertools
+from typing import ClassVar
 
 import httpx2
 import numpy as np
@@ -41,7 +42,7 @@ _runs = itertools.count()
 
 
 class FleetMachine(RuleBasedStateMachine):
-    urls: list[str] = []
+    urls: ClassVar[list[str]] = []
 
     def __init__(self) -> None:
         super().__init__()

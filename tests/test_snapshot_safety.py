@@ -105,7 +105,7 @@ def test_a_checkpoint_is_kept_until_deleted(fleet_factory):
         first = ps.checkpoint()
         kept = ps.pull(["w"])["w"]
         later = []
-        for k in range(4):  # more checkpoints and plain snapshots than either is kept
+        for _ in range(4):  # more checkpoints and plain snapshots than either is kept
             ps.push({"w": np.ones(3, np.float32)})
             later.append(ps.checkpoint())
             assert httpx2.post(url + "/v1/snapshot", content=b"\x80", timeout=30,
