@@ -31,9 +31,11 @@ demo: $(VENV)/.stamp-demo
 test: lint typecheck
 	$(BIN)/python -m pytest -q
 
-# pyflakes-level checks (pyproject.toml [tool.ruff.lint]); part of make test.
+# ruff's rules and its formatting (pyproject.toml [tool.ruff]); part of make test. `ruff format`
+# and `ruff check --fix` make most of what they ask.
 lint: $(VENV)/.stamp-test
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # mypy --strict on the SDK (pyproject.toml [tool.mypy]); part of make test.
 typecheck: $(VENV)/.stamp-test

@@ -36,7 +36,8 @@ def _sizes(text: str) -> tuple[int, ...]:
             value = float(part)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"--sizes takes element counts like 1e5,1000000,2.5e7; got {part!r}") from None
+                f"--sizes takes element counts like 1e5,1000000,2.5e7; got {part!r}"
+            ) from None
         if value < 1 or value != int(value) or value > 2**40:
             raise argparse.ArgumentTypeError(f"--sizes: {part!r} is not a whole count >= 1")
         out.append(int(value))
@@ -80,26 +81,56 @@ def _seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    p.add_argument("--cases", type=_cases, default=list(CASES),
-                   help=f"comma-separated cases to run (default all: {', '.join(CASES)})")
-    p.add_argument("--sizes", type=_sizes, default=None,
-                   help="variable sizes in float32 elements, e.g. 1e5,1e6,2.5e7 (default: each "
-                        "case's own)")
-    p.add_argument("--reps", type=_positive, default=None,
-                   help="timed repetitions per size up to 8 MiB (ten times as many up to 512 "
-                        "KiB); bigger sizes get proportionally fewer, at least --min-reps "
-                        "(default 30, --quick 5)")
-    p.add_argument("--min-reps", dest="min_reps", type=_positive, default=None,
-                   help="fewest timed repetitions of any size (default 10, --quick 2)")
+    p.add_argument(
+        "--cases",
+        type=_cases,
+        default=list(CASES),
+        help=f"comma-separated cases to run (default all: {', '.join(CASES)})",
+    )
+    p.add_argument(
+        "--sizes",
+        type=_sizes,
+        default=None,
+        help="variable sizes in float32 elements, e.g. 1e5,1e6,2.5e7 (default: each case's own)",
+    )
+    p.add_argument(
+        "--reps",
+        type=_positive,
+        default=None,
+        help="timed repetitions per size up to 8 MiB (ten times as many up to 512 "
+        "KiB); bigger sizes get proportionally fewer, at least --min-reps "
+        "(default 30, --quick 5)",
+    )
+    p.add_argument(
+        "--min-reps",
+        dest="min_reps",
+        type=_positive,
+        default=None,
+        help="fewest timed repetitions of any size (default 10, --quick 2)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")
-    p.add_argument("--seconds", type=_seconds, default=None,
-                   help="how long each phase of the workers case runs (default 1.5, --quick 0.3)")
-    p.add_argument("--rounds", type=_positive, default=None,
-                   help="how often the workers case repeats its phases (default 2, --quick 1)")
-    p.add_argument("--peers", type=_peers, nargs="?", const="all", default=(),
-                   help="also measure the peers: 'all' (the default when given without a value) "
-                        "or a comma-separated subset of tf,torch,ray,redis. They install with "
-                        "`make bench-peers` (its own virtualenv, .venv-peers)")
+    p.add_argument(
+        "--seconds",
+        type=_seconds,
+        default=None,
+        help="how long each phase of the workers case runs (default 1.5, --quick 0.3)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=_positive,
+        default=None,
+        help="how often the workers case repeats its phases (default 2, --quick 1)",
+    )
+    p.add_argument(
+        "--peers",
+        type=_peers,
+        nargs="?",
+        const="all",
+        default=(),
+        help="also measure the peers: 'all' (the default when given without a value) "
+        "or a comma-separated subset of tf,torch,ray,redis. They install with "
+        "`make bench-peers` (its own virtualenv, .venv-peers)",
+    )
     p.add_argument("--quick", action="store_true", help="few repetitions: check that it runs")
     p.add_argument("--out", type=Path, default=RESULTS, help=f"JSON directory (default {RESULTS})")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -118,17 +149,26 @@ def main(argv: list[str] | None = None) -> int:
         print("--warmup must be >= 0", file=sys.stderr)
         return 2
     if args.peers and (lacking := missing(args.peers)):
-        print("--peers: this environment lacks what they need:\n  " + "\n  ".join(lacking)
-              + "\nRun `make bench-peers` (installs the `peers` extra into .venv-peers and "
-              "redis-server from Debian), or use that virtualenv: .venv-peers/bin/python -m "
-              "bench --peers", file=sys.stderr)
+        print(
+            "--peers: this environment lacks what they need:\n  "
+            + "\n  ".join(lacking)
+            + "\nRun `make bench-peers` (installs the `peers` extra into .venv-peers and "
+            "redis-server from Debian), or use that virtualenv: .venv-peers/bin/python -m "
+            "bench --peers",
+            file=sys.stderr,
+        )
         return 2
     reps = args.reps or (5 if args.quick else 30)
     min_reps = min(reps, args.min_reps or (2 if args.quick else 10))
-    ctx = Context(sizes=args.sizes, reps=reps, min_reps=min_reps, warmup=args.warmup,
-                  peer_names=args.peers,
-                  seconds=args.seconds or (0.3 if args.quick else 1.5),
-                  rounds=args.rounds or (1 if args.quick else 2))
+    ctx = Context(
+        sizes=args.sizes,
+        reps=reps,
+        min_reps=min_reps,
+        warmup=args.warmup,
+        peer_names=args.peers,
+        seconds=args.seconds or (0.3 if args.quick else 1.5),
+        rounds=args.rounds or (1 if args.quick else 2),
+    )
     rows: list[dict] = []
     started = time.time()
     failed = True
@@ -146,11 +186,23 @@ def main(argv: list[str] | None = None) -> int:
     add_ratios(rows)
     goal_list = goals.evaluate(rows)
     estimate = scale.estimate(rows)
-    meta = {"started": started, "argv": sys.argv[1:] if argv is None else argv,
-            "settings": {"sizes": args.sizes, "reps": reps, "min_reps": min_reps,
-                         "warmup": args.warmup, "cases": args.cases, "peers": args.peers,
-                         "seconds": ctx.seconds, "rounds": ctx.rounds},
-            "machine": machine(), "goals": goal_list, "scale": estimate}
+    meta = {
+        "started": started,
+        "argv": sys.argv[1:] if argv is None else argv,
+        "settings": {
+            "sizes": args.sizes,
+            "reps": reps,
+            "min_reps": min_reps,
+            "warmup": args.warmup,
+            "cases": args.cases,
+            "peers": args.peers,
+            "seconds": ctx.seconds,
+            "rounds": ctx.rounds,
+        },
+        "machine": machine(),
+        "goals": goal_list,
+        "scale": estimate,
+    }
     path = write_json(rows, meta, args.out)  # first: the measurements outlive a printing bug
     print(table(rows, descriptions))
     print(cpu_table(rows))

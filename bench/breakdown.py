@@ -9,8 +9,8 @@ pull
     * the same request through bare ``httpx2``: time to the response headers (the shard
       decodes the request, exports the value, encodes the reply), then the body read chunk by
       chunk into one preallocated buffer (what the SDK does over httpx2, for
-      ``https://`` shards; ``http://`` ones it reads through its own connection pool), and the body read by httpx2's own ``Response.read()``
-      (which joins the chunks);
+      ``https://`` shards; ``http://`` ones it reads through its own connection pool), and the body
+      read by httpx2's own ``Response.read()`` (which joins the chunks);
     * the same request over a bare socket, the body ``recv_into`` one buffer (no client
       library: what the shard's side costs);
     * the raw socket moving the same bytes.
@@ -45,8 +45,9 @@ from .rawsock import RawClient
 __all__ = ["main"]
 
 
-def _median_ms(fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None
-               ) -> float:
+def _median_ms(
+    fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None
+) -> float:
     samples = []
     for _ in range(reps + 1):  # the first is a warm-up
         if before is not None:
@@ -61,7 +62,7 @@ def _read_into(response: httpx2.Response) -> np.ndarray:
     buf = np.empty(int(response.headers["content-length"]), dtype=np.uint8)
     pos = 0
     for chunk in response.iter_raw():
-        buf[pos:pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+        buf[pos : pos + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
         pos += len(chunk)
     assert pos == buf.nbytes
     return buf
@@ -80,8 +81,10 @@ class _SocketHTTP:
 
     def post(self, path: str, chunks: list, ctype: str, accept: str) -> tuple[int, np.ndarray]:
         size = sum(memoryview(c).nbytes for c in chunks)
-        head = (f"POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: {ctype}\r\n"
-                f"accept: {accept}\r\ncontent-length: {size}\r\n\r\n").encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: {ctype}\r\n"
+            f"accept: {accept}\r\ncontent-length: {size}\r\n\r\n"
+        ).encode()
         self._sock.sendall(head)
         for c in chunks:
             self._sock.sendall(c)
@@ -94,10 +97,13 @@ class _SocketHTTP:
         head_bytes, rest = raw.split(b"\r\n\r\n", 1)
         lines = head_bytes.decode("latin-1").split("\r\n")
         status = int(lines[0].split()[1])
-        length = next(int(v) for k, _, v in (ln.partition(":") for ln in lines[1:])
-                      if k.strip().lower() == "content-length")
+        length = next(
+            int(v)
+            for k, _, v in (ln.partition(":") for ln in lines[1:])
+            if k.strip().lower() == "content-length"
+        )
         body = np.empty(length, dtype=np.uint8)
-        body[:len(rest)] = np.frombuffer(rest, dtype=np.uint8)
+        body[: len(rest)] = np.frombuffer(rest, dtype=np.uint8)
         view, pos = memoryview(body), len(rest)
         while pos < length:
             k = self._sock.recv_into(view[pos:])
@@ -121,12 +127,14 @@ def run(n: int, reps: int) -> list[tuple[str, str, float]]:
         rows.append((group, what, ms))
         print(f"{group:<6}{what:<62}{ms:>9.1f} ms", flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="paramshard-breakdown-") as tmp, \
-            processes.shards(1, Path(tmp), "--log-level", "warning") as fleet, \
-            processes.raw_server(Path(tmp)) as raw_server, \
-            PSClient(fleet.urls, worker_id="breakdown") as ps, \
-            RawClient(raw_server.host, raw_server.port) as raw, \
-            httpx2.Client(base_url=fleet.urls[0], timeout=120) as http:
+    with (
+        tempfile.TemporaryDirectory(prefix="paramshard-breakdown-") as tmp,
+        processes.shards(1, Path(tmp), "--log-level", "warning") as fleet,
+        processes.raw_server(Path(tmp)) as raw_server,
+        PSClient(fleet.urls, worker_id="breakdown") as ps,
+        RawClient(raw_server.host, raw_server.port) as raw,
+        httpx2.Client(base_url=fleet.urls[0], timeout=120) as http,
+    ):
         value = np.random.default_rng(0).random(n, dtype=np.float32)
         grad = np.zeros(n, dtype=np.float32)
         ps.init({"x": value}, optimizer=Add())
@@ -147,60 +155,100 @@ def run(n: int, reps: int) -> list[tuple[str, str, float]]:
                     read(r)
                     marks["head"].append(t1 - t0)
                     marks["body"].append(time.perf_counter() - t1)
+
             return go
 
-        add("pull", "httpx2, body into one preallocated buffer: total",
-            _median_ms(bare_pull(_read_into), reps))
-        add("pull", "  of which: until response headers (shard work)",
-            float(np.median(marks["head"][1:])) * 1e3)
+        add(
+            "pull",
+            "httpx2, body into one preallocated buffer: total",
+            _median_ms(bare_pull(_read_into), reps),
+        )
+        add(
+            "pull",
+            "  of which: until response headers (shard work)",
+            float(np.median(marks["head"][1:])) * 1e3,
+        )
         add("pull", "  of which: body read", float(np.median(marks["body"][1:])) * 1e3)
-        add("pull", "httpx2, Response.read() (joins the chunks)",
-            _median_ms(bare_pull(lambda r: r.read()), reps))
+        add(
+            "pull",
+            "httpx2, Response.read() (joins the chunks)",
+            _median_ms(bare_pull(lambda r: r.read()), reps),
+        )
         host_port = fleet.urls[0].removeprefix("http://").split(":")
         bare = _SocketHTTP(host_port[0], int(host_port[1]))
-        add("pull", "HTTP over a bare socket (recv_into; no client library)",
-            _median_ms(lambda: bare.post("/v1/pull", [pull_body], wire.MSGPACK, wire.FRAME),
-                       reps, bump))
+        add(
+            "pull",
+            "HTTP over a bare socket (recv_into; no client library)",
+            _median_ms(
+                lambda: bare.post("/v1/pull", [pull_body], wire.MSGPACK, wire.FRAME), reps, bump
+            ),
+        )
         add("pull", "raw socket, same bytes", _median_ms(lambda: raw.pull(nbytes), reps))
 
-        add("push", "PSClient.push (after a pull: includes copy-on-write)",
-            _median_ms(lambda: ps.push({"x": grad}), reps, lambda: ps.pull(["x"])))
-        add("push", "PSClient.push (no pull between pushes)",
-            _median_ms(lambda: ps.push({"x": grad}), reps))
+        add(
+            "push",
+            "PSClient.push (after a pull: includes copy-on-write)",
+            _median_ms(lambda: ps.push({"x": grad}), reps, lambda: ps.pull(["x"])),
+        )
+        add(
+            "push",
+            "PSClient.push (no pull between pushes)",
+            _median_ms(lambda: ps.push({"x": grad}), reps),
+        )
         encoded = wire.encode({"worker_id": "b", "seq": 0, "grads": {"nope": grad}}, frame=True)
-        add("push", "wire.encode (framed; no copy of the tensor)",
-            _median_ms(lambda: wire.encode({"grads": {"nope": grad}}, frame=True), reps))
+        add(
+            "push",
+            "wire.encode (framed; no copy of the tensor)",
+            _median_ms(lambda: wire.encode({"grads": {"nope": grad}}, frame=True), reps),
+        )
 
         def bare_push() -> None:
-            r = http.post("/v1/push", content=iter(encoded.chunks),
-                          headers={"content-type": wire.FRAME,
-                                   "content-length": str(encoded.nbytes)})
+            r = http.post(
+                "/v1/push",
+                content=iter(encoded.chunks),
+                headers={"content-type": wire.FRAME, "content-length": str(encoded.nbytes)},
+            )
             assert r.status_code == 404, r.status_code
 
-        add("push", "httpx2, same body to an unknown name (transfer + read, no apply)",
-            _median_ms(bare_push, reps))
-        add("push", "HTTP over a bare socket, same body to an unknown name",
-            _median_ms(lambda: bare.post("/v1/push", encoded.chunks, wire.FRAME, wire.FRAME),
-                       reps))
+        add(
+            "push",
+            "httpx2, same body to an unknown name (transfer + read, no apply)",
+            _median_ms(bare_push, reps),
+        )
+        add(
+            "push",
+            "HTTP over a bare socket, same body to an unknown name",
+            _median_ms(lambda: bare.post("/v1/push", encoded.chunks, wire.FRAME, wire.FRAME), reps),
+        )
         add("push", "raw socket, same bytes", _median_ms(lambda: raw.push(grad), reps))
         bare.close()
 
         touched = np.ones(nbytes, dtype=np.uint8)
         src = value.view(np.uint8)
-        add("local", "bytearray(n): allocate and zero-fill",
-            _median_ms(lambda: bytearray(nbytes), reps))
+        add(
+            "local",
+            "bytearray(n): allocate and zero-fill",
+            _median_ms(lambda: bytearray(nbytes), reps),
+        )
         add("local", "copy into fresh memory (value.copy())", _median_ms(value.copy, reps))
-        add("local", "copy into memory already touched",
-            _median_ms(lambda: np.copyto(touched, src), reps))
+        add(
+            "local",
+            "copy into memory already touched",
+            _median_ms(lambda: np.copyto(touched, src), reps),
+        )
         v2 = value.copy()
-        add("local", "value += grad (the Add optimizer)",
-            _median_ms(lambda: np.add(v2, grad, out=v2), reps))
+        add(
+            "local",
+            "value += grad (the Add optimizer)",
+            _median_ms(lambda: np.add(v2, grad, out=v2), reps),
+        )
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.breakdown",
-                                description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.breakdown", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--size", type=float, default=2.5e7, help="float32 elements (default 2.5e7)")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions of each step (default 7)")
     args = p.parse_args(argv)

@@ -49,7 +49,8 @@ class Context:
             d.mkdir(exist_ok=True)
             # --log-level warning: no per-request logging inside the timed path
             self._fleets[n] = self._stack.enter_context(
-                processes.shards(n, d, "--log-level", "warning"))
+                processes.shards(n, d, "--log-level", "warning")
+            )
         return self._fleets[n]
 
     def shard_urls(self, n: int = 1) -> list[str]:

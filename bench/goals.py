@@ -25,14 +25,36 @@ ONE_SHARD, TWO_SHARDS = "paramshard 1 shard", "paramshard 2 shards"
 
 
 def _find(rows: Sequence[dict], case: str, op: str, size: int, system: str) -> dict | None:
-    return next((r for r in rows if r["case"] == case and r["op"] == op
-                 and r.get("size") == size and r["system"] == system), None)
+    return next(
+        (
+            r
+            for r in rows
+            if r["case"] == case
+            and r["op"] == op
+            and r.get("size") == size
+            and r["system"] == system
+        ),
+        None,
+    )
 
 
-def _goal(what: str, versus: str, measure: str, mine: dict | None, theirs: dict | None,
-          key: str, at_least: bool, target: float, missing: str) -> dict:
-    goal = {"goal": what, "versus": versus, "measure": measure,
-            "target": f"{'>=' if at_least else '<='} {target:g}x"}
+def _goal(
+    what: str,
+    versus: str,
+    measure: str,
+    mine: dict | None,
+    theirs: dict | None,
+    key: str,
+    at_least: bool,
+    target: float,
+    missing: str,
+) -> dict:
+    goal = {
+        "goal": what,
+        "versus": versus,
+        "measure": measure,
+        "target": f"{'>=' if at_least else '<='} {target:g}x",
+    }
     if mine is None or theirs is None or not theirs.get(key) or not mine.get(key):
         return {**goal, "ratio": None, "met": None, "note": missing}
     ratio = mine[key] / theirs[key]
@@ -54,41 +76,108 @@ def evaluate(rows: Sequence[dict]) -> list[dict]:
     for op in ("pull", "push"):
         if not big:
             for versus in (RAW, TF):
-                out.append(_goal(f"{op} >= 10^6 elements", versus, "MB/s", None, None,
-                                 "mb_per_s", True, 0.5 if versus == RAW else 1.2,
-                                 "not measured: run with a size >= 1e6"))
+                out.append(
+                    _goal(
+                        f"{op} >= 10^6 elements",
+                        versus,
+                        "MB/s",
+                        None,
+                        None,
+                        "mb_per_s",
+                        True,
+                        0.5 if versus == RAW else 1.2,
+                        "not measured: run with a size >= 1e6",
+                    )
+                )
         for n in big:
             what = f"{op} {n:,} elements"
             mine = _find(rows, "transfer", op, n, SDK)
-            out.append(_goal(what, RAW, "MB/s", mine, _find(rows, "transfer", op, n, RAW),
-                             "mb_per_s", True, 0.5, "not measured"))
-            out.append(_goal(what, TF, "MB/s", mine, _find(rows, "transfer", op, n, TF),
-                             "mb_per_s", True, 1.2, "needs --peers"))
-    out.append(_goal("4 KB pull latency", TF, "p50", _find(rows, "transfer", "pull", 1000, SDK),
-                     _find(rows, "transfer", "pull", 1000, TF), "p50_ms", False, 0.5,
-                     "needs --peers" if _find(rows, "transfer", "pull", 1000, SDK)
-                     else "not measured: run the transfer case with size 1e3 and --peers"))
-    out.append(_goal("100 x 4 KB pull in one step", TF, "steps/s",
-                     _find(rows, "step", "pull", 1000, SDK), _find(rows, "step", "pull", 1000, TF),
-                     "ops_per_s", True, 10.0,
-                     "needs --peers" if _find(rows, "step", "pull", 1000, SDK)
-                     else "not measured: run the step case with --peers"))
-    out.append(_goal("4 workers, 4 MB pushes, 2 shards", "1 shard", "aggregate MB/s",
-                     _find(rows, "workers", "push", 10**6, TWO_SHARDS),
-                     _find(rows, "workers", "push", 10**6, ONE_SHARD), "mb_per_s", True, 1.3,
-                     "not measured: run the workers case at size 1e6"))
+            out.append(
+                _goal(
+                    what,
+                    RAW,
+                    "MB/s",
+                    mine,
+                    _find(rows, "transfer", op, n, RAW),
+                    "mb_per_s",
+                    True,
+                    0.5,
+                    "not measured",
+                )
+            )
+            out.append(
+                _goal(
+                    what,
+                    TF,
+                    "MB/s",
+                    mine,
+                    _find(rows, "transfer", op, n, TF),
+                    "mb_per_s",
+                    True,
+                    1.2,
+                    "needs --peers",
+                )
+            )
+    out.append(
+        _goal(
+            "4 KB pull latency",
+            TF,
+            "p50",
+            _find(rows, "transfer", "pull", 1000, SDK),
+            _find(rows, "transfer", "pull", 1000, TF),
+            "p50_ms",
+            False,
+            0.5,
+            "needs --peers"
+            if _find(rows, "transfer", "pull", 1000, SDK)
+            else "not measured: run the transfer case with size 1e3 and --peers",
+        )
+    )
+    out.append(
+        _goal(
+            "100 x 4 KB pull in one step",
+            TF,
+            "steps/s",
+            _find(rows, "step", "pull", 1000, SDK),
+            _find(rows, "step", "pull", 1000, TF),
+            "ops_per_s",
+            True,
+            10.0,
+            "needs --peers"
+            if _find(rows, "step", "pull", 1000, SDK)
+            else "not measured: run the step case with --peers",
+        )
+    )
+    out.append(
+        _goal(
+            "4 workers, 4 MB pushes, 2 shards",
+            "1 shard",
+            "aggregate MB/s",
+            _find(rows, "workers", "push", 10**6, TWO_SHARDS),
+            _find(rows, "workers", "push", 10**6, ONE_SHARD),
+            "mb_per_s",
+            True,
+            1.3,
+            "not measured: run the workers case at size 1e6",
+        )
+    )
     return out
 
 
 def render(goals: Sequence[dict]) -> str:
     met = sum(1 for g in goals if g["met"])
     measured = sum(1 for g in goals if g["met"] is not None)
-    lines = ["", f"GOALS: {met} of {measured} measured goals met ({len(goals) - measured} not "
-                 "measured in this run)",
-             f"{'':<8}{'goal':<34}{'vs':<14}{'measure':<16}{'ratio':>7}  {'target':<8}"]
+    lines = [
+        "",
+        f"GOALS: {met} of {measured} measured goals met ({len(goals) - measured} not "
+        "measured in this run)",
+        f"{'':<8}{'goal':<34}{'vs':<14}{'measure':<16}{'ratio':>7}  {'target':<8}",
+    ]
     for g in goals:
         status = "-" if g["met"] is None else ("met" if g["met"] else "MISSED")
         ratio = "-" if g["ratio"] is None else f"{g['ratio']:.2f}x"
-        lines.append(f"{status:<8}{g['goal']:<34}{g['versus']:<14}{g['measure']:<16}"
-                     f"{ratio:>7}  {g['target']:<8}  {g['note']}".rstrip())
+        lines.append(
+            f"{status:<8}{g['goal']:<34}{g['versus']:<14}{g['measure']:<16}"
+            f"{ratio:>7}  {g['target']:<8}  {g['note']}".rstrip()
+        )
     return "\n".join(lines)

@@ -31,8 +31,9 @@ from .rawsock import RawClient
 __all__ = ["main"]
 
 
-def _operations(spec: str, names: list[str], size: int, worker_id: str
-                ) -> tuple[dict[str, Callable[[], int]], Callable[[], None]]:
+def _operations(
+    spec: str, names: list[str], size: int, worker_id: str
+) -> tuple[dict[str, Callable[[], int]], Callable[[], None]]:
     """``({"push": fn, "step": fn}, close)`` for one target; each fn returns bytes moved."""
     kind, _, where = spec.partition(":")
     grads = {name: np.zeros(size, dtype=np.float32) for name in names}
@@ -72,8 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     targets, closers = {}, []
     for item in args.target:
         label, _, spec = item.partition("=")
-        targets[label], close = _operations(spec, args.names.split(","), args.size,
-                                            args.worker_id)
+        targets[label], close = _operations(spec, args.names.split(","), args.size, args.worker_id)
         closers.append(close)
     print(json.dumps({"ready": True}), flush=True)
     try:
@@ -88,8 +88,10 @@ def main(argv: list[str] | None = None) -> None:
                 t0 = time.perf_counter()
                 moved += op()
                 samples.append(time.perf_counter() - t0)
-            print(json.dumps({"samples": samples, "bytes": moved, "end": time.monotonic()}),
-                  flush=True)
+            print(
+                json.dumps({"samples": samples, "bytes": moved, "end": time.monotonic()}),
+                flush=True,
+            )
     finally:
         for close in closers:
             close()

@@ -22,8 +22,19 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["Fleet", "LineReader", "ROOT", "RawServer", "env", "free_port", "raw_server", "shards",
-           "spawn", "stop", "tail"]
+__all__ = [
+    "ROOT",
+    "Fleet",
+    "LineReader",
+    "RawServer",
+    "env",
+    "free_port",
+    "raw_server",
+    "shards",
+    "spawn",
+    "stop",
+    "tail",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 _START_TIMEOUT = 60.0
@@ -65,8 +76,14 @@ def tail(log: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def spawn(cmd: Sequence[str], log: Path, *, pipes: bool = False,
-          extra_env: dict[str, str] | None = None, own_session: bool = True) -> subprocess.Popen:
+def spawn(
+    cmd: Sequence[str],
+    log: Path,
+    *,
+    pipes: bool = False,
+    extra_env: dict[str, str] | None = None,
+    own_session: bool = True,
+) -> subprocess.Popen:
     """Start ``cmd`` in the repository root, output appended to ``log``.
 
     With ``pipes`` its stdin and stdout are pipes (a line protocol); otherwise stdin is
@@ -75,10 +92,14 @@ def spawn(cmd: Sequence[str], log: Path, *, pipes: bool = False,
     group instead, so that stopping the driver sweeps it up too. Stop it with :func:`stop`."""
     with open(log, "ab") as out:
         return subprocess.Popen(
-            list(cmd), cwd=ROOT, env=env(**(extra_env or {})),
+            list(cmd),
+            cwd=ROOT,
+            env=env(**(extra_env or {})),
             stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
-            stdout=subprocess.PIPE if pipes else out, stderr=out,
-            start_new_session=own_session)
+            stdout=subprocess.PIPE if pipes else out,
+            stderr=out,
+            start_new_session=own_session,
+        )
 
 
 def stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
@@ -146,16 +167,29 @@ def shards(n: int, logdir: Path, *extra_args: str) -> Iterator[Fleet]:
     logs = [logdir / f"shard{i}.log" for i in range(n)]
     try:
         for i, port in enumerate(ports):
-            cmd = [sys.executable, "-m", "server.cli", "serve", "--shard-index", str(i),
-                   "--num-shards", str(n), "--host", "127.0.0.1", "--port", str(port),
-                   *extra_args]
+            cmd = [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--shard-index",
+                str(i),
+                "--num-shards",
+                str(n),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *extra_args,
+            ]
             procs.append(spawn(cmd, logs[i]))
         deadline = time.monotonic() + _START_TIMEOUT
         for i, url in enumerate(urls):
             while not _healthy(url):
                 if procs[i].poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"shard {i} did not start (exit {procs[i].poll()}):\n"
-                                       f"{tail(logs[i])}")
+                    raise RuntimeError(
+                        f"shard {i} did not start (exit {procs[i].poll()}):\n{tail(logs[i])}"
+                    )
                 time.sleep(0.05)
         yield Fleet(urls, [p.pid for p in procs])
     finally:
@@ -183,15 +217,19 @@ class LineReader:
                 sel.register(self._fd, selectors.EVENT_READ)
                 ready = left > 0 and sel.select(left)
             if not ready:
-                raise RuntimeError(f"{self._what}: no answer within {timeout:.0f} s; its log "
-                                   f"ends:\n{tail(self._log)}")
+                raise RuntimeError(
+                    f"{self._what}: no answer within {timeout:.0f} s; its log "
+                    f"ends:\n{tail(self._log)}"
+                )
             chunk = os.read(self._fd, 1 << 16)
             if not chunk:
-                raise RuntimeError(f"{self._what} exited (code {self._proc.wait()}); its log "
-                                   f"ends:\n{tail(self._log)}")
+                raise RuntimeError(
+                    f"{self._what} exited (code {self._proc.wait()}); its log "
+                    f"ends:\n{tail(self._log)}"
+                )
             self._buf += chunk
         line = bytes(self._buf[:end])
-        del self._buf[:end + 1]
+        del self._buf[: end + 1]
         return line.decode(errors="replace")
 
 

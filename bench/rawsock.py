@@ -54,7 +54,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 def _send(sock: socket.socket, view: memoryview) -> None:
     for start in range(0, len(view), SEND_SLICE):
-        sock.sendall(view[start:start + SEND_SLICE])
+        sock.sendall(view[start : start + SEND_SLICE])
 
 
 def _recv_struct(sock: socket.socket, fmt: struct.Struct) -> tuple:

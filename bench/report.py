@@ -56,8 +56,10 @@ def _size_label(row: dict) -> str:
 def table(rows: Sequence[dict], descriptions: dict[str, str]) -> str:
     """One block per case; inside it one line per system, grouped by (op, size)."""
     out: list[str] = []
-    head = (f"{'op':<8}{'elements':>14}{'MB':>8}  {'system':<22}{'MB/s':>8}{'ops/s':>8}"
-            f"{'vs ref':>8}{'p50 ms':>10}{'p99 ms':>10}{'reps':>6}")
+    head = (
+        f"{'op':<8}{'elements':>14}{'MB':>8}  {'system':<22}{'MB/s':>8}{'ops/s':>8}"
+        f"{'vs ref':>8}{'p50 ms':>10}{'p99 ms':>10}{'reps':>6}"
+    )
     case = group = None
     for r in rows:
         if r["case"] != case:
@@ -68,8 +70,11 @@ def table(rows: Sequence[dict], descriptions: dict[str, str]) -> str:
         group = g
         mb = r["bytes"] / 1e6 if "bytes" in r else None
         out.append(
-            (f"{r['op']:<8}{_size_label(r):>14}{_mb(mb):>8}" if first
-             else f"{'':<8}{'':>14}{'':>8}")
+            (
+                f"{r['op']:<8}{_size_label(r):>14}{_mb(mb):>8}"
+                if first
+                else f"{'':<8}{'':>14}{'':>8}"
+            )
             + f"  {r['system']:<22}{_rate(r.get('mb_per_s')):>8}{_rate(r.get('ops_per_s')):>8}"
             + f"{_num(r.get('vs_reference'), '.2f'):>7}x"
             + f"{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['reps']:>6}"
@@ -80,23 +85,36 @@ def table(rows: Sequence[dict], descriptions: dict[str, str]) -> str:
 def cpu_table(rows: Sequence[dict]) -> str:
     """Server CPU-seconds per GB moved, for the rows that measured it (``server_cpu_s``) at
     sizes of 10^6 elements or more (below that the total is a few 10 ms clock ticks)."""
-    measured = [r for r in rows if r.get("server_cpu_s_per_gb") is not None
-                and (r.get("size") or 0) >= 10**6]
+    measured = [
+        r
+        for r in rows
+        if r.get("server_cpu_s_per_gb") is not None and (r.get("size") or 0) >= 10**6
+    ]
     if not measured:
         return ""
-    head = (f"{'op':<6}{'elements':>14}  {'system':<22}{'server CPU s':>13}{'GB moved':>10}"
-            f"{'CPU s/GB':>10}")
-    out = ["", "server CPU: utime+stime of the server process(es) from /proc/<pid>/stat, summed "
-               "over the timed repetitions (sizes >= 10^6)", head, "-" * len(head)]
+    head = (
+        f"{'op':<6}{'elements':>14}  {'system':<22}{'server CPU s':>13}{'GB moved':>10}"
+        f"{'CPU s/GB':>10}"
+    )
+    out = [
+        "",
+        "server CPU: utime+stime of the server process(es) from /proc/<pid>/stat, summed "
+        "over the timed repetitions (sizes >= 10^6)",
+        head,
+        "-" * len(head),
+    ]
     for r in measured:
-        out.append(f"{r['op']:<6}{_size_label(r):>14}  {r['system']:<22}"
-                   f"{r['server_cpu_s']:>13.3f}{r['server_gb']:>10.3f}"
-                   f"{r['server_cpu_s_per_gb']:>10.3f}")
+        out.append(
+            f"{r['op']:<6}{_size_label(r):>14}  {r['system']:<22}"
+            f"{r['server_cpu_s']:>13.3f}{r['server_gb']:>10.3f}"
+            f"{r['server_cpu_s_per_gb']:>10.3f}"
+        )
     return "\n".join(out)
 
 
 def machine() -> dict:
     """What the numbers were measured on."""
+
     def version(dist: str) -> str | None:
         try:
             return importlib.metadata.version(dist)
@@ -104,8 +122,13 @@ def machine() -> dict:
             return None
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=Path(__file__).parent, timeout=5).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=5,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
     try:
@@ -118,9 +141,22 @@ def machine() -> dict:
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "commit": commit or None,
-        "packages": {d: version(d) for d in (
-            "numpy", "msgpack", "httpx2", "fastapi", "uvicorn", "uvloop", "httptools",
-            "tensorflow-cpu", "torch", "ray", "redis")},
+        "packages": {
+            d: version(d)
+            for d in (
+                "numpy",
+                "msgpack",
+                "httpx2",
+                "fastapi",
+                "uvicorn",
+                "uvloop",
+                "httptools",
+                "tensorflow-cpu",
+                "torch",
+                "ray",
+                "redis",
+            )
+        },
     }
 
 

@@ -40,8 +40,14 @@ MIN_SIZE = 10**6
 
 def _pooled(rows: Sequence[dict], system: str, op: str) -> tuple[float, list[int]] | None:
     """CPU-seconds per GB of ``system`` for ``op`` over the biggest transfer sizes measured."""
-    measured = [r for r in rows if r["case"] == "transfer" and r["system"] == system
-                and r["op"] == op and r.get("server_cpu_s") is not None]
+    measured = [
+        r
+        for r in rows
+        if r["case"] == "transfer"
+        and r["system"] == system
+        and r["op"] == op
+        and r.get("server_cpu_s") is not None
+    ]
     if not measured:
         return None
     # Below 10^6 elements a transfer's CPU is per-request work, not per-byte: no basis for a
@@ -65,13 +71,20 @@ def estimate(rows: Sequence[dict]) -> dict | None:
     shards = math.ceil(cores / CORES_PER_SHARD)
     hosts_cpu = math.ceil(shards / HOST_CORES)
     hosts_nic = math.ceil(gb_each_way / HOST_NIC_GB_S)
-    out = {"cpu_s_per_gb_pull": pull[0], "cpu_s_per_gb_push": push[0], "sizes": pull[1],
-           "gb_per_s_each_way": gb_each_way, "cores": cores, "shards": shards,
-           "hosts_by_cpu": hosts_cpu, "hosts_by_nic": hosts_nic,
-           "binds": "CPU" if hosts_cpu > hosts_nic else "NIC",
-           # pull+push CPU per GB at which the hosts the NIC needs have just enough cores
-           "nic_binds_at_cpu_s_per_gb": hosts_nic * HOST_CORES * CORES_PER_SHARD / gb_each_way,
-           "per_shard_gb_per_s_each_way": gb_each_way / shards}
+    out = {
+        "cpu_s_per_gb_pull": pull[0],
+        "cpu_s_per_gb_push": push[0],
+        "sizes": pull[1],
+        "gb_per_s_each_way": gb_each_way,
+        "cores": cores,
+        "shards": shards,
+        "hosts_by_cpu": hosts_cpu,
+        "hosts_by_nic": hosts_nic,
+        "binds": "CPU" if hosts_cpu > hosts_nic else "NIC",
+        # pull+push CPU per GB at which the hosts the NIC needs have just enough cores
+        "nic_binds_at_cpu_s_per_gb": hosts_nic * HOST_CORES * CORES_PER_SHARD / gb_each_way,
+        "per_shard_gb_per_s_each_way": gb_each_way / shards,
+    }
     raw_pull, raw_push = _pooled(rows, RAW, "pull"), _pooled(rows, RAW, "push")
     if raw_pull and raw_push and raw_pull[0] is not None and raw_push[0] is not None:
         out["raw_cpu_s_per_gb"] = raw_pull[0] + raw_push[0]
@@ -81,9 +94,11 @@ def estimate(rows: Sequence[dict]) -> dict | None:
 
 def render(est: dict | None) -> str:
     if est is None:
-        return ("\nSCALE: not estimated (no shard CPU figures: needs /proc and the transfer case "
-                "with sizes of at least 10^6 elements, long enough to register in /proc's CPU "
-                "clock: 10^7, the default, does)")
+        return (
+            "\nSCALE: not estimated (no shard CPU figures: needs /proc and the transfer case "
+            "with sizes of at least 10^6 elements, long enough to register in /proc's CPU "
+            "clock: 10^7, the default, does)"
+        )
     sizes = ", ".join(f"{n:,}" for n in est["sizes"])
     g = est["gb_per_s_each_way"]
     lines = [
@@ -105,7 +120,9 @@ def render(est: dict | None) -> str:
         f"(~{math.ceil(est['shards'] / max(est['hosts_by_cpu'], est['hosts_by_nic']))} per host)",
     ]
     if "raw_shards" in est:
-        lines.append(f"  floor: the raw socket server spends {est['raw_cpu_s_per_gb']:.3f} CPU-s "
-                     f"per GB pulled+pushed: {est['raw_shards']} single-core servers for the same "
-                     f"traffic")
+        lines.append(
+            f"  floor: the raw socket server spends {est['raw_cpu_s_per_gb']:.3f} CPU-s "
+            f"per GB pulled+pushed: {est['raw_shards']} single-core servers for the same "
+            f"traffic"
+        )
     return "\n".join(lines)

@@ -37,8 +37,10 @@ from .timing import summarize
 
 __all__ = ["DEFAULT_SIZES", "DESCRIPTION", "run"]
 
-DESCRIPTION = ("snapshot write and restore of one shard holding float32 variables (default "
-               "1 GiB) vs a raw file of the same bytes; page cache dropped before restores")
+DESCRIPTION = (
+    "snapshot write and restore of one shard holding float32 variables (default "
+    "1 GiB) vs a raw file of the same bytes; page cache dropped before restores"
+)
 DEFAULT_SIZES = (1 << 28,)
 SDK, CKPT, READY, RAW = "paramshard", "checkpoint()", "to /readyz", "raw file"
 _PART = 128 << 20  # bytes per variable (and per init request)
@@ -110,13 +112,28 @@ def run(ctx: Context) -> list[dict]:
         sizes = _parts(n)
         nbytes = 4 * n
         samples: dict[tuple[str, str], list[float]] = {
-            (op, sys): [] for op, sys in (("write", SDK), ("write", CKPT), ("write", RAW),
-                                          ("restore", SDK), ("restore", READY),
-                                          ("restore", RAW))}
+            (op, sys): []
+            for op, sys in (
+                ("write", SDK),
+                ("write", CKPT),
+                ("write", RAW),
+                ("restore", SDK),
+                ("restore", READY),
+                ("restore", RAW),
+            )
+        }
         with tempfile.TemporaryDirectory(prefix="paramshard-bench-snapshot-") as tmp:
             data = Path(tmp) / "data"
-            args = ("--data-dir", str(data), "--snapshot-interval", "0", "--keep-snapshots", "1",
-                    "--log-level", "warning")
+            args = (
+                "--data-dir",
+                str(data),
+                "--snapshot-interval",
+                "0",
+                "--keep-snapshots",
+                "1",
+                "--log-level",
+                "warning",
+            )
             names = [f"bench/snapshot/{n}/part-{i}" for i in range(len(sizes))]
             with processes.shards(1, ctx.logdir, *args) as fleet:
                 urls = fleet.urls
@@ -130,7 +147,8 @@ def run(ctx: Context) -> list[dict]:
                         if i >= ctx.warmup:
                             samples["write", CKPT].append(took)
                             samples["write", SDK].append(
-                                _get(urls[0] + "/v1/cluster")["last_snapshot"]["seconds"])
+                                _get(urls[0] + "/v1/cluster")["last_snapshot"]["seconds"]
+                            )
             arrays = [np.arange(size, dtype=np.float32) for size in sizes]
             raw = Path(tmp) / "raw-0.bin"
             for i in range(ctx.warmup + reps):
@@ -161,7 +179,15 @@ def run(ctx: Context) -> list[dict]:
                     samples["restore", READY].append(to_ready)
                     samples["restore", RAW].append(raw_took)
         for (op, system), seconds in samples.items():
-            rows.append({"case": "snapshot", "op": op, "size": n, "dtype": "float32",
-                         "system": system, "reference": system == RAW,
-                         **summarize(seconds, nbytes)})
+            rows.append(
+                {
+                    "case": "snapshot",
+                    "op": op,
+                    "size": n,
+                    "dtype": "float32",
+                    "system": system,
+                    "reference": system == RAW,
+                    **summarize(seconds, nbytes),
+                }
+            )
     return rows

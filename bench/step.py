@@ -28,8 +28,10 @@ from .transfer import RAW, SDK, push_label, rotated
 __all__ = ["COUNT", "DEFAULT_SIZES", "DESCRIPTION", "run"]
 
 COUNT = 100
-DESCRIPTION = (f"{COUNT} float32 variables in one step, 1 shard; ops/s is steps/s; raw socket: "
-               "the same bytes in one message")
+DESCRIPTION = (
+    f"{COUNT} float32 variables in one step, 1 shard; ops/s is steps/s; raw socket: "
+    "the same bytes in one message"
+)
 DEFAULT_SIZES = (1_000,)
 
 
@@ -40,16 +42,17 @@ def run(ctx: Context) -> list[dict]:
     raw_server = ctx.raw()
     peers = ctx.peers()
     rows: list[dict] = []
-    with PSClient(fleet.urls, worker_id="bench-step") as ps, \
-            RawClient(raw_server.host, raw_server.port) as raw:
+    with (
+        PSClient(fleet.urls, worker_id="bench-step") as ps,
+        RawClient(raw_server.host, raw_server.port) as raw,
+    ):
         for n in ctx.sizes_for(DEFAULT_SIZES):
             rows += _one_size(ctx, n, ps, raw, peers)
     rows.sort(key=lambda r: (r["op"] != "pull", r["size"], not r["reference"]))
     return rows
 
 
-def _one_size(ctx: Context, n: int, ps: Any, raw: RawClient, peers: Sequence[Peer]
-              ) -> list[dict]:
+def _one_size(ctx: Context, n: int, ps: Any, raw: RawClient, peers: Sequence[Peer]) -> list[dict]:
     from client_sdk.optimizers import Add
 
     names = [f"bench/step/f32-{n}/v{i:03d}" for i in range(COUNT)]
@@ -93,7 +96,16 @@ def _one_size(ctx: Context, n: int, ps: Any, raw: RawClient, peers: Sequence[Pee
         raise RuntimeError("values changed by pushing zeros through Add")
     for peer in peers:
         peer.check(names)
-    return [{"case": "step", "op": op, "size": n, "variables": COUNT, "label": f"{COUNT}x{n:,}",
-             "system": push_label(system, peers) if op == "push" else system,
-             "reference": system == RAW, **summarize(w.samples, nbytes)}
-            for (op, system), w in watches.items()]
+    return [
+        {
+            "case": "step",
+            "op": op,
+            "size": n,
+            "variables": COUNT,
+            "label": f"{COUNT}x{n:,}",
+            "system": push_label(system, peers) if op == "push" else system,
+            "reference": system == RAW,
+            **summarize(w.samples, nbytes),
+        }
+        for (op, system), w in watches.items()
+    ]

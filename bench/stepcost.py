@@ -92,19 +92,27 @@ def _shard_in_process(names: list[str], size: int, reps: int) -> float:
 
     def request(path: str, enc: wire.Encoded) -> bytes:
         body = enc.join()
-        return (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\naccept: {wire.FRAME}\r\n"
-                f"content-type: {enc.content_type}\r\ncontent-length: {len(body)}\r\n\r\n"
-                ).encode() + body
+        return (
+            f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\naccept: {wire.FRAME}\r\n"
+            f"content-type: {enc.content_type}\r\ncontent-length: {len(body)}\r\n\r\n"
+        ).encode() + body
 
     async def go() -> float:
         app = create_app(ShardConfig())
-        config = uvicorn.Config(serving_app(app), http=protocol.ShardHttpProtocol,
-                                lifespan="off", log_level="warning", access_log=False,
-                                proxy_headers=False, server_header=False)  # as a shard serves
+        config = uvicorn.Config(
+            serving_app(app),
+            http=protocol.ShardHttpProtocol,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,
+            server_header=False,
+        )  # as a shard serves
         config.load()
         async with app.router.lifespan_context(app):
-            proto = protocol.ShardHttpProtocol(config=config, server_state=ServerState(),
-                                               app_state={})
+            proto = protocol.ShardHttpProtocol(
+                config=config, server_state=ServerState(), app_state={}
+            )
             transport = NullTransport()
             proto.connection_made(transport)
 
@@ -115,11 +123,21 @@ def _shard_in_process(names: list[str], size: int, reps: int) -> float:
                     await asyncio.sleep(0)
 
             value = np.zeros(size, np.float32)
-            await exchange(request("/v1/init", wire.encode(
-                {"variables": {n: {"value": value, "optimizer": Add().to_wire()}
-                               for n in names}})))
-            pull = request("/v1/pull", wire.encode({"names": names, "layout": "table"},
-                                                   tensors=False))
+            await exchange(
+                request(
+                    "/v1/init",
+                    wire.encode(
+                        {
+                            "variables": {
+                                n: {"value": value, "optimizer": Add().to_wire()} for n in names
+                            }
+                        }
+                    ),
+                )
+            )
+            pull = request(
+                "/v1/pull", wire.encode({"names": names, "layout": "table"}, tensors=False)
+            )
             for _ in range(min(reps, 50)):
                 await exchange(pull)
             samples = []
@@ -141,8 +159,7 @@ def _shard_in_process(names: list[str], size: int, reps: int) -> float:
         protocol._vectored = vectored
 
 
-def run(count: int, size: int, reps: int, out: Callable[[str], None] = print
-        ) -> dict[str, float]:
+def run(count: int, size: int, reps: int, out: Callable[[str], None] = print) -> dict[str, float]:
     """The figures, in microseconds per pull, keyed as printed."""
     from client_sdk import PSClient
     from client_sdk.optimizers import Add
@@ -157,9 +174,12 @@ def run(count: int, size: int, reps: int, out: Callable[[str], None] = print
     nbytes = 4 * size * count
     with tempfile.TemporaryDirectory() as tmp:
         logdir = Path(tmp)
-        with processes.shards(1, logdir) as fleet, processes.raw_server(logdir) as raw, \
-                PSClient(fleet.urls, worker_id="bench-stepcost") as ps, \
-                RawClient(raw.host, raw.port) as sock:
+        with (
+            processes.shards(1, logdir) as fleet,
+            processes.raw_server(logdir) as raw,
+            PSClient(fleet.urls, worker_id="bench-stepcost") as ps,
+            RawClient(raw.host, raw.port) as sock,
+        ):
             ps.init({n: np.zeros(size, np.float32) for n in names}, optimizer=Add())
             ps.init({"bench/stepcost/one": np.zeros(size * count, np.float32)}, optimizer=Add())
             grads = {n: np.zeros(size, np.float32) for n in names}
@@ -172,10 +192,14 @@ def run(count: int, size: int, reps: int, out: Callable[[str], None] = print
                     t0 = time.perf_counter()
                     ps.pull(list(g))
                     samples[key].append(time.perf_counter() - t0)
-            add(f"PSClient.pull of {count} x {size:,} float32 (after a push)",
-                float(np.median(samples["many"])) * 1e6)
-            add(f"PSClient.pull of the same {nbytes / 1e3:,.0f} KB as one variable",
-                float(np.median(samples["one"])) * 1e6)
+            add(
+                f"PSClient.pull of {count} x {size:,} float32 (after a push)",
+                float(np.median(samples["many"])) * 1e6,
+            )
+            add(
+                f"PSClient.pull of the same {nbytes / 1e3:,.0f} KB as one variable",
+                float(np.median(samples["one"])) * 1e6,
+            )
 
             # The SDK alone: the same call, fed the shard's last real reply (no I/O).
             real = ps._send_all
@@ -196,33 +220,45 @@ def run(count: int, size: int, reps: int, out: Callable[[str], None] = print
                 ps.pull(names)
 
             try:
-                add("  the SDK's Python for it (the shard's reply replayed, no I/O)",
-                    _median_us(sdk_only, reps))
+                add(
+                    "  the SDK's Python for it (the shard's reply replayed, no I/O)",
+                    _median_us(sdk_only, reps),
+                )
             finally:
                 ps._send_all = real  # type: ignore[method-assign]
-            add("  the shard's protocol and app for it (in this process, no I/O)",
-                _shard_in_process(names, size, reps))
+            add(
+                "  the shard's protocol and app for it (in this process, no I/O)",
+                _shard_in_process(names, size, reps),
+            )
             flat = np.zeros(size * count, np.float32)
-            add(f"raw socket: {nbytes / 1e3:,.0f} KB pushed", _median_us(lambda: sock.push(flat),
-                                                                      reps))
-            add(f"raw socket: {nbytes / 1e3:,.0f} KB pulled", _median_us(lambda: sock.pull(nbytes),
-                                                                      reps))
+            add(
+                f"raw socket: {nbytes / 1e3:,.0f} KB pushed",
+                _median_us(lambda: sock.push(flat), reps),
+            )
+            add(
+                f"raw socket: {nbytes / 1e3:,.0f} KB pulled",
+                _median_us(lambda: sock.pull(nbytes), reps),
+            )
     return figures
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.stepcost",
-                                description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m bench.stepcost", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--variables", type=int, default=100, help="variables per pull (default 100)")
-    p.add_argument("--size", type=float, default=1000,
-                   help="float32 elements per variable (default 1000)")
+    p.add_argument(
+        "--size", type=float, default=1000, help="float32 elements per variable (default 1000)"
+    )
     p.add_argument("--reps", type=int, default=1000, help="timed repetitions (default 1000)")
     args = p.parse_args(argv)
     if args.variables < 1 or args.size < 1 or args.size != int(args.size) or args.reps < 1:
         p.error("--variables, --size and --reps must be whole numbers >= 1")
     size = int(args.size)
-    print(f"{args.variables} float32 variables of {size:,} elements in one pull, medians of "
-          f"{args.reps}")
+    print(
+        f"{args.variables} float32 variables of {size:,} elements in one pull, medians of "
+        f"{args.reps}"
+    )
     run(args.variables, size, args.reps)
 
 

@@ -37,11 +37,21 @@ from .peers.driver import Peer
 from .rawsock import RawClient
 from .timing import Stopwatch, reps_for, summarize
 
-__all__ = ["DEFAULT_SIZES", "DESCRIPTION", "RAW", "SDK", "cpu_fields", "push_label", "rotated",
-           "run"]
+__all__ = [
+    "DEFAULT_SIZES",
+    "DESCRIPTION",
+    "RAW",
+    "SDK",
+    "cpu_fields",
+    "push_label",
+    "rotated",
+    "run",
+]
 
-DESCRIPTION = ("one float32 variable, 1 shard on loopback; pull and push+apply through PSClient "
-               "vs a raw TCP socket (and peers)")
+DESCRIPTION = (
+    "one float32 variable, 1 shard on loopback; pull and push+apply through PSClient "
+    "vs a raw TCP socket (and peers)"
+)
 DEFAULT_SIZES = (1_000, 100_000, 1_000_000, 10_000_000, 25_000_000)
 SDK, RAW = "paramshard", "raw socket"
 
@@ -81,8 +91,11 @@ def cpu_fields(cpu_seconds: float | None, nbytes: int, reps: int) -> dict:
     """``server_cpu_s``, ``server_gb`` and ``server_cpu_s_per_gb`` of a row (``None`` where
     the CPU time could not be read)."""
     gb = nbytes * reps / 1e9
-    return {"server_cpu_s": cpu_seconds, "server_gb": gb,
-            "server_cpu_s_per_gb": cpu_seconds / gb if cpu_seconds is not None and gb else None}
+    return {
+        "server_cpu_s": cpu_seconds,
+        "server_gb": gb,
+        "server_cpu_s_per_gb": cpu_seconds / gb if cpu_seconds is not None and gb else None,
+    }
 
 
 def push_label(system: str, peers: Sequence[Peer]) -> str:
@@ -98,19 +111,27 @@ def run(ctx: Context) -> list[dict]:
     raw_server = ctx.raw()
     peers = ctx.peers()
     rows: list[dict] = []
-    with PSClient(fleet.urls, worker_id="bench-transfer") as ps, \
-            RawClient(raw_server.host, raw_server.port) as raw:
+    with (
+        PSClient(fleet.urls, worker_id="bench-transfer") as ps,
+        RawClient(raw_server.host, raw_server.port) as raw,
+    ):
         pids = {SDK: fleet.pids, RAW: [raw_server.pid], **{p.label: p.server_pids for p in peers}}
         for n in ctx.sizes_for(DEFAULT_SIZES):
             rows += _one_size(ctx, n, ps, raw, peers, pids)
     order = {system: k for k, system in enumerate([RAW, SDK, *(p.label for p in peers)])}
-    rows.sort(key=lambda r: (r["op"] != "pull", r["size"],
-                             order.get(r["system"].removesuffix(" (no apply)"), 99)))
+    rows.sort(
+        key=lambda r: (
+            r["op"] != "pull",
+            r["size"],
+            order.get(r["system"].removesuffix(" (no apply)"), 99),
+        )
+    )
     return rows
 
 
-def _one_size(ctx: Context, n: int, ps: Any, raw: RawClient, peers: Sequence[Peer],
-              pids: dict[str, list[int]]) -> list[dict]:
+def _one_size(
+    ctx: Context, n: int, ps: Any, raw: RawClient, peers: Sequence[Peer], pids: dict[str, list[int]]
+) -> list[dict]:
     from client_sdk.optimizers import Add
 
     name = f"bench/transfer/f32-{n}"
@@ -121,8 +142,11 @@ def _one_size(ctx: Context, n: int, ps: Any, raw: RawClient, peers: Sequence[Pee
     for peer in peers:
         peer.init([name], n)
     reps = reps_for(nbytes, ctx.reps, ctx.min_reps)
-    series = {(op, system): _Series(server_pids)
-              for op in ("push", "pull") for system, server_pids in pids.items()}
+    series = {
+        (op, system): _Series(server_pids)
+        for op in ("push", "pull")
+        for system, server_pids in pids.items()
+    }
     last_version: int | None = None
 
     def sdk_turn(i: int) -> None:
@@ -132,12 +156,15 @@ def _one_size(ctx: Context, n: int, ps: Any, raw: RawClient, peers: Sequence[Pee
         with series["pull", SDK].timed():
             pulled = ps.pull([name])[name]
         if last_version is not None and version != last_version + 1:
-            raise RuntimeError(f"{name}: push {i} moved the version from {last_version} to "
-                               f"{version}; pulls may have been served from cache")
+            raise RuntimeError(
+                f"{name}: push {i} moved the version from {last_version} to "
+                f"{version}; pulls may have been served from cache"
+            )
         last_version = version
         if pulled.shape != (n,) or pulled.dtype != np.float32:
-            raise RuntimeError(f"{name}: pulled {pulled.dtype}{pulled.shape}; expected float32 "
-                               f"({n},)")
+            raise RuntimeError(
+                f"{name}: pulled {pulled.dtype}{pulled.shape}; expected float32 ({n},)"
+            )
 
     def raw_turn(i: int) -> None:
         with series["push", RAW].timed():
@@ -164,8 +191,16 @@ def _one_size(ctx: Context, n: int, ps: Any, raw: RawClient, peers: Sequence[Pee
         raise RuntimeError(f"{name}: value changed by pushing zeros through Add")
     for peer in peers:
         peer.check([name])
-    return [{"case": "transfer", "op": op, "size": n, "dtype": "float32",
-             "system": push_label(system, peers) if op == "push" else system,
-             "reference": system == RAW, **summarize(s.watch.samples, nbytes),
-             **cpu_fields(s.cpu.seconds, nbytes, reps)}
-            for (op, system), s in series.items()]
+    return [
+        {
+            "case": "transfer",
+            "op": op,
+            "size": n,
+            "dtype": "float32",
+            "system": push_label(system, peers) if op == "push" else system,
+            "reference": system == RAW,
+            **summarize(s.watch.samples, nbytes),
+            **cpu_fields(s.cpu.seconds, nbytes, reps),
+        }
+        for (op, system), s in series.items()
+    ]

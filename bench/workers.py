@@ -42,8 +42,10 @@ from .transfer import RAW
 __all__ = ["DEFAULT_SIZES", "DESCRIPTION", "WORKERS", "run"]
 
 WORKERS = 4
-DESCRIPTION = (f"{WORKERS} worker processes at once, aggregate; a 2-variable model (one per shard "
-               "with 2 shards); step = push then pull")
+DESCRIPTION = (
+    f"{WORKERS} worker processes at once, aggregate; a 2-variable model (one per shard "
+    "with 2 shards); step = push then pull"
+)
 DEFAULT_SIZES = (1_000_000,)
 _START_DELAY = 0.5  # s between sending a command and the common start: room for the warm-up op
 
@@ -64,15 +66,23 @@ def _names(n: int) -> list[str]:
 class _Workers:
     """The worker processes; blocking; not thread-safe."""
 
-    def __init__(self, logdir: Path, targets: dict[str, str], names: list[str], size: int
-                 ) -> None:
+    def __init__(self, logdir: Path, targets: dict[str, str], names: list[str], size: int) -> None:
         self.procs: list[subprocess.Popen] = []
         self.lines: list[processes.LineReader] = []
         try:
             for w in range(WORKERS):
                 log = logdir / f"worker{w}.log"
-                cmd = [sys.executable, "-m", "bench.loadgen", "--names", ",".join(names),
-                       "--size", str(size), "--worker-id", f"bench-worker-{w}"]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "bench.loadgen",
+                    "--names",
+                    ",".join(names),
+                    "--size",
+                    str(size),
+                    "--worker-id",
+                    f"bench-worker-{w}",
+                ]
                 cmd += [f"--target={label}={spec}" for label, spec in targets.items()]
                 proc = processes.spawn(cmd, log, pipes=True)
                 self.procs.append(proc)
@@ -87,8 +97,9 @@ class _Workers:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def run(self, target: str, op: str, seconds: float, meters: list[CpuMeter | MachineMeter]
-            ) -> tuple[float, list[dict]]:
+    def run(
+        self, target: str, op: str, seconds: float, meters: list[CpuMeter | MachineMeter]
+    ) -> tuple[float, list[dict]]:
         """All workers do ``op`` against ``target`` for ``seconds`` from a common start;
         returns the start time and each worker's answer. ``meters`` run from the start until
         the last answer is in."""
@@ -115,8 +126,10 @@ def run(ctx: Context) -> list[dict]:
 
     raw = ctx.raw()
     fleets = {f"paramshard {k} shard{'s' if k > 1 else ''}": ctx.fleet(k) for k in (1, 2)}
-    targets = {RAW: f"raw:{raw.host}:{raw.port}",
-               **{label: "sdk:" + ",".join(f.urls) for label, f in fleets.items()}}
+    targets = {
+        RAW: f"raw:{raw.host}:{raw.port}",
+        **{label: "sdk:" + ",".join(f.urls) for label, f in fleets.items()},
+    }
     server_pids = {RAW: [raw.pid], **{label: f.pids for label, f in fleets.items()}}
     rows: list[dict] = []
     for n in ctx.sizes_for(DEFAULT_SIZES):
@@ -128,16 +141,27 @@ def run(ctx: Context) -> list[dict]:
                 ps.init({name: value for name in names}, optimizer=Add())
         workers = _Workers(ctx.logdir, targets, names, per_var)
         try:
-            acc = {(op, t): {"samples": [], "bytes": 0, "wall": 0.0, "server_cpu": 0.0,
-                             "worker_cpu": 0.0, "machine_cpu": 0.0, "cpu_wall": 0.0}
-                   for op in ("push", "step") for t in targets}
+            acc = {
+                (op, t): {
+                    "samples": [],
+                    "bytes": 0,
+                    "wall": 0.0,
+                    "server_cpu": 0.0,
+                    "worker_cpu": 0.0,
+                    "machine_cpu": 0.0,
+                    "cpu_wall": 0.0,
+                }
+                for op in ("push", "step")
+                for t in targets
+            }
             for _ in range(ctx.rounds):
                 for op in ("push", "step"):
                     for target in targets:
                         servers, clients = CpuMeter(server_pids[target]), CpuMeter(workers.pids)
                         machine = MachineMeter()
-                        start, answers = workers.run(target, op, ctx.seconds,
-                                                     [servers, clients, machine])
+                        start, answers = workers.run(
+                            target, op, ctx.seconds, [servers, clients, machine]
+                        )
                         a = acc[op, target]
                         a["cpu_wall"] += time.monotonic() - start
                         a["wall"] += max(x["end"] for x in answers) - start
@@ -153,9 +177,15 @@ def run(ctx: Context) -> list[dict]:
             if not a["samples"]:
                 raise RuntimeError(f"workers: no {op} against {target} finished in time")
             bytes_per_op = 4 * per_var * 2 * (2 if op == "step" else 1)
-            row = {"case": "workers", "op": op, "size": 2 * per_var, "workers": WORKERS,
-                   "system": target, "reference": target == RAW,
-                   **summarize(a["samples"], bytes_per_op)}
+            row = {
+                "case": "workers",
+                "op": op,
+                "size": 2 * per_var,
+                "workers": WORKERS,
+                "system": target,
+                "reference": target == RAW,
+                **summarize(a["samples"], bytes_per_op),
+            }
             row["mb_per_s"] = a["bytes"] / 1e6 / a["wall"]
             row["ops_per_s"] = len(a["samples"]) / a["wall"]
             row["wall_s"] = a["wall"]
@@ -172,13 +202,18 @@ def busy_table(rows: list[dict]) -> str:
     mine = [r for r in rows if r["case"] == "workers"]
     if not mine:
         return ""
-    out = ["", f"workers: cores busy during each phase (CPU-s per wall second; this machine has "
-               f"{os.cpu_count()}; 'machine' counts every process, other people's too), and CPU "
-               f"ms per MB moved",
-           f"{'op':<6}{'system':<24}{'servers':>9}{'workers':>9}{'machine':>9}"
-           f"{'servers ms/MB':>15}{'workers ms/MB':>15}"]
+    out = [
+        "",
+        f"workers: cores busy during each phase (CPU-s per wall second; this machine has "
+        f"{os.cpu_count()}; 'machine' counts every process, other people's too), and CPU "
+        f"ms per MB moved",
+        f"{'op':<6}{'system':<24}{'servers':>9}{'workers':>9}{'machine':>9}"
+        f"{'servers ms/MB':>15}{'workers ms/MB':>15}",
+    ]
     for r in mine:
         s, w, mb = r["servers_cores_busy"], r["workers_cores_busy"], r["mb_per_s"]
-        out.append(f"{r['op']:<6}{r['system']:<24}{s:>9.2f}{w:>9.2f}"
-                   f"{r['machine_cores_busy']:>9.2f}{1e3 * s / mb:>15.2f}{1e3 * w / mb:>15.2f}")
+        out.append(
+            f"{r['op']:<6}{r['system']:<24}{s:>9.2f}{w:>9.2f}"
+            f"{r['machine_cores_busy']:>9.2f}{1e3 * s / mb:>15.2f}{1e3 * w / mb:>15.2f}"
+        )
     return "\n".join(out)

@@ -24,8 +24,17 @@ from collections.abc import Mapping, Sequence
 
 import httpx2
 
-from ._http11 import HEAD_BUFFER, IDLE_EXPIRY, Buffer, Origin, Response, advance, next_send, \
-    read_response, request_head
+from ._http11 import (
+    HEAD_BUFFER,
+    IDLE_EXPIRY,
+    Buffer,
+    Origin,
+    Response,
+    advance,
+    next_send,
+    read_response,
+    request_head,
+)
 
 __all__ = ["AsyncHTTPPool"]
 
@@ -61,7 +70,8 @@ class _AsyncConnection:
         loop = asyncio.get_running_loop()
         try:
             infos = await asyncio.wait_for(
-                loop.getaddrinfo(origin.host, origin.port, type=socket.SOCK_STREAM), timeout)
+                loop.getaddrinfo(origin.host, origin.port, type=socket.SOCK_STREAM), timeout
+            )
             error: OSError | None = None
             for family, kind, proto, _, address in infos:
                 sock = socket.socket(family, kind, proto)
@@ -159,8 +169,9 @@ class AsyncHTTPPool:
     """The asyncio twin of :class:`~client_sdk._pool.HTTPPool`: the same arguments and
     behaviour, ``await``-ed. Use it from one event loop."""
 
-    def __init__(self, *, max_idle: int, connect_timeout: float, timeout: float,
-                 max_reply: int) -> None:
+    def __init__(
+        self, *, max_idle: int, connect_timeout: float, timeout: float, max_reply: int
+    ) -> None:
         self.max_idle = max_idle
         self.connect_timeout = connect_timeout
         self.timeout = timeout
@@ -168,9 +179,17 @@ class AsyncHTTPPool:
         self._idle: dict[tuple[str, int], list[_AsyncConnection]] = {}
         self._closed = False
 
-    async def request(self, origin: Origin, method: str, target: str,
-                      headers: Mapping[str, str] | None, body: Sequence[Buffer] = (), *,
-                      deadline: float | None = None, max_reply: int | None = None) -> Response:
+    async def request(
+        self,
+        origin: Origin,
+        method: str,
+        target: str,
+        headers: Mapping[str, str] | None,
+        body: Sequence[Buffer] = (),
+        *,
+        deadline: float | None = None,
+        max_reply: int | None = None,
+    ) -> Response:
         """See :meth:`client_sdk._pool.HTTPPool.request`."""
         if deadline is None:
             deadline = time.monotonic() + self.timeout
@@ -179,7 +198,8 @@ class AsyncHTTPPool:
         try:
             await conn.send(head, body, deadline)
             response, reusable = await conn.receive(
-                deadline, self.max_reply if max_reply is None else max_reply)
+                deadline, self.max_reply if max_reply is None else max_reply
+            )
         except BaseException:  # cancelled too: the connection is mid-exchange
             conn.close()
             raise

@@ -64,10 +64,10 @@ __all__ = [
     "ENV_WORKER_ID",
     "Core",
     "Flow",
+    "PushJob",
     "Reply",
     "Settings",
     "ShardRequest",
-    "PushJob",
     "as_array",
     "load_settings",
 ]
@@ -100,7 +100,7 @@ _SMALL_REPLIES = frozenset({"init", "push", "assign", "increment", "wait"})
 logger = logging.getLogger("client_sdk")
 
 T = TypeVar("T")
-Result = Union["Reply", PSError]  # noqa: UP007 (Reply is defined below)
+Result = Union["Reply", PSError]
 #: A whole reply body: bytes, or a view of the buffer it was read into.
 Body = bytes | bytearray | memoryview
 #: A verb: yields batches of requests, receives their results, returns the verb's result.
@@ -124,7 +124,7 @@ class Settings:
 
 
 def load_settings(
-    shards: Union[Sequence[str], str, None] = None,
+    shards: Sequence[str] | str | None = None,
     worker_id: str | None = None,
     *,
     token: str | None = None,
@@ -148,12 +148,10 @@ def load_settings(
     try:
         shard_list = list(shards)
     except TypeError:
-        raise ConfigError(
-            f"shards must be a list of URLs, got {type(shards).__name__}"
-        ) from None
+        raise ConfigError(f"shards must be a list of URLs, got {type(shards).__name__}") from None
     if not shard_list:
         raise ConfigError(
-            "no shards configured: pass PSClient([\"http://host:7100\", ...]) or set "
+            'no shards configured: pass PSClient(["http://host:7100", ...]) or set '
             f"{ENV_SHARDS}=http://host:7100,http://host:7101 (every shard, in --shard-index order)"
         )
     urls = tuple(_check_url(u, i, source) for i, u in enumerate(shard_list))
@@ -168,8 +166,11 @@ def load_settings(
 
     if worker_id is None:
         worker_id = env.get(ENV_WORKER_ID) or f"{socket.gethostname()}-{os.getpid()}"
-    if (not isinstance(worker_id, str) or not 0 < len(worker_id) <= 256
-            or not worker_id.isprintable()):
+    if (
+        not isinstance(worker_id, str)
+        or not 0 < len(worker_id) <= 256
+        or not worker_id.isprintable()
+    ):
         raise ConfigError(
             f"worker_id must be 1-256 printable characters, got {worker_id!r}: pass "
             f"worker_id=... or set {ENV_WORKER_ID}"
@@ -177,23 +178,32 @@ def load_settings(
 
     if token is None:
         token = env.get(ENV_TOKEN) or None
-    if token is not None and (not isinstance(token, str) or not token.isascii()
-                              or not token.isprintable() or " " in token):
+    if token is not None and (
+        not isinstance(token, str) or not token.isascii() or not token.isprintable() or " " in token
+    ):
         raise ConfigError(
             f"the token must be printable ASCII without spaces: check token=... or {ENV_TOKEN}"
         )
 
     for name, value in (("timeout", timeout), ("retry_deadline", retry_deadline)):
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or not value > 0 or math.isnan(value)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not value > 0
+            or math.isnan(value)
+        ):
             raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
     if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
         raise ConfigError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
-    if isinstance(max_reply_bytes, bool) or not isinstance(max_reply_bytes, int) \
-            or max_reply_bytes < 1:
+    if (
+        isinstance(max_reply_bytes, bool)
+        or not isinstance(max_reply_bytes, int)
+        or max_reply_bytes < 1
+    ):
         raise ConfigError(f"max_reply_bytes must be an int >= 1 (bytes), got {max_reply_bytes!r}")
-    return Settings(urls, worker_id, token, float(timeout), float(retry_deadline), max_inflight,
-                    max_reply_bytes)
+    return Settings(
+        urls, worker_id, token, float(timeout), float(retry_deadline), max_inflight, max_reply_bytes
+    )
 
 
 def _check_url(url: Any, position: int, source: str) -> str:
@@ -344,9 +354,15 @@ class Core:
 
     # -- retry policy ------------------------------------------------------------------
 
-    def retry_delay(self, request: ShardRequest, attempt: int, *, unsent: bool = False,
-                    status: int | None = None,
-                    retry_after: str | None = None) -> float | None:
+    def retry_delay(
+        self,
+        request: ShardRequest,
+        attempt: int,
+        *,
+        unsent: bool = False,
+        status: int | None = None,
+        retry_after: str | None = None,
+    ) -> float | None:
         """Seconds to wait before retrying ``request``, or ``None`` to give up.
 
         A reply with status 429/503 is always retryable (the shard changed nothing). A transport
@@ -383,11 +399,21 @@ class Core:
     #: Verbs whose requests carry tensors (the others are packed without looking for any).
     _TENSOR_VERBS = frozenset({"init", "push", "assign"})
 
-    def _post(self, shard: int, verb: str, msg: Any, deadline: float, *, mutating: bool,
-              names: Iterable[str] = (), timeout: float | None = None,
-              retry_safe: bool = False, table: dict[str, Any] | None = None,
-              arrays: list[np.ndarray] | None = None,
-              max_reply: int | None = None) -> ShardRequest:
+    def _post(
+        self,
+        shard: int,
+        verb: str,
+        msg: Any,
+        deadline: float,
+        *,
+        mutating: bool,
+        names: Iterable[str] = (),
+        timeout: float | None = None,
+        retry_safe: bool = False,
+        table: dict[str, Any] | None = None,
+        arrays: list[np.ndarray] | None = None,
+        max_reply: int | None = None,
+    ) -> ShardRequest:
         """A POST of ``msg``; with ``table`` (a map inside ``msg``) and ``arrays``, encoded as
         a framed body whose tensor table ``table`` holds ``arrays`` (where the shard takes it,
         arrays of one dtype and shape as a packed uniform table: docs/PROTOCOL.md §2). Its
@@ -401,14 +427,32 @@ class Core:
             else:
                 body = wire.encode(msg, tensors=verb in self._TENSOR_VERBS)
         except wire.WireError as exc:
-            raise BadTensorError(f"cannot encode the {verb} request: {exc.message}",
-                                 code=exc.code, details=exc.details) from exc
+            raise BadTensorError(
+                f"cannot encode the {verb} request: {exc.message}",
+                code=exc.code,
+                details=exc.details,
+            ) from exc
         names = tuple(names)
         if max_reply is None:
-            max_reply = REPLY_HEADROOM + (REPLY_PER_NAME * len(names) if verb in _SMALL_REPLIES
-                                          else self.settings.max_reply_bytes)
-        return ShardRequest(shard, "POST", f"/v1/{verb}", self._data_headers[shard], body,
-                            mutating, deadline, verb, names, timeout, retry_safe, max_reply)
+            max_reply = REPLY_HEADROOM + (
+                REPLY_PER_NAME * len(names)
+                if verb in _SMALL_REPLIES
+                else self.settings.max_reply_bytes
+            )
+        return ShardRequest(
+            shard,
+            "POST",
+            f"/v1/{verb}",
+            self._data_headers[shard],
+            body,
+            mutating,
+            deadline,
+            verb,
+            names,
+            timeout,
+            retry_safe,
+            max_reply,
+        )
 
     def next_seq(self) -> int:
         """A new sequence number for one write of this worker."""
@@ -416,8 +460,17 @@ class Core:
             return next(self._seq)
 
     def _get(self, shard: int, path: str, deadline: float, verb: str) -> ShardRequest:
-        return ShardRequest(shard, "GET", path, self._base_headers, None, False, deadline, verb,
-                            max_reply=REPLY_HEADROOM + self.settings.max_reply_bytes)
+        return ShardRequest(
+            shard,
+            "GET",
+            path,
+            self._base_headers,
+            None,
+            False,
+            deadline,
+            verb,
+            max_reply=REPLY_HEADROOM + self.settings.max_reply_bytes,
+        )
 
     def split(self, names: Iterable[str]) -> dict[int, list[str]]:
         """Group names by owning shard, in shard order."""
@@ -446,7 +499,7 @@ class Core:
             if len(names) <= size:
                 out.append((shard, names))
             else:
-                out += [(shard, names[i:i + size]) for i in range(0, len(names), size)]
+                out += [(shard, names[i : i + size]) for i in range(0, len(names), size)]
         return out
 
     def _place(self, name: str) -> int:
@@ -468,8 +521,9 @@ class Core:
         headers = result.headers
         self._check_identity(request.shard, headers)
         incarnation = headers.get(wire.HEADER_INCARNATION.lower())
-        self._note_incarnation(request.shard, incarnation,
-                               headers.get(wire.HEADER_STATE_VERSION.lower()))
+        self._note_incarnation(
+            request.shard, incarnation, headers.get(wire.HEADER_STATE_VERSION.lower())
+        )
         ctype = (headers.get("content-type") or "").split(";")[0].strip().lower()
         msg: Any = None
         try:
@@ -480,17 +534,26 @@ class Core:
             elif result.status < 400:
                 raise ProtocolError(
                     f"shard {url} answered {request.verb} with content type {ctype or 'none'!r}: "
-                    "is this URL a paramshard shard?", shard=url, status=result.status)
+                    "is this URL a paramshard shard?",
+                    shard=url,
+                    status=result.status,
+                )
         except (wire.WireError, ValueError) as exc:
             if result.status < 400:
-                raise ProtocolError(f"shard {url} sent a {request.verb} reply the SDK cannot "
-                                    f"decode: {exc}", shard=url, status=result.status) from exc
+                raise ProtocolError(
+                    f"shard {url} sent a {request.verb} reply the SDK cannot decode: {exc}",
+                    shard=url,
+                    status=result.status,
+                ) from exc
             msg = None
         if result.status >= 400:
             raise self._error(request, result.status, msg, headers)
         if not isinstance(msg, Mapping):
-            raise ProtocolError(f"shard {url} sent a {request.verb} reply that is not a map",
-                                shard=url, status=result.status)
+            raise ProtocolError(
+                f"shard {url} sent a {request.verb} reply that is not a map",
+                shard=url,
+                status=result.status,
+            )
         return _Message(msg, result.content, incarnation)
 
     def _check_identity(self, shard: int, headers: Mapping[str, str]) -> None:
@@ -500,15 +563,20 @@ class Core:
             raise ProtocolError(
                 f"shard {url} speaks protocol version {protocol}, this SDK speaks "
                 f"{wire.PROTOCOL_VERSION}: run the same paramshard version on workers and shards",
-                shard=url)
+                shard=url,
+            )
         ident = headers.get(wire.HEADER_SHARD.lower())
         if ident is not None and ident.strip() != f"{shard}/{self.n}":
             index, _, total = ident.strip().partition("/")
-            raise FleetMismatchError(_mismatch_message(url, shard, self.n, index, total),
-                                     shard=url, code="fleet_mismatch")
+            raise FleetMismatchError(
+                _mismatch_message(url, shard, self.n, index, total),
+                shard=url,
+                code="fleet_mismatch",
+            )
 
-    def _note_incarnation(self, shard: int, incarnation: str | None,
-                          state_version: str | None = None) -> None:
+    def _note_incarnation(
+        self, shard: int, incarnation: str | None, state_version: str | None = None
+    ) -> None:
         """Track the shard's incarnation and state version; on a restart drop what was cached
         from it, check the fleet again before the next call, and log one warning once the
         restarted shard has said which state version it came back at."""
@@ -532,12 +600,22 @@ class Core:
         if report is not None and version is not None:  # a report waits for the version
             old, last_seen = report
             seen = "" if last_seen is None else f"; this client last saw it at {last_seen}"
-            lost = "" if last_seen is None or last_seen <= version else \
-                f", so up to {last_seen - version} update(s) since its last snapshot were lost"
+            lost = (
+                ""
+                if last_seen is None or last_seen <= version
+                else f", so up to {last_seen - version} update(s) since its last snapshot were lost"
+            )
             logger.warning(
                 "shard %d (%s) restarted (incarnation %s -> %s) and came back at state version "
                 "%d%s%s; dropped the values cached from it and carrying on",
-                shard, self.url(shard), old, incarnation, version, seen, lost)
+                shard,
+                self.url(shard),
+                old,
+                incarnation,
+                version,
+                seen,
+                lost,
+            )
 
     def _drop_cached(self, shard: int) -> None:
         """Forget cached values, and the shapes initialised, of variables placed on ``shard``
@@ -549,8 +627,9 @@ class Core:
         self._bounds.clear()
         self._writes += 1
 
-    def _error(self, request: ShardRequest, status: int, msg: Any,
-               headers: Mapping[str, str]) -> PSError:
+    def _error(
+        self, request: ShardRequest, status: int, msg: Any, headers: Mapping[str, str]
+    ) -> PSError:
         url = self.url(request.shard)
         err = msg.get("error") if isinstance(msg, Mapping) else None
         if isinstance(err, Mapping):
@@ -561,15 +640,19 @@ class Core:
             code, message, details = None, "", {}
         cls = error_for_status(status)
         if not message:
-            message = (f"HTTP {status} without a paramshard error body: is {url} a paramshard "
-                       "shard, and the URL right?")
+            message = (
+                f"HTTP {status} without a paramshard error body: is {url} a paramshard "
+                "shard, and the URL right?"
+            )
             if wire.HEADER_PROTOCOL.lower() not in headers and status not in (429, 502, 503, 504):
                 # Not a shard at all (another service on that port, a wrong path prefix...).
                 return ProtocolError(f"{request.verb}: {message}", shard=url, status=status)
         if status == 421:
             owners = details.get("owners")
-            hint = ("the PARAMSHARD_SHARDS order (or the shards argument) must match each "
-                    "shard's --shard-index, and list every shard")
+            hint = (
+                "the PARAMSHARD_SHARDS order (or the shards argument) must match each "
+                "shard's --shard-index, and list every shard"
+            )
             where = f"shard {url} (listed at position {request.shard} of {self.n})"
             message = f"{where} refused {request.verb}: {message}"
             if isinstance(owners, Mapping) and owners:
@@ -579,9 +662,11 @@ class Core:
                 self._checked[request.shard] = False
         elif status in (429, 503):
             cls = OverloadedError if status == 429 else ShardUnavailableError
-            message = (f"shard {url} kept answering {status} ({message}) until the retry "
-                       f"deadline, so the {request.verb} was not applied: slow down, add "
-                       "shards, or raise retry_deadline")
+            message = (
+                f"shard {url} kept answering {status} ({message}) until the retry "
+                f"deadline, so the {request.verb} was not applied: slow down, add "
+                "shards, or raise retry_deadline"
+            )
         else:
             message = f"{request.verb} refused by shard {url} (HTTP {status}): {message}"
         return cls(message, shard=url, status=status, code=code, details=details)
@@ -610,8 +695,9 @@ class Core:
 
     # -- fleet check -----------------------------------------------------------------------
 
-    def _check_fleet(self, deadline: float) -> Generator[list[ShardRequest], list[Result],
-                                                         dict[int, PSError]]:
+    def _check_fleet(
+        self, deadline: float
+    ) -> Generator[list[ShardRequest], list[Result], dict[int, PSError]]:
         """Check ``GET /v1/cluster`` of every shard not checked yet.
 
         Returns the shards that could not be reached (with why); raises
@@ -649,18 +735,25 @@ class Core:
         url = self.url(shard)
         index, total = info.get("shard_index"), info.get("num_shards")
         if not isinstance(index, int) or not isinstance(total, int):
-            raise ProtocolError(f"GET {url}/v1/cluster has no shard_index/num_shards: is this URL "
-                                "a paramshard shard?", shard=url)
+            raise ProtocolError(
+                f"GET {url}/v1/cluster has no shard_index/num_shards: is this URL "
+                "a paramshard shard?",
+                shard=url,
+            )
         protocol = info.get("protocol_version")
         if protocol is not None and protocol != wire.PROTOCOL_VERSION:
             raise ProtocolError(
                 f"shard {url} speaks protocol version {protocol}, this SDK speaks "
                 f"{wire.PROTOCOL_VERSION}: run the same paramshard version on workers and shards",
-                shard=url)
+                shard=url,
+            )
         if index != shard or total != self.n:
-            raise FleetMismatchError(_mismatch_message(url, shard, self.n, index, total),
-                                     shard=url, code="fleet_mismatch",
-                                     details={"shard_index": index, "num_shards": total})
+            raise FleetMismatchError(
+                _mismatch_message(url, shard, self.n, index, total),
+                shard=url,
+                code="fleet_mismatch",
+                details={"shard_index": index, "num_shards": total},
+            )
         features = info.get("features")
         if not isinstance(features, list):
             features = []
@@ -684,8 +777,10 @@ class Core:
     def names(self, names: Any, verb: str) -> list[str]:
         """Validate a list of names (duplicates dropped, order kept)."""
         if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
-            raise BadRequestError(f"{verb} takes a list of variable names, e.g. "
-                                  f"{verb}(['w', 'b']); got {type(names).__name__} {names!r:.80}")
+            raise BadRequestError(
+                f"{verb} takes a list of variable names, e.g. "
+                f"{verb}(['w', 'b']); got {type(names).__name__} {names!r:.80}"
+            )
         try:
             out = list(dict.fromkeys(names))
         except TypeError:  # an unhashable item, e.g. a list: say which
@@ -701,8 +796,10 @@ class Core:
     def arrays(self, values: Any, verb: str, *, copy: bool = False) -> dict[str, np.ndarray]:
         """Validate ``{name: array-like}`` and convert each value to a sendable ndarray."""
         if not isinstance(values, Mapping):
-            raise BadRequestError(f"{verb} takes a dict of name -> array, e.g. "
-                                  f"{verb}({{'w': w}}); got {type(values).__name__}")
+            raise BadRequestError(
+                f"{verb} takes a dict of name -> array, e.g. "
+                f"{verb}({{'w': w}}); got {type(values).__name__}"
+            )
         placed = self._placed
         out = {}
         for k, v in values.items():
@@ -728,8 +825,17 @@ class Core:
                 if specs.get(name) is not None:
                     entry["optimizer"] = specs[name]
                 variables[name] = entry
-            batch.append(self._post(shard, "init", {"variables": variables}, deadline,
-                                    mutating=True, names=names, retry_safe=True))
+            batch.append(
+                self._post(
+                    shard,
+                    "init",
+                    {"variables": variables},
+                    deadline,
+                    mutating=True,
+                    names=names,
+                    retry_safe=True,
+                )
+            )
         replies = self._collect(batch, (yield batch))
         out = self._per_variable(batch, replies, "variables")
         with self._lock:  # the shards hold these shapes and dtypes now (else: 409)
@@ -749,20 +855,33 @@ class Core:
         for use_cache in (True, False):
             batch, held = [], []
             for shard, group in self.chunks(groups):
-                msg: dict[str, Any] = {"names": group, "layout": "table", "uniform": True,
-                                       "packed": True}
+                msg: dict[str, Any] = {
+                    "names": group,
+                    "layout": "table",
+                    "uniform": True,
+                    "packed": True,
+                }
                 if use_cache:
                     entries, writes = self._cached(shard, group)
                     held.append((entries, writes))
                     if entries is not None:
                         if self._tables[shard]:  # a list parallel to "names" (tables' form)
-                            msg["versions"] = [c[1] if c is not None else None
-                                               for c in entries]
+                            msg["versions"] = [c[1] if c is not None else None for c in entries]
                         else:
-                            msg["versions"] = {k: c[1] for k, c in zip(group, entries)
-                                               if c is not None}
-                batch.append(self._post(shard, "pull", msg, deadline, mutating=False,
-                                        names=group, max_reply=self._pull_bound(group)))
+                            msg["versions"] = {
+                                k: c[1] for k, c in zip(group, entries) if c is not None
+                            }
+                batch.append(
+                    self._post(
+                        shard,
+                        "pull",
+                        msg,
+                        deadline,
+                        mutating=False,
+                        names=group,
+                        max_reply=self._pull_bound(group),
+                    )
+                )
             replies = self._collect(batch, (yield batch))
             todo: list[str] = []
             for i, (request, reply) in enumerate(zip(batch, replies)):
@@ -831,13 +950,15 @@ class Core:
         with self._lock:
             incarnation = self._incarnation[shard]
             get = self._cache.get
-            entries = [c if (c := get(k)) is not None and c[0] == incarnation else None
-                       for k in names]
+            entries = [
+                c if (c := get(k)) is not None and c[0] == incarnation else None for k in names
+            ]
             writes = self._writes
         return (None if entries.count(None) == len(entries) else entries), writes
 
-    def _take_pulled(self, request: ShardRequest, reply: _Message, held: Held,
-                     out: dict[str, np.ndarray]) -> list[str]:
+    def _take_pulled(
+        self, request: ShardRequest, reply: _Message, held: Held, out: dict[str, np.ndarray]
+    ) -> list[str]:
         """Decode one shard's pull reply into ``out``; return names to pull again without
         versions (their cached value came from another incarnation of the shard)."""
         url = self.url(request.shard)
@@ -859,8 +980,9 @@ class Core:
             entry: Any = variables.get(name)  # a dict wherever version is an int
             version = entry.get("version") if isinstance(entry, dict) else None
             if type(version) is not int:
-                raise ProtocolError(f"shard {url} sent no version for {name!r} in a pull reply",
-                                    shard=url)
+                raise ProtocolError(
+                    f"shard {url} sent no version for {name!r} in a pull reply", shard=url
+                )
             value = entry.get("value")
             if value is None:
                 cached = held_of.get(name)
@@ -877,25 +999,39 @@ class Core:
         self._remember([n for n, _ in fresh], [e for _, e in fresh])
         return again
 
-    def _take_table(self, request: ShardRequest, reply: _Message, table: Any, body: Body,
-                    held: Held, out: dict[str, np.ndarray]) -> list[str]:
+    def _take_table(
+        self,
+        request: ShardRequest,
+        reply: _Message,
+        table: Any,
+        body: Body,
+        held: Held,
+        out: dict[str, np.ndarray],
+    ) -> list[str]:
         """:meth:`_take_pulled` for a reply in the table layout (docs/PROTOCOL.md, pull)."""
         url = self.url(request.shard)
         asked = list(request.names)
         try:
             names, values = wire.table_rows(table, body, native=True, names=asked)
         except wire.WireError as exc:
-            raise ProtocolError(f"shard {url} sent a bad pull table: {exc.message}",
-                                shard=url) from exc
+            raise ProtocolError(
+                f"shard {url} sent a bad pull table: {exc.message}", shard=url
+            ) from exc
         versions = table.get("versions")
-        if type(versions) is not list or len(versions) != len(names) \
-                or (names is not asked and names != asked):
-            raise ProtocolError(f"shard {url} sent a pull table whose names or versions do not "
-                                "match the request", shard=url)
+        if (
+            type(versions) is not list
+            or len(versions) != len(names)
+            or (names is not asked and names != asked)
+        ):
+            raise ProtocolError(
+                f"shard {url} sent a pull table whose names or versions do not match the request",
+                shard=url,
+            )
         again: list[str] = []
         incarnation = reply.incarnation
-        if ("uniform" in table or table["dtype"].count(None) == 0) \
-                and set(map(type, versions)) == {int}:
+        if ("uniform" in table or table["dtype"].count(None) == 0) and set(map(type, versions)) == {
+            int
+        }:
             # Every row holds a value (a row has one exactly when its dtype is not nil): the
             # same as below, without a statement per row.
             out.update(zip(names, values))
@@ -905,14 +1041,16 @@ class Core:
                     # Nothing changed the cache since the versions asked for were read: each
                     # value replaces an older one of its shard's incarnation, or one of
                     # another (or none), so all of them go in without comparing.
-                    cache.update(zip(names, zip(itertools.repeat(incarnation), versions,
-                                                values)))
+                    cache.update(zip(names, zip(itertools.repeat(incarnation), versions, values)))
                 else:
                     get = cache.get
-                    cache.update({
-                        name: (incarnation, version, value)
-                        for name, version, value in zip(names, versions, values)
-                        if (c := get(name)) is None or c[1] <= version or c[0] != incarnation})
+                    cache.update(
+                        {
+                            name: (incarnation, version, value)
+                            for name, version, value in zip(names, versions, values)
+                            if (c := get(name)) is None or c[1] <= version or c[0] != incarnation
+                        }
+                    )
                 self._writes += 1
             return again
         entries = held[0]
@@ -923,8 +1061,9 @@ class Core:
             get = cache.get
             for name, version, value in zip(names, versions, values):
                 if type(version) is not int:
-                    raise ProtocolError(f"shard {url} sent no version for {name!r} in a pull "
-                                        "reply", shard=url)
+                    raise ProtocolError(
+                        f"shard {url} sent no version for {name!r} in a pull reply", shard=url
+                    )
                 if value is None:
                     cached = held_of.get(name)
                     if cached is None or cached[1] != version or cached[0] != incarnation:
@@ -957,16 +1096,18 @@ class Core:
         try:
             value = wire.decode_tensor(obj, body)
         except wire.WireError as exc:
-            raise ProtocolError(f"shard {url} sent a bad tensor for {name!r}: {exc.message}",
-                                shard=url) from exc
+            raise ProtocolError(
+                f"shard {url} sent a bad tensor for {name!r}: {exc.message}", shard=url
+            ) from exc
         if not value.dtype.isnative:
             value = value.astype(value.dtype.newbyteorder("="))
         if value.flags.writeable:
             value.flags.writeable = False
         return value
 
-    def prepare_push(self, grads: Any, versions: Mapping[str, int] | None = None, *,
-                     copy: bool = False) -> PushJob:
+    def prepare_push(
+        self, grads: Any, versions: Mapping[str, int] | None = None, *, copy: bool = False
+    ) -> PushJob:
         """Convert gradients and choose versions and ``seq`` in the caller's thread.
 
         ``versions`` defaults to the versions this client last pulled for those names.
@@ -983,8 +1124,9 @@ class Core:
             for k, v in versions.items():
                 if k in arrays:
                     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                        raise BadRequestError(f"push: version of {k!r} must be an int >= 0, "
-                                              f"got {v!r}")
+                        raise BadRequestError(
+                            f"push: version of {k!r} must be an int >= 0, got {v!r}"
+                        )
                     chosen[k] = int(v)
         return PushJob(arrays, chosen, self.next_seq())
 
@@ -1007,9 +1149,13 @@ class Core:
                         f"push: gradient of {name!r} is {grad.dtype.str} {list(grad.shape)}, "
                         f"but the variable is {dtype.str} {list(shape)}: a gradient must have "
                         "its variable's shape and a float dtype (of a float variable)",
-                        code="bad_tensor", details={"variable": name,
-                                                    "shape": list(grad.shape),
-                                                    "expected_shape": list(shape)})
+                        code="bad_tensor",
+                        details={
+                            "variable": name,
+                            "shape": list(grad.shape),
+                            "expected_shape": list(shape),
+                        },
+                    )
 
     def merge_push(self, into: PushJob, new: PushJob) -> None:
         """Add ``new``'s gradients into ``into`` (a push not yet sent), for coalescing. A
@@ -1022,15 +1168,19 @@ class Core:
                 raise BadTensorError(
                     f"push_async(coalesce=True): gradient of {name!r} has shape "
                     f"{list(grad.shape)}, but the push it would be added to has "
-                    f"{list(have.shape)}", code="bad_tensor", details={"variable": name})
+                    f"{list(have.shape)}",
+                    code="bad_tensor",
+                    details={"variable": name},
+                )
             elif have.dtype == grad.dtype:
                 np.add(have, grad, out=have)
             else:
                 into.grads[name] = np.add(have, grad)
             if name in new.versions:
                 old = into.versions.get(name)
-                into.versions[name] = new.versions[name] if old is None \
-                    else min(old, new.versions[name])
+                into.versions[name] = (
+                    new.versions[name] if old is None else min(old, new.versions[name])
+                )
 
     def push(self, job: PushJob) -> Flow[dict[str, dict[str, Any]]]:
         if not job.grads:
@@ -1053,13 +1203,26 @@ class Core:
             if self._tables[shard]:  # one tensor table: a fraction of the header to pack
                 table = msg["grads"] = {"names": names}
                 msg["layout"] = "table"
-                batch.append(self._post(shard, "push", msg, deadline, mutating=True,
-                                        names=names, retry_safe=True, table=table,
-                                        arrays=[grads[k] for k in names]))
+                batch.append(
+                    self._post(
+                        shard,
+                        "push",
+                        msg,
+                        deadline,
+                        mutating=True,
+                        names=names,
+                        retry_safe=True,
+                        table=table,
+                        arrays=[grads[k] for k in names],
+                    )
+                )
                 continue
             msg["grads"] = {k: grads[k] for k in names}
-            batch.append(self._post(shard, "push", msg, deadline, mutating=True, names=names,
-                                    retry_safe=True))
+            batch.append(
+                self._post(
+                    shard, "push", msg, deadline, mutating=True, names=names, retry_safe=True
+                )
+            )
         replies = self._collect(batch, (yield batch))
         return self._per_variable(batch, replies, "variables")
 
@@ -1069,16 +1232,26 @@ class Core:
             return {}
         deadline = self.deadline()
         yield from self._ready(deadline)
-        batch = [self._post(shard, "assign", {"values": {k: arrays[k] for k in names},
-                                              "worker_id": self.settings.worker_id,
-                                              "seq": self.next_seq()},
-                            deadline, mutating=True, names=names, retry_safe=True)
-                 for shard, names in self.chunks(self.split(arrays))]
+        batch = [
+            self._post(
+                shard,
+                "assign",
+                {
+                    "values": {k: arrays[k] for k in names},
+                    "worker_id": self.settings.worker_id,
+                    "seq": self.next_seq(),
+                },
+                deadline,
+                mutating=True,
+                names=names,
+                retry_safe=True,
+            )
+            for shard, names in self.chunks(self.split(arrays))
+        ]
         replies = self._collect(batch, (yield batch))
         return self._per_variable(batch, replies, "variables")
 
-    def increment(self, name: Any, delta: Any = 1, kind: Any = None
-                  ) -> Flow[Union[int, float]]:
+    def increment(self, name: Any, delta: Any = 1, kind: Any = None) -> Flow[int | float]:
         _name(name)
         if isinstance(delta, np.generic):
             delta = delta.item()
@@ -1092,19 +1265,33 @@ class Core:
             delta = float(delta)
         elif kind == "int" and isinstance(delta, float):
             if not delta.is_integer():
-                raise BadRequestError(f"increment delta {delta!r} is not a whole number, but "
-                                      "kind is 'int'")
+                raise BadRequestError(
+                    f"increment delta {delta!r} is not a whole number, but kind is 'int'"
+                )
             delta = int(delta)
-        if isinstance(delta, int) and not -(2 ** 63) <= delta < 2 ** 63:
+        if isinstance(delta, int) and not -(2**63) <= delta < 2**63:
             raise BadRequestError(f"increment delta must fit in 64 bits, got {delta!r}")
         deadline = self.deadline()
         yield from self._ready(deadline)
-        msg = {"name": name, "delta": delta, "worker_id": self.settings.worker_id,
-               "seq": self.next_seq()}
+        msg = {
+            "name": name,
+            "delta": delta,
+            "worker_id": self.settings.worker_id,
+            "seq": self.next_seq(),
+        }
         if kind is not None:
             msg["kind"] = kind
-        batch = [self._post(shard_for(name, self.n), "increment", msg, deadline, mutating=True,
-                            names=[name], retry_safe=True)]
+        batch = [
+            self._post(
+                shard_for(name, self.n),
+                "increment",
+                msg,
+                deadline,
+                mutating=True,
+                names=[name],
+                retry_safe=True,
+            )
+        ]
         (reply,) = self._collect(batch, (yield batch))
         value = reply.msg.get("value")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -1114,10 +1301,15 @@ class Core:
 
     def wait(self, names: Any, timeout: float | None) -> Flow[None]:
         names = self.names(names, "wait_ready")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
-                timeout, (int, float)) or math.isnan(timeout) or timeout < 0):
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or math.isnan(timeout)
+            or timeout < 0
+        ):
             raise BadRequestError(
-                f"wait_ready timeout must be seconds >= 0 or None, got {timeout!r}")
+                f"wait_ready timeout must be seconds >= 0 or None, got {timeout!r}"
+            )
         started = time.monotonic()
         deadline = math.inf if timeout is None else started + timeout
         missing = self.split(names)
@@ -1134,9 +1326,18 @@ class Core:
                 raise self._not_ready(missing, unreachable, time.monotonic() - started)
             first = False
             poll = max(0.0, min(remaining, WAIT_POLL_SECONDS))
-            batch = [self._post(shard, "wait", {"names": group, "timeout": poll}, deadline,
-                                mutating=False, names=group, timeout=poll + WAIT_READ_SLACK)
-                     for shard, group in self.chunks(missing)]
+            batch = [
+                self._post(
+                    shard,
+                    "wait",
+                    {"names": group, "timeout": poll},
+                    deadline,
+                    mutating=False,
+                    names=group,
+                    timeout=poll + WAIT_READ_SLACK,
+                )
+                for shard, group in self.chunks(missing)
+            ]
             results = yield batch
             missing = {}
             for request, result in zip(batch, results):
@@ -1148,13 +1349,14 @@ class Core:
                 still = msg.get("missing")
                 if not isinstance(still, list):
                     url = self.url(request.shard)
-                    raise ProtocolError(f"shard {url} sent a wait reply without 'missing'",
-                                        shard=url)
-                missing.setdefault(request.shard, []).extend(n for n in still
-                                                             if isinstance(n, str))
+                    raise ProtocolError(
+                        f"shard {url} sent a wait reply without 'missing'", shard=url
+                    )
+                missing.setdefault(request.shard, []).extend(n for n in still if isinstance(n, str))
 
-    def _not_ready(self, missing: dict[int, list[str]], unreachable: Mapping[int, PSError],
-                   waited: float) -> NotReadyError:
+    def _not_ready(
+        self, missing: dict[int, list[str]], unreachable: Mapping[int, PSError], waited: float
+    ) -> NotReadyError:
         names = sorted(n for group in missing.values() for n in group)
         parts = []
         for shard, group in missing.items():
@@ -1166,7 +1368,8 @@ class Core:
         return NotReadyError(
             f"variables not ready after {waited:.1f}s: {'; '.join(parts)}. Make sure a worker "
             "calls init(...) for them and every shard is running, or wait longer (timeout=...)",
-            missing=names)
+            missing=names,
+        )
 
     def checkpoint(self, timeout: float) -> Flow[str]:
         """Pause writes on every shard, have each capture its state, resume, and wait until
@@ -1175,10 +1378,15 @@ class Core:
         If pausing or capturing fails, every shard is told to resume (each would anyway once
         the pause's lease runs out) and the failure is raised; so is a failed write.
         """
-        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                or not 0 < timeout <= MAX_CHECKPOINT_SECONDS):
-            raise BadRequestError(f"checkpoint timeout must be seconds in (0, "
-                                  f"{MAX_CHECKPOINT_SECONDS:g}], got {timeout!r}")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout <= MAX_CHECKPOINT_SECONDS
+        ):
+            raise BadRequestError(
+                f"checkpoint timeout must be seconds in (0, "
+                f"{MAX_CHECKPOINT_SECONDS:g}], got {timeout!r}"
+            )
         checkpoint_id = time.strftime("ckpt-%Y%m%dT%H%M%SZ-", time.gmtime()) + os.urandom(3).hex()
         deadline = self.deadline(timeout)
         yield from self._ready(deadline)
@@ -1186,8 +1394,10 @@ class Core:
         shards = range(self.n)
 
         def round_(verb: str, msg: dict[str, Any]) -> list[ShardRequest]:
-            return [self._post(i, verb, msg, deadline, mutating=True, retry_safe=True,
-                               timeout=timeout) for i in shards]
+            return [
+                self._post(i, verb, msg, deadline, mutating=True, retry_safe=True, timeout=timeout)
+                for i in shards
+            ]
 
         msg = {"checkpoint": checkpoint_id}
         try:
@@ -1203,9 +1413,12 @@ class Core:
         for request, reply in zip(resume, self._collect(resume, (yield resume))):
             if not isinstance(reply.msg.get("snapshot"), Mapping):
                 url = self.url(request.shard)
-                raise PSError(f"checkpoint {checkpoint_id} is incomplete: shard {url} has no "
-                              "snapshot of it (did it restart during the checkpoint?); take "
-                              "another", shard=url)
+                raise PSError(
+                    f"checkpoint {checkpoint_id} is incomplete: shard {url} has no "
+                    "snapshot of it (did it restart during the checkpoint?); take "
+                    "another",
+                    shard=url,
+                )
         return checkpoint_id
 
     def variables(self) -> Flow[list[dict[str, Any]]]:
@@ -1222,20 +1435,24 @@ class Core:
             out += [{**s, "shard": request.shard} for s in summaries if isinstance(s, Mapping)]
         return sorted(out, key=lambda s: str(s.get("name")))
 
-    def _per_variable(self, batch: list[ShardRequest], replies: list[_Message],
-                      key: str) -> dict[str, dict[str, Any]]:
+    def _per_variable(
+        self, batch: list[ShardRequest], replies: list[_Message], key: str
+    ) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for request, reply in zip(batch, replies):
             url = self.url(request.shard)
             entries = reply.msg.get(key)
             if not isinstance(entries, Mapping):
-                raise ProtocolError(f"shard {url} sent a {request.verb} reply without '{key}'",
-                                    shard=url)
+                raise ProtocolError(
+                    f"shard {url} sent a {request.verb} reply without '{key}'", shard=url
+                )
             for name in request.names:
                 entry = entries.get(name)
                 if not isinstance(entry, Mapping):
-                    raise ProtocolError(f"shard {url} sent no result for {name!r} in its "
-                                        f"{request.verb} reply", shard=url)
+                    raise ProtocolError(
+                        f"shard {url} sent no result for {name!r} in its {request.verb} reply",
+                        shard=url,
+                    )
                 out[name] = dict(entry)
         return out
 
@@ -1245,11 +1462,15 @@ class Core:
 
 def _mismatch_message(url: str, position: int, n: int, index: Any, total: Any) -> str:
     if total != n and str(total) != str(n):
-        return (f"shard {url} reports a fleet of {total} shards but {n} are listed: list every "
-                "shard, in --shard-index order, in PARAMSHARD_SHARDS (or the shards argument)")
-    return (f"shard {url} reports index {index} of {total} but is listed at position "
-            f"{position}: the PARAMSHARD_SHARDS order (or the shards argument) must match each "
-            "shard's --shard-index")
+        return (
+            f"shard {url} reports a fleet of {total} shards but {n} are listed: list every "
+            "shard, in --shard-index order, in PARAMSHARD_SHARDS (or the shards argument)"
+        )
+    return (
+        f"shard {url} reports index {index} of {total} but is listed at position "
+        f"{position}: the PARAMSHARD_SHARDS order (or the shards argument) must match each "
+        "shard's --shard-index"
+    )
 
 
 def _parse_retry_after(value: str | None) -> float | None:
@@ -1275,22 +1496,33 @@ def as_array(name: str, value: Any, *, copy: bool = False) -> np.ndarray:
     Raises :class:`BadTensorError` (saying which variable and what to send instead) for object,
     complex, bool, string and other dtypes the protocol has no name for.
     """
-    if not copy and type(value) is np.ndarray and value.dtype in _SENDABLE_DTYPES \
-            and value.flags.c_contiguous:
+    if (
+        not copy
+        and type(value) is np.ndarray
+        and value.dtype in _SENDABLE_DTYPES
+        and value.flags.c_contiguous
+    ):
         return value  # the common case: nothing to check twice, nothing to convert
     try:
         arr = np.array(value, copy=True) if copy else np.asarray(value)
     except (TypeError, ValueError) as exc:
-        raise BadTensorError(f"{name}: cannot convert the value to an array ({exc}); pass a "
-                             "numpy array or a nested list of numbers") from None
+        raise BadTensorError(
+            f"{name}: cannot convert the value to an array ({exc}); pass a "
+            "numpy array or a nested list of numbers"
+        ) from None
     if arr.dtype.kind not in "fiu" or (arr.dtype.kind + str(arr.dtype.itemsize)) not in wire.DTYPES:
         raise BadTensorError(
             f"{name}: dtype {arr.dtype} cannot be sent; use a float (float16/32/64) or an "
             "integer dtype, e.g. np.asarray(value, dtype=np.float32)",
-            code="bad_tensor", details={"variable": name, "dtype": str(arr.dtype)})
+            code="bad_tensor",
+            details={"variable": name, "dtype": str(arr.dtype)},
+        )
     if arr.ndim > wire.MAX_NDIM:
-        raise BadTensorError(f"{name}: at most {wire.MAX_NDIM} dimensions, got {arr.ndim}",
-                             code="bad_tensor", details={"variable": name})
+        raise BadTensorError(
+            f"{name}: at most {wire.MAX_NDIM} dimensions, got {arr.ndim}",
+            code="bad_tensor",
+            details={"variable": name},
+        )
     if not arr.flags.c_contiguous:
         arr = arr.copy(order="C")
     return arr
@@ -1300,7 +1532,9 @@ def as_array(name: str, value: Any, *, copy: bool = False) -> np.ndarray:
 _SENDABLE_DTYPES = frozenset(np.dtype(o + k) for k in wire.DTYPES for o in "<>")
 
 
-def _optimizers(optimizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, dict[str, Any] | None]:
+def _optimizers(
+    optimizer: Any, arrays: Mapping[str, np.ndarray]
+) -> dict[str, dict[str, Any] | None]:
     """``optimizer`` is one spec for every variable, a dict name -> spec, or None."""
     if optimizer is None or isinstance(optimizer, Optimizer):
         spec = optimizer.to_wire() if optimizer is not None else None
@@ -1310,14 +1544,18 @@ def _optimizers(optimizer: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, d
         for name in arrays:
             o = optimizer.get(name)
             if o is not None and not isinstance(o, Optimizer):
-                raise BadRequestError(f"init: optimizer for {name!r} must be an optimizer spec "
-                                      f"such as SGD(lr=0.1), got {o!r}")
+                raise BadRequestError(
+                    f"init: optimizer for {name!r} must be an optimizer spec "
+                    f"such as SGD(lr=0.1), got {o!r}"
+                )
             out[name] = o.to_wire() if o is not None else None
         unknown = set(optimizer) - set(arrays)
         if unknown:
-            raise BadRequestError(f"init: optimizers given for names not being initialised: "
-                                  f"{sorted(unknown)}")
+            raise BadRequestError(
+                f"init: optimizers given for names not being initialised: {sorted(unknown)}"
+            )
         return out
-    raise BadRequestError("init: optimizer must be a spec from client_sdk.optimizers (e.g. "
-                          f"Adagrad(lr=0.1)) or a dict name -> spec; got {optimizer!r}")
-
+    raise BadRequestError(
+        "init: optimizer must be a spec from client_sdk.optimizers (e.g. "
+        f"Adagrad(lr=0.1)) or a dict name -> spec; got {optimizer!r}"
+    )

@@ -31,8 +31,16 @@ from collections.abc import Callable, Mapping, Sequence
 
 import httpx2
 
-from ._http11 import Buffer, Origin, Reading, Response, advance, next_send, read_response, \
-    request_head
+from ._http11 import (
+    Buffer,
+    Origin,
+    Reading,
+    Response,
+    advance,
+    next_send,
+    read_response,
+    request_head,
+)
 from ._pool import Connection, HTTPPool
 
 __all__ = ["Exchange", "Outcome", "exchange_all"]
@@ -50,9 +58,17 @@ class Exchange:
 
     __slots__ = ("origin", "method", "target", "headers", "body", "deadline", "max_reply")
 
-    def __init__(self, origin: Origin, method: str, target: str,
-                 headers: Mapping[str, str] | None, body: Sequence[Buffer] = (), *,
-                 deadline: float | None = None, max_reply: int | None = None) -> None:
+    def __init__(
+        self,
+        origin: Origin,
+        method: str,
+        target: str,
+        headers: Mapping[str, str] | None,
+        body: Sequence[Buffer] = (),
+        *,
+        deadline: float | None = None,
+        max_reply: int | None = None,
+    ) -> None:
         self.origin = origin
         self.method = method
         self.target = target
@@ -65,11 +81,21 @@ class Exchange:
 class _Flight:
     """One exchange under way on its connection: sending, then reading."""
 
-    __slots__ = ("index", "origin", "conn", "views", "first", "reading", "into", "deadline",
-                 "max_reply")
+    __slots__ = (
+        "index",
+        "origin",
+        "conn",
+        "views",
+        "first",
+        "reading",
+        "into",
+        "deadline",
+        "max_reply",
+    )
 
-    def __init__(self, index: int, exchange: Exchange, conn: Connection, deadline: float,
-                 max_reply: int) -> None:
+    def __init__(
+        self, index: int, exchange: Exchange, conn: Connection, deadline: float, max_reply: int
+    ) -> None:
         self.index = index
         self.origin = exchange.origin
         self.conn = conn
@@ -121,8 +147,7 @@ class _Flight:
         return httpx2.ReadTimeout("timed out waiting for the whole response")
 
 
-def exchange_all(pool: HTTPPool, exchanges: Sequence[Exchange], submit: Submit
-                 ) -> list[Outcome]:
+def exchange_all(pool: HTTPPool, exchanges: Sequence[Exchange], submit: Submit) -> list[Outcome]:
     """Perform every exchange, all at once on this thread; return their outcomes in order.
 
     ``submit`` (e.g. an executor's) runs a blocking call on another thread; it opens new
@@ -141,8 +166,9 @@ def exchange_all(pool: HTTPPool, exchanges: Sequence[Exchange], submit: Submit
     return outcomes  # type: ignore[return-value]
 
 
-def _take_off(pool: HTTPPool, exchanges: Sequence[Exchange], submit: Submit,
-              outcomes: list[Outcome | None]) -> list[_Flight]:
+def _take_off(
+    pool: HTTPPool, exchanges: Sequence[Exchange], submit: Submit, outcomes: list[Outcome | None]
+) -> list[_Flight]:
     """A connection for every exchange that can have one: idle ones first, then new ones
     opened concurrently. An exchange that gets none has its failure in ``outcomes``."""
     conns: list[Connection | None] = []
@@ -171,8 +197,11 @@ def _take_off(pool: HTTPPool, exchanges: Sequence[Exchange], submit: Submit,
             if conn is not None:
                 conn.close()
         raise
-    return [_Flight(i, e, conn, deadlines[i], pool.max_reply if e.max_reply is None else e.max_reply)
-            for i, (e, conn) in enumerate(zip(exchanges, conns)) if conn is not None]
+    return [
+        _Flight(i, e, conn, deadlines[i], pool.max_reply if e.max_reply is None else e.max_reply)
+        for i, (e, conn) in enumerate(zip(exchanges, conns))
+        if conn is not None
+    ]
 
 
 def _close_opened(future: concurrent.futures.Future[Connection]) -> None:
@@ -189,8 +218,9 @@ def _fly(pool: HTTPPool, flights: list[_Flight], outcomes: list[Outcome | None])
             except httpx2.HTTPError as exc:
                 _fail(flight, exc, outcomes)
                 continue
-            selector.register(flight.conn.sock,
-                              selectors.EVENT_READ if sent else selectors.EVENT_WRITE, flight)
+            selector.register(
+                flight.conn.sock, selectors.EVENT_READ if sent else selectors.EVENT_WRITE, flight
+            )
         pending = selector.get_map()
         while pending:
             soonest = min(key.data.deadline for key in pending.values())

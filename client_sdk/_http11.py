@@ -34,8 +34,19 @@ from collections.abc import Generator, Mapping
 import httpx2
 import numpy as np
 
-__all__ = ["HEAD_BUFFER", "IDLE_EXPIRY", "MAX_IOV", "SEND_SLICE", "Origin", "ReplyTooLarge",
-           "Response", "advance", "next_send", "read_response", "request_head"]
+__all__ = [
+    "HEAD_BUFFER",
+    "IDLE_EXPIRY",
+    "MAX_IOV",
+    "SEND_SLICE",
+    "Origin",
+    "ReplyTooLarge",
+    "Response",
+    "advance",
+    "next_send",
+    "read_response",
+    "request_head",
+]
 
 Buffer = bytes | bytearray | memoryview
 #: What :func:`read_response` yields (where to receive) and is sent (how many bytes came).
@@ -104,8 +115,9 @@ class Response:
         self.content = content
 
 
-def request_head(origin: Origin, method: str, target: str,
-                 headers: Mapping[str, str] | None) -> bytes:
+def request_head(
+    origin: Origin, method: str, target: str, headers: Mapping[str, str] | None
+) -> bytes:
     """``method target`` (the path after the origin's prefix) with a ``Host`` header and
     ``headers`` (give ``content-length`` for a body)."""
     lines = [f"{method} {origin.prefix}{target} HTTP/1.1\r\nhost: {origin.host_header}\r\n"]
@@ -121,7 +133,7 @@ def next_send(views: list[Buffer], first: int) -> list[Buffer]:
     :data:`SEND_SLICE` bytes of the next one. Pass the count it sent to :func:`advance`."""
     out: list[Buffer] = []
     room = SEND_SLICE
-    for view in views[first:first + MAX_IOV]:
+    for view in views[first : first + MAX_IOV]:
         n = len(view)
         if n > room:
             if room >= SEND_SLICE // 4:
@@ -160,7 +172,7 @@ def read_response(buf: bytearray, max_size: int) -> Reading:
         start, end, status, version, headers = yield from _head(buf, view, end)
         if not 100 <= status < 200:
             break
-        view[:end - start] = view[start:end]
+        view[: end - start] = view[start:end]
         end -= start
     reusable = version == "HTTP/1.1" and "close" not in headers.get("connection", "").lower()
     if status in _NO_BODY:
@@ -168,13 +180,15 @@ def read_response(buf: bytearray, max_size: int) -> Reading:
     if "transfer-encoding" in headers:
         if headers["transfer-encoding"].strip().lower() != "chunked":
             raise httpx2.RemoteProtocolError(
-                f"unsupported Transfer-Encoding {headers['transfer-encoding']!r}")
+                f"unsupported Transfer-Encoding {headers['transfer-encoding']!r}"
+            )
         body, left_over = yield from _chunked(buf, view, start, end, max_size)
         return Response(status, headers, body), reusable and not left_over
     length = headers.get("content-length")
     if length is None:
-        return Response(status, headers, (yield from _until_close(view, start, end, max_size))), \
-            False
+        return Response(
+            status, headers, (yield from _until_close(view, start, end, max_size))
+        ), False
     if not length.isdigit():
         raise httpx2.RemoteProtocolError(f"bad Content-Length {length!r}")
     size = int(length)
@@ -182,8 +196,9 @@ def read_response(buf: bytearray, max_size: int) -> Reading:
         raise ReplyTooLarge(size, max_size, declared=True)
     have = end - start
     if have >= size:
-        return Response(status, headers, bytes(view[start:start + size])), \
-            reusable and have == size
+        return Response(
+            status, headers, bytes(view[start : start + size])
+        ), reusable and have == size
     content = memoryview(np.empty(size, np.uint8))  # type: ignore[arg-type]  # numpy types ndarray as a buffer for Python >= 3.12 only
     content[:have] = view[start:end]
     pos = have
@@ -191,13 +206,15 @@ def read_response(buf: bytearray, max_size: int) -> Reading:
         n = yield content[pos:]
         if n == 0:
             raise httpx2.RemoteProtocolError(
-                f"the server closed the connection after {pos} of {size} body bytes")
+                f"the server closed the connection after {pos} of {size} body bytes"
+            )
         pos += n
     return Response(status, headers, content), reusable
 
 
-def _head(buf: bytearray, view: memoryview, end: int
-          ) -> Generator[memoryview, int, tuple[int, int, int, str, dict[str, str]]]:
+def _head(
+    buf: bytearray, view: memoryview, end: int
+) -> Generator[memoryview, int, tuple[int, int, int, str, dict[str, str]]]:
     """Receive until the buffer holds a whole head; return (body start, buffered end, status,
     version, headers)."""
     searched = 0
@@ -211,7 +228,8 @@ def _head(buf: bytearray, view: memoryview, end: int
         n = yield view[end:]
         if n == 0:
             raise httpx2.RemoteProtocolError(
-                "the server closed the connection without sending a (complete) response")
+                "the server closed the connection without sending a (complete) response"
+            )
         end += n
     status, version, headers = _parse_head(bytes(view[:at]))
     return at + 4, end, status, version, headers
@@ -240,11 +258,10 @@ def _parse_head(raw: bytes) -> tuple[int, str, dict[str, str]]:
     return int(code), version, headers
 
 
-def _fill(view: memoryview, start: int, end: int
-          ) -> Generator[memoryview, int, tuple[int, int]]:
+def _fill(view: memoryview, start: int, end: int) -> Generator[memoryview, int, tuple[int, int]]:
     """Move the unread bytes [start, end) to the front and receive more after them."""
     if start:
-        view[:end - start] = view[start:end]
+        view[: end - start] = view[start:end]
         end -= start
         start = 0
     if end == len(view):
@@ -252,12 +269,14 @@ def _fill(view: memoryview, start: int, end: int
     n = yield view[end:]
     if n == 0:
         raise httpx2.RemoteProtocolError(
-            "the server closed the connection in the middle of a chunked body")
+            "the server closed the connection in the middle of a chunked body"
+        )
     return start, end + n
 
 
-def _line(buf: bytearray, view: memoryview, start: int, end: int
-          ) -> Generator[memoryview, int, tuple[bytes, int, int]]:
+def _line(
+    buf: bytearray, view: memoryview, start: int, end: int
+) -> Generator[memoryview, int, tuple[bytes, int, int]]:
     """The next CRLF-terminated line (without CRLF) and the positions after it."""
     at = buf.find(b"\r\n", start, end)
     while at < 0:
@@ -266,8 +285,9 @@ def _line(buf: bytearray, view: memoryview, start: int, end: int
     return bytes(view[start:at]), at + 2, end
 
 
-def _chunked(buf: bytearray, view: memoryview, start: int, end: int, max_size: int
-             ) -> Generator[memoryview, int, tuple[bytes, bool]]:
+def _chunked(
+    buf: bytearray, view: memoryview, start: int, end: int, max_size: int
+) -> Generator[memoryview, int, tuple[bytes, bool]]:
     out = bytearray()
     while True:
         line, start, end = yield from _line(buf, view, start, end)
@@ -287,18 +307,19 @@ def _chunked(buf: bytearray, view: memoryview, start: int, end: int, max_size: i
             if start == end:
                 start, end = yield from _fill(view, start, end)
             take = min(end - start, size)
-            out += view[start:start + take]
+            out += view[start : start + take]
             start += take
             size -= take
         while end - start < 2:
             start, end = yield from _fill(view, start, end)
-        if view[start:start + 2] != b"\r\n":  # type: ignore[comparison-overlap]  # a bytes view
+        if view[start : start + 2] != b"\r\n":  # type: ignore[comparison-overlap]  # a bytes view
             raise httpx2.RemoteProtocolError("chunk not followed by CRLF")
         start += 2
 
 
-def _until_close(view: memoryview, start: int, end: int, max_size: int
-                 ) -> Generator[memoryview, int, bytes]:
+def _until_close(
+    view: memoryview, start: int, end: int, max_size: int
+) -> Generator[memoryview, int, bytes]:
     out = bytearray(view[start:end])
     while True:
         if len(out) > max_size:

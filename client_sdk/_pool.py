@@ -27,8 +27,17 @@ from collections.abc import Mapping, Sequence
 
 import httpx2
 
-from ._http11 import HEAD_BUFFER, IDLE_EXPIRY, Buffer, Origin, Response, advance, next_send, \
-    read_response, request_head
+from ._http11 import (
+    HEAD_BUFFER,
+    IDLE_EXPIRY,
+    Buffer,
+    Origin,
+    Response,
+    advance,
+    next_send,
+    read_response,
+    request_head,
+)
 
 __all__ = ["Connection", "HTTPPool"]
 
@@ -47,7 +56,7 @@ class Connection:
     def __init__(self, origin: Origin, connect_timeout: float | None) -> None:
         try:
             sock = socket.create_connection((origin.host, origin.port), connect_timeout)
-        except socket.timeout as exc:
+        except TimeoutError as exc:
             raise httpx2.ConnectTimeout(f"timed out connecting to {origin.host_header}") from exc
         except OSError as exc:
             raise httpx2.ConnectError(str(exc) or type(exc).__name__) from exc
@@ -81,8 +90,9 @@ class Connection:
             if left <= 0:
                 return False
             if self.poller is None:
-                ready = select.select([] if writing else [self.sock],
-                                      [self.sock] if writing else [], [], left)
+                ready = select.select(
+                    [] if writing else [self.sock], [self.sock] if writing else [], [], left
+                )
                 if ready[0] or ready[1]:
                     return True
                 continue
@@ -125,7 +135,8 @@ class Connection:
                 except (BlockingIOError, InterruptedError):
                     if not self._wait(False, deadline):
                         raise httpx2.ReadTimeout(
-                            "timed out waiting for the whole response") from None
+                            "timed out waiting for the whole response"
+                        ) from None
                     continue
                 target = reading.send(n)
         except StopIteration as done:
@@ -143,8 +154,9 @@ class HTTPPool:
     its bytes. ``max_reply`` bounds a response body (bytes). Thread-safe; every call blocks.
     """
 
-    def __init__(self, *, max_idle: int, connect_timeout: float, timeout: float,
-                 max_reply: int) -> None:
+    def __init__(
+        self, *, max_idle: int, connect_timeout: float, timeout: float, max_reply: int
+    ) -> None:
         self.max_idle = max_idle
         self.connect_timeout = connect_timeout
         self.timeout = timeout
@@ -153,9 +165,17 @@ class HTTPPool:
         self._lock = threading.Lock()
         self._closed = False
 
-    def request(self, origin: Origin, method: str, target: str,
-                headers: Mapping[str, str] | None, body: Sequence[Buffer] = (), *,
-                deadline: float | None = None, max_reply: int | None = None) -> Response:
+    def request(
+        self,
+        origin: Origin,
+        method: str,
+        target: str,
+        headers: Mapping[str, str] | None,
+        body: Sequence[Buffer] = (),
+        *,
+        deadline: float | None = None,
+        max_reply: int | None = None,
+    ) -> Response:
         """Send ``method target`` (see :func:`~client_sdk._http11.request_head`) and the
         ``body`` buffers in order; return the whole response (not for ``HEAD``), all by
         ``deadline`` (``time.monotonic()`` seconds; default: the pool's timeout from now), its
@@ -167,7 +187,8 @@ class HTTPPool:
         try:
             conn.send(head, body, deadline)
             response, reusable = conn.receive(
-                deadline, self.max_reply if max_reply is None else max_reply)
+                deadline, self.max_reply if max_reply is None else max_reply
+            )
         except BaseException:
             conn.close()
             raise

@@ -50,15 +50,18 @@ def _as_ps_error(exc: BaseException) -> PSError:
 
 
 def _cancelled() -> PSError:
-    return PSError("an asynchronous push was cancelled before it finished; it may or may not "
-                   "have been applied")
+    return PSError(
+        "an asynchronous push was cancelled before it finished; it may or may not have been applied"
+    )
 
 
 def _push_error(failures: list[PSError]) -> PushError:
     n = len(failures)
     first = failures[0]
-    message = (f"{n} asynchronous push{'es' if n != 1 else ''} failed since the last flush; "
-               f"the first: {type(first).__name__}: {first.message}")
+    message = (
+        f"{n} asynchronous push{'es' if n != 1 else ''} failed since the last flush; "
+        f"the first: {type(first).__name__}: {first.message}"
+    )
     return PushError(message, errors=list(failures))
 
 
@@ -74,7 +77,8 @@ class Pusher(Generic[T]):
         self._merge = merge
         self._slots = threading.BoundedSemaphore(max_inflight)
         self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max_inflight, thread_name_prefix="paramshard-push")
+            max_workers=max_inflight, thread_name_prefix="paramshard-push"
+        )
         self._lock = threading.Lock()
         self._pending: set[concurrent.futures.Future[T]] = set()
         self._running = 0  # pushes holding a slot (exact, unlike the set of futures)
@@ -112,8 +116,9 @@ class Pusher(Generic[T]):
         fut.add_done_callback(self._on_done)
         return fut
 
-    def _start(self, job: Any, fut: concurrent.futures.Future[T] | None
-               ) -> concurrent.futures.Future[T]:
+    def _start(
+        self, job: Any, fut: concurrent.futures.Future[T] | None
+    ) -> concurrent.futures.Future[T]:
         """Run ``job`` on a slot the caller holds (and the lock)."""
         fut = fut or self._future()
         self._running += 1
@@ -185,8 +190,7 @@ class Pusher(Generic[T]):
 class AsyncPusher(Generic[T]):
     """The asyncio twin of :class:`Pusher`: use it from one event loop."""
 
-    def __init__(self, max_inflight: int, run: Callable[[Any], Awaitable[T]],
-                 merge: Merge) -> None:
+    def __init__(self, max_inflight: int, run: Callable[[Any], Awaitable[T]], merge: Merge) -> None:
         self._run = run
         self._merge = merge
         self._max = max_inflight

@@ -30,10 +30,10 @@ the request's ``max_reply`` (what the SDK knows its reply can need, see
 a :class:`~client_sdk.ProtocolError` at once, not retried, and its connection is closed.
 
 :func:`send`, :func:`send_all` and :func:`asend` return a :class:`~client_sdk._core.Reply` or
-the ``PSError`` that prevented one, and never raise transport errors: both senders fail with httpx2's exception
-classes, and every one is translated here, where it enters (``raise ... from exc``), to the most
-specific class of the SDK's tree. Which of them mean "the request never left" (so that even a
-mutating request may be retried) is decided in one place, :data:`_UNSENT`.
+the ``PSError`` that prevented one, and never raise transport errors: both senders fail with
+httpx2's exception classes, and every one is translated here, where it enters (``raise ... from
+exc``), to the most specific class of the SDK's tree. Which of them mean "the request never left"
+(so that even a mutating request may be retried) is decided in one place, :data:`_UNSENT`.
 """
 
 from __future__ import annotations
@@ -44,16 +44,16 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 import httpx2
 import numpy as np
 
 from . import _http11
 from ._apool import AsyncHTTPPool
-from ._fanout import Exchange, exchange_all
 from ._core import Core, Reply, Settings, ShardRequest
 from ._exceptions import ConfigError, ProtocolError, PSError, ShardUnavailableError
+from ._fanout import Exchange, exchange_all
 from ._pool import HTTPPool
 from .wire import Encoded
 
@@ -99,8 +99,9 @@ def limits(num_shards: int, max_inflight: int) -> httpx2.Limits:
     background pushes and a long poll at the same time; no hard cap (callers bound the
     concurrency themselves, and a cap would turn long polls into pool timeouts)."""
     keep = num_shards * _idle_per_shard(max_inflight)
-    return httpx2.Limits(max_connections=None, max_keepalive_connections=keep,
-                         keepalive_expiry=_http11.IDLE_EXPIRY)
+    return httpx2.Limits(
+        max_connections=None, max_keepalive_connections=keep, keepalive_expiry=_http11.IDLE_EXPIRY
+    )
 
 
 def _idle_per_shard(max_inflight: int) -> int:
@@ -120,31 +121,44 @@ def sync_sender(settings: Settings, transport: httpx2.BaseTransport | None) -> S
     if transport is None:
         transport = httpx2.HTTPTransport(limits=pool_limits, trust_env=False)
     _Deadlines.install(transport)
-    return HTTPXSender(httpx2.Client(timeout=timeout(settings.timeout), limits=pool_limits,
-                                     transport=transport, trust_env=False),
-                       settings.max_reply_bytes)
+    return HTTPXSender(
+        httpx2.Client(
+            timeout=timeout(settings.timeout),
+            limits=pool_limits,
+            transport=transport,
+            trust_env=False,
+        ),
+        settings.max_reply_bytes,
+    )
 
 
-def async_sender(settings: Settings,
-                 transport: httpx2.AsyncBaseTransport | None) -> AsyncSender:
+def async_sender(settings: Settings, transport: httpx2.AsyncBaseTransport | None) -> AsyncSender:
     """The sender an :class:`~client_sdk.AsyncPSClient` uses: native unless a transport is
     injected, a shard is ``https://``, or the platform's event loop cannot wait for sockets
     (Windows). Does no I/O."""
     if _native(settings, transport) and sys.platform != "win32":
         return AsyncNativeSender(settings)
-    return AsyncHTTPXSender(httpx2.AsyncClient(
-        timeout=timeout(settings.timeout),
-        limits=limits(len(settings.shards), settings.max_inflight),
-        transport=transport, trust_env=False), settings.max_reply_bytes)
+    return AsyncHTTPXSender(
+        httpx2.AsyncClient(
+            timeout=timeout(settings.timeout),
+            limits=limits(len(settings.shards), settings.max_inflight),
+            transport=transport,
+            trust_env=False,
+        ),
+        settings.max_reply_bytes,
+    )
 
 
 # -- the native senders -----------------------------------------------------------------------
 
 
 def _pool_args(settings: Settings) -> dict[str, Any]:
-    return {"max_idle": _idle_per_shard(settings.max_inflight),
-            "connect_timeout": min(settings.timeout, CONNECT_TIMEOUT),
-            "timeout": settings.timeout, "max_reply": settings.max_reply_bytes}
+    return {
+        "max_idle": _idle_per_shard(settings.max_inflight),
+        "connect_timeout": min(settings.timeout, CONNECT_TIMEOUT),
+        "timeout": settings.timeout,
+        "max_reply": settings.max_reply_bytes,
+    }
 
 
 def attempt_deadline(core: Core, req: ShardRequest) -> float:
@@ -156,15 +170,23 @@ def attempt_deadline(core: Core, req: ShardRequest) -> float:
     if req.timeout is not None:
         return time.monotonic() + req.timeout
     settings = core.settings
-    return min(time.monotonic() + settings.timeout,
-               req.deadline + max(0.0, settings.timeout - settings.retry_deadline))
+    return min(
+        time.monotonic() + settings.timeout,
+        req.deadline + max(0.0, settings.timeout - settings.retry_deadline),
+    )
 
 
 def _native_request(req: ShardRequest) -> tuple[Mapping[str, str], list[Any]]:
     if req.body is None:
         return req.headers, []
-    return ({**req.headers, "content-type": req.body.content_type,
-             "content-length": str(req.body.nbytes)}, req.body.chunks)
+    return (
+        {
+            **req.headers,
+            "content-type": req.body.content_type,
+            "content-length": str(req.body.nbytes),
+        },
+        req.body.chunks,
+    )
 
 
 def _identity(core: Core, req: ShardRequest, headers: Mapping[str, str], status: int) -> None:
@@ -173,9 +195,13 @@ def _identity(core: Core, req: ShardRequest, headers: Mapping[str, str], status:
     encoding = headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":
         url = core.url(req.shard)
-        raise ProtocolError(f"shard {url} sent a body with Content-Encoding {encoding!r} "
-                            "although the SDK asked for identity: is it behind a proxy "
-                            "that compresses?", shard=url, status=status)
+        raise ProtocolError(
+            f"shard {url} sent a body with Content-Encoding {encoding!r} "
+            "although the SDK asked for identity: is it behind a proxy "
+            "that compresses?",
+            shard=url,
+            status=status,
+        )
 
 
 def _native_reply(core: Core, req: ShardRequest, r: _http11.Response) -> Reply:
@@ -193,22 +219,38 @@ class NativeSender:
 
     def once(self, core: Core, req: ShardRequest) -> Reply:
         headers, chunks = _native_request(req)
-        r = self.pool.request(self.origins[req.shard], req.method, req.path, headers, chunks,
-                              deadline=attempt_deadline(core, req), max_reply=req.max_reply)
+        r = self.pool.request(
+            self.origins[req.shard],
+            req.method,
+            req.path,
+            headers,
+            chunks,
+            deadline=attempt_deadline(core, req),
+            max_reply=req.max_reply,
+        )
         return _native_reply(core, req, r)
 
-    def once_all(self, core: Core, reqs: Sequence[ShardRequest], submit: Submit
-                 ) -> list[Union[Reply, Exception]]:
+    def once_all(
+        self, core: Core, reqs: Sequence[ShardRequest], submit: Submit
+    ) -> list[Reply | Exception]:
         """One exchange per request, all at once from this thread (``_fanout.py``; ``submit``
         opens new connections); each a :class:`Reply` or the exception :meth:`once` would have
         raised instead."""
         exchanges = []
         for req in reqs:
             headers, chunks = _native_request(req)
-            exchanges.append(Exchange(self.origins[req.shard], req.method, req.path, headers,
-                                      chunks, deadline=attempt_deadline(core, req),
-                                      max_reply=req.max_reply))
-        replies: list[Union[Reply, Exception]] = []
+            exchanges.append(
+                Exchange(
+                    self.origins[req.shard],
+                    req.method,
+                    req.path,
+                    headers,
+                    chunks,
+                    deadline=attempt_deadline(core, req),
+                    max_reply=req.max_reply,
+                )
+            )
+        replies: list[Reply | Exception] = []
         for req, outcome in zip(reqs, exchange_all(self.pool, exchanges, submit)):
             if isinstance(outcome, _http11.Response):
                 try:
@@ -232,9 +274,15 @@ class AsyncNativeSender:
 
     async def once(self, core: Core, req: ShardRequest) -> Reply:
         headers, chunks = _native_request(req)
-        r = await self.pool.request(self.origins[req.shard], req.method, req.path, headers,
-                                    chunks, deadline=attempt_deadline(core, req),
-                                    max_reply=req.max_reply)
+        r = await self.pool.request(
+            self.origins[req.shard],
+            req.method,
+            req.path,
+            headers,
+            chunks,
+            deadline=attempt_deadline(core, req),
+            max_reply=req.max_reply,
+        )
         return _native_reply(core, req, r)
 
     async def close(self) -> None:
@@ -244,14 +292,14 @@ class AsyncNativeSender:
 # -- the httpx2 senders -----------------------------------------------------------------------
 
 
-def _slices(body: Encoded) -> Iterator[Union[bytes, memoryview]]:
+def _slices(body: Encoded) -> Iterator[bytes | memoryview]:
     for chunk in body.chunks:
         if len(chunk) <= SLICE:
             yield chunk  # type: ignore[misc]
         else:
             view = memoryview(chunk)
             for start in range(0, len(view), SLICE):
-                yield view[start:start + SLICE]
+                yield view[start : start + SLICE]
 
 
 class _SyncBody:
@@ -260,7 +308,7 @@ class _SyncBody:
     def __init__(self, body: Encoded) -> None:
         self.body = body
 
-    def __iter__(self) -> Iterator[Union[bytes, memoryview]]:
+    def __iter__(self) -> Iterator[bytes | memoryview]:
         return _slices(self.body)
 
 
@@ -268,13 +316,18 @@ class _AsyncBody:
     def __init__(self, body: Encoded) -> None:
         self.body = body
 
-    async def __aiter__(self) -> AsyncIterator[Union[bytes, memoryview]]:
+    async def __aiter__(self) -> AsyncIterator[bytes | memoryview]:
         for piece in _slices(self.body):
             yield piece
 
 
-def _build(client: Union[httpx2.Client, httpx2.AsyncClient], core: Core, req: ShardRequest,
-           body: _SyncBody | _AsyncBody | None, deadline: float) -> httpx2.Request:
+def _build(
+    client: httpx2.Client | httpx2.AsyncClient,
+    core: Core,
+    req: ShardRequest,
+    body: _SyncBody | _AsyncBody | None,
+    deadline: float,
+) -> httpx2.Request:
     """The request, each of its waits for bytes bounded by what is left until ``deadline``."""
     headers = dict(req.headers)
     if req.body is not None:
@@ -282,13 +335,20 @@ def _build(client: Union[httpx2.Client, httpx2.AsyncClient], core: Core, req: Sh
         headers["content-length"] = str(req.body.nbytes)
     left = max(0.0, deadline - time.monotonic())
     t = client.timeout
-    request = client.build_request(req.method, core.url(req.shard) + req.path, headers=headers,
-                                   # httpx2 sends memoryview pieces as they are; its types say bytes
-                                   content=body)  # type: ignore[arg-type]
+    request = client.build_request(
+        req.method,
+        core.url(req.shard) + req.path,
+        headers=headers,
+        # httpx2 sends memoryview pieces as they are; its types say bytes
+        content=body,  # type: ignore[arg-type]
+    )
     read = left if req.timeout is not None else _within(t.read, left)  # a long poll: its own
     request.extensions["timeout"] = httpx2.Timeout(
-        connect=_within(t.connect, left), read=read, write=_within(t.write, left),
-        pool=_within(t.pool, left)).as_dict()
+        connect=_within(t.connect, left),
+        read=read,
+        write=_within(t.write, left),
+        pool=_within(t.pool, left),
+    ).as_dict()
     return request
 
 
@@ -338,8 +398,11 @@ class _Deadlines:
         if left <= 0:
             import httpcore2
 
-            error = {"connect": httpcore2.ConnectTimeout, "read": httpcore2.ReadTimeout,
-                     "write": httpcore2.WriteTimeout}[phase]
+            error = {
+                "connect": httpcore2.ConnectTimeout,
+                "read": httpcore2.ReadTimeout,
+                "write": httpcore2.WriteTimeout,
+            }[phase]
             raise error(f"the exchange's deadline passed ({phase})")
         return left if limit is None else min(limit, left)
 
@@ -359,10 +422,12 @@ class _DeadlineStream:
     def close(self) -> None:
         self._inner.close()
 
-    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
-                  timeout: float | None = None) -> _DeadlineStream:
-        return _DeadlineStream(self._inner.start_tls(ssl_context, server_hostname,
-                                                     _Deadlines.left(timeout, "connect")))
+    def start_tls(
+        self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
+    ) -> _DeadlineStream:
+        return _DeadlineStream(
+            self._inner.start_tls(ssl_context, server_hostname, _Deadlines.left(timeout, "connect"))
+        )
 
     def get_extra_info(self, info: str) -> Any:
         return self._inner.get_extra_info(info)
@@ -374,16 +439,28 @@ class _DeadlineBackend:
     def __init__(self, inner: httpcore2.NetworkBackend) -> None:
         self._inner = inner
 
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
-                    local_address: str | None = None, socket_options: Any = None
-                    ) -> _DeadlineStream:
-        return _DeadlineStream(self._inner.connect_tcp(
-            host, port, _Deadlines.left(timeout, "connect"), local_address, socket_options))
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> _DeadlineStream:
+        return _DeadlineStream(
+            self._inner.connect_tcp(
+                host, port, _Deadlines.left(timeout, "connect"), local_address, socket_options
+            )
+        )
 
-    def connect_unix_socket(self, path: str, timeout: float | None = None,
-                            socket_options: Any = None) -> _DeadlineStream:
-        return _DeadlineStream(self._inner.connect_unix_socket(
-            path, _Deadlines.left(timeout, "connect"), socket_options))
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Any = None
+    ) -> _DeadlineStream:
+        return _DeadlineStream(
+            self._inner.connect_unix_socket(
+                path, _Deadlines.left(timeout, "connect"), socket_options
+            )
+        )
 
     def sleep(self, seconds: float) -> None:
         self._inner.sleep(seconds)
@@ -406,7 +483,9 @@ def _too_large(size: int, limit: int, declared: bool, url: str) -> ProtocolError
         f"shard {url} {what} {size} bytes where at most {limit} were expected: refused before "
         "reading it, and the connection closed. Something that is not a shard answered, or a "
         "variable is bigger than this client knows (then raise max_reply_bytes=...)",
-        shard=url, details={"size": size, "limit": limit})
+        shard=url,
+        details={"size": size, "limit": limit},
+    )
 
 
 def _in_time(deadline: float) -> None:
@@ -419,15 +498,15 @@ def _in_time(deadline: float) -> None:
 def _fill(buf: memoryview, pos: int, chunk: bytes, url: str) -> int:
     end = pos + len(chunk)
     if end > len(buf):
-        raise ProtocolError(f"shard {url} sent more bytes than its Content-Length ({len(buf)})",
-                            shard=url)
+        raise ProtocolError(
+            f"shard {url} sent more bytes than its Content-Length ({len(buf)})", shard=url
+        )
     buf[pos:end] = chunk
     return end
 
 
 def _short(pos: int, buf: memoryview, url: str) -> ProtocolError:
-    return ProtocolError(f"shard {url} sent {pos} of the {len(buf)} bytes it announced",
-                         shard=url)
+    return ProtocolError(f"shard {url} sent {pos} of the {len(buf)} bytes it announced", shard=url)
 
 
 def _headers(response: httpx2.Response) -> dict[str, str]:
@@ -498,8 +577,9 @@ class AsyncHTTPXSender:
     async def once(self, core: Core, req: ShardRequest) -> Reply:
         deadline = attempt_deadline(core, req)
         try:
-            return await asyncio.wait_for(self._exchange(core, req, deadline),
-                                          max(0.0, deadline - time.monotonic()))
+            return await asyncio.wait_for(
+                self._exchange(core, req, deadline), max(0.0, deadline - time.monotonic())
+            )
         except (asyncio.TimeoutError, TimeoutError) as exc:
             raise httpx2.ReadTimeout("timed out waiting for the whole response") from exc
 
@@ -547,8 +627,9 @@ _TRANSPORT_ERRORS = (httpx2.HTTPError, httpx2.InvalidURL, httpx2.StreamError)
 # -- retrying and translating -----------------------------------------------------------------
 
 
-def _translate(exc: Exception, core: Core, req: ShardRequest, attempts: int,
-               started: float) -> PSError:
+def _translate(
+    exc: Exception, core: Core, req: ShardRequest, attempts: int, started: float
+) -> PSError:
     """Map an httpx2 error to the SDK's tree, saying what happened and what to do."""
     url = core.url(req.shard)
     took = time.monotonic() - started
@@ -560,28 +641,35 @@ def _translate(exc: Exception, core: Core, req: ShardRequest, attempts: int,
     if isinstance(exc, (httpx2.UnsupportedProtocol, httpx2.InvalidURL)):
         return ConfigError(f"cannot use shard URL {url}: {exc}", shard=url)
     if isinstance(exc, httpx2.ConnectError):
-        msg = (f"cannot connect to shard {url}{tried}: {exc or type(exc).__name__}. Is the shard "
-               "running, and is the URL in PARAMSHARD_SHARDS (or the shards argument) right?")
+        msg = (
+            f"cannot connect to shard {url}{tried}: {exc or type(exc).__name__}. Is the shard "
+            "running, and is the URL in PARAMSHARD_SHARDS (or the shards argument) right?"
+        )
     elif isinstance(exc, httpx2.TimeoutException):
         kind = type(exc).__name__
         msg = f"shard {url} did not answer {req.verb} in time ({kind}){tried}"
         if req.mutating and not req.retry_safe and not isinstance(exc, _UNSENT):
-            msg += ("; the request may have been applied, so it was not retried. Raise "
-                    "timeout=... if the shard is just slow")
+            msg += (
+                "; the request may have been applied, so it was not retried. Raise "
+                "timeout=... if the shard is just slow"
+            )
         else:
             msg += "; is it overloaded or stuck? Raise timeout=... if it is just slow"
     elif isinstance(exc, httpx2.TransportError):
         msg = f"lost the connection to shard {url} during {req.verb}{tried}: {exc!r}"
         if req.mutating and not req.retry_safe:
-            msg += ("; the request may have been applied, so it was not retried: pull to see "
-                    "the current state")
+            msg += (
+                "; the request may have been applied, so it was not retried: pull to see "
+                "the current state"
+            )
     else:
-        return ProtocolError(f"unexpected HTTP failure talking to shard {url}: {exc!r}",
-                             shard=url)
+        return ProtocolError(f"unexpected HTTP failure talking to shard {url}: {exc!r}", shard=url)
     if req.mutating and req.retry_safe and not isinstance(exc, _UNSENT):
-        msg += ("; it was retried with the same seq until the retry deadline, so it was "
-                "applied at most once (maybe not at all): raise retry_deadline=... to ride out "
-                "longer outages")
+        msg += (
+            "; it was retried with the same seq until the retry deadline, so it was "
+            "applied at most once (maybe not at all): raise retry_deadline=... to ride out "
+            "longer outages"
+        )
     return ShardUnavailableError(msg, shard=url)
 
 
@@ -590,8 +678,9 @@ def send(sender: Sender, core: Core, req: ShardRequest) -> Result:
     return _retry(sender, core, req, time.monotonic(), 0, None)
 
 
-def send_all(sender: Sender, core: Core, reqs: Sequence[ShardRequest], submit: Submit
-             ) -> list[Result]:
+def send_all(
+    sender: Sender, core: Core, reqs: Sequence[ShardRequest], submit: Submit
+) -> list[Result]:
     """:func:`send` each request, all at once; the results in order. Blocks; thread-safe.
 
     With a :class:`NativeSender`, the first attempts go out together from this thread and only
@@ -605,12 +694,12 @@ def send_all(sender: Sender, core: Core, reqs: Sequence[ShardRequest], submit: S
         first = send(sender, core, reqs[0])
         return [first] + [f.result() for f in futures]
     started = time.monotonic()
-    results: list[Union[Result, float]] = [
+    results: list[Result | float] = [
         _judge(core, req, 1, started, outcome)
-        for req, outcome in zip(reqs, sender.once_all(core, reqs, submit))]
+        for req, outcome in zip(reqs, sender.once_all(core, reqs, submit))
+    ]
     again = [i for i, r in enumerate(results) if not isinstance(r, _SETTLED)]
-    retrying = {i: submit(_retry, sender, core, reqs[i], started, 1, results[i])
-                for i in again[1:]}
+    retrying = {i: submit(_retry, sender, core, reqs[i], started, 1, results[i]) for i in again[1:]}
     if again:
         i = again[0]
         results[i] = _retry(sender, core, reqs[i], started, 1, results[i])  # type: ignore[arg-type]
@@ -619,8 +708,9 @@ def send_all(sender: Sender, core: Core, reqs: Sequence[ShardRequest], submit: S
     return results  # type: ignore[return-value]
 
 
-def _retry(sender: Sender, core: Core, req: ShardRequest, started: float, attempt: int,
-           delay: float | None) -> Result:
+def _retry(
+    sender: Sender, core: Core, req: ShardRequest, started: float, attempt: int, delay: float | None
+) -> Result:
     """Attempts after the ``attempt``-th (made at ``started``), the first after ``delay``
     seconds, until one settles the request."""
     while True:
@@ -628,7 +718,7 @@ def _retry(sender: Sender, core: Core, req: ShardRequest, started: float, attemp
             time.sleep(delay)
         attempt += 1
         try:
-            outcome: Union[Reply, Exception] = sender.once(core, req)
+            outcome: Reply | Exception = sender.once(core, req)
         except (*_TRANSPORT_ERRORS, PSError) as exc:
             outcome = exc
         verdict = _judge(core, req, attempt, started, outcome)
@@ -637,8 +727,9 @@ def _retry(sender: Sender, core: Core, req: ShardRequest, started: float, attemp
         delay = verdict
 
 
-def _judge(core: Core, req: ShardRequest, attempt: int, started: float,
-           outcome: Union[Reply, Exception]) -> Union[Result, float]:
+def _judge(
+    core: Core, req: ShardRequest, attempt: int, started: float, outcome: Reply | Exception
+) -> Result | float:
     """What the ``attempt``-th try's outcome (a reply, or the exception that ended it) means:
     the request's result, or the seconds to wait before trying again."""
     if isinstance(outcome, PSError):
@@ -646,8 +737,9 @@ def _judge(core: Core, req: ShardRequest, attempt: int, started: float,
     if isinstance(outcome, _http11.ReplyTooLarge):  # the same request would get it again
         return _chain(_translate(outcome, core, req, attempt, started), outcome)
     if isinstance(outcome, Reply):
-        delay = core.retry_delay(req, attempt - 1, status=outcome.status,
-                                 retry_after=outcome.headers.get("retry-after"))
+        delay = core.retry_delay(
+            req, attempt - 1, status=outcome.status, retry_after=outcome.headers.get("retry-after")
+        )
         return outcome if delay is None else delay
     delay = core.retry_delay(req, attempt - 1, unsent=isinstance(outcome, _UNSENT))
     if delay is None:
@@ -662,7 +754,7 @@ async def asend(sender: AsyncSender, core: Core, req: ShardRequest) -> Result:
     while True:
         attempt += 1
         try:
-            outcome: Union[Reply, Exception] = await sender.once(core, req)
+            outcome: Reply | Exception = await sender.once(core, req)
         except (*_TRANSPORT_ERRORS, PSError) as exc:
             outcome = exc
         verdict = _judge(core, req, attempt, started, outcome)

@@ -21,14 +21,13 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Optional, TypeVar, Union
+from typing import Any, Literal, TypeVar
 
 import httpx2
 import numpy as np
 
 from . import _transport
-from ._core import DEFAULT_MAX_REPLY_BYTES, Core, Flow, PushJob, Result, ShardRequest, \
-    load_settings
+from ._core import DEFAULT_MAX_REPLY_BYTES, Core, Flow, PushJob, Result, ShardRequest, load_settings
 from ._exceptions import PSError
 from ._pusher import AsyncPusher, Pusher, closed_error
 from .optimizers import Optimizer
@@ -89,9 +88,15 @@ class PSClient:
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         transport: httpx2.BaseTransport | None = None,
     ) -> None:
-        settings = load_settings(shards, worker_id, token=token, timeout=timeout,
-                                 retry_deadline=retry_deadline, max_inflight=max_inflight,
-                                 max_reply_bytes=max_reply_bytes)
+        settings = load_settings(
+            shards,
+            worker_id,
+            token=token,
+            timeout=timeout,
+            retry_deadline=retry_deadline,
+            max_inflight=max_inflight,
+            max_reply_bytes=max_reply_bytes,
+        )
         self._core = Core(settings)
         n = len(settings.shards)
         self._sender = _transport.sync_sender(settings, transport)
@@ -100,8 +105,8 @@ class PSClient:
         # drives the rest). Enough for a call from the caller, every background push and a
         # long poll.
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, (n - 1) * (max_inflight + 2)),
-            thread_name_prefix="paramshard-shard")
+            max_workers=max(1, (n - 1) * (max_inflight + 2)), thread_name_prefix="paramshard-shard"
+        )
         self._pusher = Pusher(max_inflight, self._push_job, self._core.merge_push)
         self._close_lock = threading.Lock()
         self._closed = False
@@ -133,7 +138,9 @@ class PSClient:
 
     # -- verbs ------------------------------------------------------------------------------
 
-    def init(self, values: Mapping[str, Any], optimizer: OptimizerArg = None) -> dict[str, dict[str, Any]]:
+    def init(
+        self, values: Mapping[str, Any], optimizer: OptimizerArg = None
+    ) -> dict[str, dict[str, Any]]:
         """Create each variable unless it exists: the first value wins; no chief is needed.
 
         ``values`` maps names to array-likes; ``optimizer`` is one spec from
@@ -167,8 +174,9 @@ class PSClient:
         """
         return self._drive(self._core.pull(names))
 
-    def push(self, grads: Mapping[str, Any],
-             versions: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
+    def push(
+        self, grads: Mapping[str, Any], versions: Mapping[str, int] | None = None
+    ) -> dict[str, dict[str, Any]]:
         """Send gradients; returns once every owning shard applied them (blocks).
 
         Each shard validates its whole part before applying any of it, then runs the
@@ -183,8 +191,13 @@ class PSClient:
         """
         return self._drive(self._core.push(self._core.prepare_push(grads, versions)))
 
-    def push_async(self, grads: Mapping[str, Any], versions: Mapping[str, int] | None = None,
-                   *, coalesce: bool = False) -> concurrent.futures.Future[dict[str, dict[str, Any]]]:
+    def push_async(
+        self,
+        grads: Mapping[str, Any],
+        versions: Mapping[str, int] | None = None,
+        *,
+        coalesce: bool = False,
+    ) -> concurrent.futures.Future[dict[str, dict[str, Any]]]:
         """Start a push in the background and return its ``concurrent.futures.Future``.
 
         The gradients are copied first, so the caller may reuse its buffers at once. Returns
@@ -213,8 +226,9 @@ class PSClient:
         :class:`PushError` (``errors``: each failure) if any failed since the last flush."""
         self._pusher.flush()
 
-    def increment(self, name: str, delta: Union[int, float] = 1,
-                  kind: Optional[Literal["int", "float"]] = None) -> Union[int, float]:
+    def increment(
+        self, name: str, delta: int | float = 1, kind: Literal["int", "float"] | None = None
+    ) -> int | float:
         """Atomically add ``delta`` to counter ``name`` and return the new value. Blocks.
 
         The counter is created at 0 on first use: an int64 with ``kind="int"``, a float64 with
@@ -308,9 +322,15 @@ class AsyncPSClient:
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         transport: httpx2.AsyncBaseTransport | None = None,
     ) -> None:
-        settings = load_settings(shards, worker_id, token=token, timeout=timeout,
-                                 retry_deadline=retry_deadline, max_inflight=max_inflight,
-                                 max_reply_bytes=max_reply_bytes)
+        settings = load_settings(
+            shards,
+            worker_id,
+            token=token,
+            timeout=timeout,
+            retry_deadline=retry_deadline,
+            max_inflight=max_inflight,
+            max_reply_bytes=max_reply_bytes,
+        )
         self._core = Core(settings)
         self._sender = _transport.async_sender(settings, transport)
         self._pusher = AsyncPusher(max_inflight, self._push_job, self._core.merge_push)
@@ -338,11 +358,13 @@ class AsyncPSClient:
     async def _send_all(self, batch: list[ShardRequest]) -> list[Result]:
         if len(batch) == 1:
             return [await _transport.asend(self._sender, self._core, batch[0])]
-        return list(await asyncio.gather(
-            *(_transport.asend(self._sender, self._core, r) for r in batch)))
+        return list(
+            await asyncio.gather(*(_transport.asend(self._sender, self._core, r) for r in batch))
+        )
 
-    async def init(self, values: Mapping[str, Any],
-                   optimizer: OptimizerArg = None) -> dict[str, dict[str, Any]]:
+    async def init(
+        self, values: Mapping[str, Any], optimizer: OptimizerArg = None
+    ) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.init`."""
         return await self._drive(self._core.init(values, optimizer))
 
@@ -354,14 +376,19 @@ class AsyncPSClient:
         """See :meth:`PSClient.pull` (returned arrays are read-only)."""
         return await self._drive(self._core.pull(names))
 
-    async def push(self, grads: Mapping[str, Any],
-                   versions: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
+    async def push(
+        self, grads: Mapping[str, Any], versions: Mapping[str, int] | None = None
+    ) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.push`."""
         return await self._drive(self._core.push(self._core.prepare_push(grads, versions)))
 
-    async def push_async(self, grads: Mapping[str, Any],
-                         versions: Mapping[str, int] | None = None, *,
-                         coalesce: bool = False) -> asyncio.Task[dict[str, dict[str, Any]]]:
+    async def push_async(
+        self,
+        grads: Mapping[str, Any],
+        versions: Mapping[str, int] | None = None,
+        *,
+        coalesce: bool = False,
+    ) -> asyncio.Task[dict[str, dict[str, Any]]]:
         """Start a push as an ``asyncio.Task`` and return it; waits only while
         ``max_inflight`` pushes are running, and not even then with ``coalesce=True``.
         Failures surface on the task, on the next :meth:`flush` and on :meth:`close` (see
@@ -379,8 +406,9 @@ class AsyncPSClient:
         """See :meth:`PSClient.flush`."""
         await self._pusher.flush()
 
-    async def increment(self, name: str, delta: Union[int, float] = 1,
-                        kind: Optional[Literal["int", "float"]] = None) -> Union[int, float]:
+    async def increment(
+        self, name: str, delta: int | float = 1, kind: Literal["int", "float"] | None = None
+    ) -> int | float:
         """See :meth:`PSClient.increment`."""
         return await self._drive(self._core.increment(name, delta, kind))
 

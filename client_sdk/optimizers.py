@@ -20,8 +20,9 @@ would not be finite (422, nothing applied).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar
 
 __all__ = ["MAX_SETTING", "SGD", "Adagrad", "Add", "Optimizer", "from_wire"]
 
@@ -38,10 +39,13 @@ class Optimizer:
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"{type(self).__name__}.{f.name} must be a finite number, got {v!r}")
+                raise ValueError(
+                    f"{type(self).__name__}.{f.name} must be a finite number, got {v!r}"
+                )
             if not 0 <= v <= MAX_SETTING:
-                raise ValueError(f"{type(self).__name__}.{f.name} must be in 0..{MAX_SETTING:g}, "
-                                 f"got {v!r}")
+                raise ValueError(
+                    f"{type(self).__name__}.{f.name} must be in 0..{MAX_SETTING:g}, got {v!r}"
+                )
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": self.type, **{k: float(v) for k, v in asdict(self).items()}}
@@ -69,9 +73,11 @@ class Adagrad(Optimizer):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.epsilon == 0 and self.initial_accumulator_value == 0:
-            raise ValueError("Adagrad.epsilon and Adagrad.initial_accumulator_value are both 0: "
-                             "a zero gradient would divide 0 by 0; make epsilon > 0 (1e-7 is "
-                             "the default)")
+            raise ValueError(
+                "Adagrad.epsilon and Adagrad.initial_accumulator_value are both 0: "
+                "a zero gradient would divide 0 by 0; make epsilon > 0 (1e-7 is "
+                "the default)"
+            )
 
 
 @dataclass(frozen=True)
@@ -95,5 +101,7 @@ def from_wire(spec: Any) -> Optimizer:
     names = {f.name for f in fields(cls)}
     extra = set(spec) - names - {"type"}
     if extra:
-        raise ValueError(f"optimizer {kind!r} has no field(s) {sorted(extra)}; fields: {sorted(names)}")
+        raise ValueError(
+            f"optimizer {kind!r} has no field(s) {sorted(extra)}; fields: {sorted(names)}"
+        )
     return cls(**{k: v for k, v in spec.items() if k != "type"})

@@ -46,8 +46,9 @@ def jump_hash(key: int, num_buckets: int) -> int:
     ``0 <= key < 2**64`` and ``num_buckets >= 1``.
     """
     if not _is_int(key) or not _is_int(num_buckets):
-        raise TypeError(f"jump_hash takes two ints, got {type(key).__name__} "
-                        f"and {type(num_buckets).__name__}")
+        raise TypeError(
+            f"jump_hash takes two ints, got {type(key).__name__} and {type(num_buckets).__name__}"
+        )
     if not 0 <= key <= _MASK64:
         raise ValueError(f"key must be an unsigned 64-bit int, got {key}")
     if num_buckets < 1:

@@ -42,12 +42,18 @@ class DownpourLoop:
     :class:`~client_sdk.PSError` subclasses.
     """
 
-    def __init__(self, ps: PSClient, names: Sequence[str], *, n_fetch: int = 1,
-                 n_push: int = 1, average: bool = False,
-                 counter: str | None = None) -> None:
+    def __init__(
+        self,
+        ps: PSClient,
+        names: Sequence[str],
+        *,
+        n_fetch: int = 1,
+        n_push: int = 1,
+        average: bool = False,
+        counter: str | None = None,
+    ) -> None:
         if isinstance(names, str) or not names:
-            raise ConfigError("names must be a non-empty list of variable names, "
-                              f"got {names!r}")
+            raise ConfigError(f"names must be a non-empty list of variable names, got {names!r}")
         for label, n in (("n_fetch", n_fetch), ("n_push", n_push)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ConfigError(f"{label} must be an int >= 1, got {n!r}")
@@ -83,19 +89,22 @@ class DownpourLoop:
         """
         unknown = set(grads) - set(self.names)
         if unknown:
-            raise ConfigError(f"gradients for {sorted(unknown)}, which this loop does not "
-                              f"train; its names are {self.names}")
+            raise ConfigError(
+                f"gradients for {sorted(unknown)}, which this loop does not "
+                f"train; its names are {self.names}"
+            )
         arrays = {name: np.asarray(grad) for name, grad in grads.items()}
         for name, g in arrays.items():  # check everything before changing anything
             if name in self._acc and self._acc[name].shape != g.shape:
-                raise ConfigError(f"gradient {name!r} has shape {list(g.shape)}, earlier "
-                                  f"ones {list(self._acc[name].shape)}")
+                raise ConfigError(
+                    f"gradient {name!r} has shape {list(g.shape)}, earlier "
+                    f"ones {list(self._acc[name].shape)}"
+                )
         for name, g in arrays.items():
             if name in self._acc:
                 self._acc[name] += g
             else:  # a copy: the caller may reuse its buffers
-                self._acc[name] = np.array(g, dtype=g.dtype if g.dtype.kind == "f"
-                                           else np.float64)
+                self._acc[name] = np.array(g, dtype=g.dtype if g.dtype.kind == "f" else np.float64)
         self._accumulated += 1
         self.steps += 1
         if self._accumulated >= self.n_push:

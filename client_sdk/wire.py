@@ -47,12 +47,12 @@ __all__ = [
     "ALIGN",
     "DTYPES",
     "ERROR_STATUS",
-    "FRAME",
-    "FRAME_MAGIC",
-    "FRAME_THRESHOLD",
     "FEATURE_COUNTER_KIND",
     "FEATURE_PACKED",
     "FEATURE_TABLES",
+    "FRAME",
+    "FRAME_MAGIC",
+    "FRAME_THRESHOLD",
     "HEADER_INCARNATION",
     "HEADER_PROTOCOL",
     "HEADER_SHARD",
@@ -104,9 +104,7 @@ ALIGN = 64
 FRAME_THRESHOLD = 64 * 1024
 
 #: The dtypes a tensor may have on the wire (byte order is free; ``|`` for one-byte types).
-DTYPES = frozenset(
-    {"f2", "f4", "f8", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8"}
-)
+DTYPES = frozenset({"f2", "f4", "f8", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8"})
 _DTYPE_RE = re.compile(r"([<>|])([fiu])([1248])")
 MAX_NDIM = 32
 #: The most entries one request may hold in any one list or map (names, variables, gradients,
@@ -159,7 +157,9 @@ class WireError(ValueError):
         self.details = details if details is not None else {}
 
 
-def error_payload(code: str, message: str, details: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def error_payload(
+    code: str, message: str, details: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The body of every error response: ``{"error": {"code", "message", "details"}}``."""
     return {"error": {"code": code, "message": message, "details": dict(details or {})}}
 
@@ -202,16 +202,22 @@ def is_tensor(obj: Any) -> bool:
 
 def _parse_shape(shape: Any, itemsize: int) -> tuple[int, ...]:
     if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM:
-        raise WireError(f"tensor shape must be a list of at most {MAX_NDIM} ints", code="bad_tensor")
+        raise WireError(
+            f"tensor shape must be a list of at most {MAX_NDIM} ints", code="bad_tensor"
+        )
     out = []
     span = itemsize  # bytes, counting zero dimensions as 1: what numpy checks for overflow
     for d in shape:
         if (type(d) is not int and not _is_int(d)) or d < 0:
-            raise WireError(f"tensor shape {shape!r}: dimensions must be ints >= 0", code="bad_tensor")
+            raise WireError(
+                f"tensor shape {shape!r}: dimensions must be ints >= 0", code="bad_tensor"
+            )
         span *= max(d, 1)
         if span > _MAX_ARRAY_BYTES:
-            raise WireError(f"tensor shape {shape!r} is too large for an array on this machine",
-                            code="bad_tensor")
+            raise WireError(
+                f"tensor shape {shape!r} is too large for an array on this machine",
+                code="bad_tensor",
+            )
         out.append(d)
     return tuple(out)
 
@@ -255,8 +261,9 @@ def decode_tensor(obj: Any, body: Buffer | None = None) -> np.ndarray:
         return np.frombuffer(data, dtype=dtype, count=count).reshape(shape)
     offset, declared = obj.get("offset"), obj.get("nbytes")
     if body is None or not _is_int(offset) or not _is_int(declared):
-        raise WireError("tensor needs 'data', or 'offset' and 'nbytes' in a framed body",
-                        code="bad_tensor")
+        raise WireError(
+            "tensor needs 'data', or 'offset' and 'nbytes' in a framed body", code="bad_tensor"
+        )
     if declared != nbytes:
         raise WireError(
             f"tensor of dtype {dtype.str} and shape {list(shape)} needs {nbytes} bytes, "
@@ -265,11 +272,16 @@ def decode_tensor(obj: Any, body: Buffer | None = None) -> np.ndarray:
         )
     size = _buffer_size(body)
     if offset < 0 or offset + nbytes > size:
-        raise WireError(f"tensor bytes [{offset}, {offset + nbytes}) lie outside the body "
-                        f"of {size} bytes", code="bad_tensor")
+        raise WireError(
+            f"tensor bytes [{offset}, {offset + nbytes}) lie outside the body of {size} bytes",
+            code="bad_tensor",
+        )
     if offset % ALIGN:
-        raise WireError(f"tensor offset {offset} is not a multiple of {ALIGN}: a framed body "
-                        f"starts every tensor at a multiple of {ALIGN}", code="bad_tensor")
+        raise WireError(
+            f"tensor offset {offset} is not a multiple of {ALIGN}: a framed body "
+            f"starts every tensor at a multiple of {ALIGN}",
+            code="bad_tensor",
+        )
     return np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
@@ -290,8 +302,14 @@ def framed_view(obj: dict[Any, Any], body: Buffer) -> np.ndarray | None:
         count *= d
     nbytes = count * dtype.itemsize
     declared = obj.get("nbytes")
-    if type(declared) is not int or declared != nbytes or nbytes > _MAX_ARRAY_BYTES \
-            or offset < 0 or offset + nbytes > _buffer_size(body) or offset % ALIGN:
+    if (
+        type(declared) is not int
+        or declared != nbytes
+        or nbytes > _MAX_ARRAY_BYTES
+        or offset < 0
+        or offset + nbytes > _buffer_size(body)
+        or offset % ALIGN
+    ):
         return None
     view = np.frombuffer(body, dtype, count, offset)
     return view if len(shape) == 1 else view.reshape(shape)
@@ -329,8 +347,9 @@ def _dtype_str(dtype: np.dtype) -> str:
     text = _SENDABLE.get(dtype)
     if text is None:
         if dtype.kind not in "fiu":
-            raise WireError(f"cannot send arrays of dtype {dtype}: use a float or int dtype",
-                            code="bad_tensor")
+            raise WireError(
+                f"cannot send arrays of dtype {dtype}: use a float or int dtype", code="bad_tensor"
+            )
         text = parse_dtype(dtype.str).str  # raises for e.g. float128
         _SENDABLE[dtype] = text
     return text
@@ -347,8 +366,10 @@ def _collect(obj: Any, found: list[tuple[dict[str, Any], np.ndarray]]) -> Any:
             if kind is int or kind is str or kind is float or v is None:
                 out[k] = v
             elif kind is np.ndarray:  # inline: pull replies hold one per variable
-                desc = out[k] = {"dtype": _SENDABLE.get(v.dtype) or _dtype_str(v.dtype),
-                                 "shape": list(v.shape)}
+                desc = out[k] = {
+                    "dtype": _SENDABLE.get(v.dtype) or _dtype_str(v.dtype),
+                    "shape": list(v.shape),
+                }
                 found.append((desc, v if v.flags.c_contiguous else v.copy(order="C")))
             else:
                 out[k] = _collect(v, found)
@@ -420,7 +441,7 @@ def encode(msg: Any, frame: bool | None = None, *, tensors: bool = True) -> Enco
     for d, a in found:
         offset = d["offset"]
         if offset > at:
-            append(_PADDING[:offset - at] if offset - at <= ALIGN else bytes(offset - at))
+            append(_PADDING[: offset - at] if offset - at <= ALIGN else bytes(offset - at))
         size = d["nbytes"]
         if size:
             append(a.data.cast("B"))
@@ -432,7 +453,9 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def unpack(body: Buffer, content_type: str | None, max_entries: int | None = None) -> dict[Any, Any]:
+def unpack(
+    body: Buffer, content_type: str | None, max_entries: int | None = None
+) -> dict[Any, Any]:
     """Decode a body's message, a map (tensors still as maps: pass them to
     :func:`decode_tensor` together with ``body``).
 
@@ -454,8 +477,9 @@ def unpack(body: Buffer, content_type: str | None, max_entries: int | None = Non
             raise WireError(f"framed body must start with {FRAME_MAGIC!r}")
         if _HEAD.size + hlen > size:
             raise WireError("framed body shorter than its declared header")
-        return _unpack_map(memoryview(body).cast("B")[_HEAD.size:_HEAD.size + hlen],
-                           "framed header", max_entries)
+        return _unpack_map(
+            memoryview(body).cast("B")[_HEAD.size : _HEAD.size + hlen], "framed header", max_entries
+        )
     raise WireError(
         f"unsupported content type {content_type!r}: send {MSGPACK} or {FRAME}",
         code="unsupported_media_type",
@@ -483,23 +507,30 @@ def _unpack_map(buf: Buffer, what: str, max_entries: int | None = None) -> dict[
     try:
         msg = msgpack.unpackb(buf, raw=False, strict_map_key=False, **limits)
     except Exception as exc:  # msgpack raises several unrelated types
-        if max_entries is not None and (isinstance(exc, _TooMany) or (
+        if max_entries is not None and (
+            isinstance(exc, _TooMany)
+            or (
                 f"max_array_len({max_entries})" in str(exc)
-                or f"max_map_len({max_entries})" in str(exc))):
+                or f"max_map_len({max_entries})" in str(exc)
+            )
+        ):
             raise WireError(
                 f"{what} holds a list or map of more than {max_entries} entries, or more than "
                 f"{OBJECTS_PER_NAME * max_entries} lists, maps and entries in all: a request "
                 f"may name at most {max_entries} variables (this shard's "
                 "--max-request-names); split it into smaller requests",
-                code="too_large", details={"limit": max_entries}) from None
+                code="too_large",
+                details={"limit": max_entries},
+            ) from None
         raise WireError(f"{what} is not valid msgpack: {exc}") from None
     if not isinstance(msg, dict):
         raise WireError(f"{what} must be one msgpack map, got {type(msg).__name__}")
     return msg
 
 
-def tensors_of(value: Any, body: Buffer | None, what: str, *, whole: bool = False
-               ) -> dict[str, np.ndarray]:
+def tensors_of(
+    value: Any, body: Buffer | None, what: str, *, whole: bool = False
+) -> dict[str, np.ndarray]:
     """Decode a ``{name: tensor}`` map (a verb's tensor field) into ``{name: ndarray}``.
 
     With ``whole=True`` and a framed ``body``, these are all the body's tensors (a shard
@@ -519,8 +550,11 @@ def tensors_of(value: Any, body: Buffer | None, what: str, *, whole: bool = Fals
                 offset = t.get("offset")
                 if offset is not None and "data" not in t:  # framed: offset, nbytes checked
                     if offset < start:
-                        raise WireError(f"tensor offset {offset} lies in the header, which "
-                                        f"ends at byte {start}", code="bad_tensor")
+                        raise WireError(
+                            f"tensor offset {offset} lies in the header, which "
+                            f"ends at byte {start}",
+                            code="bad_tensor",
+                        )
                     offset += t["nbytes"]
                     if offset > end:
                         end = offset
@@ -545,22 +579,29 @@ def check_end(body: Buffer, end: int) -> None:
     so a body with more is not what its sender meant (e.g. a tensor left out of the header)."""
     size = _buffer_size(body)
     if size != end:
-        raise WireError(f"framed body of {size} bytes goes on {size - end} bytes past the end "
-                        f"of its last tensor (byte {end}; without tensors, of its header): a "
-                        "framed body ends where its last tensor ends",
-                        details={"bytes": size, "end": end})
-
+        raise WireError(
+            f"framed body of {size} bytes goes on {size - end} bytes past the end "
+            f"of its last tensor (byte {end}; without tensors, of its header): a "
+            "framed body ends where its last tensor ends",
+            details={"bytes": size, "end": end},
+        )
 
 
 # -- tensor tables ---------------------------------------------------------------------------
 
 
-def encode_table(message: dict[str, Any], table: dict[str, Any],
-                 arrays: Sequence[np.ndarray | None],
-                 dtypes: list[str | None] | None = None,
-                 shapes: list[list[int] | None] | None = None, *,
-                 arrays_as_chunks: bool = False, uniform: bool = False,
-                 packed: bool = False, laid_out: Buffer | None = None) -> Encoded:
+def encode_table(
+    message: dict[str, Any],
+    table: dict[str, Any],
+    arrays: Sequence[np.ndarray | None],
+    dtypes: list[str | None] | None = None,
+    shapes: list[list[int] | None] | None = None,
+    *,
+    arrays_as_chunks: bool = False,
+    uniform: bool = False,
+    packed: bool = False,
+    laid_out: Buffer | None = None,
+) -> Encoded:
     """Frame ``message``, in which the map ``table`` (already holding its other columns, e.g.
     ``names``) gets the columns ``dtype`` and ``shape`` for ``arrays``, one row each; the
     arrays' bytes follow the header in row order, each at the next multiple of :data:`ALIGN`.
@@ -642,9 +683,16 @@ def encode_table(message: dict[str, Any], table: dict[str, Any],
     return Encoded(FRAME, chunks, at)
 
 
-def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = False,
-               names: list[str] | None = None, with_block: bool = False,
-               whole: bool = False) -> tuple[Any, ...]:
+def table_rows(
+    table: Any,
+    body: Buffer,
+    what: str = "table",
+    *,
+    native: bool = False,
+    names: list[str] | None = None,
+    with_block: bool = False,
+    whole: bool = False,
+) -> tuple[Any, ...]:
     """Decode a tensor table of the framed ``body``: its names and, per row, the tensor (a
     view of ``body``, no copy) or ``None`` for a row without one. Other columns stay in
     ``table`` for the caller. With ``native=True`` a tensor in the other byte order is
@@ -681,8 +729,10 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
             if type(column) is not list or len(column) != n:
                 raise WireError(f"'{what}.{key}' must be a list as long as '{what}.names' ({n})")
     elif type(uniform) is not dict or dtypes is not None or shapes is not None:
-        raise WireError(f"'{what}.uniform' must be a map {{dtype, shape}}, in place of the "
-                        f"'dtype' and 'shape' columns")
+        raise WireError(
+            f"'{what}.uniform' must be a map {{dtype, shape}}, in place of the "
+            f"'dtype' and 'shape' columns"
+        )
     size = _buffer_size(body)
     if size < _HEAD.size:
         raise WireError("a tensor table needs a framed body")
@@ -709,8 +759,11 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
     for name, text, shape in zip(names, dtypes, shapes):
         if text is None:
             if shape is not None:
-                raise WireError(f"{what} row {name!r}: a shape without a dtype",
-                                code="bad_tensor", details={"variable": name})
+                raise WireError(
+                    f"{what} row {name!r}: a shape without a dtype",
+                    code="bad_tensor",
+                    details={"variable": name},
+                )
             out.append(None)
             continue
         at = (at + ALIGN - 1) // ALIGN * ALIGN
@@ -725,8 +778,9 @@ def table_rows(table: Any, body: Buffer, what: str = "table", *, native: bool = 
     return (names, out, None) if with_block else (names, out)
 
 
-def _uniform_rows(uniform: dict[Any, Any], n: int, body: Buffer, at: int, size: int, what: str,
-                  native: bool) -> tuple[list[np.ndarray], np.ndarray | None, int]:
+def _uniform_rows(
+    uniform: dict[Any, Any], n: int, body: Buffer, at: int, size: int, what: str, native: bool
+) -> tuple[list[np.ndarray], np.ndarray | None, int]:
     """The ``n`` rows of a table whose tensors all have the dtype and shape of its ``uniform``
     map (padded to the next multiple of :data:`ALIGN`, or, with ``"packed": true``, one
     right after the other), the ``(n, *shape)`` view of the body they are the rows of, and
@@ -740,8 +794,9 @@ def _uniform_rows(uniform: dict[Any, Any], n: int, body: Buffer, at: int, size: 
         if packed is None:
             packed = False
         elif type(packed) is not bool:
-            raise WireError(f"'packed' must be true or false (or absent), not {packed!r}",
-                            code="bad_request")
+            raise WireError(
+                f"'packed' must be true or false (or absent), not {packed!r}", code="bad_request"
+            )
     except WireError as exc:
         exc.message = f"{what}.uniform: {exc.message}"
         exc.args = (exc.message,)
@@ -753,9 +808,11 @@ def _uniform_rows(uniform: dict[Any, Any], n: int, body: Buffer, at: int, size: 
     else:
         strided = _strided_rows(dtype, dims, n, body, at, size, packed)
         if strided is None:
-            raise WireError(f"{what}: {n} tensors of {dtype.itemsize * math.prod(dims)} bytes "
-                            f"each run past the end of the body ({size} bytes)",
-                            code="bad_tensor")
+            raise WireError(
+                f"{what}: {n} tensors of {dtype.itemsize * math.prod(dims)} bytes "
+                f"each run past the end of the body ({size} bytes)",
+                code="bad_tensor",
+            )
         block = strided
         end = _align(at) + strided.strides[0] * (n - 1) + strided.nbytes // n if n else at
         if native and not dtype.isnative:
@@ -769,12 +826,17 @@ def _one_dtype_and_shape(dtypes: list[Any], shapes: list[Any]) -> bool:
     """Whether a table has two or more rows, all tensors of one dtype and one shape (equal
     entries of its columns, compared in C)."""
     n = len(dtypes)
-    return n > 1 and dtypes[0] is not None and dtypes.count(dtypes[0]) == n \
+    return (
+        n > 1
+        and dtypes[0] is not None
+        and dtypes.count(dtypes[0]) == n
         and shapes.count(shapes[0]) == n
+    )
 
 
-def _uniform_block(dtypes: list[Any], shapes: list[Any], body: Buffer, at: int, size: int
-                   ) -> np.ndarray | None:
+def _uniform_block(
+    dtypes: list[Any], shapes: list[Any], body: Buffer, at: int, size: int
+) -> np.ndarray | None:
     """A table of two or more tensors that all have one dtype (already seen, in this
     machine's byte order) and one shape (ints > 0), lying in the body, as one strided view of
     it; ``None`` for any other table. Such rows sit at a fixed stride, so the view's rows are
@@ -795,8 +857,15 @@ def _uniform_block(dtypes: list[Any], shapes: list[Any], body: Buffer, at: int, 
     return _strided_rows(dtype, shape, n, body, at, size)
 
 
-def _strided_rows(dtype: np.dtype, dims: Sequence[int], n: int, body: Buffer, at: int,
-                  size: int, packed: bool = False) -> np.ndarray | None:
+def _strided_rows(
+    dtype: np.dtype,
+    dims: Sequence[int],
+    n: int,
+    body: Buffer,
+    at: int,
+    size: int,
+    packed: bool = False,
+) -> np.ndarray | None:
     """``n`` tensors of ``dtype`` and ``dims`` (all > 0) laid out as a table lays them out
     from ``at`` on (each at the next multiple of :data:`ALIGN`, so at a fixed stride; or,
     ``packed``, the first there and each of the others right after the one before), as one
@@ -815,8 +884,9 @@ def _strided_rows(dtype: np.dtype, dims: Sequence[int], n: int, body: Buffer, at
     return view
 
 
-def _fast_rows(dtypes: list[Any], shapes: list[Any], body: Buffer, at: int, size: int
-               ) -> tuple[list[np.ndarray | None], int]:
+def _fast_rows(
+    dtypes: list[Any], shapes: list[Any], body: Buffer, at: int, size: int
+) -> tuple[list[np.ndarray | None], int]:
     """The rows of a table whose tensors all have a dtype already seen in this machine's byte
     order and one positive dimension, and lie in the body, and where the last one ends;
     raises ``KeyError``, ``TypeError`` or ``ValueError`` for any other."""
@@ -834,8 +904,10 @@ def _fast_rows(dtypes: list[Any], shapes: list[Any], body: Buffer, at: int, size
         known = wholes.get(text)
         if known is None:
             dtype = _PARSED_NATIVE[text]
-            known = wholes[text] = (np.frombuffer(body, dtype, size // dtype.itemsize),
-                                    dtype.itemsize)
+            known = wholes[text] = (
+                np.frombuffer(body, dtype, size // dtype.itemsize),
+                dtype.itemsize,
+            )
         whole, itemsize = known
         if type(shape) is not list:
             raise TypeError
@@ -846,13 +918,14 @@ def _fast_rows(dtypes: list[Any], shapes: list[Any], body: Buffer, at: int, size
         end = at + count * itemsize
         if end > size:
             raise ValueError
-        append(whole[at // itemsize:end // itemsize])
+        append(whole[at // itemsize : end // itemsize])
         at = end
     return out, at
 
 
-def _table_row(name: str, text: Any, shape: Any, offset: Any, body: Buffer, what: str
-               ) -> np.ndarray:
+def _table_row(
+    name: str, text: Any, shape: Any, offset: Any, body: Buffer, what: str
+) -> np.ndarray:
     """One row of :func:`table_rows` the general way, with the error that says what is wrong."""
     try:
         dtype = parse_dtype(text)
@@ -860,8 +933,15 @@ def _table_row(name: str, text: Any, shape: Any, offset: Any, body: Buffer, what
         count = 1
         for d in dims:
             count *= d
-        return decode_tensor({"dtype": text, "shape": list(dims), "offset": offset,
-                              "nbytes": count * dtype.itemsize}, body)
+        return decode_tensor(
+            {
+                "dtype": text,
+                "shape": list(dims),
+                "offset": offset,
+                "nbytes": count * dtype.itemsize,
+            },
+            body,
+        )
     except WireError as exc:
         exc.details = {"variable": name, **exc.details}
         exc.message = f"{what} row {name!r}: {exc.message}"

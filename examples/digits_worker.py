@@ -129,8 +129,9 @@ def accuracy(params: dict[str, np.ndarray], X: np.ndarray, y: np.ndarray) -> flo
     return float((predict(params, X) == y).mean())
 
 
-def loss_and_grads(params: dict[str, np.ndarray], X: np.ndarray,
-                   y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+def loss_and_grads(
+    params: dict[str, np.ndarray], X: np.ndarray, y: np.ndarray
+) -> tuple[float, dict[str, np.ndarray]]:
     """Mean cross-entropy of the batch and its gradient for every parameter (float32)."""
     hidden, logits = _forward(params, X)
     logits = logits - logits.max(axis=1, keepdims=True)
@@ -152,9 +153,20 @@ def loss_and_grads(params: dict[str, np.ndarray], X: np.ndarray,
     return loss, {k: v.astype(np.float32, copy=False) for k, v in grads.items()}
 
 
-def train(ps: PSClient, data: Dataset, *, worker_index: int, num_workers: int, steps: int,
-          batch_size: int = DEFAULT_BATCH_SIZE, n_fetch: int = 1, lr: float = DEFAULT_LR,
-          seed: int = DEFAULT_SEED, log_every: int = 100, tag: str = "") -> dict[str, np.ndarray]:
+def train(
+    ps: PSClient,
+    data: Dataset,
+    *,
+    worker_index: int,
+    num_workers: int,
+    steps: int,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    n_fetch: int = 1,
+    lr: float = DEFAULT_LR,
+    seed: int = DEFAULT_SEED,
+    log_every: int = 100,
+    tag: str = "",
+) -> dict[str, np.ndarray]:
     """Run ``steps`` Downpour SGD steps through ``ps`` on this worker's slice of ``data``.
 
     The slice is ``worker_index % num_workers``; the batches are drawn from a generator seeded by
@@ -183,15 +195,20 @@ def train(ps: PSClient, data: Dataset, *, worker_index: int, num_workers: int, s
         global_step = ps.increment(STEP_COUNTER)
         losses.append(loss)
         if step % log_every == 0 or step == steps:
-            print(f"{tag} step {step}/{steps} loss {np.mean(losses):.3f} "
-                  f"global_step {int(global_step)}", flush=True)
+            print(
+                f"{tag} step {step}/{steps} loss {np.mean(losses):.3f} "
+                f"global_step {int(global_step)}",
+                flush=True,
+            )
             losses.clear()
     # 4. Wait until every push has been applied (raises if one failed), then look at the result.
     ps.flush()
     final = ps.pull(list(PARAM_NAMES))
-    print(f"{tag} done: {steps} steps in {time.perf_counter() - started:.1f} s, held-out "
-          f"accuracy of the fleet's weights {accuracy(final, data.X_test, data.y_test):.3f}",
-          flush=True)
+    print(
+        f"{tag} done: {steps} steps in {time.perf_counter() - started:.1f} s, held-out "
+        f"accuracy of the fleet's weights {accuracy(final, data.X_test, data.y_test):.3f}",
+        flush=True,
+    )
     return final
 
 
@@ -217,8 +234,9 @@ def _worker_index(text: str) -> int | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="A Downpour SGD worker training a small network on scikit-learn's digits "
-                    "through a paramshard fleet. Each flag defaults to the DIGITS_<FLAG> "
-                    "environment variable (e.g. DIGITS_STEPS).")
+        "through a paramshard fleet. Each flag defaults to the DIGITS_<FLAG> "
+        "environment variable (e.g. DIGITS_STEPS)."
+    )
 
     def env(flag: str, cast: Callable[[str], object], default: object) -> object:
         key = "DIGITS_" + flag.upper()
@@ -228,31 +246,61 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             return cast(os.environ[key])
         except (ValueError, argparse.ArgumentTypeError):
             kind = {int: "an integer", float: "a number"}.get(cast, "an integer or 'auto'")
-            p.error(f"{key} must be {kind} (it sets --{flag.replace('_', '-')}), "
-                    f"got {os.environ[key]!r}")
+            p.error(
+                f"{key} must be {kind} (it sets --{flag.replace('_', '-')}), "
+                f"got {os.environ[key]!r}"
+            )
 
-    p.add_argument("--shards", default=os.environ.get("PARAMSHARD_SHARDS"),
-                   help="comma-separated shard URLs in shard-index order "
-                        "(default: $PARAMSHARD_SHARDS)")
-    p.add_argument("--worker-index", type=_worker_index, metavar="I|auto",
-                   default=env("worker_index", _worker_index, 0),
-                   help="this worker's index, 0..num-workers-1; picks its slice of the data. "
-                        "'auto' takes the next value of a fleet counter (for identical replicas)")
+    p.add_argument(
+        "--shards",
+        default=os.environ.get("PARAMSHARD_SHARDS"),
+        help="comma-separated shard URLs in shard-index order (default: $PARAMSHARD_SHARDS)",
+    )
+    p.add_argument(
+        "--worker-index",
+        type=_worker_index,
+        metavar="I|auto",
+        default=env("worker_index", _worker_index, 0),
+        help="this worker's index, 0..num-workers-1; picks its slice of the data. "
+        "'auto' takes the next value of a fleet counter (for identical replicas)",
+    )
     p.add_argument("--num-workers", type=int, default=env("num_workers", int, 1))
-    p.add_argument("--worker-id", default=os.environ.get("PARAMSHARD_WORKER_ID"),
-                   help="the id the shards see (default: $PARAMSHARD_WORKER_ID or w<index>)")
-    p.add_argument("--steps", type=int, default=env("steps", int, 500),
-                   help="gradient steps this worker computes")
-    p.add_argument("--batch-size", type=int,
-                   default=env("batch_size", int, DEFAULT_BATCH_SIZE))
-    p.add_argument("--n-fetch", type=int, default=env("n_fetch", int, 1),
-                   help="pull fresh weights every n steps")
-    p.add_argument("--lr", type=float, default=env("lr", float, DEFAULT_LR),
-                   help="Adagrad learning rate (used by whichever worker creates the variables)")
-    p.add_argument("--seed", type=int, default=env("seed", int, DEFAULT_SEED),
-                   help="seeds the data split and the initial weights: the same on every worker")
-    p.add_argument("--log-every", type=int, default=env("log_every", int, 100),
-                   help="print a progress line every n steps")
+    p.add_argument(
+        "--worker-id",
+        default=os.environ.get("PARAMSHARD_WORKER_ID"),
+        help="the id the shards see (default: $PARAMSHARD_WORKER_ID or w<index>)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=env("steps", int, 500),
+        help="gradient steps this worker computes",
+    )
+    p.add_argument("--batch-size", type=int, default=env("batch_size", int, DEFAULT_BATCH_SIZE))
+    p.add_argument(
+        "--n-fetch",
+        type=int,
+        default=env("n_fetch", int, 1),
+        help="pull fresh weights every n steps",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=env("lr", float, DEFAULT_LR),
+        help="Adagrad learning rate (used by whichever worker creates the variables)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=env("seed", int, DEFAULT_SEED),
+        help="seeds the data split and the initial weights: the same on every worker",
+    )
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=env("log_every", int, 100),
+        help="print a progress line every n steps",
+    )
     args = p.parse_args(argv)
     if args.num_workers < 1:
         p.error(f"--num-workers must be >= 1, got {args.num_workers}")
@@ -271,8 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     tag = "[w?]" if args.worker_index is None else f"[w{args.worker_index}]"
     data = load_data(args.seed)
     if args.num_workers > len(data.y_train):
-        print(f"{tag} error: --num-workers {args.num_workers} leaves no training data for some "
-              f"workers; use at most {len(data.y_train)}", file=sys.stderr)
+        print(
+            f"{tag} error: --num-workers {args.num_workers} leaves no training data for some "
+            f"workers; use at most {len(data.y_train)}",
+            file=sys.stderr,
+        )
         return 2
     shards = args.shards.split(",") if args.shards else None  # None: the SDK says what to set
     # An auto-indexed worker keeps the SDK's default id (<hostname>-<pid>) unless given one.
@@ -284,9 +335,19 @@ def main(argv: list[str] | None = None) -> int:
                 index = claim_worker_index(ps)
                 tag = f"[w{index}]"
                 print(f"{tag} claimed worker index {index} ({WORKER_COUNTER})", flush=True)
-            train(ps, data, worker_index=index, num_workers=args.num_workers,
-                  steps=args.steps, batch_size=args.batch_size, n_fetch=args.n_fetch,
-                  lr=args.lr, seed=args.seed, log_every=args.log_every, tag=tag)
+            train(
+                ps,
+                data,
+                worker_index=index,
+                num_workers=args.num_workers,
+                steps=args.steps,
+                batch_size=args.batch_size,
+                n_fetch=args.n_fetch,
+                lr=args.lr,
+                seed=args.seed,
+                log_every=args.log_every,
+                tag=tag,
+            )
     except PSError as exc:  # every SDK failure; its message says what to do
         print(f"{tag} error: {exc}", file=sys.stderr)
         return 1

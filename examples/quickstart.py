@@ -41,8 +41,10 @@ def main() -> int:
     print(f"shards: {shards}\n")
     # retry_deadline: give up after 5 s (not the default 30 s) if the fleet is not up
     with PSClient(shards.split(","), worker_id="quickstart", retry_deadline=5) as ps:
-        show('ps.init({"w": w0, "b": b0}, optimizer=Adagrad(lr=0.1))',
-             ps.init({"w": w0, "b": b0}, optimizer=Adagrad(lr=0.1)))
+        show(
+            'ps.init({"w": w0, "b": b0}, optimizer=Adagrad(lr=0.1))',
+            ps.init({"w": w0, "b": b0}, optimizer=Adagrad(lr=0.1)),
+        )
         show('ps.wait_ready(["w", "b"], timeout=60)', ps.wait_ready(["w", "b"], timeout=60))
         show('ps.pull(["w", "b"])', ps.pull(["w", "b"]))
         show('ps.push({"w": gw, "b": gb})', ps.push({"w": gw, "b": gb}))
@@ -61,7 +63,9 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except PSError as exc:
-        print(f"error: {exc}\n\nIs a fleet running? Start one with "
-              "`paramshard up --shards 2 --base-port 7100`, or set PARAMSHARD_SHARDS.",
-              file=sys.stderr)
+        print(
+            f"error: {exc}\n\nIs a fleet running? Start one with "
+            "`paramshard up --shards 2 --base-port 7100`, or set PARAMSHARD_SHARDS.",
+            file=sys.stderr,
+        )
         sys.exit(1)

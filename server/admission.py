@@ -47,8 +47,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .errors import ShardError
 from .headers import request_headers
 
-__all__ = ["ADMIT_WAIT", "MAX_CONTROL_BODY", "MAX_WAITING", "MAX_WAIT_BODY", "PAUSE_WAIT",
-           "AdmissionMiddleware", "Gate"]
+__all__ = [
+    "ADMIT_WAIT",
+    "MAX_CONTROL_BODY",
+    "MAX_WAITING",
+    "MAX_WAIT_BODY",
+    "PAUSE_WAIT",
+    "AdmissionMiddleware",
+    "Gate",
+]
 
 logger = logging.getLogger("paramshard.server")
 
@@ -134,15 +141,21 @@ class Gate:
         """Why data-plane requests are refused now (503), or ``None``."""
         if self.phase == "ready":
             return None
-        what = {"restoring": "is restoring its snapshot",
-                "draining": "is shutting down",
-                "failed": "could not restore its state"}.get(self.phase, self.phase)
+        what = {
+            "restoring": "is restoring its snapshot",
+            "draining": "is shutting down",
+            "failed": "could not restore its state",
+        }.get(self.phase, self.phase)
         message = f"the shard {what}"
         message += f" ({self.reason})" if self.reason and self.phase == "failed" else ""
-        message += ": retry in a moment" if self.phase != "failed" else \
-            ": see the shard's log, fix the data dir and restart it"
-        return ShardError("unavailable", message, {"reason": self.phase},
-                          headers={"Retry-After": RETRY_AFTER})
+        message += (
+            ": retry in a moment"
+            if self.phase != "failed"
+            else ": see the shard's log, fix the data dir and restart it"
+        )
+        return ShardError(
+            "unavailable", message, {"reason": self.phase}, headers={"Retry-After": RETRY_AFTER}
+        )
 
     def cannot_persist(self, reason: str | None, retry_after: float = 1.0) -> None:
         """While ``reason`` is set, refuse writes (503, ``reason: cannot_persist``): the shard
@@ -156,11 +169,14 @@ class Gate:
         if self.persist_error is None:
             return None
         return ShardError(
-            "unavailable", f"the shard cannot write snapshots to its data dir "
+            "unavailable",
+            f"the shard cannot write snapshots to its data dir "
             f"({self.persist_error}), so it takes no write it could lose (reads go on): retry "
             "later; the shard's operator must free space in its data dir or fix its "
-            "permissions", {"reason": "cannot_persist", "error": self.persist_error},
-            headers={"Retry-After": self._persist_retry})
+            "permissions",
+            {"reason": "cannot_persist", "error": self.persist_error},
+            headers={"Retry-After": self._persist_retry},
+        )
 
     # -- bounded work -----------------------------------------------------------------------
 
@@ -235,10 +251,16 @@ class Gate:
         self.requests -= slot
         self.bytes -= nbytes
         self._wake()
-        if self.trim is not None and self._untrimmed >= TRIM_FROM \
-                and self._trim_timer is None and not self.requests and not self.bytes:
+        if (
+            self.trim is not None
+            and self._untrimmed >= TRIM_FROM
+            and self._trim_timer is None
+            and not self.requests
+            and not self.bytes
+        ):
             self._trim_timer = asyncio.get_running_loop().call_later(
-                TRIM_AFTER, self._trim_if_idle, self.admitted)
+                TRIM_AFTER, self._trim_if_idle, self.admitted
+            )
 
     def _trim_if_idle(self, admitted: int) -> None:
         """The trim timer: trim if nothing was admitted since it was armed, else look again
@@ -303,9 +325,12 @@ class Gate:
         """Stop applying writes for fleet checkpoint ``checkpoint`` until :meth:`resume` or
         ``lease`` seconds pass. Idempotent for the same checkpoint (the lease restarts)."""
         if self.paused_for is not None and self.paused_for != checkpoint:
-            raise ShardError("conflict", f"the shard is paused for checkpoint "
-                             f"{self.paused_for!r}; retry when it has finished",
-                             {"paused_for": self.paused_for})
+            raise ShardError(
+                "conflict",
+                f"the shard is paused for checkpoint "
+                f"{self.paused_for!r}; retry when it has finished",
+                {"paused_for": self.paused_for},
+            )
         if self.paused_for is None:
             self.paused_for = checkpoint
             self._hold()
@@ -314,20 +339,23 @@ class Gate:
             await self._drain_writes(DRAIN_WRITES)
         except asyncio.TimeoutError:
             self.resume(checkpoint)
-            raise ShardError("unavailable", f"could not pause for checkpoint {checkpoint!r}: "
-                             f"writes in flight did not finish within {DRAIN_WRITES:g}s; retry",
-                             headers={"Retry-After": RETRY_AFTER}) from None
+            raise ShardError(
+                "unavailable",
+                f"could not pause for checkpoint {checkpoint!r}: "
+                f"writes in flight did not finish within {DRAIN_WRITES:g}s; retry",
+                headers={"Retry-After": RETRY_AFTER},
+            ) from None
 
     def _restart_lease(self, checkpoint: str, lease: float) -> None:
         if self._lease is not None:
             self._lease.cancel()
-        self._lease = asyncio.get_running_loop().call_later(lease, self._expire, checkpoint,
-                                                            lease)
+        self._lease = asyncio.get_running_loop().call_later(lease, self._expire, checkpoint, lease)
 
     def _expire(self, checkpoint: str, lease: float) -> None:
         if self.paused_for == checkpoint:
-            logger.warning("checkpoint %s: no resume within its %gs lease; resuming writes",
-                           checkpoint, lease)
+            logger.warning(
+                "checkpoint %s: no resume within its %gs lease; resuming writes", checkpoint, lease
+            )
             self.resume(checkpoint)
 
     def resume(self, checkpoint: str) -> bool:
@@ -350,10 +378,16 @@ class Gate:
         return self.paused_for is None
 
     def stats(self) -> dict[str, Any]:
-        return {"phase": self.phase, "paused_for": self.paused_for,
-                "requests_in_flight": self.requests, "bytes_in_flight": self.bytes,
-                "waiting": len(self._waiters), "refused_overloaded": self.refused,
-                "max_queued_requests": self.max_requests, "max_queued_bytes": self.max_bytes}
+        return {
+            "phase": self.phase,
+            "paused_for": self.paused_for,
+            "requests_in_flight": self.requests,
+            "bytes_in_flight": self.bytes,
+            "waiting": len(self._waiters),
+            "refused_overloaded": self.refused,
+            "max_queued_requests": self.max_requests,
+            "max_queued_bytes": self.max_bytes,
+        }
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -367,9 +401,12 @@ def _content_length(scope: Scope) -> int | None:
 
 
 def _too_large(verb: str, size: int, limit: int) -> ShardError:
-    return ShardError("too_large", f"{verb}: a body of {size} bytes or more is above the "
-                      f"{limit} bytes this verb takes: send fewer names per request",
-                      {"limit": limit})
+    return ShardError(
+        "too_large",
+        f"{verb}: a body of {size} bytes or more is above the "
+        f"{limit} bytes this verb takes: send fewer names per request",
+        {"limit": limit},
+    )
 
 
 def _capped(receive: Receive, limit: int, verb: str) -> Receive:
@@ -382,8 +419,11 @@ def _capped(receive: Receive, limit: int, verb: str) -> Receive:
         if message["type"] == "http.request":
             seen += len(message.get("body", b""))
             if seen > limit:
-                raise ShardError("too_large", f"{verb}: body above the {limit} bytes a control "
-                                 "message may have", {"limit": limit})
+                raise ShardError(
+                    "too_large",
+                    f"{verb}: body above the {limit} bytes a control message may have",
+                    {"limit": limit},
+                )
         return message
 
     return capped_receive
@@ -406,8 +446,7 @@ class AdmissionMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
         verb = path[4:] if scope.get("method") == "POST" and path.startswith("/v1/") else ""
-        if verb not in WRITES and verb not in READS and verb not in CONTROL \
-                and verb not in LONG:
+        if verb not in WRITES and verb not in READS and verb not in CONTROL and verb not in LONG:
             await self.app(scope, receive, send)  # inspection, unknown paths
             return
         gate = self.gate
@@ -417,10 +456,12 @@ class AdmissionMiddleware:
         if refusal is None and verb in WRITES and gate.paused_for is not None:
             if not await gate.wait_unpaused(PAUSE_WAIT):
                 refusal = ShardError(
-                    "unavailable", f"the shard is paused for fleet checkpoint "
+                    "unavailable",
+                    f"the shard is paused for fleet checkpoint "
                     f"{gate.paused_for!r}: retry in a moment",
                     {"reason": "paused", "checkpoint": gate.paused_for},
-                    headers={"Retry-After": RETRY_AFTER})
+                    headers={"Retry-After": RETRY_AFTER},
+                )
         if refusal is None and verb in CONTROL:
             await self.app(scope, _capped(receive, MAX_CONTROL_BODY, verb), send)
             return
@@ -439,8 +480,14 @@ class AdmissionMiddleware:
                 if not await gate.admit(nbytes, slot):
                     refusal = gate.refusal() or self._overloaded()
         if refusal is not None:
-            await self.render(scope, refusal.status, refusal.code, refusal.message,
-                              refusal.details, refusal.headers)(scope, receive, send)
+            await self.render(
+                scope,
+                refusal.status,
+                refusal.code,
+                refusal.message,
+                refusal.details,
+                refusal.headers,
+            )(scope, receive, send)
             return
         held = [nbytes]
         if declared is None:
@@ -457,8 +504,11 @@ class AdmissionMiddleware:
         async def gated_receive() -> Message:
             nonlocal applying
             message = await received()
-            if (message["type"] == "http.request"
-                    and not message.get("more_body", False) and not applying):
+            if (
+                message["type"] == "http.request"
+                and not message.get("more_body", False)
+                and not applying
+            ):
                 await gate.enter_apply()
                 applying = True
             return message
@@ -477,8 +527,7 @@ class AdmissionMiddleware:
                 gate.exit_apply()
             gate.release(held[0])
 
-    def _counted(self, receive: Receive, held: list[int], verb: str,
-                 limit: int | None) -> Receive:
+    def _counted(self, receive: Receive, held: list[int], verb: str, limit: int | None) -> Receive:
         """``receive`` for a body without a declared length: its bytes are counted in the
         gate as they arrive (in ``held[0]``); past the room the gate has, 429; past
         ``limit`` (if given), 413."""
@@ -507,4 +556,5 @@ class AdmissionMiddleware:
             f"{gate.max_requests}, --max-queued-bytes {gate.max_bytes}): retry after "
             f"{RETRY_AFTER}s, or add shards",
             {"requests_in_flight": gate.requests, "bytes_in_flight": gate.bytes},
-            headers={"Retry-After": RETRY_AFTER})
+            headers={"Retry-After": RETRY_AFTER},
+        )

@@ -14,8 +14,8 @@ data-plane verb's path) and as JSON for everything else. Handlers map
 routes/methods to it; :class:`ShardMiddleware` adds the shard headers to every
 response, refuses requests meant for another shard (``x-paramshard-fleet``), and turns any
 exception that escapes a handler (a bug, never bad input) into a logged 500 ``internal``.
-:func:`serving_app` is what a shard serves: the app, except that data-plane ``POST`` requests go through
-the app's middleware (:class:`ShardMiddleware`, admission) straight to their endpoints
+:func:`serving_app` is what a shard serves: the app, except that data-plane ``POST`` requests go
+through the app's middleware (:class:`ShardMiddleware`, admission) straight to their endpoints
 (:mod:`server.fastpath`), past FastAPI's per-request routing (the routes stay registered, and in
 ``/docs``), and a small pull in the table layout is answered by the shard's HTTP protocol itself
 when nothing stands in its way (:func:`immediate_routes`).
@@ -53,8 +53,14 @@ from .memory import trim_heap
 from .protocol import Answerer, Immediate
 from .store import ParameterStore
 
-__all__ = ["FLEET_HEADER", "ShardMiddleware", "create_app", "error_response", "immediate_routes",
-           "serving_app"]
+__all__ = [
+    "FLEET_HEADER",
+    "ShardMiddleware",
+    "create_app",
+    "error_response",
+    "immediate_routes",
+    "serving_app",
+]
 
 logger = logging.getLogger("paramshard.server")
 
@@ -68,8 +74,17 @@ _FLEET_RE = re.compile(r"\s*([0-9]{1,9})\s*/\s*([0-9]{1,9})\s*")
 
 
 #: The data plane's verbs (docs/PROTOCOL.md §3), each ``POST /v1/<verb>``.
-DATA_PLANE_VERBS = ("init", "pull", "push", "assign", "increment", "wait", "pause", "snapshot",
-                    "resume")
+DATA_PLANE_VERBS = (
+    "init",
+    "pull",
+    "push",
+    "assign",
+    "increment",
+    "wait",
+    "pause",
+    "snapshot",
+    "resume",
+)
 _DATA_PLANE_PATHS = frozenset(f"/v1/{verb}" for verb in DATA_PLANE_VERBS)
 
 
@@ -78,13 +93,17 @@ def is_data_plane(scope: Scope) -> bool:
     request to a data-plane verb's path whatever its method (a ``GET /v1/push`` is 405 in the
     family a client of that path decodes)."""
     path = scope.get("path", "")
-    return path in _DATA_PLANE_PATHS or (scope.get("method") == "POST"
-                                         and path.startswith("/v1/"))
+    return path in _DATA_PLANE_PATHS or (scope.get("method") == "POST" and path.startswith("/v1/"))
 
 
-def error_response(scope: Scope, status: int, code: str, message: str,
-                   details: Mapping[str, Any] | None = None,
-                   headers: Mapping[str, str] | None = None) -> Response:
+def error_response(
+    scope: Scope,
+    status: int,
+    code: str,
+    message: str,
+    details: Mapping[str, Any] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
     """The one renderer of error bodies, in the request's format."""
     payload = wire.error_payload(code, message, details)
     if is_data_plane(scope):
@@ -120,8 +139,9 @@ class ShardMiddleware:
       started yet.
     """
 
-    def __init__(self, app: ASGIApp, config: ShardConfig, incarnation: str,
-                 state: Any = None) -> None:
+    def __init__(
+        self, app: ASGIApp, config: ShardConfig, incarnation: str, state: Any = None
+    ) -> None:
         self.app = app
         self.config = config
         self.state = state
@@ -156,9 +176,12 @@ class ShardMiddleware:
             if started:
                 raise  # the server closes the connection; the client sees a broken response
             response = error_response(
-                scope, 500, "internal",
+                scope,
+                500,
+                "internal",
                 "the shard hit an internal error (a bug: please report it with the shard's log); "
-                "nothing was changed unless the response says otherwise")
+                "nothing was changed unless the response says otherwise",
+            )
             await response(scope, receive, send_with_headers)
 
     def reply_headers(self) -> list[tuple[bytes, bytes]]:
@@ -180,19 +203,29 @@ class ShardMiddleware:
             return None
         parsed = _parse_fleet(raw)
         if parsed is None:
-            return error_response(scope, 400, "bad_request",
-                                  f"{FLEET_HEADER} must be '<index>/<num_shards>' (decimal, at "
-                                  f"most 9 digits each), e.g. '0/2'; got {raw[:40]!r} "
-                                  f"({len(raw)} characters)")
+            return error_response(
+                scope,
+                400,
+                "bad_request",
+                f"{FLEET_HEADER} must be '<index>/<num_shards>' (decimal, at "
+                f"most 9 digits each), e.g. '0/2'; got {raw[:40]!r} "
+                f"({len(raw)} characters)",
+            )
         index, num = parsed
         if (index, num) != (self.config.shard_index, self.config.num_shards):
             return error_response(
-                scope, 421, "fleet_mismatch",
+                scope,
+                421,
+                "fleet_mismatch",
                 f"this is shard {self.config.fleet}, but the request was meant for shard "
                 f"{index}/{num}: the client's shard list has another order or length than the "
                 "fleet; fix PARAMSHARD_SHARDS (or the URL list) to match",
-                {"expected": f"{index}/{num}", "actual": self.config.fleet,
-                 "shard_index": self.config.shard_index, "num_shards": self.config.num_shards},
+                {
+                    "expected": f"{index}/{num}",
+                    "actual": self.config.fleet,
+                    "shard_index": self.config.shard_index,
+                    "num_shards": self.config.num_shards,
+                },
             )
         return None
 
@@ -200,14 +233,20 @@ class ShardMiddleware:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ShardError)
     async def shard_error(request: Request, exc: ShardError) -> Response:
-        return error_response(request.scope, exc.status, exc.code, exc.message, exc.details,
-                              exc.headers)
+        return error_response(
+            request.scope, exc.status, exc.code, exc.message, exc.details, exc.headers
+        )
 
     @app.exception_handler(wire.WireError)
     async def wire_error(request: Request, exc: wire.WireError) -> Response:
         code = exc.code if exc.code in wire.ERROR_STATUS else "bad_request"
-        return error_response(request.scope, wire.ERROR_STATUS[code], code, exc.message,
-                              exc.details if isinstance(exc.details, Mapping) else {})
+        return error_response(
+            request.scope,
+            wire.ERROR_STATUS[code],
+            code,
+            exc.message,
+            exc.details if isinstance(exc.details, Mapping) else {},
+        )
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -216,28 +255,47 @@ def _install_error_handlers(app: FastAPI) -> None:
             where = ".".join(str(p) for p in err.get("loc", ()))
             problems.append({"field": where, "problem": str(err.get("msg", ""))})
         summary = "; ".join(f"{p['field']}: {p['problem']}" for p in problems[:5])
-        return error_response(request.scope, 400, "bad_request",
-                              f"invalid request parameters ({summary}): see /docs",
-                              {"errors": problems})
+        return error_response(
+            request.scope,
+            400,
+            "bad_request",
+            f"invalid request parameters ({summary}): see /docs",
+            {"errors": problems},
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         method, path = request.method, request.url.path
         if exc.status_code == 404:
             verbs = ", ".join(DATA_PLANE_VERBS)
-            hint = (f"the data-plane verbs are POST /v1/{{{verbs}}}" if is_data_plane(request.scope)
-                    else "see /docs for the endpoints")
-            return error_response(request.scope, 404, "not_found",
-                                  f"no endpoint {method} {path}: {hint}", {"path": path})
+            hint = (
+                f"the data-plane verbs are POST /v1/{{{verbs}}}"
+                if is_data_plane(request.scope)
+                else "see /docs for the endpoints"
+            )
+            return error_response(
+                request.scope,
+                404,
+                "not_found",
+                f"no endpoint {method} {path}: {hint}",
+                {"path": path},
+            )
         if exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
-            return error_response(request.scope, 405, "method_not_allowed",
-                                  f"{method} is not allowed on {path}; use {allowed or 'another method'}",
-                                  {"allow": allowed}, exc.headers)
+            return error_response(
+                request.scope,
+                405,
+                "method_not_allowed",
+                f"{method} is not allowed on {path}; use {allowed or 'another method'}",
+                {"allow": allowed},
+                exc.headers,
+            )
         code = {400: "bad_request", 413: "too_large", 415: "unsupported_media_type"}.get(
-            exc.status_code, "bad_request")
-        return error_response(request.scope, exc.status_code, code, str(exc.detail), {},
-                              exc.headers)
+            exc.status_code, "bad_request"
+        )
+        return error_response(
+            request.scope, exc.status_code, code, str(exc.detail), {}, exc.headers
+        )
 
 
 @contextlib.asynccontextmanager
@@ -277,8 +335,11 @@ def create_app(config: ShardConfig) -> FastAPI:
         ),
         lifespan=_lifespan,
     )
-    store = ParameterStore(config.shard_index, config.num_shards,
-                           DedupTable(config.dedup_max_workers, config.dedup_idle_seconds))
+    store = ParameterStore(
+        config.shard_index,
+        config.num_shards,
+        DedupTable(config.dedup_max_workers, config.dedup_idle_seconds),
+    )
     gate = Gate(config.max_queued_bytes, config.max_queued_requests)
     gate.trim = trim_heap
     app.state.config = config
@@ -292,8 +353,9 @@ def create_app(config: ShardConfig) -> FastAPI:
     app.include_router(data_router)
     app.include_router(checkpoint_router)
     app.include_router(inspect_router)
-    app.add_middleware(AdmissionMiddleware, gate=gate, render=error_response,
-                       max_body=config.max_request_bytes)
+    app.add_middleware(
+        AdmissionMiddleware, gate=gate, render=error_response, max_body=config.max_request_bytes
+    )
     app.add_middleware(ShardMiddleware, config=config, incarnation=incarnation, state=app.state)
     return app
 
@@ -329,8 +391,14 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
         encoded = pull_now(store, limit, headers, body, max_names)
         if encoded is None:
             return None
-        return Immediate([(b"content-type", encoded.content_type.encode("latin-1")),
-                          (b"content-length", str(encoded.nbytes).encode("latin-1")),
-                          *shard.reply_headers()], encoded.chunks, encoded.nbytes)
+        return Immediate(
+            [
+                (b"content-type", encoded.content_type.encode("latin-1")),
+                (b"content-length", str(encoded.nbytes).encode("latin-1")),
+                *shard.reply_headers(),
+            ],
+            encoded.chunks,
+            encoded.nbytes,
+        )
 
     return {b"/v1/pull": pull}

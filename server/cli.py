@@ -48,135 +48,263 @@ class UsageError(Exception):
 
 # -- parser ---------------------------------------------------------------------------------
 
+
 def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
     """Flags shared by ``serve`` and ``up`` (``up`` passes them on to every shard)."""
     if fleet:
-        p.add_argument("--shard-index", dest="shard_index", metavar="I",
-                       help=f"this shard's index, 0..N-1, or 'auto' for the number at the end "
-                            f"of the host name (a StatefulSet pod's ordinal) "
-                            f"[{env_name('shard_index')}, default 0]")
-        p.add_argument("--num-shards", dest="num_shards", metavar="N",
-                       help=f"shards in the fleet [{env_name('num_shards')}, default 1]")
+        p.add_argument(
+            "--shard-index",
+            dest="shard_index",
+            metavar="I",
+            help=f"this shard's index, 0..N-1, or 'auto' for the number at the end "
+            f"of the host name (a StatefulSet pod's ordinal) "
+            f"[{env_name('shard_index')}, default 0]",
+        )
+        p.add_argument(
+            "--num-shards",
+            dest="num_shards",
+            metavar="N",
+            help=f"shards in the fleet [{env_name('num_shards')}, default 1]",
+        )
         p.add_argument("--host", help=f"address to bind [{env_name('host')}, default 127.0.0.1]")
         p.add_argument("--port", help=f"port to bind [{env_name('port')}, default 7100]")
-    p.add_argument("--max-request-bytes", dest="max_request_bytes", metavar="SIZE",
-                   help=f"largest request body, e.g. 64MiB [{env_name('max_request_bytes')}, "
-                        "default 1GiB]")
-    p.add_argument("--log-level", dest="log_level", metavar="LEVEL",
-                   help=f"{'|'.join(LOG_LEVELS)} [{env_name('log_level')}, default info]")
-    p.add_argument("--access-log", dest="access_log", action=argparse.BooleanOptionalAction,
-                   default=None, help=f"log every request [{env_name('access_log')}, default off]")
+    p.add_argument(
+        "--max-request-bytes",
+        dest="max_request_bytes",
+        metavar="SIZE",
+        help=f"largest request body, e.g. 64MiB [{env_name('max_request_bytes')}, default 1GiB]",
+    )
+    p.add_argument(
+        "--log-level",
+        dest="log_level",
+        metavar="LEVEL",
+        help=f"{'|'.join(LOG_LEVELS)} [{env_name('log_level')}, default info]",
+    )
+    p.add_argument(
+        "--access-log",
+        dest="access_log",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"log every request [{env_name('access_log')}, default off]",
+    )
     if fleet:
-        p.add_argument("--data-dir", dest="data_dir", metavar="DIR",
-                       help=f"write snapshots here and restore the newest valid one at start "
-                            f"[{env_name('data_dir')}, default: none, state is lost on exit]")
+        p.add_argument(
+            "--data-dir",
+            dest="data_dir",
+            metavar="DIR",
+            help=f"write snapshots here and restore the newest valid one at start "
+            f"[{env_name('data_dir')}, default: none, state is lost on exit]",
+        )
     else:
-        p.add_argument("--data-dir", dest="data_dir", metavar="DIR",
-                       help="snapshots of shard i go to DIR/shard-i (default: none)")
-    p.add_argument("--snapshot-interval", dest="snapshot_interval", metavar="SECONDS",
-                   help=f"snapshot this often when something changed, 0 for never (still on "
-                        f"shutdown and on request) [{env_name('snapshot_interval')}, default 30]")
-    p.add_argument("--keep-snapshots", dest="keep_snapshots", metavar="K",
-                   help=f"periodic, shutdown and requested snapshots kept (the newest K; "
-                        f"fleet checkpoints are not counted) [{env_name('keep_snapshots')}, "
-                        "default 3]")
-    p.add_argument("--keep-checkpoints", dest="keep_checkpoints", metavar="N",
-                   help=f"fleet checkpoints kept: the newest N, or 0 for every one until it is "
-                        f"deleted (DELETE /v1/checkpoints/ID) [{env_name('keep_checkpoints')}, "
-                        "default 0]")
-    p.add_argument("--restore", dest="restore", metavar="CHECKPOINT",
-                   help=f"restore this fleet checkpoint's snapshot instead of the newest "
-                        f"[{env_name('restore')}]")
-    p.add_argument("--max-queued-bytes", dest="max_queued_bytes", metavar="SIZE",
-                   help=f"request bodies admitted at once; more wait, then get 429 "
-                        f"[{env_name('max_queued_bytes')}, default max(2GiB, "
-                        "--max-request-bytes)]")
-    p.add_argument("--max-queued-requests", dest="max_queued_requests", metavar="N",
-                   help=f"pushes/pulls admitted at once [{env_name('max_queued_requests')}, "
-                        "default 64]")
-    p.add_argument("--max-request-names", dest="max_request_names", metavar="N",
-                   help=f"entries (names, variables, gradients, table rows) one request may "
-                        f"hold; more are refused with 413 [{env_name('max_request_names')}, "
-                        f"default {ShardConfig.max_request_names}]")
-    p.add_argument("--dedup-max-workers", dest="dedup_max_workers", metavar="N",
-                   help=f"workers whose applied seqs are remembered, the least recently seen "
-                        f"forgotten first [{env_name('dedup_max_workers')}, default 10000]")
-    p.add_argument("--dedup-idle-seconds", dest="dedup_idle_seconds", metavar="S",
-                   help=f"forget a worker's applied seqs after S seconds without a write from "
-                        f"it, 0 for never [{env_name('dedup_idle_seconds')}, default 3600]")
-    p.add_argument("--max-head-bytes", dest="max_head_bytes", metavar="SIZE",
-                   help=f"largest request head (request line and headers); a bigger one is "
-                        f"answered 400 and its connection closed [{env_name('max_head_bytes')}, "
-                        "default 64KiB]")
-    p.add_argument("--head-timeout", dest="head_timeout", metavar="SECONDS",
-                   help=f"a connection whose request head is not complete this long after "
-                        f"its first byte (or the connection's opening) is closed "
-                        f"[{env_name('head_timeout')}, default 10]")
-    p.add_argument("--body-timeout", dest="body_timeout", metavar="SECONDS",
-                   help=f"while a request body is read, every SECONDS must bring SECONDS x "
-                        f"--min-body-rate bytes of it (at least 1), else the connection is "
-                        f"closed [{env_name('body_timeout')}, default 30]")
-    p.add_argument("--min-body-rate", dest="min_body_rate", metavar="SIZE",
-                   help=f"bytes per second a request body must average over each "
-                        f"--body-timeout [{env_name('min_body_rate')}, default 16KiB]")
-    p.add_argument("--http", dest="http", metavar="MODE",
-                   help=f"auto: serve through the fast HTTP path when the installed uvicorn "
-                        f"and FastAPI offer what it needs, else (with a warning) the stock "
-                        f"way; stock: always uvicorn's h11 protocol and the FastAPI routes "
-                        f"(slower, the same answers) [{env_name('http')}, default auto]")
+        p.add_argument(
+            "--data-dir",
+            dest="data_dir",
+            metavar="DIR",
+            help="snapshots of shard i go to DIR/shard-i (default: none)",
+        )
+    p.add_argument(
+        "--snapshot-interval",
+        dest="snapshot_interval",
+        metavar="SECONDS",
+        help=f"snapshot this often when something changed, 0 for never (still on "
+        f"shutdown and on request) [{env_name('snapshot_interval')}, default 30]",
+    )
+    p.add_argument(
+        "--keep-snapshots",
+        dest="keep_snapshots",
+        metavar="K",
+        help=f"periodic, shutdown and requested snapshots kept (the newest K; "
+        f"fleet checkpoints are not counted) [{env_name('keep_snapshots')}, "
+        "default 3]",
+    )
+    p.add_argument(
+        "--keep-checkpoints",
+        dest="keep_checkpoints",
+        metavar="N",
+        help=f"fleet checkpoints kept: the newest N, or 0 for every one until it is "
+        f"deleted (DELETE /v1/checkpoints/ID) [{env_name('keep_checkpoints')}, "
+        "default 0]",
+    )
+    p.add_argument(
+        "--restore",
+        dest="restore",
+        metavar="CHECKPOINT",
+        help=f"restore this fleet checkpoint's snapshot instead of the newest "
+        f"[{env_name('restore')}]",
+    )
+    p.add_argument(
+        "--max-queued-bytes",
+        dest="max_queued_bytes",
+        metavar="SIZE",
+        help=f"request bodies admitted at once; more wait, then get 429 "
+        f"[{env_name('max_queued_bytes')}, default max(2GiB, "
+        "--max-request-bytes)]",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        dest="max_queued_requests",
+        metavar="N",
+        help=f"pushes/pulls admitted at once [{env_name('max_queued_requests')}, default 64]",
+    )
+    p.add_argument(
+        "--max-request-names",
+        dest="max_request_names",
+        metavar="N",
+        help=f"entries (names, variables, gradients, table rows) one request may "
+        f"hold; more are refused with 413 [{env_name('max_request_names')}, "
+        f"default {ShardConfig.max_request_names}]",
+    )
+    p.add_argument(
+        "--dedup-max-workers",
+        dest="dedup_max_workers",
+        metavar="N",
+        help=f"workers whose applied seqs are remembered, the least recently seen "
+        f"forgotten first [{env_name('dedup_max_workers')}, default 10000]",
+    )
+    p.add_argument(
+        "--dedup-idle-seconds",
+        dest="dedup_idle_seconds",
+        metavar="S",
+        help=f"forget a worker's applied seqs after S seconds without a write from "
+        f"it, 0 for never [{env_name('dedup_idle_seconds')}, default 3600]",
+    )
+    p.add_argument(
+        "--max-head-bytes",
+        dest="max_head_bytes",
+        metavar="SIZE",
+        help=f"largest request head (request line and headers); a bigger one is "
+        f"answered 400 and its connection closed [{env_name('max_head_bytes')}, "
+        "default 64KiB]",
+    )
+    p.add_argument(
+        "--head-timeout",
+        dest="head_timeout",
+        metavar="SECONDS",
+        help=f"a connection whose request head is not complete this long after "
+        f"its first byte (or the connection's opening) is closed "
+        f"[{env_name('head_timeout')}, default 10]",
+    )
+    p.add_argument(
+        "--body-timeout",
+        dest="body_timeout",
+        metavar="SECONDS",
+        help=f"while a request body is read, every SECONDS must bring SECONDS x "
+        f"--min-body-rate bytes of it (at least 1), else the connection is "
+        f"closed [{env_name('body_timeout')}, default 30]",
+    )
+    p.add_argument(
+        "--min-body-rate",
+        dest="min_body_rate",
+        metavar="SIZE",
+        help=f"bytes per second a request body must average over each "
+        f"--body-timeout [{env_name('min_body_rate')}, default 16KiB]",
+    )
+    p.add_argument(
+        "--http",
+        dest="http",
+        metavar="MODE",
+        help=f"auto: serve through the fast HTTP path when the installed uvicorn "
+        f"and FastAPI offer what it needs, else (with a warning) the stock "
+        f"way; stock: always uvicorn's h11 protocol and the FastAPI routes "
+        f"(slower, the same answers) [{env_name('http')}, default auto]",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="paramshard parameter-server shards")
     sub = parser.add_subparsers(dest="command", metavar="{serve,up,status,health,reshard,demo}")
 
-    p = sub.add_parser("serve", help="run one shard in the foreground",
-                       description="Run one shard. Flags override PARAMSHARD_* variables.")
+    p = sub.add_parser(
+        "serve",
+        help="run one shard in the foreground",
+        description="Run one shard. Flags override PARAMSHARD_* variables.",
+    )
     _add_shard_options(p, fleet=True)
 
-    p = sub.add_parser("up", help="run a local fleet of N shards in the foreground",
-                       description="Start N shards on consecutive ports, print their URLs, and "
-                                   "stop them all on Ctrl-C or SIGTERM.")
+    p = sub.add_parser(
+        "up",
+        help="run a local fleet of N shards in the foreground",
+        description="Start N shards on consecutive ports, print their URLs, and "
+        "stop them all on Ctrl-C or SIGTERM.",
+    )
     p.add_argument("--shards", required=True, metavar="N", help="number of shards")
-    p.add_argument("--base-port", dest="base_port", default="7100", metavar="P",
-                   help="shard i listens on P+i (default 7100)")
+    p.add_argument(
+        "--base-port",
+        dest="base_port",
+        default="7100",
+        metavar="P",
+        help="shard i listens on P+i (default 7100)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     _add_shard_options(p, fleet=False)
 
-    p = sub.add_parser("status", help="print a table of a fleet's shards",
-                       description="Ask every shard for /v1/cluster and /healthz. Exit 0 when all "
-                                   "are up and in fleet order, else 1.")
-    p.add_argument("--shards", metavar="URL,URL,...",
-                   help=f"the fleet's shard URLs in order [{_SHARDS_ENV}]")
+    p = sub.add_parser(
+        "status",
+        help="print a table of a fleet's shards",
+        description="Ask every shard for /v1/cluster and /healthz. Exit 0 when all "
+        "are up and in fleet order, else 1.",
+    )
+    p.add_argument(
+        "--shards", metavar="URL,URL,...", help=f"the fleet's shard URLs in order [{_SHARDS_ENV}]"
+    )
     p.add_argument("--timeout", default="3", help="seconds to wait per shard (default 3)")
 
-    p = sub.add_parser("reshard", help="rewrite a fleet checkpoint for another number of shards",
-                       description="Offline: read the snapshots of a fleet checkpoint from every "
-                                   "shard's data dir and write them for M shards under --to "
-                                   "(shard j's data dir is TO/shard-j). Values, versions and "
-                                   "optimizer state are kept.")
-    p.add_argument("--from", dest="sources", nargs="+", required=True, metavar="DIR",
-                   help="the data dir of every shard of the old fleet (any order)")
-    p.add_argument("--to", dest="dest", required=True, metavar="DIR",
-                   help="a new (or empty) directory for the new fleet's data dirs")
+    p = sub.add_parser(
+        "reshard",
+        help="rewrite a fleet checkpoint for another number of shards",
+        description="Offline: read the snapshots of a fleet checkpoint from every "
+        "shard's data dir and write them for M shards under --to "
+        "(shard j's data dir is TO/shard-j). Values, versions and "
+        "optimizer state are kept.",
+    )
+    p.add_argument(
+        "--from",
+        dest="sources",
+        nargs="+",
+        required=True,
+        metavar="DIR",
+        help="the data dir of every shard of the old fleet (any order)",
+    )
+    p.add_argument(
+        "--to",
+        dest="dest",
+        required=True,
+        metavar="DIR",
+        help="a new (or empty) directory for the new fleet's data dirs",
+    )
     p.add_argument("--shards", required=True, metavar="M", help="shards of the new fleet")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--checkpoint", metavar="ID",
-                       help="the fleet checkpoint to read (default: the newest every dir holds)")
-    which.add_argument("--latest", action="store_true",
-                       help="use each dir's newest snapshot (after stopping the fleet cleanly)")
-    p = sub.add_parser("health", help="exit 0 if this host's shard is healthy (container checks)",
-                       description="Probe the shard that `paramshard serve` runs on this host "
-                                   "with the same PARAMSHARD_HOST / PARAMSHARD_PORT: exit 0 if "
-                                   "GET /healthz (or /readyz) answers 200, else say why and exit "
-                                   "1. The container image's HEALTHCHECK runs it.")
-    p.add_argument("--ready", action="store_true",
-                   help="probe /readyz (restored and not draining) instead of /healthz (alive)")
+    which.add_argument(
+        "--checkpoint",
+        metavar="ID",
+        help="the fleet checkpoint to read (default: the newest every dir holds)",
+    )
+    which.add_argument(
+        "--latest",
+        action="store_true",
+        help="use each dir's newest snapshot (after stopping the fleet cleanly)",
+    )
+    p = sub.add_parser(
+        "health",
+        help="exit 0 if this host's shard is healthy (container checks)",
+        description="Probe the shard that `paramshard serve` runs on this host "
+        "with the same PARAMSHARD_HOST / PARAMSHARD_PORT: exit 0 if "
+        "GET /healthz (or /readyz) answers 200, else say why and exit "
+        "1. The container image's HEALTHCHECK runs it.",
+    )
+    p.add_argument(
+        "--ready",
+        action="store_true",
+        help="probe /readyz (restored and not draining) instead of /healthz (alive)",
+    )
     p.add_argument("--port", help=f"the shard's port [{env_name('port')}, default 7100]")
     p.add_argument("--timeout", default="2", help="seconds to wait (default 2)")
 
-    sub.add_parser("demo", help="train a small model on a local fleet (see `paramshard demo -h`)",
-                   add_help=False)
+    sub.add_parser(
+        "demo",
+        help="train a small model on a local fleet (see `paramshard demo -h`)",
+        add_help=False,
+    )
     return parser
 
 
@@ -209,20 +337,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _config_from(args: argparse.Namespace) -> ShardConfig:
-    flags = {k: getattr(args, k, None) for k in
-             ("shard_index", "num_shards", "host", "port", *_PASSED_ON, "data_dir")}
+    flags = {
+        k: getattr(args, k, None)
+        for k in ("shard_index", "num_shards", "host", "port", *_PASSED_ON, "data_dir")
+    }
     return ShardConfig.from_sources(flags, os.environ)
 
 
 #: Flags ``up`` passes on to every shard unchanged (``--data-dir`` becomes DIR/shard-i).
-_PASSED_ON = ("max_request_bytes", "log_level", "access_log", "snapshot_interval",
-              "keep_snapshots", "keep_checkpoints", "restore", "max_queued_bytes",
-              "max_queued_requests", "max_request_names", "dedup_max_workers",
-              "dedup_idle_seconds", "max_head_bytes", "head_timeout", "body_timeout",
-              "min_body_rate", "http")
+_PASSED_ON = (
+    "max_request_bytes",
+    "log_level",
+    "access_log",
+    "snapshot_interval",
+    "keep_snapshots",
+    "keep_checkpoints",
+    "restore",
+    "max_queued_bytes",
+    "max_queued_requests",
+    "max_request_names",
+    "dedup_max_workers",
+    "dedup_idle_seconds",
+    "max_head_bytes",
+    "head_timeout",
+    "body_timeout",
+    "min_body_rate",
+    "http",
+)
 
 
 # -- serve ----------------------------------------------------------------------------------
+
 
 def serve(config: ShardConfig) -> int:
     """Run one shard with uvicorn until SIGTERM/SIGINT; blocks; returns 0 after a clean stop.
@@ -238,12 +383,19 @@ def serve(config: ShardConfig) -> int:
     from .upstream import serving
 
     keep_big_buffers()
-    limits = EdgeLimits(max_head_bytes=config.max_head_bytes, head_timeout=config.head_timeout,
-                        body_timeout=config.body_timeout, min_body_rate=config.min_body_rate)
+    limits = EdgeLimits(
+        max_head_bytes=config.max_head_bytes,
+        head_timeout=config.head_timeout,
+        body_timeout=config.body_timeout,
+        min_body_rate=config.min_body_rate,
+    )
 
-    logging.basicConfig(level=logging.DEBUG if config.log_level == "trace"
-                        else getattr(logging, config.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG
+        if config.log_level == "trace"
+        else getattr(logging, config.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     app = create_app(config)
     served = serving(app, limits, config.http)
     uv_config = uvicorn.Config(
@@ -274,8 +426,11 @@ def serve(config: ShardConfig) -> int:
     except SystemExit as exc:  # uvicorn exits with 3 when it cannot start (e.g. port taken)
         if exc.code in (None, 0):
             return 0
-        print(f"{PROG} serve: error: shard {config.fleet} could not start on "
-              f"{config.host}:{config.port} (see the log above)", file=sys.stderr)
+        print(
+            f"{PROG} serve: error: shard {config.fleet} could not start on "
+            f"{config.host}:{config.port} (see the log above)",
+            file=sys.stderr,
+        )
         return 1
     failure = app.state.durability.failed or app.state.shutdown_error
     if failure:
@@ -313,6 +468,7 @@ def _draining_server(config: Any, gate: Any) -> Any:
 
 
 # -- up -------------------------------------------------------------------------------------
+
 
 def _positive_int(text: str, flag: str, lo: int = 1, hi: int = 65535) -> int:
     try:
@@ -370,8 +526,9 @@ def _up(args: argparse.Namespace) -> int:
     host = args.host
     # validate pass-through flags here, so a bad one is one message rather than N dead children
     passed = {k: getattr(args, k) for k in _PASSED_ON}
-    ShardConfig.from_sources({"host": host, "port": base, "num_shards": n, **passed,
-                              "data_dir": args.data_dir}, {})
+    ShardConfig.from_sources(
+        {"host": host, "port": base, "num_shards": n, **passed, "data_dir": args.data_dir}, {}
+    )
     extra: list[str] = []
     for key, value in passed.items():
         if value is None:
@@ -385,8 +542,11 @@ def _up(args: argparse.Namespace) -> int:
     taken = [(i, p) for i, p in enumerate(ports) if not _port_free(host, p)]
     if taken:
         which = ", ".join(f"{p} (shard {i})" for i, p in taken)
-        print(f"{PROG} up: error: port(s) {which} on {host} already in use: stop what uses them "
-              f"or pick another --base-port", file=sys.stderr)
+        print(
+            f"{PROG} up: error: port(s) {which} on {host} already in use: stop what uses them "
+            f"or pick another --base-port",
+            file=sys.stderr,
+        )
         return 1
 
     stop = _Stop()
@@ -400,8 +560,21 @@ def _up(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen] = []
     try:
         for i, port in enumerate(ports):
-            cmd = [sys.executable, "-m", "server.cli", "serve", "--shard-index", str(i),
-                   "--num-shards", str(n), "--host", host, "--port", str(port), *extra]
+            cmd = [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--shard-index",
+                str(i),
+                "--num-shards",
+                str(n),
+                "--host",
+                host,
+                "--port",
+                str(port),
+                *extra,
+            ]
             if args.data_dir is not None:
                 cmd += ["--data-dir", str(shard_dir(Path(args.data_dir), i))]
             procs.append(subprocess.Popen(cmd, env=env))
@@ -415,8 +588,12 @@ def _up(args: argparse.Namespace) -> int:
             failed = _watch(procs, stop)
         if failed is not None:
             i, code = failed
-            print(f"{PROG} up: error: shard {i} ({urls[i]}) exited with status {code}; "
-                  "stopping the other shards", file=sys.stderr, flush=True)
+            print(
+                f"{PROG} up: error: shard {i} ({urls[i]}) exited with status {code}; "
+                "stopping the other shards",
+                file=sys.stderr,
+                flush=True,
+            )
         _stop_all(procs)
         if failed is not None:
             return 1
@@ -428,8 +605,9 @@ def _up(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
-def _wait_until_up(procs: list[subprocess.Popen], urls: list[str], stop: _Stop
-                   ) -> tuple[int, int] | None:
+def _wait_until_up(
+    procs: list[subprocess.Popen], urls: list[str], stop: _Stop
+) -> tuple[int, int] | None:
     deadline = time.monotonic() + _STARTUP_TIMEOUT
     pending = set(range(len(procs)))
     while pending and stop.signal is None:
@@ -441,8 +619,10 @@ def _wait_until_up(procs: list[subprocess.Popen], urls: list[str], stop: _Stop
                 pending.discard(i)
         if time.monotonic() > deadline:
             i = min(pending)
-            print(f"{PROG} up: error: shard {i} ({urls[i]}) not healthy after "
-                  f"{_STARTUP_TIMEOUT:g}s", file=sys.stderr)
+            print(
+                f"{PROG} up: error: shard {i} ({urls[i]}) not healthy after {_STARTUP_TIMEOUT:g}s",
+                file=sys.stderr,
+            )
             return i, -1
         if pending:
             time.sleep(0.1)
@@ -473,6 +653,7 @@ def _stop_all(procs: list[subprocess.Popen], kill: bool = False, timeout: float 
 
 
 # -- status ---------------------------------------------------------------------------------
+
 
 def _human_bytes(n: int) -> str:
     size = float(n)
@@ -521,8 +702,16 @@ def _status(args: argparse.Namespace) -> int:
         if (info.get("shard_index"), info.get("num_shards")) != (i, len(urls)):
             health = f"mismatch (listed as {i}/{len(urls)})"
         ok = ok and health == "yes"
-        rows.append((url, slot, str(info.get("incarnation", "?")), str(info.get("variables", "?")),
-                     _human_bytes(int(info.get("bytes", 0))), health))
+        rows.append(
+            (
+                url,
+                slot,
+                str(info.get("incarnation", "?")),
+                str(info.get("variables", "?")),
+                _human_bytes(int(info.get("bytes", 0))),
+                health,
+            )
+        )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
@@ -534,33 +723,44 @@ def _status(args: argparse.Namespace) -> int:
 
 # -- reshard --------------------------------------------------------------------------------
 
+
 def _reshard(args: argparse.Namespace) -> int:
     m = _positive_int(args.shards, "--shards", 1, 65536)
-    logging.basicConfig(level=logging.WARNING, format=f"{PROG} reshard: %(levelname)s: "
-                                                      "%(message)s")
+    logging.basicConfig(level=logging.WARNING, format=f"{PROG} reshard: %(levelname)s: %(message)s")
     try:
-        result = reshard([Path(d) for d in args.sources], Path(args.dest), m,
-                         checkpoint=args.checkpoint, latest=args.latest)
+        result = reshard(
+            [Path(d) for d in args.sources],
+            Path(args.dest),
+            m,
+            checkpoint=args.checkpoint,
+            latest=args.latest,
+        )
     except ReshardError as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:
         print(f"{PROG} reshard: error: {exc}", file=sys.stderr)
         return 1
-    print(f"{PROG}: checkpoint {result.checkpoint}: {result.variables} variable(s) from "
-          f"{result.source_shards} shard(s) rewritten for {m} in {result.seconds:.1f}s")
+    print(
+        f"{PROG}: checkpoint {result.checkpoint}: {result.variables} variable(s) from "
+        f"{result.source_shards} shard(s) rewritten for {m} in {result.seconds:.1f}s"
+    )
     for i, snap in enumerate(result.snapshots):
-        print(f"  shard {i}/{m}  --data-dir {snap.manifest_path.parent}  "
-              f"({len(snap.manifest['variables'])} variables, "
-              f"{_human_bytes(snap.manifest['values_bytes'])})")
+        print(
+            f"  shard {i}/{m}  --data-dir {snap.manifest_path.parent}  "
+            f"({len(snap.manifest['variables'])} variables, "
+            f"{_human_bytes(snap.manifest['values_bytes'])})"
+        )
     return 0
 
 
 # -- health ---------------------------------------------------------------------------------
 
+
 def _health(args: argparse.Namespace) -> int:
     keys = (env_name("host"), env_name("port"))
-    config = ShardConfig.from_sources({"port": args.port},
-                                      {k: v for k, v in os.environ.items() if k in keys})
+    config = ShardConfig.from_sources(
+        {"port": args.port}, {k: v for k, v in os.environ.items() if k in keys}
+    )
     try:
         timeout = float(args.timeout)
     except ValueError:
@@ -583,15 +783,18 @@ def _health(args: argparse.Namespace) -> int:
 
 # -- demo -----------------------------------------------------------------------------------
 
+
 def _demo(argv: list[str]) -> int:
     try:
         from .demo import run_demo
     except ModuleNotFoundError as exc:
         if exc.name not in ("server.demo", __package__ + ".demo"):
             raise
-        print(f"{PROG} demo: the demo is not available in this installation (server/demo.py is "
-              "missing); run a fleet with `paramshard up` and the examples/ scripts instead",
-              file=sys.stderr)
+        print(
+            f"{PROG} demo: the demo is not available in this installation (server/demo.py is "
+            "missing); run a fleet with `paramshard up` and the examples/ scripts instead",
+            file=sys.stderr,
+        )
         return 1
     return run_demo(argv)
 

@@ -21,8 +21,14 @@ from typing import Any
 
 from client_sdk.wire import MAX_REQUEST_NAMES
 
-__all__ = ["ENV_PREFIX", "LOG_LEVELS", "ConfigError", "ShardConfig", "index_from_hostname",
-           "parse_size"]
+__all__ = [
+    "ENV_PREFIX",
+    "LOG_LEVELS",
+    "ConfigError",
+    "ShardConfig",
+    "index_from_hostname",
+    "parse_size",
+]
 
 ENV_PREFIX = "PARAMSHARD_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -57,7 +63,9 @@ def env_name(field: str) -> str:
 
 
 def parse_size(text: str) -> int:
-    """``"4096"``, ``"64k"``, ``"16MiB"``, ``"1G"`` -> bytes (binary units). Raises ``ValueError``."""
+    """``"4096"``, ``"64k"``, ``"16MiB"``, ``"1G"`` -> bytes (binary units).
+
+    Raises ``ValueError``."""
     m = _SIZE_RE.match(text)
     if m is None:
         raise ValueError(text)
@@ -71,9 +79,13 @@ def _int(lo: int, hi: int | None = None) -> Callable[[str], int]:
         except ValueError:
             raise ValueError(f"expected an integer, got {text!r}") from None
         if value < lo or (hi is not None and value > hi):
-            raise ValueError(f"must be in {lo}..{hi}, got {value}" if hi is not None
-                             else f"must be >= {lo}, got {value}")
+            raise ValueError(
+                f"must be in {lo}..{hi}, got {value}"
+                if hi is not None
+                else f"must be >= {lo}, got {value}"
+            )
         return value
+
     return cast
 
 
@@ -89,7 +101,8 @@ def index_from_hostname(hostname: str) -> int:
         raise ValueError(
             f"'auto' takes the index from the number at the end of this host's name (a "
             f"StatefulSet pod's ordinal, as in paramshard-2), but the host name is {hostname!r}: "
-            "give the index as a number instead")
+            "give the index as a number instead"
+        )
     return int(m.group(1))
 
 
@@ -103,8 +116,9 @@ def _size(text: str) -> int:
     try:
         value = parse_size(text)
     except ValueError:
-        raise ValueError(f"expected a byte count such as 1048576, 64k, 16MiB or 1G, got {text!r}") \
-            from None
+        raise ValueError(
+            f"expected a byte count such as 1048576, 64k, 16MiB or 1G, got {text!r}"
+        ) from None
     if value < 1024:
         raise ValueError(f"must be at least 1024 bytes, got {value}")
     return value
@@ -152,8 +166,10 @@ def _rate(text: str) -> int:
     try:
         return parse_size(text)
     except ValueError:
-        raise ValueError(f"expected bytes per second such as 16384, 16k or 1MiB (0: only a "
-                         f"body that stops entirely is cut), got {text!r}") from None
+        raise ValueError(
+            f"expected bytes per second such as 16384, 16k or 1MiB (0: only a "
+            f"body that stops entirely is cut), got {text!r}"
+        ) from None
 
 
 def _path(text: str) -> str:
@@ -165,8 +181,10 @@ def _path(text: str) -> str:
 def _checkpoint(text: str) -> str:
     text = text.strip()
     if not _CHECKPOINT_RE.fullmatch(text):
-        raise ValueError(f"expected a checkpoint id (1-64 characters from A-Z a-z 0-9 _ -, as "
-                         f"ps.checkpoint() returns), got {text!r}")
+        raise ValueError(
+            f"expected a checkpoint id (1-64 characters from A-Z a-z 0-9 _ -, as "
+            f"ps.checkpoint() returns), got {text!r}"
+        )
     return text
 
 
@@ -224,18 +242,22 @@ class ShardConfig:
                 f"{self.num_shards} shard(s) ({flag_name('num_shards')}), got {self.shard_index}",
             )
         if self.max_queued_bytes == 0:
-            object.__setattr__(self, "max_queued_bytes",
-                               max(DEFAULT_MAX_QUEUED_BYTES, self.max_request_bytes))
+            object.__setattr__(
+                self, "max_queued_bytes", max(DEFAULT_MAX_QUEUED_BYTES, self.max_request_bytes)
+            )
         if self.max_queued_bytes < self.max_request_bytes:
             raise ConfigError(
                 f"{flag_name('max_queued_bytes')} / {env_name('max_queued_bytes')}",
                 f"must be at least {flag_name('max_request_bytes')} ({self.max_request_bytes}), "
                 f"or a request of the largest allowed size could never be admitted; got "
-                f"{self.max_queued_bytes}")
+                f"{self.max_queued_bytes}",
+            )
         if self.restore is not None and self.data_dir is None:
-            raise ConfigError(f"{flag_name('restore')} / {env_name('restore')}",
-                              f"restoring a checkpoint needs {flag_name('data_dir')} (the "
-                              "directory holding its snapshot)")
+            raise ConfigError(
+                f"{flag_name('restore')} / {env_name('restore')}",
+                f"restoring a checkpoint needs {flag_name('data_dir')} (the "
+                "directory holding its snapshot)",
+            )
 
     @property
     def fleet(self) -> str:
@@ -243,8 +265,9 @@ class ShardConfig:
         return f"{self.shard_index}/{self.num_shards}"
 
     @classmethod
-    def from_sources(cls, flags: Mapping[str, Any] | None = None,
-                     environ: Mapping[str, str] | None = None) -> "ShardConfig":
+    def from_sources(
+        cls, flags: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    ) -> ShardConfig:
         """Build a config from parsed flags (field name -> value or ``None`` when not given) and
         an environment mapping (``PARAMSHARD_*`` keys). Flags win; fields set nowhere keep their
         defaults. Raises :class:`ConfigError` naming the offending key.
@@ -275,8 +298,11 @@ class ShardConfig:
         if index >= num:
             key = keys.get("shard_index", flag_name("shard_index"))
             source = flags.get("shard_index") or environ.get(env_name("shard_index"), "")
-            came_from = (f" (from the host name {socket.gethostname()!r})"
-                         if str(source).strip().lower() == "auto" else "")
+            came_from = (
+                f" (from the host name {socket.gethostname()!r})"
+                if str(source).strip().lower() == "auto"
+                else ""
+            )
             raise ConfigError(
                 key,
                 f"shard index must be in 0..{num - 1} for a fleet of {num} shard(s) "

@@ -107,8 +107,9 @@ class WorkerRecord:
             else:
                 if self.low >= 0:  # what leaves the window joins the lower one, just below
                     bottom = seq - WINDOW
-                    self.low_bits = _overlay(bottom, self.bits >> (WINDOW - shift),
-                                             self.low, self.low_bits)
+                    self.low_bits = _overlay(
+                        bottom, self.bits >> (WINDOW - shift), self.low, self.low_bits
+                    )
                     self.low = bottom
                 self.bits = ((self.bits << shift) | 1) & _MASK
             self.high = seq
@@ -130,15 +131,20 @@ class WorkerRecord:
             self.results = {s: r for s, r in self.results.items() if s > floor}
 
     def summary(self, worker_id: str) -> dict[str, Any]:
-        return {"worker_id": worker_id, "last_seen": self.last_seen, "applied": self.applied,
-                "duplicates": self.duplicates, "expired": self.expired, "high_seq": self.high}
+        return {
+            "worker_id": worker_id,
+            "last_seen": self.last_seen,
+            "applied": self.applied,
+            "duplicates": self.duplicates,
+            "expired": self.expired,
+            "high_seq": self.high,
+        }
 
 
 class DedupTable:
     """Per-worker high-water marks and windows of applied seqs (see the module docstring)."""
 
-    def __init__(self, max_workers: int = MAX_WORKERS,
-                 idle_seconds: float = IDLE_SECONDS) -> None:
+    def __init__(self, max_workers: int = MAX_WORKERS, idle_seconds: float = IDLE_SECONDS) -> None:
         self.max_workers = max_workers
         self.idle_seconds = idle_seconds
         #: Least recently seen first.
@@ -192,8 +198,12 @@ class DedupTable:
         for _ in range(max(0, extra)):
             self._workers.popitem(last=False)
         if extra > 0:
-            logger.warning("forgot the seqs of the %d least recently seen workers (more than "
-                           "--dedup-max-workers %d)", extra, max_workers)
+            logger.warning(
+                "forgot the seqs of the %d least recently seen workers (more than "
+                "--dedup-max-workers %d)",
+                extra,
+                max_workers,
+            )
 
     def forget_idle(self, now: float | None = None) -> None:
         """Forget the workers not seen for ``idle_seconds``: O(1) when there are none (the
@@ -207,8 +217,11 @@ class DedupTable:
             workers.popitem(last=False)
             gone += 1
         if gone:
-            logger.info("forgot the seqs of %d worker(s) not seen for %g s "
-                        "(--dedup-idle-seconds)", gone, self.idle_seconds)
+            logger.info(
+                "forgot the seqs of %d worker(s) not seen for %g s (--dedup-idle-seconds)",
+                gone,
+                self.idle_seconds,
+            )
 
     def _touch(self, worker_id: str) -> WorkerRecord:
         now = time.time()
@@ -218,9 +231,13 @@ class DedupTable:
             record = self._workers[worker_id] = WorkerRecord()
             if len(self._workers) > self.max_workers:
                 gone, _ = self._workers.popitem(last=False)
-                logger.warning("forgetting the seqs of worker %r (least recently seen of more "
-                               "than %d workers, --dedup-max-workers): a late retry from it "
-                               "would be applied again", gone, self.max_workers)
+                logger.warning(
+                    "forgetting the seqs of worker %r (least recently seen of more "
+                    "than %d workers, --dedup-max-workers): a late retry from it "
+                    "would be applied again",
+                    gone,
+                    self.max_workers,
+                )
         else:
             self._workers.move_to_end(worker_id)
         record.last_seen = now
@@ -234,10 +251,15 @@ class DedupTable:
         self.forget_idle()
         workers = {}
         for w, r in self._workers.items():
-            entry = {"high": r.high, "bits": _bits_out(r.bits),
-                     "results": [[s, *res] for s, res in sorted(r.results.items())],
-                     "applied": r.applied, "duplicates": r.duplicates, "expired": r.expired,
-                     "last_seen": r.last_seen}
+            entry = {
+                "high": r.high,
+                "bits": _bits_out(r.bits),
+                "results": [[s, *res] for s, res in sorted(r.results.items())],
+                "applied": r.applied,
+                "duplicates": r.duplicates,
+                "expired": r.expired,
+                "last_seen": r.last_seen,
+            }
             if r.low >= 0:
                 entry["low"] = r.low
                 entry["low_bits"] = _bits_out(r.low_bits)
@@ -245,8 +267,9 @@ class DedupTable:
         return {"window": WINDOW, "workers": workers}
 
     @classmethod
-    def load(cls, data: Any, max_workers: int = MAX_WORKERS,
-             idle_seconds: float = IDLE_SECONDS) -> DedupTable:
+    def load(
+        cls, data: Any, max_workers: int = MAX_WORKERS, idle_seconds: float = IDLE_SECONDS
+    ) -> DedupTable:
         """Rebuild a table from :meth:`export`'s output; ``ValueError`` if it is malformed."""
         if not isinstance(data, dict) or not isinstance(data.get("workers"), dict):
             raise ValueError("dedup table: expected {'window', 'workers': {...}}")
@@ -258,14 +281,20 @@ class DedupTable:
         for worker_id, raw in data["workers"].items():
             try:
                 record = WorkerRecord(
-                    high=_as_int(raw["high"]), bits=_bits_in(raw["bits"]),
+                    high=_as_int(raw["high"]),
+                    bits=_bits_in(raw["bits"]),
                     results={_as_int(r[0]): list(r[1:3]) for r in raw["results"]},
-                    applied=_as_int(raw["applied"]), duplicates=_as_int(raw["duplicates"]),
-                    expired=_as_int(raw["expired"]), last_seen=float(raw["last_seen"]),
-                    low=_as_int(raw.get("low", -1)), low_bits=_bits_in(raw.get("low_bits", "")))
+                    applied=_as_int(raw["applied"]),
+                    duplicates=_as_int(raw["duplicates"]),
+                    expired=_as_int(raw["expired"]),
+                    last_seen=float(raw["last_seen"]),
+                    low=_as_int(raw.get("low", -1)),
+                    low_bits=_bits_in(raw.get("low_bits", "")),
+                )
             except (KeyError, TypeError, ValueError, IndexError) as exc:
-                raise ValueError(f"dedup table: bad record for worker {worker_id!r}: "
-                                 f"{exc!r}") from None
+                raise ValueError(
+                    f"dedup table: bad record for worker {worker_id!r}: {exc!r}"
+                ) from None
             if window > WINDOW:  # written with a wider window: keep what fits ours
                 record.bits &= _MASK
                 record.low_bits &= _MASK
@@ -280,21 +309,31 @@ class DedupTable:
         worker, the highest window, with every other window's seqs that fall in it, and below
         it one window with the rest that fit; seqs that fit neither count as expired (never
         as new)."""
-        out = cls(max(t.max_workers for t in tables) if tables else MAX_WORKERS,
-                  max(t.idle_seconds for t in tables) if tables else IDLE_SECONDS)
+        out = cls(
+            max(t.max_workers for t in tables) if tables else MAX_WORKERS,
+            max(t.idle_seconds for t in tables) if tables else IDLE_SECONDS,
+        )
         records: dict[str, list[WorkerRecord]] = {}
         for table in tables:
             for worker_id, r in table._workers.items():
                 records.setdefault(worker_id, []).append(r)
         merged = []
         for worker_id, rs in records.items():
-            windows = sorted(((h, b) for r in rs for h, b in ((r.high, r.bits),
-                                                              (r.low, r.low_bits))
-                              if h >= 0 and b), reverse=True)
-            m = WorkerRecord(applied=sum(r.applied for r in rs),
-                             duplicates=sum(r.duplicates for r in rs),
-                             expired=sum(r.expired for r in rs),
-                             last_seen=max(r.last_seen for r in rs))
+            windows = sorted(
+                (
+                    (h, b)
+                    for r in rs
+                    for h, b in ((r.high, r.bits), (r.low, r.low_bits))
+                    if h >= 0 and b
+                ),
+                reverse=True,
+            )
+            m = WorkerRecord(
+                applied=sum(r.applied for r in rs),
+                duplicates=sum(r.duplicates for r in rs),
+                expired=sum(r.expired for r in rs),
+                last_seen=max(r.last_seen for r in rs),
+            )
             if windows:
                 m.high, m.bits = windows[0]
                 for h, b in windows[1:]:

@@ -67,6 +67,7 @@ class _Interrupted(Exception):
 
 # -- the worker script and the one-process reference ----------------------------------------
 
+
 def find_worker_script() -> Path:
     """``examples/digits_worker.py`` of the source checkout this package runs from.
 
@@ -78,7 +79,8 @@ def find_worker_script() -> Path:
         raise DemoError(
             f"the demo's worker script is missing: {path} does not exist. The demo runs from a "
             "source checkout of paramshard (git clone, then `pip install -e '.[demo]'` or "
-            "`make demo`); an installed wheel does not include examples/.")
+            "`make demo`); an installed wheel does not include examples/."
+        )
     return path
 
 
@@ -93,8 +95,9 @@ def load_worker_module(path: Path | None = None) -> types.ModuleType:
     return module
 
 
-def train_one_process(worker: types.ModuleType, data: Any, *, steps: int, batch_size: int,
-                      lr: float, seed: int) -> dict[str, np.ndarray]:
+def train_one_process(
+    worker: types.ModuleType, data: Any, *, steps: int, batch_size: int, lr: float, seed: int
+) -> dict[str, np.ndarray]:
     """The reference: ``steps`` Adagrad steps on mini-batches of the whole training set, in this
     process, with the shard's own optimizer code (``server/optim.py``) and the workers' initial
     weights. Blocks (CPU only); returns the final weights.
@@ -113,6 +116,7 @@ def train_one_process(worker: types.ModuleType, data: Any, *, steps: int, batch_
 
 
 # -- processes --------------------------------------------------------------------------------
+
 
 def _free_port(host: str) -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -170,16 +174,37 @@ class _Fleet:
 
     # shards
     def start_shards(self, n: int, host: str, base_port: int) -> None:
-        ports = [base_port + i for i in range(n)] if base_port else [_free_port(host)
-                                                                    for _ in range(n)]
+        ports = (
+            [base_port + i for i in range(n)] if base_port else [_free_port(host) for _ in range(n)]
+        )
         for i, port in enumerate(ports):
             log = self.logdir / f"shard{i}.log"
-            cmd = [sys.executable, "-m", "server.cli", "serve", "--shard-index", str(i),
-                   "--num-shards", str(n), "--host", host, "--port", str(port)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "serve",
+                "--shard-index",
+                str(i),
+                "--num-shards",
+                str(n),
+                "--host",
+                host,
+                "--port",
+                str(port),
+            ]
             with open(log, "wb") as f:
-                self.shards.append(subprocess.Popen(
-                    cmd, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL, stdout=f,
-                    stderr=subprocess.STDOUT, start_new_session=True))
+                self.shards.append(
+                    subprocess.Popen(
+                        cmd,
+                        cwd=ROOT,
+                        env=self.env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
             self.shard_logs.append(log)
             self.urls.append(f"http://{client_host(host)}:{port}")
 
@@ -193,27 +218,43 @@ class _Fleet:
                     pending.discard(i)
             if pending and time.monotonic() > deadline:
                 i = min(pending)
-                raise DemoError(f"shard {i} ({self.urls[i]}) did not answer /healthz within "
-                                f"{STARTUP_TIMEOUT:g} s; its log ends with:\n"
-                                f"{_tail(self.shard_logs[i])}")
+                raise DemoError(
+                    f"shard {i} ({self.urls[i]}) did not answer /healthz within "
+                    f"{STARTUP_TIMEOUT:g} s; its log ends with:\n"
+                    f"{_tail(self.shard_logs[i])}"
+                )
             time.sleep(0.05)
 
     def check_shard(self, i: int) -> None:
         code = self.shards[i].poll()
         if code is not None:
-            hint = ("; is the port in use? pick another --base-port, or 0 for free ports"
-                    if "address already in use" in _tail(self.shard_logs[i]).lower() else "")
-            raise DemoError(f"shard {i} ({self.urls[i]}) {_exit_reason(code)}{hint}; its log "
-                            f"ends with:\n{_tail(self.shard_logs[i])}")
+            hint = (
+                "; is the port in use? pick another --base-port, or 0 for free ports"
+                if "address already in use" in _tail(self.shard_logs[i]).lower()
+                else ""
+            )
+            raise DemoError(
+                f"shard {i} ({self.urls[i]}) {_exit_reason(code)}{hint}; its log "
+                f"ends with:\n{_tail(self.shard_logs[i])}"
+            )
 
     # workers
     def start_worker(self, cmd: list[str], tag: str) -> None:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
         self.workers.append(proc)
-        reader = threading.Thread(target=self._relay, args=(proc, tag), daemon=True,
-                                  name=f"demo-relay-{tag}")
+        reader = threading.Thread(
+            target=self._relay, args=(proc, tag), daemon=True, name=f"demo-relay-{tag}"
+        )
         reader.start()
         self.readers.append(reader)
 
@@ -233,8 +274,9 @@ class _Fleet:
             for i, code in enumerate(codes):
                 if code not in (None, 0):
                     self.readers[i].join(2.0)
-                    raise DemoError(f"worker w{i} {_exit_reason(code)} (its output, if any, "
-                                    "is above)")
+                    raise DemoError(
+                        f"worker w{i} {_exit_reason(code)} (its output, if any, is above)"
+                    )
             if all(code == 0 for code in codes):
                 for r in self.readers:
                     r.join(5.0)
@@ -269,43 +311,87 @@ class _Fleet:
 
 # -- the demo ---------------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Start a local fleet, train a small network on scikit-learn's digits with "
-                    "asynchronous workers (Downpour SGD), and compare its held-out accuracy with "
-                    "the same training in one process.")
-    p.add_argument("--shards", type=int, metavar="N", default=2,
-                   help="shard processes (default 2)")
-    p.add_argument("--workers", type=int, metavar="M", default=4,
-                   help="worker processes (default 4)")
-    p.add_argument("--steps", type=int, metavar="S", default=500,
-                   help="gradient steps per worker (default 500)")
-    p.add_argument("--batch-size", type=int, metavar="B", default=32,
-                   help="examples per step (default 32)")
-    p.add_argument("--n-fetch", type=int, metavar="N", default=1,
-                   help="workers pull fresh weights every n steps (default 1)")
-    p.add_argument("--lr", type=float, metavar="LR", default=0.05,
-                   help="Adagrad learning rate (default 0.05)")
-    p.add_argument("--seed", type=int, metavar="SEED", default=0,
-                   help="seeds the data split, initial weights and batches (default 0)")
-    p.add_argument("--host", default="127.0.0.1", help="address the shards bind (default "
-                   "127.0.0.1)")
-    p.add_argument("--base-port", type=int, metavar="P", default=0,
-                   help="shard i listens on base-port + i; 0 (the default) picks free ports")
-    p.add_argument("--log-every", type=int, metavar="N", default=0,
-                   help="workers print progress every n steps (default: 5 lines per worker)")
-    p.add_argument("--timeout", type=float, metavar="SECONDS", default=600.0,
-                   help="give up if the workers have not finished after this many seconds")
-    p.add_argument("--no-wait", action="store_true",
-                   help="stop the fleet at the end even on a terminal (default: on a terminal, "
-                        "keep it up for inspection until Enter or Ctrl-C)")
+        "asynchronous workers (Downpour SGD), and compare its held-out accuracy with "
+        "the same training in one process.",
+    )
+    p.add_argument("--shards", type=int, metavar="N", default=2, help="shard processes (default 2)")
+    p.add_argument(
+        "--workers", type=int, metavar="M", default=4, help="worker processes (default 4)"
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        metavar="S",
+        default=500,
+        help="gradient steps per worker (default 500)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, metavar="B", default=32, help="examples per step (default 32)"
+    )
+    p.add_argument(
+        "--n-fetch",
+        type=int,
+        metavar="N",
+        default=1,
+        help="workers pull fresh weights every n steps (default 1)",
+    )
+    p.add_argument(
+        "--lr", type=float, metavar="LR", default=0.05, help="Adagrad learning rate (default 0.05)"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        metavar="SEED",
+        default=0,
+        help="seeds the data split, initial weights and batches (default 0)",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address the shards bind (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--base-port",
+        type=int,
+        metavar="P",
+        default=0,
+        help="shard i listens on base-port + i; 0 (the default) picks free ports",
+    )
+    p.add_argument(
+        "--log-every",
+        type=int,
+        metavar="N",
+        default=0,
+        help="workers print progress every n steps (default: 5 lines per worker)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        default=600.0,
+        help="give up if the workers have not finished after this many seconds",
+    )
+    p.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="stop the fleet at the end even on a terminal (default: on a terminal, "
+        "keep it up for inspection until Enter or Ctrl-C)",
+    )
     return p
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name, lo in (("shards", 1), ("workers", 1), ("steps", 1), ("batch_size", 1),
-                     ("n_fetch", 1), ("log_every", 0)):
+    for name, lo in (
+        ("shards", 1),
+        ("workers", 1),
+        ("steps", 1),
+        ("batch_size", 1),
+        ("n_fetch", 1),
+        ("log_every", 0),
+    ):
         if getattr(args, name) < lo:
             p.error(f"--{name.replace('_', '-')} must be >= {lo}, got {getattr(args, name)}")
     if args.shards > 64 or args.workers > 64:
@@ -313,8 +399,10 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not 0 < args.lr < float("inf"):
         p.error(f"--lr must be a finite number > 0, got {args.lr}")
     if args.base_port and not 1 <= args.base_port <= 65535 - args.shards + 1:
-        p.error(f"--base-port must be 0 (free ports) or 1..{65535 - args.shards + 1}, "
-                f"got {args.base_port}")
+        p.error(
+            f"--base-port must be 0 (free ports) or 1..{65535 - args.shards + 1}, "
+            f"got {args.base_port}"
+        )
     if not args.timeout > 0:
         p.error(f"--timeout must be > 0, got {args.timeout}")
 
@@ -330,8 +418,9 @@ def _on_signal(signum: int, frame: Any) -> None:
     raise _Interrupted(signum)
 
 
-def run_demo(argv: Sequence[str] | None = None, *, out: TextIO | None = None,
-             err: TextIO | None = None) -> int:
+def run_demo(
+    argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
     """Run the demo (see the module docstring); returns the exit status.
 
     Blocks until the demo is over. Installs SIGINT/SIGTERM handlers while it runs (when called
@@ -355,8 +444,9 @@ def run_demo(argv: Sequence[str] | None = None, *, out: TextIO | None = None,
         return 1
     except (_Interrupted, KeyboardInterrupt) as exc:
         signum = exc.signum if isinstance(exc, _Interrupted) else signal.SIGINT
-        say(f"\n{PROG}: interrupted ({signal.Signals(signum).name}); stopping the fleet",
-            error=True)
+        say(
+            f"\n{PROG}: interrupted ({signal.Signals(signum).name}); stopping the fleet", error=True
+        )
         return 128 + signum
     finally:
         for sig in previous:  # a second Ctrl-C must not cut the clean-up short
@@ -377,15 +467,19 @@ def run_demo(argv: Sequence[str] | None = None, *, out: TextIO | None = None,
 def _run(args: argparse.Namespace, fleet: _Fleet, say: _Printer) -> int:
     script = find_worker_script()
     if importlib.util.find_spec("sklearn") is None:
-        raise DemoError("scikit-learn is not installed; the demo trains on its digits data set: "
-                        "pip install 'paramshard[demo]'")
+        raise DemoError(
+            "scikit-learn is not installed; the demo trains on its digits data set: "
+            "pip install 'paramshard[demo]'"
+        )
     worker = load_worker_module(script)
     data = worker.load_data(args.seed)
     total = args.workers * args.steps
-    say(f"{PROG}: {args.shards} shard(s), {args.workers} worker(s) x {args.steps} steps "
+    say(
+        f"{PROG}: {args.shards} shard(s), {args.workers} worker(s) x {args.steps} steps "
         f"(batch {args.batch_size}, Adagrad lr {args.lr:g}, pull every {args.n_fetch} step(s)) "
         f"on scikit-learn's digits: {len(data.y_train)} training, {len(data.y_test)} held-out "
-        "images")
+        "images"
+    )
 
     t0 = time.perf_counter()
     fleet.start_shards(args.shards, args.host, args.base_port)
@@ -395,11 +489,28 @@ def _run(args: argparse.Namespace, fleet: _Fleet, say: _Printer) -> int:
 
     log_every = args.log_every or max(1, args.steps // 5)
     for i in range(args.workers):
-        cmd = [sys.executable, str(script), "--shards", ",".join(fleet.urls),
-               "--worker-index", str(i), "--num-workers", str(args.workers),
-               "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-               "--n-fetch", str(args.n_fetch), "--lr", repr(args.lr), "--seed", str(args.seed),
-               "--log-every", str(log_every)]
+        cmd = [
+            sys.executable,
+            str(script),
+            "--shards",
+            ",".join(fleet.urls),
+            "--worker-index",
+            str(i),
+            "--num-workers",
+            str(args.workers),
+            "--steps",
+            str(args.steps),
+            "--batch-size",
+            str(args.batch_size),
+            "--n-fetch",
+            str(args.n_fetch),
+            "--lr",
+            repr(args.lr),
+            "--seed",
+            str(args.seed),
+            "--log-every",
+            str(log_every),
+        ]
         fleet.start_worker(cmd, f"[w{i}]")
     say("  workers " + ", ".join(f"w{i} (pid {p.pid})" for i, p in enumerate(fleet.workers)))
     fleet.wait_workers(args.timeout)
@@ -416,31 +527,39 @@ def _run(args: argparse.Namespace, fleet: _Fleet, say: _Printer) -> int:
     acc_ps = worker.accuracy(params, data.X_test, data.y_test)
 
     t1 = time.perf_counter()
-    ref = train_one_process(worker, data, steps=total, batch_size=args.batch_size, lr=args.lr,
-                            seed=args.seed)
+    ref = train_one_process(
+        worker, data, steps=total, batch_size=args.batch_size, lr=args.lr, seed=args.seed
+    )
     t_ref = time.perf_counter() - t1
     acc_ref = worker.accuracy(ref, data.X_test, data.y_test)
 
     diff = 100 * (acc_ps - acc_ref)
     plural = "s" if args.workers > 1 else ""
     say("")
-    say(f"held-out accuracy ({len(data.y_test)} images) after {total} gradient steps of "
-        f"batch {args.batch_size}:")
-    say(f"  {f'parameter server, {args.workers} async worker{plural}':<36}{100 * acc_ps:6.2f} %   "
-        f"{t_fleet:.1f} s with start-up, global_step {global_step}")
+    say(
+        f"held-out accuracy ({len(data.y_test)} images) after {total} gradient steps of "
+        f"batch {args.batch_size}:"
+    )
+    say(
+        f"  {f'parameter server, {args.workers} async worker{plural}':<36}{100 * acc_ps:6.2f} %   "
+        f"{t_fleet:.1f} s with start-up, global_step {global_step}"
+    )
     say(f"  {'one process, no parameter server':<36}{100 * acc_ref:6.2f} %   {t_ref:.1f} s")
     say(f"  {'difference':<36}{diff:+6.2f} points")
     if abs(diff) > 2:
-        say("  (more than 2 points apart: stale gradients from many workers or a high --lr "
-            "can do that; try --n-fetch 1 or a lower --lr)")
+        say(
+            "  (more than 2 points apart: stale gradients from many workers or a high --lr "
+            "can do that; try --n-fetch 1 or a lower --lr)"
+        )
 
     name = worker.PARAM_NAMES[0]
     urls = fleet.urls
-    links = [(f"{urls[0]}/v1/variables", "the variables of shard 0"),
-             (f"{urls[_owner(name, len(urls))]}/v1/variables/{name}",
-              "one variable (add ?values=true)"),
-             (f"{urls[0]}/v1/cluster", "the shard itself"),
-             (f"{urls[0]}/docs", "every endpoint")]
+    links = [
+        (f"{urls[0]}/v1/variables", "the variables of shard 0"),
+        (f"{urls[_owner(name, len(urls))]}/v1/variables/{name}", "one variable (add ?values=true)"),
+        (f"{urls[0]}/v1/cluster", "the shard itself"),
+        (f"{urls[0]}/docs", "every endpoint"),
+    ]
     width = max(len(url) for url, _ in links) + 3
     say("")
     say("look inside:")
@@ -461,6 +580,7 @@ def _run(args: argparse.Namespace, fleet: _Fleet, say: _Printer) -> int:
 
 def _owner(name: str, num_shards: int) -> int:
     from client_sdk.placement import shard_for
+
     return shard_for(name, num_shards)
 
 

@@ -64,8 +64,14 @@ class Durability:
     """Snapshots of one shard (see the module). ``on_fatal`` is called when the shard cannot
     go on (its data dir cannot be restored) and should make the server exit with status 1."""
 
-    def __init__(self, config: ShardConfig, store: ParameterStore, gate: Gate,
-                 incarnation: str, on_fatal: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: ShardConfig,
+        store: ParameterStore,
+        gate: Gate,
+        incarnation: str,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
         self.config = config
         self.store = store
         self.gate = gate
@@ -106,14 +112,16 @@ class Durability:
         assert self.data_dir is not None
         try:
             found = await asyncio.to_thread(self._read)
-        except Exception as exc:  # noqa: BLE001 - whatever it is, this shard cannot serve
+        except Exception as exc:  # whatever it is, this shard cannot serve
             self.failed = str(exc)
             if isinstance(exc, (persistence.SnapshotMismatch, OSError)):
-                logger.error("cannot restore shard %s from %s: %s", self.config.fleet,
-                             self.data_dir, exc)
+                logger.error(
+                    "cannot restore shard %s from %s: %s", self.config.fleet, self.data_dir, exc
+                )
             else:
-                logger.exception("cannot restore shard %s from %s", self.config.fleet,
-                                 self.data_dir)
+                logger.exception(
+                    "cannot restore shard %s from %s", self.config.fleet, self.data_dir
+                )
             self.gate.set_phase("failed", str(exc).replace(str(self.data_dir), "<data dir>"))
             if self.on_fatal is not None:
                 self.on_fatal(str(exc))
@@ -121,15 +129,24 @@ class Durability:
         if found is not None:
             self.store.restore(found.variables, found.dedup)
             self._good = found.snapshot.number
-            self.restored = {**found.snapshot.info(), "seconds": found.seconds,
-                             "skipped": found.skipped}
-            logger.info("shard %s restored snapshot %s (%d variables, %d bytes, state version "
-                        "%d) in %.2fs", self.config.fleet, found.snapshot.manifest_path.name,
-                        len(found.variables), found.snapshot.manifest["values_bytes"],
-                        found.snapshot.state_version, found.seconds)
+            self.restored = {
+                **found.snapshot.info(),
+                "seconds": found.seconds,
+                "skipped": found.skipped,
+            }
+            logger.info(
+                "shard %s restored snapshot %s (%d variables, %d bytes, state version %d) in %.2fs",
+                self.config.fleet,
+                found.snapshot.manifest_path.name,
+                len(found.variables),
+                found.snapshot.manifest["values_bytes"],
+                found.snapshot.state_version,
+                found.seconds,
+            )
         else:
-            logger.info("shard %s: no snapshot in %s, starting empty", self.config.fleet,
-                        self.data_dir)
+            logger.info(
+                "shard %s: no snapshot in %s, starting empty", self.config.fleet, self.data_dir
+            )
         self._saved_mutations = self.store.mutations
         if self.gate.phase != "restoring":  # SIGTERM arrived meanwhile
             return
@@ -141,11 +158,15 @@ class Durability:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         removed = persistence.clean(self.data_dir)
         if removed:
-            logger.warning("removed leftovers of an interrupted snapshot write in %s: %s",
-                           self.data_dir, ", ".join(removed))
+            logger.warning(
+                "removed leftovers of an interrupted snapshot write in %s: %s",
+                self.data_dir,
+                ", ".join(removed),
+            )
         self._number = persistence.next_number(self.data_dir)
-        return persistence.find_restorable(self.data_dir, self.config.shard_index,
-                                           self.config.num_shards, self.config.restore)
+        return persistence.find_restorable(
+            self.data_dir, self.config.shard_index, self.config.num_shards, self.config.restore
+        )
 
     async def _periodic(self) -> None:
         """Every ``--snapshot-interval`` seconds, a snapshot if anything changed; while the
@@ -161,14 +182,13 @@ class Durability:
                 if self.cannot_persist is not None:
                     continue  # a write failed meanwhile: the next try is PERSIST_RETRY away
             retry = self.cannot_persist is not None
-            if self._lock.locked() or (not retry and
-                                       self.store.mutations == self._saved_mutations):
+            if self._lock.locked() or (not retry and self.store.mutations == self._saved_mutations):
                 continue
             try:
                 await self.snapshot(reason="retry" if retry else "periodic")
             except OSError:
                 pass  # logged by _write; the next period tries again
-            except Exception:  # noqa: BLE001 - logged; the next period tries again
+            except Exception:  # logged; the next period tries again
                 logger.exception("periodic snapshot of shard %s failed", self.config.fleet)
 
     async def stop(self) -> None:
@@ -179,11 +199,14 @@ class Durability:
         for task in self._tasks:
             try:
                 await task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - cancelled on purpose
+            except (asyncio.CancelledError, Exception):  # cancelled on purpose
                 pass
         self._tasks.clear()
-        if (self.enabled and self.gate.phase in ("ready", "draining")
-                and self.store.mutations != self._saved_mutations):
+        if (
+            self.enabled
+            and self.gate.phase in ("ready", "draining")
+            and self.store.mutations != self._saved_mutations
+        ):
             await self.snapshot(reason="shutdown")
 
     # -- snapshots --------------------------------------------------------------------------
@@ -191,20 +214,25 @@ class Durability:
     def require(self) -> None:
         """Raise :class:`ShardError` ``no_data_dir`` unless snapshots can be written."""
         if self.data_dir is None:
-            raise ShardError("no_data_dir", f"shard {self.config.fleet} was started without "
-                             "--data-dir, so it cannot write snapshots: restart every shard "
-                             "with --data-dir DIR (or PARAMSHARD_DATA_DIR)")
+            raise ShardError(
+                "no_data_dir",
+                f"shard {self.config.fleet} was started without "
+                "--data-dir, so it cannot write snapshots: restart every shard "
+                "with --data-dir DIR (or PARAMSHARD_DATA_DIR)",
+            )
 
-    async def snapshot(self, checkpoint: str | None = None, *, reason: str = "request"
-                       ) -> dict[str, Any]:
+    async def snapshot(
+        self, checkpoint: str | None = None, *, reason: str = "request"
+    ) -> dict[str, Any]:
         """Capture the state at one instant and write it; returns the snapshot's info once it
         is on disk. Raises :class:`ShardError` ``no_data_dir`` without ``--data-dir``, and
         ``OSError`` if the disk refuses."""
         task = await self.begin_snapshot(checkpoint, reason=reason)
         return await asyncio.shield(task)
 
-    async def begin_snapshot(self, checkpoint: str | None = None, *, reason: str = "request"
-                             ) -> asyncio.Task:
+    async def begin_snapshot(
+        self, checkpoint: str | None = None, *, reason: str = "request"
+    ) -> asyncio.Task:
         """Capture the state at one instant, now, and start writing it; returns the write's
         task (its result: the snapshot's info). One write at a time: this waits for the one
         before to finish before it captures. A checkpoint's write is found again with
@@ -233,9 +261,13 @@ class Durability:
         out = []
         for number, checkpoint, manifest in persistence.list_snapshots(self.data_dir):
             if checkpoint is not None:
-                out.append({"checkpoint": checkpoint, "snapshot": number,
-                            "bytes": _size(manifest) + _size(manifest.with_suffix(
-                                ".safetensors"))})
+                out.append(
+                    {
+                        "checkpoint": checkpoint,
+                        "snapshot": number,
+                        "bytes": _size(manifest) + _size(manifest.with_suffix(".safetensors")),
+                    }
+                )
         return out
 
     async def delete_checkpoint(self, checkpoint: str) -> list[str]:
@@ -249,26 +281,33 @@ class Durability:
             snapshots = persistence.list_snapshots(self.data_dir)
             doomed = [path for _, c, path in snapshots if c == checkpoint]
             if not doomed:
-                raise ShardError("not_found", f"shard {self.config.fleet} holds no snapshot of "
-                                 f"checkpoint {checkpoint!r} (GET /v1/checkpoints lists them)",
-                                 {"checkpoint": checkpoint})
+                raise ShardError(
+                    "not_found",
+                    f"shard {self.config.fleet} holds no snapshot of "
+                    f"checkpoint {checkpoint!r} (GET /v1/checkpoints lists them)",
+                    {"checkpoint": checkpoint},
+                )
             if snapshots[-1][2] in doomed:
-                raise ShardError("conflict", f"checkpoint {checkpoint!r} is shard "
-                                 f"{self.config.fleet}'s newest snapshot, the state it would "
-                                 "restart from: write a newer one first (POST /v1/snapshot with "
-                                 "{}), then delete it", {"checkpoint": checkpoint})
+                raise ShardError(
+                    "conflict",
+                    f"checkpoint {checkpoint!r} is shard "
+                    f"{self.config.fleet}'s newest snapshot, the state it would "
+                    "restart from: write a newer one first (POST /v1/snapshot with "
+                    "{}), then delete it",
+                    {"checkpoint": checkpoint},
+                )
             removed = await asyncio.to_thread(persistence.remove, self.data_dir, doomed)
             self._checkpoints.pop(checkpoint, None)
-        logger.info("shard %s deleted checkpoint %s (%s)", self.config.fleet, checkpoint,
-                    ", ".join(removed))
+        logger.info(
+            "shard %s deleted checkpoint %s (%s)", self.config.fleet, checkpoint, ", ".join(removed)
+        )
         return removed
 
     def checkpoint_write(self, checkpoint: str) -> asyncio.Task | None:
         """The write of ``checkpoint``'s snapshot, if this process captured one recently."""
         return self._checkpoints.get(checkpoint)
 
-    async def _write(self, capture: Capture, checkpoint: str | None, reason: str
-                     ) -> dict[str, Any]:
+    async def _write(self, capture: Capture, checkpoint: str | None, reason: str) -> dict[str, Any]:
         """Write ``capture`` (holding the lock, which this releases). Out of space, it frees
         what it safely can and tries once more; if the disk still refuses, the shard cannot
         persist (:meth:`_cannot_persist`) until a later write succeeds."""
@@ -286,43 +325,63 @@ class Durability:
             self._number = number + 1
             self._good = number
             if self.cannot_persist is not None:
-                logger.warning("shard %s can persist again: snapshot %s written to %s after %d "
-                               "failed attempt(s); writes are taken again", self.config.fleet,
-                               snap.manifest_path.name, self.data_dir,
-                               self.cannot_persist["attempts"])
+                logger.warning(
+                    "shard %s can persist again: snapshot %s written to %s after %d "
+                    "failed attempt(s); writes are taken again",
+                    self.config.fleet,
+                    snap.manifest_path.name,
+                    self.data_dir,
+                    self.cannot_persist["attempts"],
+                )
                 self.cannot_persist = None
                 self.gate.cannot_persist(None)
             self._saved_mutations = max(self._saved_mutations, capture.mutations)
-            removed = await asyncio.to_thread(persistence.prune, self.data_dir,
-                                              self.config.keep_snapshots,
-                                              self.config.keep_checkpoints)
+            removed = await asyncio.to_thread(
+                persistence.prune,
+                self.data_dir,
+                self.config.keep_snapshots,
+                self.config.keep_checkpoints,
+            )
             self.last = {**snap.info(), "seconds": seconds, "reason": reason}
-            logger.info("shard %s wrote snapshot %s (%s: %d variables, %d bytes) in %.2fs%s",
-                        self.config.fleet, snap.manifest_path.name, reason,
-                        len(capture.variables), snap.manifest["values_bytes"], seconds,
-                        f"; removed {len(removed)} old file(s)" if removed else "")
+            logger.info(
+                "shard %s wrote snapshot %s (%s: %d variables, %d bytes) in %.2fs%s",
+                self.config.fleet,
+                snap.manifest_path.name,
+                reason,
+                len(capture.variables),
+                snap.manifest["values_bytes"],
+                seconds,
+                f"; removed {len(removed)} old file(s)" if removed else "",
+            )
             return self.last
         finally:
             self._lock.release()
 
-    async def _write_freeing(self, number: int, capture: Capture, checkpoint: str | None
-                             ) -> persistence.Snapshot:
+    async def _write_freeing(
+        self, number: int, capture: Capture, checkpoint: str | None
+    ) -> persistence.Snapshot:
         assert self.data_dir is not None
         write = (persistence.write_snapshot, self.data_dir, number, capture)
         try:
-            return await asyncio.to_thread(*write, incarnation=self.incarnation,
-                                           checkpoint=checkpoint)
+            return await asyncio.to_thread(
+                *write, incarnation=self.incarnation, checkpoint=checkpoint
+            )
         except OSError as exc:
             if exc.errno not in _NO_SPACE:
                 raise
             removed = await asyncio.to_thread(self._free_space)
             if not removed:
                 raise
-            logger.warning("shard %s: out of space in %s (%s); removed %s to make room and "
-                           "writes snapshot %d again", self.config.fleet, self.data_dir,
-                           exc.strerror, ", ".join(removed), number)
-        return await asyncio.to_thread(*write, incarnation=self.incarnation,
-                                       checkpoint=checkpoint)
+            logger.warning(
+                "shard %s: out of space in %s (%s); removed %s to make room and "
+                "writes snapshot %d again",
+                self.config.fleet,
+                self.data_dir,
+                exc.strerror,
+                ", ".join(removed),
+                number,
+            )
+        return await asyncio.to_thread(*write, incarnation=self.incarnation, checkpoint=checkpoint)
 
     def _free_space(self) -> list[str]:
         """Remove what no restore needs (holding the lock: no write is under way): temporary
@@ -331,8 +390,11 @@ class Durability:
         assert self.data_dir is not None
         removed = persistence.clean(self.data_dir)
         if self._good is not None:
-            older = [path for n, c, path in persistence.list_snapshots(self.data_dir)
-                     if c is None and n < self._good]
+            older = [
+                path
+                for n, c, path in persistence.list_snapshots(self.data_dir)
+                if c is None and n < self._good
+            ]
             removed += persistence.remove(self.data_dir, older)
         return removed
 
@@ -343,24 +405,39 @@ class Durability:
         problem = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
         state = self.cannot_persist
         if state is None:
-            state = self.cannot_persist = {"error": problem, "errno": exc.errno,
-                                           "since": time.time(), "attempts": 0}
+            state = self.cannot_persist = {
+                "error": problem,
+                "errno": exc.errno,
+                "since": time.time(),
+                "attempts": 0,
+            }
         state.update(error=problem, errno=exc.errno)
         state["attempts"] += 1
-        self.gate.cannot_persist(f"{problem}; the shard retries every {PERSIST_RETRY:g}s",
-                                 PERSIST_RETRY)
+        self.gate.cannot_persist(
+            f"{problem}; the shard retries every {PERSIST_RETRY:g}s", PERSIST_RETRY
+        )
         self._failed.set()
-        logger.error("shard %s cannot persist: writing a snapshot (%s) to %s failed: %s; "
-                     "writes are refused until a snapshot succeeds (retried every %gs; "
-                     "attempt %d): free space in the data dir or fix its permissions",
-                     self.config.fleet, reason, self.data_dir, exc, PERSIST_RETRY,
-                     state["attempts"])
+        logger.error(
+            "shard %s cannot persist: writing a snapshot (%s) to %s failed: %s; "
+            "writes are refused until a snapshot succeeds (retried every %gs; "
+            "attempt %d): free space in the data dir or fix its permissions",
+            self.config.fleet,
+            reason,
+            self.data_dir,
+            exc,
+            PERSIST_RETRY,
+            state["attempts"],
+        )
 
     def _log_failure(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None \
-                and not isinstance(task.exception(), OSError):  # those: _cannot_persist
-            logger.error("shard %s: writing a snapshot failed: %r", self.config.fleet,
-                         task.exception())
+        if (
+            not task.cancelled()
+            and task.exception() is not None
+            and not isinstance(task.exception(), OSError)
+        ):  # those: _cannot_persist
+            logger.error(
+                "shard %s: writing a snapshot failed: %r", self.config.fleet, task.exception()
+            )
 
 
 def _size(path: Path) -> int:

@@ -22,8 +22,14 @@ class ShardError(Exception):
     ``status`` is the HTTP status the protocol assigns to ``code``.
     """
 
-    def __init__(self, code: str, message: str, details: Mapping[str, Any] | None = None,
-                 *, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        details: Mapping[str, Any] | None = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         if code not in ERROR_STATUS:
             raise ValueError(f"unknown error code {code!r}")
         super().__init__(message)

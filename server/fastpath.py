@@ -67,8 +67,11 @@ class DirectRoutes:
         self.immediate: dict[bytes, Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") == "POST" \
-                and scope.get("path") in self.routes:
+        if (
+            scope["type"] == "http"
+            and scope.get("method") == "POST"
+            and scope.get("path") in self.routes
+        ):
             scope["app"] = self.app  # as Starlette sets it: endpoints reach app.state through it
             await self.direct(scope, receive, send)
         else:

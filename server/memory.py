@@ -4,11 +4,11 @@ Every push allocates a buffer the size of its tensors (the request body, which t
 writes into) and frees the previous one, and so does every update that cannot go in place (its
 new values, while a reader holds the old ones); every one of them is big. glibc's
 ``malloc`` maps a block above its mmap threshold (at most 32 MiB) fresh from the kernel and
-unmaps it when freed, so each push of a 100 MB tensor would make the kernel zero-fill 100-200 MB of new
-pages and fault them in one by one, which makes a copy into a new buffer cost nearly twice
-one into memory already touched. :func:`keep_big_buffers` raises the
-thresholds so that blocks up to 1 GiB come from the heap, and freed ones stay there for the
-next request, which takes them back at the speed of touched memory.
+unmaps it when freed, so each push of a 100 MB tensor would make the kernel zero-fill 100-200 MB of
+new pages and fault them in one by one, which makes a copy into a new buffer cost nearly twice one
+into memory already touched. :func:`keep_big_buffers` raises the thresholds so that blocks up to 1
+GiB come from the heap, and freed ones stay there for the next request, which takes them back at the
+speed of touched memory.
 
 The cost is that the process keeps its peak heap instead of returning it to the system: while
 requests keep coming that is the point (the next burst reuses it; it does not grow past the

@@ -28,8 +28,9 @@ __all__ = ["apply", "check_settings", "fresh_state", "init_bound", "init_state",
 def init_state(opt: Optimizer, value: np.ndarray) -> dict[str, np.ndarray]:
     """The optimizer's slots for a new variable (Adagrad: the accumulator); empty for SGD/Add."""
     if isinstance(opt, Adagrad):
-        return {"accumulator": np.full(value.shape, opt.initial_accumulator_value,
-                                       dtype=value.dtype)}
+        return {
+            "accumulator": np.full(value.shape, opt.initial_accumulator_value, dtype=value.dtype)
+        }
     return {}
 
 
@@ -43,22 +44,33 @@ def check_settings(opt: Optimizer, dtype: np.dtype) -> None:
     Adagrad's ``epsilon`` and ``initial_accumulator_value`` both 0 in that dtype (the first
     zero gradient would make the value NaN). The specs check their ranges themselves
     (``client_sdk/optimizers.py``)."""
-    if isinstance(opt, Adagrad) and dtype.kind == "f" \
-            and not (dtype.type(opt.epsilon) > 0 or dtype.type(opt.initial_accumulator_value) > 0):
+    if (
+        isinstance(opt, Adagrad)
+        and dtype.kind == "f"
+        and not (dtype.type(opt.epsilon) > 0 or dtype.type(opt.initial_accumulator_value) > 0)
+    ):
         raise ValueError(
             f"Adagrad epsilon {opt.epsilon!r} and initial_accumulator_value "
             f"{opt.initial_accumulator_value!r} are both 0 in {dtype.str}: a zero gradient would "
             f"divide 0 by 0; make epsilon at least {float(np.finfo(dtype).tiny):g} "
-            "(1e-7 is the default)")
+            "(1e-7 is the default)"
+        )
 
 
 def state_nbytes(state: dict[str, np.ndarray]) -> int:
     return sum(a.nbytes for a in state.values())
 
 
-def apply(opt: Optimizer, value: np.ndarray, grad: np.ndarray, state: dict[str, np.ndarray],
-          *, out: np.ndarray | None = None, state_out: dict[str, np.ndarray] | None = None,
-          scratch: bool = False) -> None:
+def apply(
+    opt: Optimizer,
+    value: np.ndarray,
+    grad: np.ndarray,
+    state: dict[str, np.ndarray],
+    *,
+    out: np.ndarray | None = None,
+    state_out: dict[str, np.ndarray] | None = None,
+    scratch: bool = False,
+) -> None:
     """Apply one gradient: the new value goes to ``out`` (default: ``value``, in place), and the
     optimizer's new slots to ``state_out`` (default: ``state``, in place).
 
@@ -77,8 +89,15 @@ def apply(opt: Optimizer, value: np.ndarray, grad: np.ndarray, state: dict[str, 
         _sgd(opt, value, grad, out, scratch)
     elif isinstance(opt, Adagrad):
         acc = state["accumulator"]
-        _adagrad(opt, value, grad, acc, acc if state_out is None else state_out["accumulator"],
-                 out, scratch)
+        _adagrad(
+            opt,
+            value,
+            grad,
+            acc,
+            acc if state_out is None else state_out["accumulator"],
+            out,
+            scratch,
+        )
     else:  # from_wire only builds the three above
         raise TypeError(f"no server-side math for optimizer {type(opt).__name__}")
 
@@ -99,8 +118,15 @@ def _sgd(opt: SGD, value: np.ndarray, grad: np.ndarray, out: np.ndarray, scratch
         np.subtract(value, step, out=out)
 
 
-def _adagrad(opt: Adagrad, value: np.ndarray, grad: np.ndarray, acc: np.ndarray,
-             acc_out: np.ndarray, out: np.ndarray, scratch: bool) -> None:
+def _adagrad(
+    opt: Adagrad,
+    value: np.ndarray,
+    grad: np.ndarray,
+    acc: np.ndarray,
+    acc_out: np.ndarray,
+    out: np.ndarray,
+    scratch: bool,
+) -> None:
     g = grad if scratch else grad.copy()
     tmp = np.empty_like(value)
     if opt.weight_decay:

@@ -94,8 +94,19 @@ _TMP_PREFIX = ".tmp-"
 #: The temporary files of safetensors' writer (Rust's ``tempfile``: ``.tmp`` + 6 characters).
 _FOREIGN_TMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 #: numpy dtype kind+size -> safetensors dtype name.
-_ST_DTYPES = {"f2": "F16", "f4": "F32", "f8": "F64", "i1": "I8", "i2": "I16", "i4": "I32",
-              "i8": "I64", "u1": "U8", "u2": "U16", "u4": "U32", "u8": "U64"}
+_ST_DTYPES = {
+    "f2": "F16",
+    "f4": "F32",
+    "f8": "F64",
+    "i1": "I8",
+    "i2": "I16",
+    "i4": "I32",
+    "i8": "I64",
+    "u1": "U8",
+    "u2": "U16",
+    "u4": "U32",
+    "u8": "U64",
+}
 _MAX_HEADER = 256 << 20
 #: Reads go in blocks of this size; the CRC of one block is computed (in a helper thread) while
 #: the next one is read.
@@ -146,13 +157,19 @@ class Snapshot:
         anyone who asks: ``path`` is the manifest's name in the data dir, never where the data
         dir is (the shard's log says that)."""
         m = self.manifest
-        return {"snapshot": m["snapshot"], "checkpoint": m.get("checkpoint"),
-                "created_at": m["created_at"], "state_version": m["state_version"],
-                "variables": len(m["variables"]), "bytes": m["values_bytes"],
-                "path": self.manifest_path.name}
+        return {
+            "snapshot": m["snapshot"],
+            "checkpoint": m.get("checkpoint"),
+            "created_at": m["created_at"],
+            "state_version": m["state_version"],
+            "variables": len(m["variables"]),
+            "bytes": m["values_bytes"],
+            "path": self.manifest_path.name,
+        }
 
 
 # -- listing ----------------------------------------------------------------------------------
+
 
 def list_snapshots(data_dir: Path) -> list[tuple[int, str | None, Path]]:
     """``(number, checkpoint, manifest path)`` of every manifest in ``data_dir``, oldest first
@@ -198,11 +215,14 @@ def clean(data_dir: Path) -> list[str]:
     values files whose manifest never appeared. Call it only while no snapshot is being
     written to ``data_dir``. Returns the names removed."""
     names = set(_entries(data_dir))
-    stems = {n[:-len(".json")] for n in names if _NAME_RE.fullmatch(n)}
+    stems = {n[: -len(".json")] for n in names if _NAME_RE.fullmatch(n)}
     removed = []
     for name in sorted(names):
-        orphan = name.endswith(".safetensors") and name.startswith("snapshot-") \
-            and name[:-len(".safetensors")] not in stems
+        orphan = (
+            name.endswith(".safetensors")
+            and name.startswith("snapshot-")
+            and name[: -len(".safetensors")] not in stems
+        )
         if is_temporary(name) or orphan:
             try:
                 os.unlink(data_dir / name)
@@ -245,9 +265,11 @@ def remove(data_dir: Path, manifests: list[Path]) -> list[str]:
 
 # -- writing ----------------------------------------------------------------------------------
 
+
 def _canonical(manifest: Mapping[str, Any]) -> bytes:
-    return json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False).encode()
+    return json.dumps(
+        manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode()
 
 
 def _crc(a: np.ndarray) -> int:
@@ -279,8 +301,14 @@ def tensor_key(index: int, slot: str) -> str:
     return f"t{index}" if slot == "value" else f"t{index}.{slot}"
 
 
-def write_snapshot(data_dir: Path, number: int, capture: Capture, *, incarnation: str,
-                   checkpoint: str | None = None) -> Snapshot:
+def write_snapshot(
+    data_dir: Path,
+    number: int,
+    capture: Capture,
+    *,
+    incarnation: str,
+    checkpoint: str | None = None,
+) -> Snapshot:
     """Write ``capture`` as snapshot ``number`` of ``data_dir`` (created if missing),
     atomically and durably (see the module). Blocks; returns the written snapshot.
 
@@ -368,6 +396,7 @@ def _os_error(exc: Exception) -> OSError:
 
 # -- reading ----------------------------------------------------------------------------------
 
+
 def _need(cond: bool, path: Path, message: str) -> None:
     if not cond:
         raise SnapshotError(f"{path.name}: {message}")
@@ -389,9 +418,12 @@ def read_manifest(path: Path) -> Snapshot:
         raise SnapshotError(f"{path.name}: not valid JSON (torn or corrupt: {exc})") from None
     _need(isinstance(manifest, dict), path, "not a JSON object")
     _need(manifest.get("format") == FORMAT, path, f"not a {FORMAT} manifest")
-    _need(manifest.get("format_version") == FORMAT_VERSION, path,
-          f"format version {manifest.get('format_version')!r}; this paramshard reads "
-          f"{FORMAT_VERSION}")
+    _need(
+        manifest.get("format_version") == FORMAT_VERSION,
+        path,
+        f"format version {manifest.get('format_version')!r}; this paramshard reads "
+        f"{FORMAT_VERSION}",
+    )
     checksum = manifest.pop("checksum", None)
     try:
         actual = zlib.crc32(_canonical(manifest))
@@ -400,9 +432,14 @@ def read_manifest(path: Path) -> Snapshot:
     _need(checksum == actual, path, "checksum mismatch (corrupt)")
     manifest["checksum"] = checksum
     m = _NAME_RE.fullmatch(path.name)
-    _need(m is not None and _is_int(manifest.get("snapshot"), 1)
-          and int(m.group(1)) == manifest["snapshot"] and m.group(2) == manifest.get("checkpoint"),
-          path, "file name and contents disagree")
+    _need(
+        m is not None
+        and _is_int(manifest.get("snapshot"), 1)
+        and int(m.group(1)) == manifest["snapshot"]
+        and m.group(2) == manifest.get("checkpoint"),
+        path,
+        "file name and contents disagree",
+    )
     for key in ("shard_index", "num_shards", "state_version", "values_bytes"):
         _need(_is_int(manifest.get(key)), path, f"bad {key!r}")
     _need(0 <= manifest["shard_index"] < manifest["num_shards"], path, "bad shard index")
@@ -429,21 +466,37 @@ def _check_variable(path: Path, name: str, meta: Any) -> None:
         raise SnapshotError(f"{path.name}: {where}: {exc.message}") from None
     _need(dtype.isnative, path, f"{where}: dtype {dtype.str} is not this machine's byte order")
     shape = meta.get("shape")
-    _need(isinstance(shape, list) and len(shape) <= wire.MAX_NDIM
-          and all(_is_int(d) for d in shape), path, f"{where}: bad shape")
-    _need(_is_int(meta.get("version")) and _is_int(meta.get("updates")), path,
-          f"{where}: bad version or update count")
+    _need(
+        isinstance(shape, list) and len(shape) <= wire.MAX_NDIM and all(_is_int(d) for d in shape),
+        path,
+        f"{where}: bad shape",
+    )
+    _need(
+        _is_int(meta.get("version")) and _is_int(meta.get("updates")),
+        path,
+        f"{where}: bad version or update count",
+    )
     tensors = meta.get("tensors")
-    _need(isinstance(tensors, dict) and "value" in tensors and all(
-        isinstance(t, dict) and isinstance(t.get("key"), str) and _is_int(t.get("crc32"))
-        for t in tensors.values()), path, f"{where}: bad 'tensors'")
+    _need(
+        isinstance(tensors, dict)
+        and "value" in tensors
+        and all(
+            isinstance(t, dict) and isinstance(t.get("key"), str) and _is_int(t.get("crc32"))
+            for t in tensors.values()
+        ),
+        path,
+        f"{where}: bad 'tensors'",
+    )
 
 
 def _values_header(snap: Snapshot, f: Any) -> tuple[dict[str, Any], int, int]:
     path = snap.values_path
     size = os.fstat(f.fileno()).st_size
-    _need(size == snap.manifest["values_bytes"], path,
-          f"{size} bytes, the manifest says {snap.manifest['values_bytes']} (truncated or torn)")
+    _need(
+        size == snap.manifest["values_bytes"],
+        path,
+        f"{size} bytes, the manifest says {snap.manifest['values_bytes']} (truncated or torn)",
+    )
     head = f.read(8)
     _need(len(head) == 8, path, "shorter than a safetensors header")
     (n,) = struct.unpack("<Q", head)
@@ -462,8 +515,11 @@ def _values_header(snap: Snapshot, f: Any) -> tuple[dict[str, Any], int, int]:
             continue
         _need(key not in tensors, path, f"corrupt safetensors header (two tensors {key!r})")
         tensors[key] = entry
-    _need(isinstance(meta, dict) and meta.get("paramshard_snapshot") == str(snap.number), path,
-          "belongs to another snapshot")
+    _need(
+        isinstance(meta, dict) and meta.get("paramshard_snapshot") == str(snap.number),
+        path,
+        "belongs to another snapshot",
+    )
     return tensors, 8 + n, size
 
 
@@ -478,8 +534,9 @@ class _Pairs(dict):
         self.pairs = pairs
 
 
-def _planned(snap: Snapshot, header: Mapping[str, Any], start: int, size: int
-             ) -> Iterator[tuple[str, str, np.dtype, tuple[int, ...], int, int]]:
+def _planned(
+    snap: Snapshot, header: Mapping[str, Any], start: int, size: int
+) -> Iterator[tuple[str, str, np.dtype, tuple[int, ...], int, int]]:
     """(variable, slot, dtype, shape, file offset, crc) of every array, checked against the
     safetensors header's tensors (key -> entry)."""
     path = snap.values_path
@@ -490,24 +547,36 @@ def _planned(snap: Snapshot, header: Mapping[str, Any], start: int, size: int
             _need(isinstance(entry, dict), path, f"no tensor {t['key']!r}")
             shape = entry.get("shape")
             offsets = entry.get("data_offsets")
-            _need(entry.get("dtype") == _ST_DTYPES[dtype.kind + str(dtype.itemsize)]
-                  or slot != "value", path, f"{t['key']!r}: dtype differs from the manifest")
-            _need(isinstance(shape, list) and all(_is_int(d) for d in shape)
-                  and (slot != "value" or shape == meta["shape"]), path,
-                  f"{t['key']!r}: shape differs from the manifest")
+            _need(
+                entry.get("dtype") == _ST_DTYPES[dtype.kind + str(dtype.itemsize)]
+                or slot != "value",
+                path,
+                f"{t['key']!r}: dtype differs from the manifest",
+            )
+            _need(
+                isinstance(shape, list)
+                and all(_is_int(d) for d in shape)
+                and (slot != "value" or shape == meta["shape"]),
+                path,
+                f"{t['key']!r}: shape differs from the manifest",
+            )
             st_dtype = {v: k for k, v in _ST_DTYPES.items()}.get(entry.get("dtype"))
             _need(st_dtype is not None, path, f"{t['key']!r}: unknown dtype")
             slot_dtype = np.dtype("<" + st_dtype if st_dtype[1] != "1" else "|" + st_dtype)
             nbytes = math.prod(shape) * slot_dtype.itemsize
-            _need(isinstance(offsets, list) and len(offsets) == 2
-                  and all(_is_int(o) for o in offsets) and offsets[1] - offsets[0] == nbytes
-                  and start + offsets[1] <= size, path,
-                  f"{t['key']!r}: data out of the file's bounds (truncated?)")
+            _need(
+                isinstance(offsets, list)
+                and len(offsets) == 2
+                and all(_is_int(o) for o in offsets)
+                and offsets[1] - offsets[0] == nbytes
+                and start + offsets[1] <= size,
+                path,
+                f"{t['key']!r}: data out of the file's bounds (truncated?)",
+            )
             yield name, slot, slot_dtype, tuple(shape), start + offsets[0], t["crc32"]
 
 
-def read_arrays(snap: Snapshot, *, mmap: bool = False
-                ) -> dict[str, dict[str, np.ndarray]]:
+def read_arrays(snap: Snapshot, *, mmap: bool = False) -> dict[str, dict[str, np.ndarray]]:
     """Every variable's arrays (``{"value": ..., slot: ...}``), each checked against its
     CRC-32. ``mmap=False`` reads them into fresh writable memory; ``mmap=True`` maps them
     read-only (for resharding: the kernel pages them in as they are used). Blocks. Raises
@@ -515,8 +584,10 @@ def read_arrays(snap: Snapshot, *, mmap: bool = False
     path = snap.values_path
     out: dict[str, dict[str, np.ndarray]] = {}
     try:
-        with open(path, "rb", buffering=0) as f, \
-                ThreadPoolExecutor(1, thread_name_prefix="paramshard-crc") as pool:
+        with (
+            open(path, "rb", buffering=0) as f,
+            ThreadPoolExecutor(1, thread_name_prefix="paramshard-crc") as pool,
+        ):
             header, start, size = _values_header(snap, f)
             for name, slot, dtype, shape, offset, crc in _planned(snap, header, start, size):
                 nbytes = math.prod(shape) * dtype.itemsize
@@ -533,25 +604,25 @@ def read_arrays(snap: Snapshot, *, mmap: bool = False
     return out
 
 
-def _read_checked(f: Any, offset: int, array: np.ndarray, path: Path,
-                  pool: ThreadPoolExecutor) -> int:
+def _read_checked(
+    f: Any, offset: int, array: np.ndarray, path: Path, pool: ThreadPoolExecutor
+) -> int:
     """Read ``array``'s bytes from ``offset``; return their CRC-32, computed block by block in
     ``pool`` while the next block is read."""
     view = memoryview(array.reshape(-1).view(np.uint8))
     f.seek(offset)
     pos, crc, pending = 0, 0, None
     while pos < len(view):
-        n = f.readinto(view[pos:pos + _READ_BLOCK])
+        n = f.readinto(view[pos : pos + _READ_BLOCK])
         _need(bool(n), path, "ends early (truncated)")
         if pending is not None:
             crc = pending.result()
-        pending = pool.submit(zlib.crc32, view[pos:pos + n], crc)
+        pending = pool.submit(zlib.crc32, view[pos : pos + n], crc)
         pos += n
     return pending.result() if pending is not None else 0
 
 
-def to_variables(snap: Snapshot, arrays: Mapping[str, Mapping[str, np.ndarray]]
-                 ) -> list[Variable]:
+def to_variables(snap: Snapshot, arrays: Mapping[str, Mapping[str, np.ndarray]]) -> list[Variable]:
     """The store's variables from a snapshot's manifest and arrays (optimizer specs and slots
     checked). Raises :class:`SnapshotError`."""
     path = snap.manifest_path
@@ -564,21 +635,35 @@ def to_variables(snap: Snapshot, arrays: Mapping[str, Mapping[str, np.ndarray]]
         value = arrays[name]["value"]
         state = {k: a for k, a in arrays[name].items() if k != "value"}
         expected = optim.init_state(opt, np.zeros((1,), value.dtype))
-        _need(set(state) == set(expected), path,
-              f"{name!r}: optimizer slots {sorted(state)}, expected {sorted(expected)}")
+        _need(
+            set(state) == set(expected),
+            path,
+            f"{name!r}: optimizer slots {sorted(state)}, expected {sorted(expected)}",
+        )
         for slot, a in state.items():
             want = value.shape if expected[slot].shape == (1,) else expected[slot].shape
-            _need(a.shape == want and a.dtype == expected[slot].dtype, path,
-                  f"{name!r}: slot {slot!r} has shape {a.shape} dtype {a.dtype}")
+            _need(
+                a.shape == want and a.dtype == expected[slot].dtype,
+                path,
+                f"{name!r}: slot {slot!r} has shape {a.shape} dtype {a.dtype}",
+            )
         created = meta.get("created_at")
         last = meta.get("last_update")
         writer = meta.get("last_writer")
-        out.append(Variable(
-            name=name, value=value, optimizer=opt, state=dict(state), kind=meta["kind"],
-            version=meta["version"], updates=meta["updates"],
-            created_at=float(created) if isinstance(created, (int, float)) else time.time(),
-            last_update=float(last) if isinstance(last, (int, float)) else None,
-            last_writer=writer if isinstance(writer, str) else None))
+        out.append(
+            Variable(
+                name=name,
+                value=value,
+                optimizer=opt,
+                state=dict(state),
+                kind=meta["kind"],
+                version=meta["version"],
+                updates=meta["updates"],
+                created_at=float(created) if isinstance(created, (int, float)) else time.time(),
+                last_update=float(last) if isinstance(last, (int, float)) else None,
+                last_writer=writer if isinstance(writer, str) else None,
+            )
+        )
     return out
 
 
@@ -593,8 +678,9 @@ class Restorable:
     seconds: float
 
 
-def find_restorable(data_dir: Path, shard_index: int, num_shards: int,
-                    checkpoint: str | None = None) -> Restorable | None:
+def find_restorable(
+    data_dir: Path, shard_index: int, num_shards: int, checkpoint: str | None = None
+) -> Restorable | None:
     """The newest snapshot in ``data_dir`` that validates, read in full; ``None`` if there is
     no snapshot at all. Each one skipped is logged as a warning (and listed in ``skipped``).
 
@@ -603,14 +689,16 @@ def find_restorable(data_dir: Path, shard_index: int, num_shards: int,
     snapshots exist but none validates (starting empty would silently drop the state).
     """
     started = time.perf_counter()
-    candidates = [(n, c, p) for n, c, p in list_snapshots(data_dir)
-                  if checkpoint is None or c == checkpoint]
+    candidates = [
+        (n, c, p) for n, c, p in list_snapshots(data_dir) if checkpoint is None or c == checkpoint
+    ]
     if not candidates:
         if checkpoint is not None:
             raise SnapshotMismatch(
                 f"{data_dir} has no snapshot of checkpoint {checkpoint!r}: check the id "
                 "(ps.checkpoint() returned it), or start without --restore to use the newest "
-                "snapshot")
+                "snapshot"
+            )
         return None
     skipped = []
     for _, _, manifest_path in reversed(candidates):
@@ -622,7 +710,8 @@ def find_restorable(data_dir: Path, shard_index: int, num_shards: int,
                     f"{manifest_path} holds shard {m['shard_index']} of a {m['num_shards']}-"
                     f"shard fleet, but this is shard {shard_index} of {num_shards}: start it "
                     f"with --shard-index {m['shard_index']} --num-shards {m['num_shards']}, "
-                    "give it another --data-dir, or reshard the checkpoint (paramshard reshard)")
+                    "give it another --data-dir, or reshard the checkpoint (paramshard reshard)"
+                )
             arrays = read_arrays(snap)
             variables = to_variables(snap, arrays)
             try:
@@ -637,4 +726,5 @@ def find_restorable(data_dir: Path, shard_index: int, num_shards: int,
     raise SnapshotMismatch(
         f"none of the {len(candidates)} snapshot(s) in {data_dir} validates ({'; '.join(skipped)})"
         ": move the damaged files away to start from an older copy, or move them all away to "
-        "start empty")
+        "start empty"
+    )

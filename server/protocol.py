@@ -88,9 +88,21 @@ from .headers import request_headers
 from .readguard import BODY, DEFAULT_LIMITS, HEAD, IDLE, INVALID, EdgeLimits, ReadGuard
 from .upstream import HIGH_WATER_LIMIT, HttpToolsProtocol, new_parser
 
-__all__ = ["ANSWER_BELOW", "Answerer", "BODY_INTO", "BYPASS_BELOW", "GATHER", "IMMEDIATE",
-           "BodyInto", "BodyPieces", "Gathered", "Immediate", "ShardHttpProtocol", "gathers",
-           "protocol_class"]
+__all__ = [
+    "ANSWER_BELOW",
+    "BODY_INTO",
+    "BYPASS_BELOW",
+    "GATHER",
+    "IMMEDIATE",
+    "Answerer",
+    "BodyInto",
+    "BodyPieces",
+    "Gathered",
+    "Immediate",
+    "ShardHttpProtocol",
+    "gathers",
+    "protocol_class",
+]
 
 #: Bodies with at least this many bytes still to come, once the head is parsed, bypass the
 #: parser; smaller ones are not worth it.
@@ -116,8 +128,9 @@ class Immediate:
 
     __slots__ = ("headers", "chunks", "nbytes")
 
-    def __init__(self, headers: list[tuple[bytes, bytes]], chunks: Sequence[Any],
-                 nbytes: int) -> None:
+    def __init__(
+        self, headers: list[tuple[bytes, bytes]], chunks: Sequence[Any], nbytes: int
+    ) -> None:
         self.headers = headers
         self.chunks = chunks
         self.nbytes = nbytes
@@ -172,8 +185,7 @@ class BodyInto:
         #: Called with :attr:`received` each time more of the body is in the buffer.
         self.watch: Callable[[int], None] | None = None
 
-    def receive_into(self, buffer: memoryview,
-                     watch: Callable[[int], None] | None = None) -> bool:
+    def receive_into(self, buffer: memoryview, watch: Callable[[int], None] | None = None) -> bool:
         """Have the body written into ``buffer`` (writable, C-contiguous bytes, exactly
         :attr:`size` long). Returns False, and changes nothing, when that cannot be done (no
         more of the body bypasses the parser, or the app received some of it already): read
@@ -235,8 +247,6 @@ def _vectored(transport: asyncio.BaseTransport) -> bool:
     return type(transport).__module__.startswith("uvloop")
 
 
-
-
 def protocol_class(limits: EdgeLimits = DEFAULT_LIMITS) -> type[asyncio.Protocol]:
     """What to give uvicorn as ``http``: :class:`ShardHttpProtocol` when httptools is
     installed, else :class:`server.readguard.GuardedH11Protocol` (uvicorn's pure-Python
@@ -244,6 +254,7 @@ def protocol_class(limits: EdgeLimits = DEFAULT_LIMITS) -> type[asyncio.Protocol
     limits.max_head_bytes`` too, for h11)."""
     if HttpToolsProtocol is None:
         from .readguard import GuardedH11Protocol
+
         base: type[asyncio.Protocol] = GuardedH11Protocol
     else:
         base = ShardHttpProtocol
@@ -311,8 +322,10 @@ if HttpToolsProtocol is not None:
 
         def on_headers_complete(self) -> None:
             self._enter(BODY)
-            if self._head_high > self.limits.max_head_bytes \
-                    and self._head_size() > self.limits.max_head_bytes:
+            if (
+                self._head_high > self.limits.max_head_bytes
+                and self._head_size() > self.limits.max_head_bytes
+            ):
                 self._head_refused = True
                 raise _HeadTooLarge()
             if self._answerers:
@@ -329,17 +342,27 @@ if HttpToolsProtocol is not None:
             no response under way or held back, nothing else asked of the protocol (no
             ``Expect``, upgrade or chunked body), and no access log to write."""
             parser = self.parser
-            if parser.get_method() != b"POST" or self.access_log or self.expect_100_continue \
-                    or self.flow.write_paused or parser.should_upgrade() \
-                    or parser.get_http_version() != "1.1" or not parser.should_keep_alive():
+            if (
+                parser.get_method() != b"POST"
+                or self.access_log
+                or self.expect_100_continue
+                or self.flow.write_paused
+                or parser.should_upgrade()
+                or parser.get_http_version() != "1.1"
+                or not parser.should_keep_alive()
+            ):
                 return False
             cycle = self.cycle
             if cycle is not None and not cycle.response_complete:
                 return False
             headers = self._request_headers()
             length = headers.get(b"content-length")
-            return length is not None and b"transfer-encoding" not in headers \
-                and length.isdigit() and int(length) < ANSWER_BELOW
+            return (
+                length is not None
+                and b"transfer-encoding" not in headers
+                and length.isdigit()
+                and int(length) < ANSWER_BELOW
+            )
 
         def _request_headers(self) -> dict[bytes, bytes]:
             """The current request's headers as :func:`server.headers.request_headers` makes
@@ -351,8 +374,7 @@ if HttpToolsProtocol is not None:
             try:
                 answer = answerer(self._request_headers(), body)
             except Exception:
-                logger.exception("answering %s immediately failed; handing it to the app",
-                                 self.url)
+                logger.exception("answering %s immediately failed; handing it to the app", self.url)
                 answer = None
             if answer is None:  # to the app, as if the parser had only now reached each part
                 self._usual_headers_complete()
@@ -375,8 +397,11 @@ if HttpToolsProtocol is not None:
             cycle = self.cycle
             # A new request cycle (not for an upgrade, which makes none), whose response has
             # a body message to join the head to:
-            if cycle is not previous and self.scope["method"] != "HEAD" \
-                    and not self.expect_100_continue:
+            if (
+                cycle is not previous
+                and self.scope["method"] != "HEAD"
+                and not self.expect_100_continue
+            ):
                 cycle.transport = _HeadWithBody(self.transport)  # fewer writes (see there)
                 extensions = self.scope.get("extensions")
                 if extensions is None:
@@ -405,8 +430,7 @@ if HttpToolsProtocol is not None:
             if self._announced is not None:
                 self._announced -= len(body)
             cycle = self.cycle
-            if (self.parser.should_upgrade() and self._should_upgrade()) \
-                    or cycle.response_complete:
+            if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
                 return
             self._hand_on(body)
 
@@ -428,16 +452,22 @@ if HttpToolsProtocol is not None:
                 self._head_high += size
             self._read = size
             self._take(data)
-            if self._phase == HEAD and self._head_low > self.limits.max_head_bytes \
-                    and not self.transport.is_closing():
+            if (
+                self._phase == HEAD
+                and self._head_low > self.limits.max_head_bytes
+                and not self.transport.is_closing()
+            ):
                 self._refuse_head()
             self._guard_read()
 
         def _refuse_head(self) -> None:
             limit = self.limits.max_head_bytes
-            self._refuse(f"the request head is above {limit} bytes (--max-head-bytes): send "
-                         "fewer or shorter headers, or a shorter URL", {"limit": limit},
-                         self._data_plane())
+            self._refuse(
+                f"the request head is above {limit} bytes (--max-head-bytes): send "
+                "fewer or shorter headers, or a shorter URL",
+                {"limit": limit},
+                self._data_plane(),
+            )
 
         def _data_plane(self) -> bool:
             """Whether the request being parsed is ``POST /v1/...`` (as far as it is known)."""
@@ -480,16 +510,21 @@ if HttpToolsProtocol is not None:
             """:meth:`BodyInto.receive_into`: move what the app has not received yet into
             ``buffer`` and switch the transport to :class:`_DirectReader` for the rest."""
             cycle = into._cycle
-            if (self.cycle is not cycle or not self._bypass or self._into is not None
-                    or cycle.response_complete or cycle.disconnected):
+            if (
+                self.cycle is not cycle
+                or not self._bypass
+                or self._into is not None
+                or cycle.response_complete
+                or cycle.disconnected
+            ):
                 return False
             pending = cycle.body
             arrived = into.size - self._bypass
             if len(pending) != arrived:
                 return False  # the app received some of the body already
             pos = 0
-            for piece in (pending.pieces if type(pending) is BodyPieces else (pending,)):
-                buffer[pos:pos + len(piece)] = piece
+            for piece in pending.pieces if type(pending) is BodyPieces else (pending,):
+                buffer[pos : pos + len(piece)] = piece
                 pos += len(piece)
             cycle.body = bytearray()
             into.received = arrived
@@ -500,7 +535,7 @@ if HttpToolsProtocol is not None:
             return True
 
         def _direct_get_buffer(self) -> memoryview:
-            return self._into_buffer[self._into.received:]  # type: ignore[index, union-attr]
+            return self._into_buffer[self._into.received :]  # type: ignore[index, union-attr]
 
         def _direct_received(self, nbytes: int) -> None:
             self._got += nbytes
@@ -616,4 +651,3 @@ if HttpToolsProtocol is not None:
 
         def resume_writing(self) -> None:
             self.http.resume_writing()
-

@@ -76,8 +76,14 @@ DEFAULT_LIMITS = EdgeLimits()
 IDLE, HEAD, BODY = 0, 1, 2
 
 
-def error_bytes(status: int, code: str, message: str, details: dict[str, Any],
-                data_plane: bool, default_headers: Any = ()) -> bytes:
+def error_bytes(
+    status: int,
+    code: str,
+    message: str,
+    details: dict[str, Any],
+    data_plane: bool,
+    default_headers: Any = (),
+) -> bytes:
     """A whole error response that closes its connection, in the protocol's error format
     (``{"error": {...}}``, msgpack when ``data_plane`` else JSON), for the HTTP layer, which
     answers before any app does."""
@@ -90,8 +96,10 @@ def error_bytes(status: int, code: str, message: str, details: dict[str, Any],
     head = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
     for name, value in default_headers:
         head += (name, b": ", value, b"\r\n")
-    head.append(b"content-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-                % (ctype.encode(), len(body)))
+    head.append(
+        b"content-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+        % (ctype.encode(), len(body))
+    )
     return b"".join(head) + body
 
 
@@ -164,18 +172,20 @@ class ReadGuard:
             return
         limits = self.limits
         if phase == HEAD:
-            self._cut(f"its request head was not complete after {limits.head_timeout:g}s "
-                      "(--head-timeout)")
+            self._cut(
+                f"its request head was not complete after {limits.head_timeout:g}s (--head-timeout)"
+            )
             return
-        if self.flow.read_paused or self.flow.paused_since_look \
-                or self._waits_for_continue():  # type: ignore[attr-defined]
+        if self.flow.read_paused or self.flow.paused_since_look or self._waits_for_continue():  # type: ignore[attr-defined]
             self._arm()  # the shard was not reading, or the client waits for it
             return
         need = max(1, int(limits.min_body_rate * limits.body_timeout))
         if self._got - self._mark < need:
-            self._cut(f"its request body brought {self._got - self._mark} bytes in "
-                      f"{limits.body_timeout:g}s, fewer than {need} (--body-timeout, "
-                      "--min-body-rate)")
+            self._cut(
+                f"its request body brought {self._got - self._mark} bytes in "
+                f"{limits.body_timeout:g}s, fewer than {need} (--body-timeout, "
+                "--min-body-rate)"
+            )
             return
         self._arm()
 
@@ -194,8 +204,9 @@ class ReadGuard:
         self._guard_lost()
         headers = getattr(getattr(self, "server_state", None), "default_headers", ())
         if not self.transport.is_closing():
-            self.transport.write(error_bytes(400, "bad_request", message, details, data_plane,
-                                             headers))
+            self.transport.write(
+                error_bytes(400, "bad_request", message, details, data_plane, headers)
+            )
             self.transport.close()
 
 
@@ -205,8 +216,10 @@ def _peer(client: Any) -> str:
     return "a client"
 
 
-INVALID = ("the request is not valid HTTP/1.1 (malformed request line, header or body "
-           "framing): fix the client")
+INVALID = (
+    "the request is not valid HTTP/1.1 (malformed request line, header or body "
+    "framing): fix the client"
+)
 
 
 class GuardedH11Protocol(ReadGuard, H11Protocol):
@@ -256,11 +269,13 @@ class GuardedH11Protocol(ReadGuard, H11Protocol):
         self._guard_read()
 
     def send_400_response(self, msg: str) -> None:
-        too_big = self._head_refused \
-            or len(self.conn.trailing_data[0]) > self.limits.max_head_bytes
+        too_big = self._head_refused or len(self.conn.trailing_data[0]) > self.limits.max_head_bytes
         if too_big:
-            self._refuse(f"the request head is above {self.limits.max_head_bytes} bytes "
-                         "(--max-head-bytes): send fewer or shorter headers",
-                         {"limit": self.limits.max_head_bytes}, False)
+            self._refuse(
+                f"the request head is above {self.limits.max_head_bytes} bytes "
+                "(--max-head-bytes): send fewer or shorter headers",
+                {"limit": self.limits.max_head_bytes},
+                False,
+            )
         else:
             self._refuse(INVALID, {}, False)

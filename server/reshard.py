@@ -54,8 +54,9 @@ def shard_dir(root: Path, index: int) -> Path:
     return root / f"shard-{index}"
 
 
-def _choose(sources: list[Path], checkpoint: str | None, latest: bool
-            ) -> list[persistence.Snapshot]:
+def _choose(
+    sources: list[Path], checkpoint: str | None, latest: bool
+) -> list[persistence.Snapshot]:
     for d in sources:
         if not d.is_dir():
             raise ReshardError(f"--from {d}: no such directory")
@@ -83,7 +84,8 @@ def _choose(sources: list[Path], checkpoint: str | None, latest: bool
             raise ReshardError(
                 "the --from directories hold no fleet checkpoint in common: take one with "
                 "ps.checkpoint() (or pass --checkpoint ID), or pass --latest to use each "
-                "directory's newest snapshot (right after stopping the whole fleet cleanly)")
+                "directory's newest snapshot (right after stopping the whole fleet cleanly)"
+            )
         newest = {}
         for d in sources:
             for n, c, _ in persistence.list_snapshots(d):
@@ -98,48 +100,66 @@ def _choose(sources: list[Path], checkpoint: str | None, latest: bool
         try:
             chosen.append(persistence.read_manifest(paths[-1]))
         except persistence.SnapshotError as exc:
-            raise ReshardError(f"--from {d}: the snapshot of checkpoint {checkpoint!r} is "
-                               f"damaged: {exc}") from None
+            raise ReshardError(
+                f"--from {d}: the snapshot of checkpoint {checkpoint!r} is damaged: {exc}"
+            ) from None
     return chosen
 
 
 def _check_fleet(sources: list[Path], snaps: list[persistence.Snapshot]) -> int:
     sizes = {s.manifest["num_shards"] for s in snaps}
     if len(sizes) != 1:
-        raise ReshardError(f"the --from snapshots come from fleets of different sizes "
-                           f"{sorted(sizes)}: give the data dirs of one fleet")
+        raise ReshardError(
+            f"the --from snapshots come from fleets of different sizes "
+            f"{sorted(sizes)}: give the data dirs of one fleet"
+        )
     n = sizes.pop()
     seen: dict[int, Path] = {}
     for d, s in zip(sources, snaps):
         i = s.manifest["shard_index"]
         if i in seen:
-            raise ReshardError(f"{seen[i]} and {d} both hold shard {i}: give each shard's data "
-                               "dir once")
+            raise ReshardError(
+                f"{seen[i]} and {d} both hold shard {i}: give each shard's data dir once"
+            )
         seen[i] = d
     missing = sorted(set(range(n)) - set(seen))
     if missing:
-        raise ReshardError(f"the fleet had {n} shards but shard(s) {missing} are missing from "
-                           "--from: give the data dir of every shard")
+        raise ReshardError(
+            f"the fleet had {n} shards but shard(s) {missing} are missing from "
+            "--from: give the data dir of every shard"
+        )
     return n
 
 
-def reshard(sources: list[Path], dest: Path, num_shards: int, *,
-            checkpoint: str | None = None, latest: bool = False) -> ReshardResult:
+def reshard(
+    sources: list[Path],
+    dest: Path,
+    num_shards: int,
+    *,
+    checkpoint: str | None = None,
+    latest: bool = False,
+) -> ReshardResult:
     """Rewrite the chosen snapshots of ``sources`` as a ``num_shards``-shard checkpoint under
     ``dest`` (see the module). Raises :class:`ReshardError`; ``OSError`` if the disk refuses."""
     started = time.perf_counter()
     if num_shards < 1:
         raise ReshardError(f"--shards must be >= 1, got {num_shards}")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise ReshardError(f"--to {dest} exists and is not an empty directory: choose a new one "
-                           "(resharding never overwrites snapshots)")
+        raise ReshardError(
+            f"--to {dest} exists and is not an empty directory: choose a new one "
+            "(resharding never overwrites snapshots)"
+        )
     if checkpoint is not None and persistence.checkpoint_id_error(checkpoint):
-        raise ReshardError(f"--checkpoint {checkpoint!r}: "
-                           f"{persistence.checkpoint_id_error(checkpoint)}")
+        raise ReshardError(
+            f"--checkpoint {checkpoint!r}: {persistence.checkpoint_id_error(checkpoint)}"
+        )
     snaps = _choose(sources, checkpoint, latest)
     _check_fleet(sources, snaps)
-    label = checkpoint or (snaps[0].checkpoint if not latest else None) \
+    label = (
+        checkpoint
+        or (snaps[0].checkpoint if not latest else None)
         or time.strftime("reshard-%Y%m%dT%H%M%SZ", time.gmtime())
+    )
 
     plans: list[dict[str, tuple[dict[str, Any], Any]]] = [{} for _ in range(num_shards)]
     tables = []
@@ -160,10 +180,20 @@ def reshard(sources: list[Path], dest: Path, num_shards: int, *,
     taken_at = max(s.manifest["created_at"] for s in snaps)
     written = []
     for j, variables in enumerate(plans):
-        capture = Capture(shard_index=j, num_shards=num_shards,
-                          state_version=sum(meta["version"] for meta, _ in variables.values()),
-                          mutations=0, variables=variables, dedup=dedup, taken_at=taken_at)
-        written.append(persistence.write_snapshot(shard_dir(dest, j), 1, capture,
-                                                  incarnation="reshard", checkpoint=label))
-    return ReshardResult(label, len(snaps), written, sum(len(p) for p in plans),
-                         time.perf_counter() - started)
+        capture = Capture(
+            shard_index=j,
+            num_shards=num_shards,
+            state_version=sum(meta["version"] for meta, _ in variables.values()),
+            mutations=0,
+            variables=variables,
+            dedup=dedup,
+            taken_at=taken_at,
+        )
+        written.append(
+            persistence.write_snapshot(
+                shard_dir(dest, j), 1, capture, incarnation="reshard", checkpoint=label
+            )
+        )
+    return ReshardResult(
+        label, len(snaps), written, sum(len(p) for p in plans), time.perf_counter() - started
+    )

@@ -40,8 +40,11 @@ MAX_LEASE = 600.0
 router = APIRouter(prefix="/v1", tags=["fleet checkpoints (msgpack)"])
 
 _DOC = {
-    "requestBody": {"required": True, "description": "one msgpack map; see docs/PROTOCOL.md",
-                    "content": {wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}}}},
+    "requestBody": {
+        "required": True,
+        "description": "one msgpack map; see docs/PROTOCOL.md",
+        "content": {wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}}},
+    },
     "responses": {"200": {"description": "msgpack map", "content": {wire.MSGPACK: {}}}},
 }
 
@@ -50,12 +53,19 @@ async def _message(request: Request, verb: str) -> dict[str, Any]:
     content_type = request.headers.get("content-type", "")
     kind = content_type.split(";")[0].strip().lower()
     if kind not in (wire.MSGPACK, wire.FRAME):
-        raise ShardError("unsupported_media_type", f"unsupported Content-Type {content_type!r}: "
-                         f"send {wire.MSGPACK}", {"content_type": content_type})
+        raise ShardError(
+            "unsupported_media_type",
+            f"unsupported Content-Type {content_type!r}: send {wire.MSGPACK}",
+            {"content_type": content_type},
+        )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY:
-        raise ShardError("too_large", f"{verb}: a body of {declared} bytes is above the "
-                         f"{MAX_BODY} bytes a control message may have", {"limit": MAX_BODY})
+        raise ShardError(
+            "too_large",
+            f"{verb}: a body of {declared} bytes is above the "
+            f"{MAX_BODY} bytes a control message may have",
+            {"limit": MAX_BODY},
+        )
     body = await request.body()
     if len(body) > MAX_BODY:
         raise ShardError("too_large", f"{verb}: body above {MAX_BODY} bytes", {"limit": MAX_BODY})
@@ -63,8 +73,9 @@ async def _message(request: Request, verb: str) -> dict[str, Any]:
     if kind == wire.FRAME:  # no tensors: the body ends with its header
         wire.check_end(body, wire.header_end(body))
     if not isinstance(msg, dict):
-        raise ShardError("bad_request", f"{verb}: the body must be a msgpack map, got "
-                         f"{type(msg).__name__}")
+        raise ShardError(
+            "bad_request", f"{verb}: the body must be a msgpack map, got {type(msg).__name__}"
+        )
     return msg
 
 
@@ -75,8 +86,11 @@ def _checkpoint(msg: dict[str, Any], verb: str, required: bool = True) -> str | 
     problem = checkpoint_id_error(checkpoint)
     if problem is not None:
         shown = repr(checkpoint) if isinstance(checkpoint, str) else type(checkpoint).__name__
-        raise ShardError("bad_request", f"{verb}: field 'checkpoint' must be set: {problem}; "
-                         f"got {shown}", {"field": "checkpoint"})
+        raise ShardError(
+            "bad_request",
+            f"{verb}: field 'checkpoint' must be set: {problem}; got {shown}",
+            {"field": "checkpoint"},
+        )
     return checkpoint
 
 
@@ -97,14 +111,26 @@ async def pause(request: Request) -> Response:
     lease = msg.get("lease", DEFAULT_LEASE)
     if lease is None:
         lease = DEFAULT_LEASE
-    if isinstance(lease, bool) or not isinstance(lease, (int, float)) \
-            or not math.isfinite(lease) or not 0 < lease <= MAX_LEASE:
-        raise ShardError("bad_request", f"pause: field 'lease' must be seconds in "
-                         f"(0, {MAX_LEASE:g}], got {lease!r}", {"field": "lease"})
+    if (
+        isinstance(lease, bool)
+        or not isinstance(lease, (int, float))
+        or not math.isfinite(lease)
+        or not 0 < lease <= MAX_LEASE
+    ):
+        raise ShardError(
+            "bad_request",
+            f"pause: field 'lease' must be seconds in (0, {MAX_LEASE:g}], got {lease!r}",
+            {"field": "lease"},
+        )
     _durability(request).require()  # before anything is paused
     await request.app.state.gate.pause(checkpoint, float(lease))
-    return _reply({"checkpoint": checkpoint, "paused": True,
-                   "state_version": request.app.state.store.state_version})
+    return _reply(
+        {
+            "checkpoint": checkpoint,
+            "paused": True,
+            "state_version": request.app.state.store.state_version,
+        }
+    )
 
 
 @router.post("/snapshot", openapi_extra=_DOC)
@@ -122,10 +148,13 @@ async def snapshot(request: Request) -> Response:
         except (OSError, asyncio.TimeoutError) as exc:
             raise _write_failed(exc) from None
     if gate.paused_for != checkpoint:
-        raise ShardError("conflict", f"snapshot: this shard is not paused for checkpoint "
-                         f"{checkpoint!r} (paused for: {gate.paused_for!r}); send /v1/pause "
-                         "first (its lease may have run out: use a longer one)",
-                         {"paused_for": gate.paused_for})
+        raise ShardError(
+            "conflict",
+            f"snapshot: this shard is not paused for checkpoint "
+            f"{checkpoint!r} (paused for: {gate.paused_for!r}); send /v1/pause "
+            "first (its lease may have run out: use a longer one)",
+            {"paused_for": gate.paused_for},
+        )
     if durability.checkpoint_write(checkpoint) is None:  # a retry must not capture twice
         try:
             await durability.begin_snapshot(checkpoint, reason="checkpoint")
@@ -157,14 +186,20 @@ def _write_failed(exc: Exception) -> ShardError:
     strerror but not the data dir's path), or writes being applied did not finish in time."""
     if isinstance(exc, OSError):
         problem = os.strerror(exc.errno) if exc.errno else str(exc) or type(exc).__name__
-        return ShardError("unavailable", f"writing the snapshot to the data dir failed "
-                          f"({problem}): the shard's operator must check its disk (space, "
-                          "permissions; the shard's log names the directory); retry later",
-                          {"reason": "cannot_persist", "error": problem,
-                           "errno": exc.errno}, headers={"Retry-After": "1"})
-    return ShardError("unavailable", "the snapshot could not be captured: writes being applied "
-                      "did not finish in time; retry", {"reason": "busy"},
-                      headers={"Retry-After": "1"})
+        return ShardError(
+            "unavailable",
+            f"writing the snapshot to the data dir failed "
+            f"({problem}): the shard's operator must check its disk (space, "
+            "permissions; the shard's log names the directory); retry later",
+            {"reason": "cannot_persist", "error": problem, "errno": exc.errno},
+            headers={"Retry-After": "1"},
+        )
+    return ShardError(
+        "unavailable",
+        "the snapshot could not be captured: writes being applied did not finish in time; retry",
+        {"reason": "busy"},
+        headers={"Retry-After": "1"},
+    )
 
 
 @router.get("/checkpoints", tags=["fleet checkpoints (JSON)"])
@@ -181,7 +216,10 @@ async def delete_checkpoint(request: Request, checkpoint: str) -> dict[str, Any]
     names]}`; 404 if it holds none, 409 if it is the shard's newest snapshot."""
     problem = checkpoint_id_error(checkpoint)
     if problem is not None:
-        raise ShardError("bad_request", f"DELETE /v1/checkpoints/{{id}}: {problem}; got "
-                         f"{checkpoint[:80]!r}", {"field": "checkpoint"})
+        raise ShardError(
+            "bad_request",
+            f"DELETE /v1/checkpoints/{{id}}: {problem}; got {checkpoint[:80]!r}",
+            {"field": "checkpoint"},
+        )
     removed = await _durability(request).delete_checkpoint(checkpoint)
     return {"checkpoint": checkpoint, "removed": removed}

@@ -20,16 +20,16 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Request
 from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from client_sdk import wire
 
 from .dedup import MAX_SEQ
 from .errors import ShardError
 from .headers import header
-from .scan import SCAN_FROM, FiniteScan, finite_rows
 from .protocol import BODY_INTO, Gathered, gathers
+from .scan import SCAN_FROM, FiniteScan, finite_rows
 from .store import COUNTER_KINDS, MAX_WAIT_SECONDS, ParameterStore
 
 __all__ = ["COALESCE_BELOW", "EncodedResponse", "coalesce", "pull_now", "read_body", "router"]
@@ -38,14 +38,18 @@ _BODY_DOC = {
     "requestBody": {
         "required": True,
         "description": "One msgpack map (application/msgpack) or a framed body "
-                       "(application/x-paramshard-frame); see docs/PROTOCOL.md.",
+        "(application/x-paramshard-frame); see docs/PROTOCOL.md.",
         "content": {
             wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}},
             wire.FRAME: {"schema": {"type": "string", "format": "binary"}},
         },
     },
-    "responses": {"200": {"description": "msgpack (or framed) map",
-                          "content": {wire.MSGPACK: {}, wire.FRAME: {}}}},
+    "responses": {
+        "200": {
+            "description": "msgpack (or framed) map",
+            "content": {wire.MSGPACK: {}, wire.FRAME: {}},
+        }
+    },
 }
 
 router = APIRouter(prefix="/v1", tags=["data plane (msgpack)"])
@@ -80,15 +84,20 @@ class EncodedResponse(Response):
         ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
         if scope.get("method") == "HEAD" or not self.encoded.nbytes:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         if gathers(scope):  # the server writes the pieces as they are
-            await send({"type": "http.response.body",
-                        "body": Gathered(self.encoded.chunks, self.encoded.nbytes),
-                        "more_body": False})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": Gathered(self.encoded.chunks, self.encoded.nbytes),
+                    "more_body": False,
+                }
+            )
             return
         pieces = coalesce(self.encoded.chunks)
         last = len(pieces) - 1
@@ -116,24 +125,25 @@ def coalesce(chunks: list[wire.Buffer], below: int = COALESCE_BELOW) -> list[wir
     return out
 
 
-async def read_body(request: Request, limit: int, scan: bool = False
-                    ) -> tuple[wire.Buffer, str]:
+async def read_body(request: Request, limit: int, scan: bool = False) -> tuple[wire.Buffer, str]:
     """The request body in one buffer, and its content type.
 
     A body that arrives in one piece is that piece (``bytes``); a longer one goes into one
     writable buffer of ``Content-Length`` bytes (``np.empty`` memory: a ``bytearray`` would be
     zero-filled first, which costs as much as the copy): written there by the socket itself
     when the server offers it (:class:`server.protocol.BodyInto`), else copied piece by piece
-    as the server hands them over. 415 for a content type that is neither msgpack nor frame (before reading); 413
-    for a declared ``Content-Length`` above ``limit`` (before reading) or, without one, as soon
-    as the bytes received pass ``limit``; 400 for a body that ends early or runs long.
+    as the server hands them over. 415 for a content type that is neither msgpack nor frame (before
+    reading); 413 for a declared ``Content-Length`` above ``limit`` (before reading) or, without
+    one, as soon as the bytes received pass ``limit``; 400 for a body that ends early or runs long.
     """
     content_type = header(request.scope, b"content-type", "")
     kind = content_type.split(";")[0].strip().lower()
     if kind not in (wire.MSGPACK, wire.FRAME):
-        raise ShardError("unsupported_media_type",
-                         f"unsupported Content-Type {content_type!r}: send {wire.MSGPACK} "
-                         f"or {wire.FRAME}", {"content_type": content_type})
+        raise ShardError(
+            "unsupported_media_type",
+            f"unsupported Content-Type {content_type!r}: send {wire.MSGPACK} or {wire.FRAME}",
+            {"content_type": content_type},
+        )
     declared = header(request.scope, b"content-length")
     try:
         if declared is not None:
@@ -153,8 +163,9 @@ async def read_body(request: Request, limit: int, scan: bool = False
                 raise _too_large(len(grown), limit, partial=True)
         return grown, kind
     except ClientDisconnect:
-        raise ShardError("bad_request", "the client went away before sending the whole body") \
-            from None
+        raise ShardError(
+            "bad_request", "the client went away before sending the whole body"
+        ) from None
 
 
 async def _read_sized(request: Request, size: int, scan: bool = False) -> wire.Buffer:
@@ -169,8 +180,7 @@ async def _read_sized(request: Request, size: int, scan: bool = False) -> wire.B
                 if len(chunk):
                     raise RuntimeError("body bytes came through receive() after receive_into")
             if into.received != size:
-                raise ShardError("bad_request", f"body ended after {into.received} of {size} "
-                                 "bytes")
+                raise ShardError("bad_request", f"body ended after {into.received} of {size} bytes")
             return buf
     whole: bytes | None = None
     buf: memoryview | None = None
@@ -207,15 +217,18 @@ async def _read_sized(request: Request, size: int, scan: bool = False) -> wire.B
 
 def _too_large(size: int, limit: int, partial: bool = False) -> ShardError:
     what = f"more than {limit}" if partial else str(size)
-    return ShardError("too_large",
-                      f"request body of {what} bytes is above this shard's limit of {limit} "
-                      "(--max-request-bytes): split the request into smaller batches or "
-                      "partition the variable",
-                      {"limit": limit, **({} if partial else {"size": size})})
+    return ShardError(
+        "too_large",
+        f"request body of {what} bytes is above this shard's limit of {limit} "
+        "(--max-request-bytes): split the request into smaller batches or "
+        "partition the variable",
+        {"limit": limit, **({} if partial else {"size": size})},
+    )
 
 
-async def _message(request: Request, scan: bool = False, tensors: bool = False
-                   ) -> tuple[dict[str, Any], wire.Buffer | None]:
+async def _message(
+    request: Request, scan: bool = False, tensors: bool = False
+) -> tuple[dict[str, Any], wire.Buffer | None]:
     """The request's message, and the body its tensors' ``offset``s point into: the framed
     body, or ``None`` for a msgpack one (its tensors are inline; an ``offset`` there would
     read the message's own bytes as a tensor, so such a tensor is refused, 422). A verb
@@ -225,8 +238,7 @@ async def _message(request: Request, scan: bool = False, tensors: bool = False
     body, kind = await read_body(request, config.max_request_bytes, scan)
     msg = wire.unpack(body, kind, config.max_request_names)
     if not isinstance(msg, dict):
-        raise ShardError("bad_request",
-                         f"the body must be a msgpack map, got {type(msg).__name__}")
+        raise ShardError("bad_request", f"the body must be a msgpack map, got {type(msg).__name__}")
     if kind != wire.FRAME:
         return msg, None
     if not tensors:
@@ -251,18 +263,24 @@ def _store(request: Request) -> ParameterStore:
 
 # -- field checks ---------------------------------------------------------------------------
 
+
 def _required(msg: Mapping[str, Any], key: str, verb: str) -> Any:
     if key not in msg:
-        raise ShardError("bad_request", f"{verb}: missing field {key!r} (see docs/PROTOCOL.md)",
-                         {"field": key})
+        raise ShardError(
+            "bad_request", f"{verb}: missing field {key!r} (see docs/PROTOCOL.md)", {"field": key}
+        )
     return msg[key]
 
 
 def _bad_field(verb: str, key: str, expected: str, got: Any) -> ShardError:
-    shown = repr(got) if isinstance(got, (int, float, str)) and len(repr(got)) <= 40 \
+    shown = (
+        repr(got)
+        if isinstance(got, (int, float, str)) and len(repr(got)) <= 40
         else type(got).__name__
-    return ShardError("bad_request", f"{verb}: field {key!r} must be {expected}, got {shown}",
-                      {"field": key})
+    )
+    return ShardError(
+        "bad_request", f"{verb}: field {key!r} must be {expected}, got {shown}", {"field": key}
+    )
 
 
 _STR = {str}
@@ -300,17 +318,16 @@ def _held_list(msg: Mapping[str, Any], names: list[str]) -> list[int | None]:
     """A table pull's ``versions`` given as a list parallel to ``names``, checked."""
     versions = msg["versions"]
     if len(versions) != len(names):
-        raise _bad_field("pull", "versions", f"a list as long as 'names' ({len(names)})",
-                         versions)
+        raise _bad_field("pull", "versions", f"a list as long as 'names' ({len(names)})", versions)
     for v in versions:
         if v is not None and (type(v) is not int or not 0 <= v <= MAX_VERSION):
-            raise _bad_field("pull", "versions", "a list of ints in 0..2**63-1 or nils",
-                             versions)
+            raise _bad_field("pull", "versions", "a list of ints in 0..2**63-1 or nils", versions)
     return versions
 
 
-def _tensor_map(msg: Mapping[str, Any], key: str, verb: str, body: wire.Buffer | None
-                ) -> dict[str, Any]:
+def _tensor_map(
+    msg: Mapping[str, Any], key: str, verb: str, body: wire.Buffer | None
+) -> dict[str, Any]:
     value = _required(msg, key, verb)
     if not isinstance(value, dict):
         raise _bad_field(verb, key, "a map of name -> tensor", value)
@@ -318,6 +335,7 @@ def _tensor_map(msg: Mapping[str, Any], key: str, verb: str, body: wire.Buffer |
 
 
 # -- verbs ----------------------------------------------------------------------------------
+
 
 @router.post("/init", openapi_extra=_BODY_DOC)
 async def init(request: Request) -> Response:
@@ -330,9 +348,12 @@ async def init(request: Request) -> Response:
     values, specs = {}, {}
     for name, entry in entries.items():
         if not isinstance(entry, dict) or "value" not in entry:
-            raise ShardError("bad_request", f"init: variables[{name!r}] must be a map with a "
-                             "'value' tensor and an optional 'optimizer'",
-                             {"variable": name if isinstance(name, str) else repr(name)})
+            raise ShardError(
+                "bad_request",
+                f"init: variables[{name!r}] must be a map with a "
+                "'value' tensor and an optional 'optimizer'",
+                {"variable": name if isinstance(name, str) else repr(name)},
+            )
         values[name] = entry["value"]
         specs[name] = entry.get("optimizer")
     decoded = wire.tensors_of(values, body, "variables", whole=True)
@@ -352,21 +373,28 @@ async def pull(request: Request) -> Response:
     store = _store(request)
     await store.readable(names)
     if table:
-        return EncodedResponse(_pull_table(store, names, versions, layout,
-                                           gathers(request.scope)))
+        return EncodedResponse(_pull_table(store, names, versions, layout, gathers(request.scope)))
     return _reply(request, {"variables": store.pull(names, versions)}, tensors=True)
 
 
-def pull_now(store: ParameterStore, limit: int, headers: Mapping[bytes, bytes], body: bytes,
-             max_names: int = wire.MAX_REQUEST_NAMES) -> wire.Encoded | None:
+def pull_now(
+    store: ParameterStore,
+    limit: int,
+    headers: Mapping[bytes, bytes],
+    body: bytes,
+    max_names: int = wire.MAX_REQUEST_NAMES,
+) -> wire.Encoded | None:
     """The reply to a pull in the table layout, without waiting: what :func:`pull` answers for
     the same request, its arrays as the reply's own pieces; or ``None`` where :func:`pull`
     would do more than that (another layout or content type, a body above ``limit``, any
     error to answer, a push writing one of the variables in place), which it must then answer
     itself. ``headers``: the request's, names lower-case; ``max_names``: the shard's
     ``--max-request-names``. Synchronous; on the event loop."""
-    if len(body) > limit or headers.get(b"content-type") != _MSGPACK \
-            or _FRAME not in headers.get(b"accept", b"").lower():
+    if (
+        len(body) > limit
+        or headers.get(b"content-type") != _MSGPACK
+        or _FRAME not in headers.get(b"accept", b"").lower()
+    ):
         return None
     try:
         msg = wire.unpack(body, wire.MSGPACK, max_names)
@@ -393,9 +421,9 @@ def _flag(msg: Mapping[str, Any], key: str, verb: str) -> bool:
     return value
 
 
-def _pull_args(msg: Mapping[str, Any], frame: bool
-               ) -> tuple[list[str], Mapping[str, int] | list[int | None] | None, bool,
-                          tuple[bool, bool]]:
+def _pull_args(
+    msg: Mapping[str, Any], frame: bool
+) -> tuple[list[str], Mapping[str, int] | list[int | None] | None, bool, tuple[bool, bool]]:
     """A pull's ``(names, versions held, whether to answer with a table, (whether the client
     reads a table's ``uniform`` map, whether it reads one of packed rows))``, checked;
     ``frame``: whether the client accepts a framed reply."""
@@ -413,17 +441,29 @@ def _pull_args(msg: Mapping[str, Any], frame: bool
     return names, versions, table, (uniform, uniform and packed)
 
 
-def _pull_table(store: ParameterStore, names: list[str],
-                versions: Mapping[str, int] | list[int | None] | None,
-                layout: tuple[bool, bool], gather: bool) -> wire.Encoded:
+def _pull_table(
+    store: ParameterStore,
+    names: list[str],
+    versions: Mapping[str, int] | list[int | None] | None,
+    layout: tuple[bool, bool],
+    gather: bool,
+) -> wire.Encoded:
     rows = store.pull_rows(names, versions)
     # No "names" column: the rows are the requested names, in request order.
     table = {"versions": rows.versions}
     # Served by the shard's own protocol, the body goes out in one vectored write of its
     # pieces (EncodedResponse, on the same condition), which may then be the arrays.
-    return wire.encode_table({"table": table}, table, rows.values, rows.dtypes, rows.shapes,
-                             arrays_as_chunks=gather, uniform=layout[0], packed=layout[1],
-                             laid_out=rows.whole)
+    return wire.encode_table(
+        {"table": table},
+        table,
+        rows.values,
+        rows.dtypes,
+        rows.shapes,
+        arrays_as_chunks=gather,
+        uniform=layout[0],
+        packed=layout[1],
+        laid_out=rows.whole,
+    )
 
 
 def _writer(msg: Mapping[str, Any], verb: str, required: bool) -> tuple[Any, Any]:
@@ -433,9 +473,13 @@ def _writer(msg: Mapping[str, Any], verb: str, required: bool) -> tuple[Any, Any
             return None, None
         if "worker_id" not in msg or "seq" not in msg:
             given, other = ("seq", "worker_id") if "seq" in msg else ("worker_id", "seq")
-            raise ShardError("bad_request", f"{verb}: {given!r} without {other!r}: a write is "
-                             "applied once per (worker_id, seq), so send both, or neither "
-                             "(docs/PROTOCOL.md)", {"field": other})
+            raise ShardError(
+                "bad_request",
+                f"{verb}: {given!r} without {other!r}: a write is "
+                "applied once per (worker_id, seq), so send both, or neither "
+                "(docs/PROTOCOL.md)",
+                {"field": other},
+            )
     worker_id = _required(msg, "worker_id", verb)
     if not isinstance(worker_id, str) or not 0 < len(worker_id) <= 256:
         raise _bad_field(verb, "worker_id", "a string of 1-256 characters", worker_id)
@@ -454,24 +498,31 @@ def _layout(msg: Mapping[str, Any], verb: str) -> str:
     return layout
 
 
-def _table_map(request: Request, msg: Mapping[str, Any], key: str, verb: str,
-               body: wire.Buffer | None) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+def _table_map(
+    request: Request, msg: Mapping[str, Any], key: str, verb: str, body: wire.Buffer | None
+) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     """A verb's tensor field sent as a tensor table: ``{name: tensor}``, every row a tensor;
     and the rows as one block when they have one dtype and shape (``wire.table_rows``)."""
     value = _required(msg, key, verb)
     kind = header(request.scope, b"content-type", "").split(";")[0].strip().lower()
     if kind != wire.FRAME:
-        raise ShardError("bad_request", f"{verb}: a tensor table ('layout': 'table') needs a "
-                         f"framed body ({wire.FRAME})", {"field": key})
+        raise ShardError(
+            "bad_request",
+            f"{verb}: a tensor table ('layout': 'table') needs a framed body ({wire.FRAME})",
+            {"field": key},
+        )
     names, arrays, block = wire.table_rows(value, body, key, with_block=True, whole=True)
     out = dict(zip(names, arrays))
     if len(out) != len(names):
         raise _bad_field(verb, f"{key}.names", "a list of distinct names", names)
     missing = [n for n, a in out.items() if a is None]
     if missing:
-        raise ShardError("bad_request", f"{verb}: {key} row {missing[0]!r} has no tensor "
-                         "(nil dtype): every row of this table needs one",
-                         {"field": key, "variable": missing[0]})
+        raise ShardError(
+            "bad_request",
+            f"{verb}: {key} row {missing[0]!r} has no tensor "
+            "(nil dtype): every row of this table needs one",
+            {"field": key, "variable": missing[0]},
+        )
     return out, block
 
 
@@ -488,16 +539,21 @@ async def push(request: Request) -> Response:
     block = None
     if _layout(msg, "push") == "table":
         if isinstance(msg.get("grads"), dict) and "versions" in msg["grads"]:
-            raise ShardError("bad_request", "push: 'versions' is not a column of the 'grads' "
-                             "table: send it at the top level of the message, as a map "
-                             "{name: version} (docs/PROTOCOL.md, push)", {"field": "grads.versions"})
+            raise ShardError(
+                "bad_request",
+                "push: 'versions' is not a column of the 'grads' "
+                "table: send it at the top level of the message, as a map "
+                "{name: version} (docs/PROTOCOL.md, push)",
+                {"field": "grads.versions"},
+            )
         grads, block = _table_map(request, msg, "grads", "push", body)
         if not finite:  # a table of same-shaped gradients is checked in one pass
             finite = finite_rows(list(grads), block)
     else:
         grads = _tensor_map(msg, "grads", "push", body)
-    result = await _store(request).push_async(worker_id, seq, grads, versions, finite=finite,
-                                              block=block)
+    result = await _store(request).push_async(
+        worker_id, seq, grads, versions, finite=finite, block=block
+    )
     return _reply(request, {"variables": result})
 
 
@@ -543,8 +599,12 @@ async def wait(request: Request) -> Response:
     timeout = msg.get("timeout", 10.0)
     if timeout is None:
         timeout = 10.0
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
-            or not 0 <= timeout <= MAX_WAIT_SECONDS:
-        raise _bad_field("wait", "timeout", f"a number of seconds in 0..{MAX_WAIT_SECONDS:g}",
-                         timeout)
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 <= timeout <= MAX_WAIT_SECONDS
+    ):
+        raise _bad_field(
+            "wait", "timeout", f"a number of seconds in 0..{MAX_WAIT_SECONDS:g}", timeout
+        )
     return _reply(request, await _store(request).wait(names, timeout))

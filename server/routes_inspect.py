@@ -48,7 +48,7 @@ def value_stats(value: np.ndarray) -> dict[str, float | None]:
         return {"l2_norm": None, "min": None, "max": None, "mean": None}
     lo, hi = math.inf, -math.inf
     for start in range(0, flat.size, _BLOCK):
-        block = flat[start:start + _BLOCK]
+        block = flat[start : start + _BLOCK]
         lo = min(lo, float(block.min()))
         hi = max(hi, float(block.max()))
     scale = max(abs(lo), abs(hi))
@@ -57,12 +57,19 @@ def value_stats(value: np.ndarray) -> dict[str, float | None]:
     total = squares = 0.0
     with np.errstate(all="ignore"):
         for start in range(0, flat.size, _BLOCK):
-            block = flat[start:start + _BLOCK].astype(np.float64)
+            block = flat[start : start + _BLOCK].astype(np.float64)
             total += float(np.divide(block, flat.size).sum())
             np.divide(block, scale, out=block)
             squares += float(np.dot(block, block))
-    return {name: stat if math.isfinite(stat) else None for name, stat in (
-        ("l2_norm", scale * math.sqrt(squares)), ("min", lo), ("max", hi), ("mean", total))}
+    return {
+        name: stat if math.isfinite(stat) else None
+        for name, stat in (
+            ("l2_norm", scale * math.sqrt(squares)),
+            ("min", lo),
+            ("max", hi),
+            ("mean", total),
+        )
+    }
 
 
 @router.get("/v1/cluster")
@@ -101,16 +108,18 @@ async def workers(request: Request) -> dict[str, Any]:
 @router.get("/v1/variables")
 async def variables(request: Request) -> dict[str, Any]:
     """A summary of every variable on this shard, sorted by name."""
-    return {"variables": sorted((v.summary() for v in _store(request)),
-                                key=lambda s: s["name"])}
+    return {"variables": sorted((v.summary() for v in _store(request)), key=lambda s: s["name"])}
 
 
 @router.get("/v1/variables/{name:path}", response_model=None)
 async def variable(
     request: Request,
     name: str,
-    values: bool = Query(False, description=f"add the values as nested lists "
-                                            f"(variables up to {MAX_JSON_VALUES:,} elements)"),
+    values: bool = Query(
+        False,
+        description=f"add the values as nested lists "
+        f"(variables up to {MAX_JSON_VALUES:,} elements)",
+    ),
     format: Literal["json", "npy"] = Query("json", description="'npy' returns a .npy file"),
 ) -> Response | dict[str, Any]:
     """One variable: its summary and statistics; `?values=true` adds the values,
@@ -122,8 +131,11 @@ async def variable(
         out = io.BytesIO()
         np.lib.format.write_array(out, var.value, allow_pickle=False)
         filename = name.replace("/", "_").replace(":", "_") + ".npy"
-        return Response(out.getvalue(), media_type="application/octet-stream",
-                        headers={"content-disposition": f'attachment; filename="{filename}"'})
+        return Response(
+            out.getvalue(),
+            media_type="application/octet-stream",
+            headers={"content-disposition": f'attachment; filename="{filename}"'},
+        )
     summary = {**var.summary(), **value_stats(var.value)}
     if values:
         if var.value.size > MAX_JSON_VALUES:
@@ -131,12 +143,16 @@ async def variable(
                 "too_large",
                 f"{name} has {var.value.size:,} elements; ?values=true returns at most "
                 f"{MAX_JSON_VALUES:,}: fetch it as ?format=npy (numpy.load) or pull it with "
-                "the SDK", {"elements": var.value.size, "limit": MAX_JSON_VALUES})
+                "the SDK",
+                {"elements": var.value.size, "limit": MAX_JSON_VALUES},
+            )
         if var.value.dtype.kind == "f" and not np.isfinite(var.value).all():
             raise ShardError(
                 "bad_tensor",
                 f"{name} holds NaN or infinite entries, which JSON cannot carry: fetch it as "
-                "?format=npy (numpy.load) or pull it with the SDK", {"variable": name})
+                "?format=npy (numpy.load) or pull it with the SDK",
+                {"variable": name},
+            )
         summary["values"] = var.value.tolist()
     return JSONResponse(summary)
 
@@ -160,5 +176,6 @@ async def readyz(request: Request) -> JSONResponse:
         body["error"] = gate.reason
     elif status == "cannot_persist":
         body["error"] = gate.persist_error
-    return JSONResponse(body, status_code=200 if ready else 503,
-                        headers=None if ready else {"Retry-After": "1"})
+    return JSONResponse(
+        body, status_code=200 if ready else 503, headers=None if ready else {"Retry-After": "1"}
+    )

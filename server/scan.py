@@ -84,7 +84,7 @@ class FiniteScan:
             upto = min(size, max(0, received - row.start) // row.itemsize)
             if upto < size and (upto - row.next) * row.itemsize < MIN_SCAN_BYTES:
                 continue
-            segment = row.flat[row.next:upto]
+            segment = row.flat[row.next : upto]
             with np.errstate(all="ignore"):
                 squares = float(np.dot(segment, segment))
             if math.isfinite(squares):
@@ -105,7 +105,7 @@ class FiniteScan:
             return []
         if received < _PREFIX.size + hlen:
             return None
-        msg = wire.unpack(buffer[:_PREFIX.size + hlen], wire.FRAME)
+        msg = wire.unpack(buffer[: _PREFIX.size + hlen], wire.FRAME)
         grads = msg.get("grads")
         if msg.get("layout") == "table":
             names, arrays = wire.table_rows(grads, buffer, "grads")
@@ -116,8 +116,13 @@ class FiniteScan:
             return []
         rows = []
         for name, array in pairs:
-            if array is None or array.dtype.kind != "f" or array.dtype.itemsize < 4 \
-                    or not array.dtype.isnative or not array.size:
+            if (
+                array is None
+                or array.dtype.kind != "f"
+                or array.dtype.itemsize < 4
+                or not array.dtype.isnative
+                or not array.size
+            ):
                 continue
             start = array.__array_interface__["data"][0] - self._base
             rows.append(_Row(name, array.reshape(-1), start))
@@ -129,16 +134,23 @@ def finite_rows(names: list[str], block: np.ndarray | None) -> dict[str, float]:
     one pass over ``block``, the gradients
     of a tensor table whose rows all have one float dtype and one shape as one view
     (``client_sdk.wire.table_rows(..., with_block=True)``; ``block[i]`` is ``names[i]``'s).
-    A step's many small gradients are typically that; one reduction over the block costs a fraction of one per
-    gradient.
+    A step's many small gradients are typically that; one reduction over the block costs a fraction
+    of one per gradient.
 
     ``None`` or any other block gives an empty map, and a row whose reduction is not finite
     (a NaN or an infinity, or an overflow of finite values) is left out: the store's exact
     check decides for whatever is not named here."""
     n = len(names)
-    if block is None or n < 2 or block.ndim < 2 or len(block) != n \
-            or block.dtype.kind != "f" or block.dtype.itemsize < 4 \
-            or not block.dtype.isnative or not block[0].size:
+    if (
+        block is None
+        or n < 2
+        or block.ndim < 2
+        or len(block) != n
+        or block.dtype.kind != "f"
+        or block.dtype.itemsize < 4
+        or not block.dtype.isnative
+        or not block[0].size
+    ):
         return {}
     rows = block.reshape(n, -1)  # each row is contiguous: a view
     with np.errstate(all="ignore"):

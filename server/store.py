@@ -73,8 +73,16 @@ from . import optim
 from .dedup import MAX_RESULTS, DedupTable
 from .errors import ShardError
 
-__all__ = ["COUNTER_KINDS", "DEFAULT_OPTIMIZER", "MAX_WAIT_SECONDS", "OFFLOAD_BYTES", "Capture", "ParameterStore",
-           "PullRows", "Variable"]
+__all__ = [
+    "COUNTER_KINDS",
+    "DEFAULT_OPTIMIZER",
+    "MAX_WAIT_SECONDS",
+    "OFFLOAD_BYTES",
+    "Capture",
+    "ParameterStore",
+    "PullRows",
+    "Variable",
+]
 
 DEFAULT_OPTIMIZER: Optimizer = SGD(lr=0.01)
 MAX_WAIT_SECONDS = 30.0
@@ -125,10 +133,15 @@ class _Mem:
 
     __slots__ = ("__array_interface__", "owner")
 
-    def __init__(self, address: int, shape: tuple[int, ...], typestr: str, readonly: bool,
-                 owner: object) -> None:
-        self.__array_interface__ = {"shape": shape, "typestr": typestr,
-                                    "data": (address, readonly), "version": 3}
+    def __init__(
+        self, address: int, shape: tuple[int, ...], typestr: str, readonly: bool, owner: object
+    ) -> None:
+        self.__array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (address, readonly),
+            "version": 3,
+        }
         self.owner = owner
 
 
@@ -322,10 +335,17 @@ class Variable:
 
     def meta(self) -> dict[str, Any]:
         """The bookkeeping a snapshot keeps besides the arrays."""
-        return {"kind": self.kind, "dtype": self.value.dtype.str, "shape": list(self.value.shape),
-                "version": self.version, "updates": self.updates,
-                "optimizer": self.optimizer.to_wire(), "created_at": self.created_at,
-                "last_update": self.last_update, "last_writer": self.last_writer}
+        return {
+            "kind": self.kind,
+            "dtype": self.value.dtype.str,
+            "shape": list(self.value.shape),
+            "version": self.version,
+            "updates": self.updates,
+            "optimizer": self.optimizer.to_wire(),
+            "created_at": self.created_at,
+            "last_update": self.last_update,
+            "last_writer": self.last_writer,
+        }
 
     def touch(self, writer: str | None = None) -> None:
         self.version += 1
@@ -438,7 +458,8 @@ def _expired(verb: str, worker_id: str, seq: int, high: int) -> ShardError:
         f"applied for it ({high}) to tell whether it was applied already, so it was not applied. "
         "Two processes sharing one worker_id, or a worker restarted with its clock set back, "
         "cause this: give every worker process its own worker_id",
-        {"worker_id": worker_id, "seq": seq, "high_seq": high})
+        {"worker_id": worker_id, "seq": seq, "high_seq": high},
+    )
 
 
 def _result_dropped(worker_id: str, seq: int, high: int) -> ShardError:
@@ -450,7 +471,8 @@ def _result_dropped(worker_id: str, seq: int, high: int) -> ShardError:
         "nothing was added. A worker retries an increment with the seq of that attempt, so this "
         f"means {MAX_RESULTS} or more later increments of the worker were applied first: two "
         "processes sharing one worker_id cause this; give every worker process its own",
-        {"worker_id": worker_id, "seq": seq, "high_seq": high, "results_kept": MAX_RESULTS})
+        {"worker_id": worker_id, "seq": seq, "high_seq": high, "results_kept": MAX_RESULTS},
+    )
 
 
 @dataclass
@@ -481,8 +503,7 @@ class ParameterStore:
     :meth:`wait` is a coroutine on that same loop. None of them blocks on I/O.
     """
 
-    def __init__(self, shard_index: int, num_shards: int, dedup: DedupTable | None = None
-                 ) -> None:
+    def __init__(self, shard_index: int, num_shards: int, dedup: DedupTable | None = None) -> None:
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index must be in 0..{num_shards - 1}, got {shard_index}")
         self.shard_index = shard_index
@@ -533,8 +554,9 @@ class ParameterStore:
             try:
                 validate_name(name)
             except ValueError as exc:
-                raise ShardError("bad_request", str(exc),
-                                 {"name": name if isinstance(name, str) else repr(name)}) from None
+                raise ShardError(
+                    "bad_request", str(exc), {"name": name if isinstance(name, str) else repr(name)}
+                ) from None
         owners = {}
         for name in names:
             if name in known:
@@ -550,9 +572,8 @@ class ParameterStore:
                 f"belongs to shard {owners[first]}"
                 + (f" (and {len(owners) - 1} more are not ours)" if len(owners) > 1 else "")
                 + ": send each variable to its owner, and check that your shard list is in "
-                  "fleet order",
-                {"owners": owners, "shard_index": self.shard_index,
-                 "num_shards": self.num_shards},
+                "fleet order",
+                {"owners": owners, "shard_index": self.shard_index, "num_shards": self.num_shards},
             )
         return names
 
@@ -608,8 +629,10 @@ class ParameterStore:
             if existing is not None:
                 if existing.value.shape != value.shape or existing.value.dtype != dtype:
                     conflicts[name] = {
-                        "existing": {"shape": list(existing.value.shape),
-                                     "dtype": existing.value.dtype.str},
+                        "existing": {
+                            "shape": list(existing.value.shape),
+                            "dtype": existing.value.dtype.str,
+                        },
                         "requested": {"shape": list(value.shape), "dtype": dtype.str},
                     }
                 continue
@@ -621,8 +644,9 @@ class ParameterStore:
                 opt = DEFAULT_OPTIMIZER if spec is None else from_wire(spec)
                 optim.check_settings(opt, dtype)
             except (ValueError, TypeError) as exc:
-                raise ShardError("bad_request", f"{name}: bad optimizer: {exc}",
-                                 {"variable": name}) from None
+                raise ShardError(
+                    "bad_request", f"{name}: bad optimizer: {exc}", {"variable": name}
+                ) from None
             # One object per distinct optimizer of the request (they are immutable): a push
             # to all of a slab's members tells that they share one by identity.
             plans.append((name, value, optimizers.setdefault(opt, opt)))
@@ -641,23 +665,35 @@ class ParameterStore:
         homes = _homes(plans)
         for (name, value, opt), home in zip(plans, homes):
             dtype = native(value.dtype)
-            owned = np.empty(value.shape, dtype=dtype) if home is None else \
-                home[0].row(home[1], dtype, value.shape)
+            owned = (
+                np.empty(value.shape, dtype=dtype)
+                if home is None
+                else home[0].row(home[1], dtype, value.shape)
+            )
             np.copyto(owned, value)
-            var = Variable(name=name, value=owned, optimizer=opt,
-                           state=optim.init_state(opt, owned), bound=bounds[name],
-                           slot_bound=optim.init_bound(opt))
+            var = Variable(
+                name=name,
+                value=owned,
+                optimizer=opt,
+                state=optim.init_state(opt, owned),
+                bound=bounds[name],
+                slot_bound=optim.init_bound(opt),
+            )
             if home is not None:
                 var._slab, var._row = home
                 home[0].members.append(var)
             self._add(var)
         created = {name for name, _, _ in plans}
-        return {name: {"version": self._vars[name].version, "created": name in created}
-                for name in entries}
+        return {
+            name: {"version": self._vars[name].version, "created": name in created}
+            for name in entries
+        }
 
-    def pull(self, names: Iterable[str], versions: Mapping[str, int] | None = None
-             ) -> dict[str, dict[str, Any]]:
-        """Current versions and (read-only) values; a value equal to ``versions[name]`` is left out."""
+    def pull(
+        self, names: Iterable[str], versions: Mapping[str, int] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Current versions and (read-only) values; a value equal to ``versions[name]`` is left
+        out."""
         names = self.check_names(names)
         held = versions or {}
         out: dict[str, dict[str, Any]] = {}
@@ -668,8 +704,9 @@ class ParameterStore:
             out[var.name] = entry
         return out
 
-    def pull_rows(self, names: Iterable[str],
-                  versions: Mapping[str, int] | list[int | None] | None = None) -> PullRows:
+    def pull_rows(
+        self, names: Iterable[str], versions: Mapping[str, int] | list[int | None] | None = None
+    ) -> PullRows:
         """:meth:`pull` as the columns of a tensor table (docs/PROTOCOL.md, pull).
         ``versions`` is a map name -> version held, or a list of them parallel to ``names``
         (``None`` where none is held)."""
@@ -708,10 +745,16 @@ class ParameterStore:
                 add_shape(shape)
         return rows
 
-    def push(self, worker_id: str, seq: int, grads: Mapping[str, np.ndarray],
-             versions: Mapping[str, int] | None = None, *,
-             finite: Mapping[str, float] = _NONE, block: np.ndarray | None = None
-             ) -> dict[str, dict[str, Any]]:
+    def push(
+        self,
+        worker_id: str,
+        seq: int,
+        grads: Mapping[str, np.ndarray],
+        versions: Mapping[str, int] | None = None,
+        *,
+        finite: Mapping[str, float] = _NONE,
+        block: np.ndarray | None = None,
+    ) -> dict[str, dict[str, Any]]:
         """Apply one gradient per variable with the variable's optimizer, on this thread, once
         per ``(worker_id, seq)``: a seq already applied is answered ``"duplicate"``.
 
@@ -719,27 +762,34 @@ class ParameterStore:
         overwritten as scratch space. ``finite`` maps the gradients the caller has checked for
         NaN and infinities already (:mod:`server.scan`) to at least their sum of squares; they
         are not checked again unless they are cast. An update whose result would not be finite
-        (an overflow) is refused whole, 422, and changes nothing (:func:`_bounds_after`). ``block``: the gradients, when they are the rows of one array in the
-        order of ``grads`` (a table's, ``wire.table_rows(..., with_block=True)``). The event
-        loop calls :meth:`push_async` instead.
+        (an overflow) is refused whole, 422, and changes nothing (:func:`_bounds_after`). ``block``:
+        the gradients, when they are the rows of one array in the order of ``grads`` (a table's,
+        ``wire.table_rows(..., with_block=True)``). The event loop calls :meth:`push_async` instead.
         """
         return self._push(self._checked(grads), worker_id, seq, grads, versions, finite, block)
 
-    def _push(self, variables: list[Variable], worker_id: str, seq: int,
-              grads: Mapping[str, np.ndarray], versions: Mapping[str, int] | None,
-              finite: Mapping[str, float], block: np.ndarray | None = None
-              ) -> dict[str, dict[str, Any]]:
+    def _push(
+        self,
+        variables: list[Variable],
+        worker_id: str,
+        seq: int,
+        grads: Mapping[str, np.ndarray],
+        versions: Mapping[str, int] | None,
+        finite: Mapping[str, float],
+        block: np.ndarray | None = None,
+    ) -> dict[str, dict[str, Any]]:
         """:meth:`push` of the checked ``variables`` (``grads``' names, in order), all of it on
         this thread. A step's push is typically a hundred small gradients or more, so the work
         per gradient is only what it needs: a check, a cast if its dtype differs, the
         finiteness check unless ``finite`` names it, the arithmetic (in place unless a reader
         holds the value), and the bookkeeping, which reads the clock once per push. No object
-        is made per gradient but its entry of the result. And when the gradients are all the members of one slab, in its
-        order, as one ``block`` (a table's same-shaped rows, ``wire.table_rows``), with one
-        optimizer that keeps no slots and no reader holding a value, the arithmetic is one
-        operation on the whole slab (:meth:`_one_update`). Whether the update stays finite is
-        told from bounds kept per variable (:func:`_bounds_after`, a few float operations);
-        only an update they cannot vouch for is computed into fresh memory and checked before
+        is made per gradient but its entry of the result. And when the gradients are all the members
+        of one slab, in its order, as one ``block`` (a table's same-shaped rows,
+        ``wire.table_rows``), with one optimizer that keeps no slots and no reader holding a value,
+        the arithmetic is one operation on the whole slab (:meth:`_one_update`). Whether the update
+        stays finite is told from bounds kept per variable (:func:`_bounds_after`, a few float
+        operations); only an update they cannot vouch for is computed into fresh memory and checked
+        before
         anything is written."""
         _not_being_written(variables)
         todo = [grads[var.name] for var in variables]
@@ -748,14 +798,21 @@ class ParameterStore:
         _check_kinds(variables, todo)
         squares: list[float] = []
         with np.errstate(all="ignore"):  # once per push, not per variable (it is not free)
-            todo = [_ready(var, grad, finite.get(var.name), squares)
-                    for var, grad in zip(variables, todo)]
+            todo = [
+                _ready(var, grad, finite.get(var.name), squares)
+                for var, grad in zip(variables, todo)
+            ]
         if self._seen("push", worker_id, seq):
             return self._duplicates(variables)
         whole = _one_update(variables, todo, block)
         if whole is not None:  # one bound for all the slab's members
-            after = _after(whole[1], max([v.bound for v in variables]), 0.0, max(squares),
-                           _LIMITS[block.itemsize])
+            after = _after(
+                whole[1],
+                max([v.bound for v in variables]),
+                0.0,
+                max(squares),
+                _LIMITS[block.itemsize],
+            )
             if after is None:
                 whole = None
         computed = None
@@ -781,8 +838,14 @@ class ParameterStore:
                     if type(opt) is Add:  # the one that needs neither slots nor scratch
                         np.add(value, grad, out=target)
                     else:
-                        optim.apply(opt, value, grad, var.own_state(), out=target,
-                                    scratch=grad.flags.writeable)
+                        optim.apply(
+                            opt,
+                            value,
+                            grad,
+                            var.own_state(),
+                            out=target,
+                            scratch=grad.flags.writeable,
+                        )
                     if target is value:
                         var.shared = False  # what replace() does for an update in place
                     else:
@@ -796,10 +859,16 @@ class ParameterStore:
         self.dedup.record(worker_id, seq)
         return out
 
-    async def push_async(self, worker_id: str, seq: int, grads: Mapping[str, np.ndarray],
-                         versions: Mapping[str, int] | None = None, *,
-                         finite: Mapping[str, float] = _NONE,
-                         block: np.ndarray | None = None) -> dict[str, dict[str, Any]]:
+    async def push_async(
+        self,
+        worker_id: str,
+        seq: int,
+        grads: Mapping[str, np.ndarray],
+        versions: Mapping[str, int] | None = None,
+        *,
+        finite: Mapping[str, float] = _NONE,
+        block: np.ndarray | None = None,
+    ) -> dict[str, dict[str, Any]]:
         """:meth:`push` for the event loop, with big updates computed off it.
 
         First waits until no other push computing off the loop writes one of these variables
@@ -833,9 +902,12 @@ class ParameterStore:
         # Decided here, on the loop, with no await before the variables are marked: no reader
         # can take hold of a value that is to be written in place. The new buffers are
         # allocated here too, on the loop's thread (see server/memory.py).
-        outputs = [None if _in_place_ok(p.var) and not p.var.row_free() else
-                   (p.var.elsewhere(), optim.fresh_state(p.var.state) or None)
-                   for p in plans]
+        outputs = [
+            None
+            if _in_place_ok(p.var) and not p.var.row_free()
+            else (p.var.elsewhere(), optim.fresh_state(p.var.state) or None)
+            for p in plans
+        ]
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         for var, computed in zip(variables, outputs):
@@ -867,15 +939,20 @@ class ParameterStore:
         self.dedup.record(worker_id, seq)
         return out
 
-    def _push_plans(self, variables: list[Variable], grads: Mapping[str, np.ndarray],
-                    finite: Mapping[str, float] = _NONE) -> list[_PushPlan]:
+    def _push_plans(
+        self,
+        variables: list[Variable],
+        grads: Mapping[str, np.ndarray],
+        finite: Mapping[str, float] = _NONE,
+    ) -> list[_PushPlan]:
         """Check dtypes and shapes of a whole push (not yet the values: see _PushPlan)."""
         todo = [grads[var.name] for var in variables]
         _check_kinds(variables, todo)
         return [_PushPlan(var, grad, finite.get(var.name)) for var, grad in zip(variables, todo)]
 
-    def _applied(self, variables: list[Variable], worker_id: str,
-                 versions: Mapping[str, int] | None) -> dict[str, dict[str, Any]]:
+    def _applied(
+        self, variables: list[Variable], worker_id: str, versions: Mapping[str, int] | None
+    ) -> dict[str, dict[str, Any]]:
         """The bookkeeping of a push whose new values are in place: each version and update
         count up by one, one clock reading for all; the push's result."""
         held = versions or {}
@@ -888,16 +965,21 @@ class ParameterStore:
             var.last_update = now
             var.last_writer = worker_id
             seen = held.get(var.name)
-            out[var.name] = {"status": "applied", "version": version,
-                             "staleness": None if seen is None else before - seen}
+            out[var.name] = {
+                "status": "applied",
+                "version": version,
+                "staleness": None if seen is None else before - seen,
+            }
         self._state_version += len(variables)
         self.mutations += len(variables)
         return out
 
     @staticmethod
     def _duplicates(variables: Iterable[Variable]) -> dict[str, dict[str, Any]]:
-        return {var.name: {"status": "duplicate", "version": var.version, "staleness": None}
-                for var in variables}
+        return {
+            var.name: {"status": "duplicate", "version": var.version, "staleness": None}
+            for var in variables
+        }
 
     async def settled(self, names: Iterable[str]) -> None:
         """Return once no push computing off the loop writes a variable in ``names`` (unknown
@@ -932,15 +1014,17 @@ class ParameterStore:
     def settled_now(self, names: Iterable[str]) -> bool:
         """Whether :meth:`readable` would return at once for ``names``: no push is writing one
         of them in place off the loop."""
-        return not self._in_place or not any(v.writing is not None
-                                             for v in self._written_in_place(names))
+        return not self._in_place or not any(
+            v.writing is not None for v in self._written_in_place(names)
+        )
 
     def _written_in_place(self, names: Iterable[str]) -> list[Variable]:
         """The variables of ``names`` whose live arrays a push may be writing off the loop
         (unknown names are ignored)."""
         known = self._vars
-        return [v for n in names if type(n) is str and (v := known.get(n)) is not None
-                and v.in_place]
+        return [
+            v for n in names if type(n) is str and (v := known.get(n)) is not None and v.in_place
+        ]
 
     async def _settled(self, variables: Iterable[Variable]) -> None:
         """Return once none of ``variables`` is being written off the loop."""
@@ -950,8 +1034,9 @@ class ParameterStore:
                 return
             await asyncio.wait(pending)  # never cancels the writer's future
 
-    def assign(self, values: Mapping[str, np.ndarray], worker_id: str | None = None,
-               seq: int | None = None) -> dict[str, dict[str, Any]]:
+    def assign(
+        self, values: Mapping[str, np.ndarray], worker_id: str | None = None, seq: int | None = None
+    ) -> dict[str, dict[str, Any]]:
         """Overwrite existing variables (same shape; cast to the variable's dtype); once per
         ``(worker_id, seq)`` when both are given. On the event loop, await :meth:`settled`
         first."""
@@ -961,9 +1046,12 @@ class ParameterStore:
         for var in variables:
             value = values[var.name]
             if value.shape != var.value.shape:
-                raise _tensor_error(var.name, f"value shape {list(value.shape)} differs from the "
-                                    f"variable's {list(var.value.shape)}",
-                                    shape=list(var.value.shape))
+                raise _tensor_error(
+                    var.name,
+                    f"value shape {list(value.shape)} differs from the "
+                    f"variable's {list(var.value.shape)}",
+                    shape=list(var.value.shape),
+                )
             plans.append((var, _cast_checked(var.name, value, var.value.dtype)))
         if worker_id is not None and seq is not None and self._seen("assign", worker_id, seq):
             return {var.name: {"status": "duplicate", "version": var.version} for var, _ in plans}
@@ -977,8 +1065,14 @@ class ParameterStore:
             self.dedup.record(worker_id, seq)
         return {var.name: {"status": "applied", "version": var.version} for var, _ in plans}
 
-    def increment(self, name: str, delta: int | float = 1, worker_id: str | None = None,
-                  seq: int | None = None, kind: str | None = None) -> dict[str, Any]:
+    def increment(
+        self,
+        name: str,
+        delta: int | float = 1,
+        worker_id: str | None = None,
+        seq: int | None = None,
+        kind: str | None = None,
+    ) -> dict[str, Any]:
         """Atomic fetch-and-add on a scalar; creates an ``i8`` or ``f8`` counter: of ``kind``
         (``"int"`` or ``"float"``) when given, else after the delta's type.
 
@@ -990,21 +1084,29 @@ class ParameterStore:
         """
         self.check_names([name])
         if isinstance(delta, bool) or not isinstance(delta, (int, float)):
-            raise ShardError("bad_request", f"'delta' must be an int or a float, got "
-                             f"{type(delta).__name__}")
+            raise ShardError(
+                "bad_request", f"'delta' must be an int or a float, got {type(delta).__name__}"
+            )
         if isinstance(delta, float) and not math.isfinite(delta):
             raise _tensor_error(name, f"delta must be finite, got {delta}")
         if kind is not None:
             if kind not in COUNTER_KINDS:
-                raise ShardError("bad_request", f"increment: 'kind' must be 'int' or 'float', "
-                                 f"got {kind!r}", {"field": "kind"})
+                raise ShardError(
+                    "bad_request",
+                    f"increment: 'kind' must be 'int' or 'float', got {kind!r}",
+                    {"field": "kind"},
+                )
             if kind == "float":
                 delta = float(delta)
             elif isinstance(delta, float):
                 if not delta.is_integer():
-                    raise ShardError("bad_request", f"increment of {name!r}: delta {delta} is "
-                                     "not a whole number, but 'kind' is 'int': send a whole "
-                                     "delta, or kind 'float'", {"field": "delta"})
+                    raise ShardError(
+                        "bad_request",
+                        f"increment of {name!r}: delta {delta} is "
+                        "not a whole number, but 'kind' is 'int': send a whole "
+                        "delta, or kind 'float'",
+                        {"field": "delta"},
+                    )
                 delta = int(delta)
         keyed = worker_id is not None and seq is not None
         if keyed and self.dedup.check(worker_id, seq) != "new":
@@ -1022,25 +1124,40 @@ class ParameterStore:
             _not_being_written([var])
             if kind is not None and (var.value.dtype.kind == "f") != (kind == "float"):
                 have = "float" if var.value.dtype.kind == "f" else "int"
-                raise ShardError("conflict", f"{name!r} is an {have} counter (dtype "
-                                 f"{var.value.dtype.str}), but the increment says kind "
-                                 f"{kind!r}: send kind {have!r} (or none)",
-                                 {"variable": name, "kind": have, "dtype": var.value.dtype.str})
-        dtype = var.value.dtype if var is not None else np.dtype(
-            "<i8" if isinstance(delta, int) else "<f8")
+                raise ShardError(
+                    "conflict",
+                    f"{name!r} is an {have} counter (dtype "
+                    f"{var.value.dtype.str}), but the increment says kind "
+                    f"{kind!r}: send kind {have!r} (or none)",
+                    {"variable": name, "kind": have, "dtype": var.value.dtype.str},
+                )
+        dtype = (
+            var.value.dtype
+            if var is not None
+            else np.dtype("<i8" if isinstance(delta, int) else "<f8")
+        )
         if var is not None and var.value.shape != ():
-            raise _tensor_error(name, f"increment needs a scalar, but the variable has shape "
-                                f"{list(var.value.shape)}", shape=list(var.value.shape))
+            raise _tensor_error(
+                name,
+                f"increment needs a scalar, but the variable has shape {list(var.value.shape)}",
+                shape=list(var.value.shape),
+            )
         current = var.value.item() if var is not None else 0
         if dtype.kind in "iu":
             if isinstance(delta, float):
-                raise _tensor_error(name, f"float delta {delta} on integer counter of dtype "
-                                    f"{dtype.str}: send an int delta")
+                raise _tensor_error(
+                    name,
+                    f"float delta {delta} on integer counter of dtype "
+                    f"{dtype.str}: send an int delta",
+                )
             new = current + delta
             info = np.iinfo(dtype)
             if not info.min <= new <= info.max:
-                raise _tensor_error(name, f"{current} + {delta} overflows dtype {dtype.str} "
-                                    f"(range {info.min}..{info.max})")
+                raise _tensor_error(
+                    name,
+                    f"{current} + {delta} overflows dtype {dtype.str} "
+                    f"(range {info.min}..{info.max})",
+                )
             new_value = np.array(new, dtype=dtype)
         else:
             with np.errstate(all="ignore"):
@@ -1049,8 +1166,13 @@ class ParameterStore:
                 raise _tensor_error(name, f"{current} + {delta} is not finite in dtype {dtype.str}")
         # -- apply --
         if var is None:
-            var = Variable(name=name, value=np.zeros((), dtype=dtype), optimizer=Add(), state={},
-                           kind="counter")
+            var = Variable(
+                name=name,
+                value=np.zeros((), dtype=dtype),
+                optimizer=Add(),
+                state={},
+                kind="counter",
+            )
             self._add(var)
         var.replace(new_value)  # a fresh 0-d array: no reader's view is touched
         var.bound = math.inf
@@ -1089,8 +1211,10 @@ class ParameterStore:
                             del self._waiters[n]
             missing = {n for n in missing if n not in self._vars}
         ordered = list(dict.fromkeys(names))
-        return {"ready": [n for n in ordered if n not in missing],
-                "missing": [n for n in ordered if n in missing]}
+        return {
+            "ready": [n for n in ordered if n not in missing],
+            "missing": [n for n in ordered if n in missing],
+        }
 
     # -- snapshots --------------------------------------------------------------------------
 
@@ -1099,10 +1223,13 @@ class ParameterStore:
         copies of the bookkeeping and the dedup table. Synchronous and cheap (no array is
         copied); call it on the event-loop thread while no update is being applied."""
         return Capture(
-            shard_index=self.shard_index, num_shards=self.num_shards,
-            state_version=self._state_version, mutations=self.mutations,
+            shard_index=self.shard_index,
+            num_shards=self.num_shards,
+            state_version=self._state_version,
+            mutations=self.mutations,
             variables={name: (var.meta(), var.frozen()) for name, var in self._vars.items()},
-            dedup=self.dedup.export())
+            dedup=self.dedup.export(),
+        )
 
     def restore(self, variables: Iterable[Variable], dedup: DedupTable) -> None:
         """Replace the whole state with restored ``variables`` and ``dedup`` table (at start,
@@ -1155,8 +1282,7 @@ def _cast_checked(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
         with np.errstate(all="ignore"):
             cast = value.astype(dtype)
         if not _finite_quiet(cast):
-            raise _tensor_error(name, f"value has NaN or infinite entries once cast to "
-                                f"{dtype.str}")
+            raise _tensor_error(name, f"value has NaN or infinite entries once cast to {dtype.str}")
         return cast
     if not _finite_quiet(value):
         raise _tensor_error(name, "value has NaN or infinite entries")
@@ -1164,8 +1290,11 @@ def _cast_checked(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
         info = np.iinfo(dtype)
         lo, hi = value.min(), value.max()
         if lo < info.min or hi > info.max:
-            raise _tensor_error(name, f"values in [{lo}, {hi}] do not fit dtype {dtype.str} "
-                                f"(range {info.min}..{info.max})")
+            raise _tensor_error(
+                name,
+                f"values in [{lo}, {hi}] do not fit dtype {dtype.str} "
+                f"(range {info.min}..{info.max})",
+            )
     return value.astype(dtype)
 
 
@@ -1205,13 +1334,12 @@ _CHEAP_IN_PLACE = (Add, SGD)
 def _in_place_ok(var: Variable) -> bool:
     """Whether a big push may update ``var`` in place (off the loop, readers waiting): not
     while a reader holds the value, nor while readers wait for the write before."""
-    return type(var.optimizer) in _CHEAP_IN_PLACE and not var.readers_waiting \
-        and not var.held()
+    return type(var.optimizer) in _CHEAP_IN_PLACE and not var.readers_waiting and not var.held()
 
 
-def _compute_offloop(plans: list[_PushPlan],
-                     outputs: list[tuple[np.ndarray, dict[str, np.ndarray] | None] | None]
-                     ) -> None:
+def _compute_offloop(
+    plans: list[_PushPlan], outputs: list[tuple[np.ndarray, dict[str, np.ndarray] | None] | None]
+) -> None:
     """In a worker thread: check every gradient, then compute each update that might not stay
     finite into fresh memory and check it (replacing its ``outputs`` entry; 422 for one that
     is not finite, before anything is written), then each other new value and optimizer
@@ -1225,19 +1353,26 @@ def _compute_offloop(plans: list[_PushPlan],
             plan = plans[i]
             computed = outputs[i]
             value, state, plan.bounds = _checked_update(
-                plan.var, plan.grad, *(computed if computed is not None else (None, None)))
+                plan.var, plan.grad, *(computed if computed is not None else (None, None))
+            )
             outputs[i] = (value, state)
         for i, (plan, computed) in enumerate(zip(plans, outputs)):
             if unsure and i in unsure:
                 continue
             var = plan.var
             if computed is None:
-                optim.apply(var.optimizer, var.value, plan.grad, var.state,
-                            scratch=plan.scratch)
+                optim.apply(var.optimizer, var.value, plan.grad, var.state, scratch=plan.scratch)
                 continue
             value, state = computed
-            optim.apply(var.optimizer, var.value, plan.grad, var.state, out=value,
-                        state_out=state, scratch=plan.scratch)
+            optim.apply(
+                var.optimizer,
+                var.value,
+                plan.grad,
+                var.state,
+                out=value,
+                state_out=state,
+                scratch=plan.scratch,
+            )
 
 
 def _into_slabs(variables: list[Variable]) -> None:
@@ -1259,8 +1394,9 @@ def _into_slabs(variables: list[Variable]) -> None:
         slab.members.append(var)
 
 
-def _one_update(variables: list[Variable], grads: list[np.ndarray], block: np.ndarray | None
-                ) -> tuple[np.ndarray, Optimizer] | None:
+def _one_update(
+    variables: list[Variable], grads: list[np.ndarray], block: np.ndarray | None
+) -> tuple[np.ndarray, Optimizer] | None:
     """For a push whose gradients ``grads`` are the rows of ``block``, in order: when the
     variables are every member of one slab, in its order, all home, none held by a reader,
     all with one optimizer that keeps no slots, and the block has their dtype and shape, the
@@ -1271,9 +1407,15 @@ def _one_update(variables: list[Variable], grads: list[np.ndarray], block: np.nd
     first = variables[0]
     # No local name for a value here: it would count as a reader holding it (Variable.held).
     slab, opt, dtype, shape = first._slab, first.optimizer, first.value.dtype, first.value.shape
-    if slab is None or slab.away or type(opt) not in _CHEAP_IN_PLACE \
-            or block.dtype != dtype or block.shape[1:] != shape \
-            or len(block) != len(grads) or variables != slab.members:
+    if (
+        slab is None
+        or slab.away
+        or type(opt) not in _CHEAP_IN_PLACE
+        or block.dtype != dtype
+        or block.shape[1:] != shape
+        or len(block) != len(grads)
+        or variables != slab.members
+    ):
         return None
     for var in variables:
         if var.optimizer is not opt:
@@ -1285,8 +1427,7 @@ def _one_update(variables: list[Variable], grads: list[np.ndarray], block: np.nd
     return slab.rows(dtype, shape), opt
 
 
-def _homes(plans: list[tuple[str, np.ndarray, Optimizer]]
-           ) -> list[tuple[_Slab, int] | None]:
+def _homes(plans: list[tuple[str, np.ndarray, Optimizer]]) -> list[tuple[_Slab, int] | None]:
     """Per new variable of an init, its slab and row, or None: each run of two or more
     variables in a row with one dtype and one shape (at least one dimension, some bytes, at
     most :data:`SLAB_ROW_BYTES` each) gets a slab of its own."""
@@ -1311,26 +1452,32 @@ def _grad_error(var: Variable, grad: np.ndarray) -> ShardError:
     of them is wrong."""
     if var.value.dtype.kind != "f":
         return _tensor_error(
-            var.name, f"variable has integer dtype {var.value.dtype.str}; gradients apply "
-            "to float variables only (use increment or assign to change it)")
+            var.name,
+            f"variable has integer dtype {var.value.dtype.str}; gradients apply "
+            "to float variables only (use increment or assign to change it)",
+        )
     if grad.dtype.kind != "f":
-        return _tensor_error(var.name, f"gradient dtype {grad.dtype.str} is not a float "
-                             "type: send f2, f4 or f8")
-    return _tensor_error(var.name, f"gradient shape {list(grad.shape)} differs from the "
-                         f"variable's {list(var.value.shape)}", shape=list(var.value.shape))
+        return _tensor_error(
+            var.name, f"gradient dtype {grad.dtype.str} is not a float type: send f2, f4 or f8"
+        )
+    return _tensor_error(
+        var.name,
+        f"gradient shape {list(grad.shape)} differs from the variable's {list(var.value.shape)}",
+        shape=list(var.value.shape),
+    )
 
 
 def _check_kinds(variables: list[Variable], grads: list[np.ndarray]) -> None:
     """Refuse a push (:func:`_grad_error`) unless every variable is a float one and its
     gradient (``grads``, in order) is of a float dtype and the variable's shape."""
     for var, grad in zip(variables, grads):
-        if var.value.dtype.kind != "f" or grad.dtype.kind != "f" \
-                or grad.shape != var.value.shape:
+        if var.value.dtype.kind != "f" or grad.dtype.kind != "f" or grad.shape != var.value.shape:
             raise _grad_error(var, grad)
 
 
-def _ready(var: Variable, grad: np.ndarray, checked: float | None, squares: list[float]
-           ) -> np.ndarray:
+def _ready(
+    var: Variable, grad: np.ndarray, checked: float | None, squares: list[float]
+) -> np.ndarray:
     """``grad`` as it is applied to ``var``: cast to its dtype if need be (a fresh, writable
     copy) and found finite, unless ``checked`` (at least its sum of squares) says it was
     already and it needed no cast (a cast can overflow: what is applied is checked). At
@@ -1360,12 +1507,12 @@ def _bounds_after(var: Variable, squares: float) -> tuple[float, float] | None:
     when they show the update stays finite; else None (the update must be computed into
     fresh memory and checked, :func:`_checked_update`). Pure arithmetic on a few floats:
     the update's values are not read."""
-    return _after(var.optimizer, var.bound, var.slot_bound, squares,
-                  _LIMITS[var.value.itemsize])
+    return _after(var.optimizer, var.bound, var.slot_bound, squares, _LIMITS[var.value.itemsize])
 
 
-def _after(opt: Optimizer, bound: float, slot_bound: float, squares: float, limit: float
-           ) -> tuple[float, float] | None:
+def _after(
+    opt: Optimizer, bound: float, slot_bound: float, squares: float, limit: float
+) -> tuple[float, float] | None:
     """:func:`_bounds_after` of a value and slots bounded by ``bound`` and ``slot_bound``,
     for ``opt``, against ``limit`` (:data:`_LIMITS`)."""
     kind = type(opt)
@@ -1383,8 +1530,9 @@ def _after(opt: Optimizer, bound: float, slot_bound: float, squares: float, limi
     return None
 
 
-def _bounds_known(var: Variable, squares: float, bounds: tuple[float, float] | None
-                  ) -> tuple[float, float] | None:
+def _bounds_known(
+    var: Variable, squares: float, bounds: tuple[float, float] | None
+) -> tuple[float, float] | None:
     """``bounds`` (:func:`_bounds_after`'s), or where that is None because the variable's own
     bounds are not known (after an assign, a restart, a push that was not vouched for), those
     measured first (two read-only passes over the value and slots) and tried again: such an
@@ -1406,9 +1554,12 @@ def _magnitude(a: np.ndarray) -> float:
     return max(abs(float(a.max())), abs(float(a.min())))
 
 
-def _checked_update(var: Variable, grad: np.ndarray, value: np.ndarray | None = None,
-                    state: dict[str, np.ndarray] | None = None
-                    ) -> tuple[np.ndarray, dict[str, np.ndarray] | None, tuple[float, float]]:
+def _checked_update(
+    var: Variable,
+    grad: np.ndarray,
+    value: np.ndarray | None = None,
+    state: dict[str, np.ndarray] | None = None,
+) -> tuple[np.ndarray, dict[str, np.ndarray] | None, tuple[float, float]]:
     """Apply ``grad`` to ``var`` into fresh memory (``value`` and ``state`` if given, else
     new), and the new value and slots with their exact bounds; 422 ``bad_tensor`` if a result
     is not finite (the live arrays are untouched). Call under ``np.errstate``."""
@@ -1416,22 +1567,31 @@ def _checked_update(var: Variable, grad: np.ndarray, value: np.ndarray | None = 
         value = np.empty_like(var.value)
     if state is None:
         state = optim.fresh_state(var.state) or None
-    optim.apply(var.optimizer, var.value, grad, var.state, out=value, state_out=state,
-                scratch=bool(grad.flags.writeable))
+    optim.apply(
+        var.optimizer,
+        var.value,
+        grad,
+        var.state,
+        out=value,
+        state_out=state,
+        scratch=bool(grad.flags.writeable),
+    )
     bound = _magnitude(value)
     slot = max(map(_magnitude, state.values())) if state else 0.0
     if not (math.isfinite(bound) and math.isfinite(slot)):
         where = "value" if not math.isfinite(bound) else "optimizer state"
         raise _tensor_error(
-            var.name, f"this update would make the {where} NaN or infinite in "
+            var.name,
+            f"this update would make the {where} NaN or infinite in "
             f"{var.value.dtype.str} ({type(var.optimizer).__name__}), so none of the push was "
-            "applied: clip the gradient or lower the learning rate")
+            "applied: clip the gradient or lower the learning rate",
+        )
     return value, state, (bound, slot)
 
 
-def _compute_unsure(variables: list[Variable], grads: list[np.ndarray],
-                    bounds: list[tuple[float, float] | None]
-                    ) -> dict[str, tuple[Variable, np.ndarray, dict[str, np.ndarray] | None]]:
+def _compute_unsure(
+    variables: list[Variable], grads: list[np.ndarray], bounds: list[tuple[float, float] | None]
+) -> dict[str, tuple[Variable, np.ndarray, dict[str, np.ndarray] | None]]:
     """Each update of a push that :func:`_bounds_after` cannot vouch for (a ``None`` in
     ``bounds``, filled in here), computed into fresh memory and checked (:func:`_checked_update`:
     422 before anything is written if one is not finite); on the event loop."""
@@ -1444,8 +1604,9 @@ def _compute_unsure(variables: list[Variable], grads: list[np.ndarray],
     return computed
 
 
-def _install(computed: Mapping[str, tuple[Variable, np.ndarray, dict[str, np.ndarray] | None]]
-             ) -> None:
+def _install(
+    computed: Mapping[str, tuple[Variable, np.ndarray, dict[str, np.ndarray] | None]],
+) -> None:
     """Make the values and slots :func:`_compute_unsure` computed the live ones."""
     for var, value, state in computed.values():
         var.replace(value)
@@ -1455,13 +1616,16 @@ def _install(computed: Mapping[str, tuple[Variable, np.ndarray, dict[str, np.nda
 
 
 def _not_finite(var: Variable) -> ShardError:
-    return _tensor_error(var.name, "gradient has NaN or infinite entries (in "
-                         f"{var.value.dtype.str}): skip or clip this step")
+    return _tensor_error(
+        var.name,
+        f"gradient has NaN or infinite entries (in {var.value.dtype.str}): skip or clip this step",
+    )
 
 
 def _not_being_written(variables: Iterable[Variable]) -> None:
     for var in variables:
         if var.writing is not None:
-            raise RuntimeError(f"{var.name!r} is being written off the event loop: use "
-                               "push_async, or await settled() first")
-
+            raise RuntimeError(
+                f"{var.name!r} is being written off the event loop: use "
+                "push_async, or await settled() first"
+            )

@@ -37,13 +37,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .config import HTTP_MODES
-
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.h11_impl import RequestResponseCycle as H11Cycle
+
+from .config import HTTP_MODES
 
 try:
     import httptools
@@ -54,10 +54,25 @@ except ImportError:  # httptools is not installed: uvicorn serves with h11 only
     HttpToolsProtocol = HttpToolsCycle = None  # type: ignore[assignment, misc]
     HIGH_WATER_LIMIT = 65536
 
-__all__ = ["CYCLE_NEEDS", "FLOW_NEEDS", "H11_NEEDS", "HTTPTOOLS_NEEDS", "MODES", "FlowControl",
-           "H11Protocol", "HIGH_WATER_LIMIT", "HttpToolsProtocol", "Serving", "check",
-           "middleware", "new_parser", "request_only_posts", "route_contexts", "serving",
-           "versions"]
+__all__ = [
+    "CYCLE_NEEDS",
+    "FLOW_NEEDS",
+    "H11_NEEDS",
+    "HIGH_WATER_LIMIT",
+    "HTTPTOOLS_NEEDS",
+    "MODES",
+    "FlowControl",
+    "H11Protocol",
+    "HttpToolsProtocol",
+    "Serving",
+    "check",
+    "middleware",
+    "new_parser",
+    "request_only_posts",
+    "route_contexts",
+    "serving",
+    "versions",
+]
 
 logger = logging.getLogger("paramshard.http")
 
@@ -67,25 +82,72 @@ MODES = HTTP_MODES
 #: Members of uvicorn's ``HttpToolsProtocol`` that :class:`server.protocol.ShardHttpProtocol`
 #: overrides, calls or reads (instance attributes included).
 HTTPTOOLS_NEEDS = (
-    "_should_upgrade", "_unset_keepalive_if_required", "on_message_begin",
-    "on_headers_complete", "on_body", "on_message_complete", "on_response_complete",
-    "data_received", "send_400_response", "connection_made", "connection_lost",
-    "eof_received", "pause_writing", "resume_writing",
-    "parser", "cycle", "flow", "scope", "headers", "url", "transport", "server_state", "app",
-    "access_log", "expect_100_continue", "loop", "client",
+    "_should_upgrade",
+    "_unset_keepalive_if_required",
+    "on_message_begin",
+    "on_headers_complete",
+    "on_body",
+    "on_message_complete",
+    "on_response_complete",
+    "data_received",
+    "send_400_response",
+    "connection_made",
+    "connection_lost",
+    "eof_received",
+    "pause_writing",
+    "resume_writing",
+    "parser",
+    "cycle",
+    "flow",
+    "scope",
+    "headers",
+    "url",
+    "transport",
+    "server_state",
+    "app",
+    "access_log",
+    "expect_100_continue",
+    "loop",
+    "client",
 )
 #: Members of uvicorn's httptools ``RequestResponseCycle`` that it reads or replaces.
-CYCLE_NEEDS = ("receive", "body", "transport", "response_complete", "disconnected",
-               "message_event", "waiting_for_100_continue")
+CYCLE_NEEDS = (
+    "receive",
+    "body",
+    "transport",
+    "response_complete",
+    "disconnected",
+    "message_event",
+    "waiting_for_100_continue",
+)
 #: Members of uvicorn's ``H11Protocol`` that :class:`server.readguard.GuardedH11Protocol` uses.
-H11_NEEDS = ("data_received", "send_400_response", "connection_made", "connection_lost",
-             "conn", "cycle", "flow", "transport", "server_state", "loop", "client")
+H11_NEEDS = (
+    "data_received",
+    "send_400_response",
+    "connection_made",
+    "connection_lost",
+    "conn",
+    "cycle",
+    "flow",
+    "transport",
+    "server_state",
+    "loop",
+    "client",
+)
 #: Members of uvicorn's ``FlowControl`` that :class:`server.readguard.ReadGuard` uses.
 FLOW_NEEDS = ("pause_reading", "resume_reading", "read_paused", "write_paused")
 #: Fields of FastAPI's ``Dependant`` that :func:`request_only_posts` reads.
-DEPENDANT_NEEDS = ("request_param_name", "dependencies", "path_params", "query_params",
-                   "header_params", "cookie_params", "body_params", "response_param_name",
-                   "background_tasks_param_name")
+DEPENDANT_NEEDS = (
+    "request_param_name",
+    "dependencies",
+    "path_params",
+    "query_params",
+    "header_params",
+    "cookie_params",
+    "body_params",
+    "response_param_name",
+    "background_tasks_param_name",
+)
 
 
 def versions() -> dict[str, str]:
@@ -144,10 +206,16 @@ def _receive_hands_bytes(cycle_cls: type) -> bool:
     """Whether the request cycle's ``receive()`` turns the pending body into ``bytes``: runs
     it on a bare instance, without an event loop (nothing in it waits)."""
     cycle = object.__new__(cycle_cls)
-    cycle.__dict__.update(waiting_for_100_continue=False, disconnected=False,
-                          response_complete=False, flow=_ProbeFlow(),
-                          message_event=_ProbeEvent(), body=_ProbeBody(), more_body=False,
-                          transport=None)
+    cycle.__dict__.update(
+        waiting_for_100_continue=False,
+        disconnected=False,
+        response_complete=False,
+        flow=_ProbeFlow(),
+        message_event=_ProbeEvent(),
+        body=_ProbeBody(),
+        more_body=False,
+        transport=None,
+    )
     coro = cycle.receive()
     try:
         coro.send(None)
@@ -158,8 +226,11 @@ def _receive_hands_bytes(cycle_cls: type) -> bool:
     else:
         coro.close()
         return False
-    return isinstance(message, dict) and type(message.get("body")) is bytes \
+    return (
+        isinstance(message, dict)
+        and type(message.get("body")) is bytes
         and message["body"] == b"probe"
+    )
 
 
 class _Mark:
@@ -190,8 +261,11 @@ def _fastapi_missing() -> list[str]:
         for route in route_contexts(app):
             dep = getattr(route, "dependant", None)
             if dep is not None:
-                missing += [f"fastapi Dependant.{name}" for name in DEPENDANT_NEEDS
-                            if not hasattr(dep, name)]
+                missing += [
+                    f"fastapi Dependant.{name}"
+                    for name in DEPENDANT_NEEDS
+                    if not hasattr(dep, name)
+                ]
                 break
         if not missing and set(request_only_posts(app)) != {"/v1/plain"}:
             missing.append("fastapi routes: a request-only endpoint not told from others")
@@ -212,8 +286,11 @@ def check() -> tuple[list[str], list[str]]:
     protocol)``; two empty lists when everything is there."""
     fast = _missing(HttpToolsProtocol, HTTPTOOLS_NEEDS, "uvicorn HttpToolsProtocol")
     fast += _missing(HttpToolsCycle, CYCLE_NEEDS, "uvicorn RequestResponseCycle")
-    if HttpToolsCycle is not None and "receive" in _names_used(HttpToolsCycle) \
-            and not _receive_hands_bytes(HttpToolsCycle):
+    if (
+        HttpToolsCycle is not None
+        and "receive" in _names_used(HttpToolsCycle)
+        and not _receive_hands_bytes(HttpToolsCycle)
+    ):
         fast.append("uvicorn RequestResponseCycle.receive handing the body as bytes(body)")
     fast += _fastapi_missing()
     h11 = _missing(H11Protocol, H11_NEEDS, "uvicorn H11Protocol")
@@ -228,6 +305,7 @@ try:  # FastAPI >= 0.13x includes routers lazily; this yields each route with it
     # dependencies (the router's, the include's and the app's)
     from fastapi.routing import iter_route_contexts as _iter_routes
 except ImportError:  # earlier FastAPI copies included routes, dependencies merged, into the app
+
     def _iter_routes(routes: Any) -> Any:
         return iter(routes)
 
@@ -250,11 +328,19 @@ def request_only_posts(app: Any, prefix: str = "/v1/") -> dict[str, Callable[...
             continue
         if not path.startswith(prefix) or "{" in path:
             continue
-        if (dep.request_param_name is None or dep.dependencies or dep.path_params
-                or dep.query_params or dep.header_params or dep.cookie_params or dep.body_params
-                or dep.response_param_name or dep.background_tasks_param_name
-                or not inspect.iscoroutinefunction(route.endpoint)
-                or len(inspect.signature(route.endpoint).parameters) != 1):
+        if (
+            dep.request_param_name is None
+            or dep.dependencies
+            or dep.path_params
+            or dep.query_params
+            or dep.header_params
+            or dep.cookie_params
+            or dep.body_params
+            or dep.response_param_name
+            or dep.background_tasks_param_name
+            or not inspect.iscoroutinefunction(route.endpoint)
+            or len(inspect.signature(route.endpoint).parameters) != 1
+        ):
             continue
         out[path] = route.endpoint
     return out
@@ -267,6 +353,7 @@ def middleware(app: Any) -> list[tuple[type, tuple[Any, ...], dict[str, Any]]]:
 
 # -- httptools ----------------------------------------------------------------------------------
 
+
 def new_parser(protocol: Any) -> Any:
     """A fresh httptools request parser for ``protocol``, set up as uvicorn sets up its own."""
     parser = httptools.HttpRequestParser(protocol)
@@ -278,6 +365,7 @@ def new_parser(protocol: Any) -> Any:
 
 
 # -- the choice ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Serving:
@@ -327,9 +415,15 @@ def serving(app: Any, limits: Any = None, mode: str = "auto") -> Serving:
             "the installed web stack (%s) lacks what the shard's fast HTTP path uses (%s); "
             "serving through uvicorn's h11 protocol and the FastAPI routes instead: the same "
             "answers, slower%s. Install the versions pyproject.toml allows (pip install "
-            "'paramshard[server]') to serve fast.", installed, "; ".join(lacking),
-            ", and without the head and body read deadlines" if h11_missing else "")
+            "'paramshard[server]') to serve fast.",
+            installed,
+            "; ".join(lacking),
+            ", and without the head and body read deadlines" if h11_missing else "",
+        )
     else:
-        logger.info("serving the stock way (--http stock): uvicorn's h11 protocol and the "
-                    "FastAPI routes (%s)", installed)
+        logger.info(
+            "serving the stock way (--http stock): uvicorn's h11 protocol and the "
+            "FastAPI routes (%s)",
+            installed,
+        )
     return Serving(app, stock, "stock")

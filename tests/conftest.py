@@ -68,9 +68,15 @@ def http_json(url: str, timeout: float = 2.0):
 class Fleet:
     """n shard processes; ``urls[i]`` is shard i. Restart a shard with ``start(i)``."""
 
-    def __init__(self, n: int, workdir: Path, extra_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None, data: bool = False,
-                 prelude: str = "") -> None:
+    def __init__(
+        self,
+        n: int,
+        workdir: Path,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        data: bool = False,
+        prelude: str = "",
+    ) -> None:
         self.n = n
         self.workdir = workdir
         self.extra_args = tuple(extra_args)
@@ -88,12 +94,30 @@ class Fleet:
 
     def command(self, i: int) -> list[str]:
         data = ["--data-dir", str(self.data_dirs[i])] if self.data_dirs else []
-        start = ["-m", "server.cli"] if not self.prelude else \
-            ["-c", self.prelude + "\nimport sys\nfrom server.cli import main\n"
-                   "sys.exit(main(sys.argv[1:]))"]
-        return [sys.executable, *start, "serve", "--shard-index", str(i),
-                "--num-shards", str(self.n), "--host", "127.0.0.1", "--port", str(self.ports[i]),
-                *data, *self.extra_args]
+        start = (
+            ["-m", "server.cli"]
+            if not self.prelude
+            else [
+                "-c",
+                self.prelude + "\nimport sys\nfrom server.cli import main\n"
+                "sys.exit(main(sys.argv[1:]))",
+            ]
+        )
+        return [
+            sys.executable,
+            *start,
+            "serve",
+            "--shard-index",
+            str(i),
+            "--num-shards",
+            str(self.n),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.ports[i]),
+            *data,
+            *self.extra_args,
+        ]
 
     def wait_ready(self, i: int, timeout: float = 30.0) -> None:
         """Wait until shard i answers ``/readyz`` with 200 (its state is restored)."""
@@ -106,19 +130,27 @@ class Fleet:
             except OSError:
                 proc = self.procs[i]
                 if proc is not None and proc.poll() is not None:
-                    raise RuntimeError(f"shard {i} exited with {proc.returncode}:\n"
-                                       f"{self.log_tail(i)}") from None
+                    raise RuntimeError(
+                        f"shard {i} exited with {proc.returncode}:\n{self.log_tail(i)}"
+                    ) from None
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"shard {i} not ready after {timeout}s:\n"
-                                       f"{self.log_tail(i)}") from None
+                    raise RuntimeError(
+                        f"shard {i} not ready after {timeout}s:\n{self.log_tail(i)}"
+                    ) from None
                 time.sleep(0.05)
 
     def start(self, i: int, wait: bool = True) -> None:
         assert self.procs[i] is None or self.procs[i].poll() is not None, f"shard {i} is running"
         env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
         log = open(self.logs[i], "ab")
-        self.procs[i] = subprocess.Popen(self.command(i), cwd=ROOT, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[i] = subprocess.Popen(
+            self.command(i),
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         if wait:
             self.wait_ready(i) if self.data_dirs else self.wait_healthy(i)
@@ -176,8 +208,13 @@ class Fleet:
 def fleet_factory(tmp_path):
     fleets: list[Fleet] = []
 
-    def make(n: int, *extra_args: str, env: dict[str, str] | None = None,
-             data: bool = False, prelude: str = "") -> Fleet:
+    def make(
+        n: int,
+        *extra_args: str,
+        env: dict[str, str] | None = None,
+        data: bool = False,
+        prelude: str = "",
+    ) -> Fleet:
         d = tmp_path / f"fleet{len(fleets)}"
         d.mkdir()
         f = Fleet(n, d, extra_args, env, data, prelude)

@@ -31,8 +31,9 @@ def load_compose() -> dict[str, Any]:
 
 def shard_services(compose: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """The shard services (``ps0``, ``ps1``, ...) in shard-index order."""
-    found = sorted((int(m.group(1)), name) for name in compose["services"]
-                   if (m := SHARD_SERVICE.match(name)))
+    found = sorted(
+        (int(m.group(1)), name) for name in compose["services"] if (m := SHARD_SERVICE.match(name))
+    )
     return [(name, compose["services"][name]) for _, name in found]
 
 
@@ -47,9 +48,9 @@ def environment(service: dict[str, Any]) -> dict[str, str]:
 @dataclass(frozen=True)
 class Instruction:
     keyword: str  # upper-case, e.g. "COPY"
-    args: str     # the rest of the (joined) line
-    stage: str    # the name of the stage it belongs to ("" before the first FROM)
-    line: int     # 1-based line where it starts
+    args: str  # the rest of the (joined) line
+    stage: str  # the name of the stage it belongs to ("" before the first FROM)
+    line: int  # 1-based line where it starts
 
 
 def parse_dockerfile(text: str) -> list[Instruction]:
@@ -111,11 +112,13 @@ def dockerignore_allows(path: str, patterns: list[str]) -> bool:
         pat = pattern[1:] if negate else pattern
         pat = pat.strip().strip("/")
         if pat.startswith("**/"):
-            hit = any(fnmatch.fnmatchcase(p, pat[3:]) for p in parts) or \
-                any(fnmatch.fnmatchcase(p, pat) for p in prefixes)
+            hit = any(fnmatch.fnmatchcase(p, pat[3:]) for p in parts) or any(
+                fnmatch.fnmatchcase(p, pat) for p in prefixes
+            )
         else:
-            hit = any(fnmatch.fnmatchcase(p, pat) and p.count("/") == pat.count("/")
-                      for p in prefixes)
+            hit = any(
+                fnmatch.fnmatchcase(p, pat) and p.count("/") == pat.count("/") for p in prefixes
+            )
         if hit:
             included = negate
     return included
@@ -144,5 +147,6 @@ def k8s_object(docs: list[tuple[Path, dict[str, Any]]], kind: str) -> dict[str, 
 
 def k8s_env(container: dict[str, Any]) -> dict[str, Any]:
     """name -> value (a string) or the ``valueFrom`` mapping."""
-    return {e["name"]: e["value"] if "value" in e else e["valueFrom"]
-            for e in container.get("env", [])}
+    return {
+        e["name"]: e["value"] if "value" in e else e["valueFrom"] for e in container.get("env", [])
+    }

@@ -49,19 +49,21 @@ def _read_message(sock: socket.socket, buf: bytearray) -> bytes | None:
         if not chunk:
             return None
         buf += chunk
-    message = bytes(buf[:end + length])
-    del buf[:end + length]
+    message = bytes(buf[: end + length])
+    del buf[: end + length]
     return message
 
 
 class DroppingProxy:
     """See the module. ``drops`` counts replies lost on purpose; ``seen`` requests per path."""
 
-    def __init__(self, upstream: tuple[str, int],
-                 drop: Callable[[str, str, int], bool] = lambda method, path, n: False,
-                 alter: Callable[[str, str, bytes], bytes] | None = None,
-                 deliver: Callable[[socket.socket, str, str, bytes], bool] | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        upstream: tuple[str, int],
+        drop: Callable[[str, str, int], bool] = lambda method, path, n: False,
+        alter: Callable[[str, str, bytes], bytes] | None = None,
+        deliver: Callable[[socket.socket, str, str, bytes], bool] | None = None,
+    ) -> None:
         self.upstream = upstream
         self.drop = drop
         self.alter = alter

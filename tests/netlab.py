@@ -94,7 +94,7 @@ def sweep_stale() -> list[str]:
         name = line.split()[0] if line.split() else ""
         if not name.startswith(PREFIX):
             continue
-        owner = name[len(PREFIX):].split("-", 1)[0]
+        owner = name[len(PREFIX) :].split("-", 1)[0]
         if owner.isdigit() and not _alive(int(owner)):
             _remove_namespace(name)
             removed.append(name)
@@ -137,8 +137,20 @@ class Netlab:
             ns = self.namespace(name)
             self._add_namespace(ns)
             port = self._port(name)
-            _ip("-n", self.switch, "link", "add", port, "type", "veth",
-                "peer", "name", "eth0", "netns", ns)
+            _ip(
+                "-n",
+                self.switch,
+                "link",
+                "add",
+                port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                ns,
+            )
             _ip("-n", self.switch, "link", "set", port, "master", "br0")
             _ip("-n", self.switch, "link", "set", port, "up")
             _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
@@ -161,23 +173,39 @@ class Netlab:
         """Plug ``host``'s cable back in."""
         _ip("-n", self.switch, "link", "set", self._port(host), "up")
 
-    def start(self, host: str, argv: list[str], env: dict[str, str], log: Path,
-              cwd: Path | None = None) -> subprocess.Popen:
+    def start(
+        self, host: str, argv: list[str], env: dict[str, str], log: Path, cwd: Path | None = None
+    ) -> subprocess.Popen:
         """Start ``argv`` on ``host`` (``ip netns exec`` execs it: the pid is the program's).
         Output goes to ``log``; the process is killed by :meth:`close` if still running."""
         with open(log, "ab") as out:
-            proc = subprocess.Popen(["ip", "netns", "exec", self.namespace(host), *argv],
-                                    env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", self.namespace(host), *argv],
+                env=env,
+                cwd=cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         return proc
 
-    def python(self, host: str, code: str, *args: str, env: dict[str, str] | None = None,
-               timeout: float = 60.0) -> subprocess.CompletedProcess:
+    def python(
+        self,
+        host: str,
+        code: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+    ) -> subprocess.CompletedProcess:
         """Run ``python -c code args...`` on ``host`` and wait for it."""
-        return subprocess.run(["ip", "netns", "exec", self.namespace(host), sys.executable,
-                               "-c", code, *args], env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            ["ip", "netns", "exec", self.namespace(host), sys.executable, "-c", code, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def fetch(self, host: str, url: str, timeout: float = 2.0) -> str | None:
         """GET ``url`` from ``host``; the body, or ``None`` if there was no answer."""
@@ -188,8 +216,9 @@ class Netlab:
         body = self.fetch(host, url, timeout)
         return None if body is None else json.loads(body)
 
-    def wait_for(self, host: str, url: str, timeout: float = 30.0,
-                 proc: subprocess.Popen | None = None) -> dict:
+    def wait_for(
+        self, host: str, url: str, timeout: float = 30.0, proc: subprocess.Popen | None = None
+    ) -> dict:
         """Poll ``url`` from ``host`` until it answers with JSON; raise if ``proc`` dies."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -19,8 +19,9 @@ from server.config import ShardConfig
 
 async def post(client: httpx2.AsyncClient, verb: str, msg: dict) -> httpx2.Response:
     enc = wire.encode(msg)
-    return await client.post(f"/v1/{verb}", content=enc.join(),
-                             headers={"content-type": enc.content_type})
+    return await client.post(
+        f"/v1/{verb}", content=enc.join(), headers={"content-type": enc.content_type}
+    )
 
 
 def error(r: httpx2.Response) -> dict:
@@ -40,8 +41,9 @@ def test_restoring_and_draining_shards_are_live_but_not_ready(tmp_path):
             assert r.status_code == 503 and r.json()["status"] == "restoring"
             r = await post(c, "pull", {"names": ["w"]})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
-            assert error(r)["code"] == "unavailable" and error(r)["details"]["reason"] == \
-                "restoring"
+            assert (
+                error(r)["code"] == "unavailable" and error(r)["details"]["reason"] == "restoring"
+            )
             assert "x-paramshard-state-version" not in r.headers  # not known yet
             assert (await c.get("/v1/cluster")).status_code == 200  # inspection answers
 
@@ -69,8 +71,9 @@ def test_requests_waiting_for_room_are_served_in_turn_or_refused(tmp_path):
     gate.set_phase("ready")
 
     async def main() -> None:
-        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app),
-                                      base_url="http://shard") as c:
+        async with httpx2.AsyncClient(
+            transport=httpx2.ASGITransport(app=app), base_url="http://shard"
+        ) as c:
             await post(c, "init", {"variables": {"w": {"value": np.zeros(2)}}})
             assert await gate.admit(0)  # one request in flight: the limit
             waiting = asyncio.ensure_future(post(c, "pull", {"names": ["w"]}))

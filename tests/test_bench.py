@@ -22,16 +22,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
     """Every case, tiny sizes: a table per case, every system each case compares, the GOALS
     (each marked not measured, with what would measure it) and a SCALE section that says why
     it is not estimated, rather than failing on transfers too short for /proc's CPU clock."""
-    run = _bench("--quick", "--sizes", "1000", "--seconds", "0.2", "--rounds", "1",
-                 "--out", str(tmp_path))
+    run = _bench(
+        "--quick", "--sizes", "1000", "--seconds", "0.2", "--rounds", "1", "--out", str(tmp_path)
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
     for case in ("transfer:", "step:", "workers:", "snapshot:"):
@@ -63,13 +69,16 @@ def test_small_transfers_get_more_repetitions_and_big_ones_fewer():
     assert timing.reps_for(100 * full, 30, 10) == 10  # never below --min-reps
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--sizes", "0"], "--sizes"),
-    (["--sizes", "1e3,x"], "--sizes"),
-    (["--cases", "transfer,nope"], "nope"),
-    (["--reps", "0"], "--reps"),
-    (["--seconds", "-1"], "--seconds"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--sizes", "0"], "--sizes"),
+        (["--sizes", "1e3,x"], "--sizes"),
+        (["--cases", "transfer,nope"], "nope"),
+        (["--reps", "0"], "--reps"),
+        (["--seconds", "-1"], "--seconds"),
+    ],
+)
 def test_bad_flags_are_refused_before_anything_runs(args, says, tmp_path):
     run = _bench(*args, "--out", str(tmp_path), timeout=60)
     assert run.returncode == 2
@@ -112,11 +121,16 @@ def test_goals_are_ratios_of_rows_of_the_same_run():
 def test_scale_turns_measured_cpu_per_gb_into_shards_and_hosts():
     """0.25 + 0.5 CPU-s/GB at 256 GB/s each way: 192 cores, 192 one-core shards, 12 hosts of
     16 cores by CPU but 21 by 100 Gb/s NIC; and no estimate from CPU figures that read zero."""
+
     def transfer(op, system, cpu_s, gb):
         return _row("transfer", op, 10**7, system, server_cpu_s=cpu_s, server_gb=gb)
 
-    rows = [transfer("pull", SDK, 0.5, 2.0), transfer("push", SDK, 1.0, 2.0),
-            transfer("pull", RAW, 0.4, 2.0), transfer("push", RAW, 0.4, 2.0)]
+    rows = [
+        transfer("pull", SDK, 0.5, 2.0),
+        transfer("push", SDK, 1.0, 2.0),
+        transfer("pull", RAW, 0.4, 2.0),
+        transfer("push", RAW, 0.4, 2.0),
+    ]
     est = scale.estimate(rows)
     assert est["cpu_s_per_gb_pull"] == pytest.approx(0.25)
     assert est["cpu_s_per_gb_push"] == pytest.approx(0.5)

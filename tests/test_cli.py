@@ -23,34 +23,53 @@ from conftest import ROOT, free_port, http_json
 from server.config import ConfigError, ShardConfig
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0
-            ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 # -- bad configuration ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("args,env,key", [
-    (["--shard-index", "2", "--num-shards", "2"], {}, "--shard-index"),
-    (["--num-shards", "0"], {}, "--num-shards"),
-    (["--port", "70000"], {}, "--port"),
-    (["--max-request-bytes", "lots"], {}, "--max-request-bytes"),
-    (["--log-level", "chatty"], {}, "--log-level"),
-    ([], {"PARAMSHARD_PORT": "http"}, "PARAMSHARD_PORT"),
-    ([], {"PARAMSHARD_NUM_SHARDS": "2", "PARAMSHARD_SHARD_INDEX": "-1"}, "PARAMSHARD_SHARD_INDEX"),
-    ([], {"PARAMSHARD_NUM_SHARDS": "3", "PARAMSHARD_SHARD_INDEX": "3"}, "PARAMSHARD_SHARD_INDEX"),
-    ([], {"PARAMSHARD_ACCESS_LOG": "sometimes"}, "PARAMSHARD_ACCESS_LOG"),
-    (["--snapshot-interval", "-1"], {}, "--snapshot-interval"),
-    (["--snapshot-interval", "nan"], {}, "--snapshot-interval"),
-    (["--keep-snapshots", "0"], {}, "--keep-snapshots"),
-    ([], {"PARAMSHARD_DATA_DIR": ""}, "PARAMSHARD_DATA_DIR"),
-    (["--data-dir", "/tmp/x", "--restore", "no spaces"], {}, "--restore"),
-    (["--restore", "ckpt-1"], {}, "--restore"),
-    (["--max-queued-bytes", "1MiB"], {}, "--max-queued-bytes"),
-    (["--max-queued-requests", "0"], {}, "--max-queued-requests"),
-], ids=lambda v: v if isinstance(v, str) else None)
+
+@pytest.mark.parametrize(
+    "args,env,key",
+    [
+        (["--shard-index", "2", "--num-shards", "2"], {}, "--shard-index"),
+        (["--num-shards", "0"], {}, "--num-shards"),
+        (["--port", "70000"], {}, "--port"),
+        (["--max-request-bytes", "lots"], {}, "--max-request-bytes"),
+        (["--log-level", "chatty"], {}, "--log-level"),
+        ([], {"PARAMSHARD_PORT": "http"}, "PARAMSHARD_PORT"),
+        (
+            [],
+            {"PARAMSHARD_NUM_SHARDS": "2", "PARAMSHARD_SHARD_INDEX": "-1"},
+            "PARAMSHARD_SHARD_INDEX",
+        ),
+        (
+            [],
+            {"PARAMSHARD_NUM_SHARDS": "3", "PARAMSHARD_SHARD_INDEX": "3"},
+            "PARAMSHARD_SHARD_INDEX",
+        ),
+        ([], {"PARAMSHARD_ACCESS_LOG": "sometimes"}, "PARAMSHARD_ACCESS_LOG"),
+        (["--snapshot-interval", "-1"], {}, "--snapshot-interval"),
+        (["--snapshot-interval", "nan"], {}, "--snapshot-interval"),
+        (["--keep-snapshots", "0"], {}, "--keep-snapshots"),
+        ([], {"PARAMSHARD_DATA_DIR": ""}, "PARAMSHARD_DATA_DIR"),
+        (["--data-dir", "/tmp/x", "--restore", "no spaces"], {}, "--restore"),
+        (["--restore", "ckpt-1"], {}, "--restore"),
+        (["--max-queued-bytes", "1MiB"], {}, "--max-queued-bytes"),
+        (["--max-queued-requests", "0"], {}, "--max-queued-requests"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
 def test_bad_config_exits_2_naming_the_key(args, env, key):
     done = run_cli("serve", *args, env=env)
     assert done.returncode == 2, done.stderr
@@ -66,13 +85,19 @@ def test_shard_index_error_says_the_valid_range():
 
 def test_flags_win_over_environment():
     flags = {"port": "7200", "shard_index": "1", "num_shards": None}
-    env = {"PARAMSHARD_PORT": "7100", "PARAMSHARD_NUM_SHARDS": "2",
-           "PARAMSHARD_SHARD_INDEX": "9", "PARAMSHARD_ACCESS_LOG": "yes"}
+    env = {
+        "PARAMSHARD_PORT": "7100",
+        "PARAMSHARD_NUM_SHARDS": "2",
+        "PARAMSHARD_SHARD_INDEX": "9",
+        "PARAMSHARD_ACCESS_LOG": "yes",
+    }
     config = ShardConfig.from_sources(flags, env)
     assert (config.port, config.shard_index, config.num_shards) == (7200, 1, 2)
     assert config.access_log is True and config.host == "127.0.0.1"
     assert config.max_request_bytes == 1 << 30
-    assert ShardConfig.from_sources({"max_request_bytes": "16MiB"}, {}).max_request_bytes == 16 << 20
+    assert (
+        ShardConfig.from_sources({"max_request_bytes": "16MiB"}, {}).max_request_bytes == 16 << 20
+    )
     with pytest.raises(ConfigError) as info:
         ShardConfig.from_sources({"port": "x"}, {"PARAMSHARD_PORT": "7100"})
     assert info.value.key == "--port"
@@ -88,6 +113,7 @@ def test_serve_exits_1_when_its_port_is_taken():
 
 
 # -- up -------------------------------------------------------------------------------------
+
 
 def free_run(n: int) -> int:
     """A base port with n free consecutive ports after it (best effort, rechecked by ``up``)."""
@@ -116,9 +142,14 @@ class Up:
     def __init__(self, *args: str, log: Path) -> None:
         self.log = open(log, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "up", *args], cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-            stderr=self.log, text=True, start_new_session=True)
+            [sys.executable, "-m", "server.cli", "up", *args],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            start_new_session=True,
+        )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
@@ -137,8 +168,9 @@ class Up:
             except queue.Empty:
                 raise AssertionError(f"no line starting {prefix!r}; got {self.seen}") from None
             if line is None:
-                raise AssertionError(f"up exited ({self.proc.wait()}) before {prefix!r}; "
-                                     f"stdout {self.seen}")
+                raise AssertionError(
+                    f"up exited ({self.proc.wait()}) before {prefix!r}; stdout {self.seen}"
+                )
             self.seen.append(line)
             if line.startswith(prefix):
                 return line
@@ -207,8 +239,9 @@ def test_up_starts_shards_status_prints_them_and_sigint_stops_all(start_up):
     dead = f"http://127.0.0.1:{free_port()}"
     done = run_cli("status", env={"PARAMSHARD_SHARDS": ",".join([*urls, dead])})
     assert done.returncode == 1
-    assert any(line.startswith(dead) and line.split()[-1] == "down"
-               for line in done.stdout.splitlines()), done.stdout
+    assert any(
+        line.startswith(dead) and line.split()[-1] == "down" for line in done.stdout.splitlines()
+    ), done.stdout
 
     up.proc.send_signal(signal.SIGINT)
     assert up.proc.wait(30) == 0, up.stderr()
@@ -219,8 +252,16 @@ def test_up_starts_shards_status_prints_them_and_sigint_stops_all(start_up):
 
 
 def test_up_sigterm_stops_cleanly(start_up, tmp_path):
-    up = start_up("--shards", "1", "--base-port", str(free_run(1)), "--data-dir",
-                  str(tmp_path / "fleet"), "--snapshot-interval", "5")
+    up = start_up(
+        "--shards",
+        "1",
+        "--base-port",
+        str(free_run(1)),
+        "--data-dir",
+        str(tmp_path / "fleet"),
+        "--snapshot-interval",
+        "5",
+    )
     url = up.read_until("export PARAMSHARD_SHARDS=").split("=", 1)[1]
     assert http_json(url + "/v1/cluster")["data_dir"] is True
     assert (tmp_path / "fleet" / "shard-0").is_dir()
@@ -260,7 +301,12 @@ def test_up_rejects_bad_arguments():
 
 def test_status_without_shards_is_a_usage_error():
     env = {k: v for k, v in os.environ.items() if k != "PARAMSHARD_SHARDS"}
-    done = subprocess.run([sys.executable, "-m", "server.cli", "status"], cwd=ROOT,
-                          env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "server.cli", "status"],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and "PARAMSHARD_SHARDS" in done.stderr

@@ -27,8 +27,8 @@ from client_sdk import (
     PushError,
     ShardUnavailableError,
     UnknownVariableError,
+    wire,
 )
-from client_sdk import wire
 from client_sdk.optimizers import SGD, Adagrad
 from client_sdk.placement import shard_for
 from conftest import HTTP_MODES, free_port, start_fleet2
@@ -152,8 +152,9 @@ def test_api_block_async(fleet2):
 
 def test_second_pull_of_unchanged_variables_transfers_no_values(fleet2):
     names = two_shard_names("cache", 2)
-    values = {n: np.random.default_rng(i).random(250_000).astype(np.float32)
-              for i, n in enumerate(names)}
+    values = {
+        n: np.random.default_rng(i).random(250_000).astype(np.float32) for i, n in enumerate(names)
+    }
     rec = Recording()
     with PSClient(fleet2.urls, transport=rec) as ps:
         ps.init(values)
@@ -185,8 +186,9 @@ class AsIfOlder(httpx2.BaseTransport):
     out of ``/v1/cluster`` and ``"layout"`` out of every pull (so they answer in the map
     layout, one map per variable)."""
 
-    def __init__(self, older: bool, drop: tuple[str, ...] = (),
-                 drop_features: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, older: bool, drop: tuple[str, ...] = (), drop_features: tuple[str, ...] = ()
+    ) -> None:
         self.inner = httpx2.HTTPTransport()
         self.older = older
         self.drop_features = drop_features  # taken out of /v1/cluster's features
@@ -204,15 +206,18 @@ class AsIfOlder(httpx2.BaseTransport):
             if path == "/v1/push":
                 self.pushes.append(msg.get("layout", "map"))
                 if msg.get("layout") == "table":
-                    self.push_tables.append({k: v for k, v in msg["grads"].items()
-                                             if k != "names"})
+                    self.push_tables.append({k: v for k, v in msg["grads"].items() if k != "names"})
             elif self.drop:
                 assert msg["layout"] == "table"  # what the SDK asks for
                 for key in self.drop:
                     msg.pop(key, None)
                 headers = {k: v for k, v in request.headers.items() if k != "content-length"}
-                request = httpx2.Request("POST", request.url, headers=headers,
-                                         content=wire.encode(msg, tensors=False).join())
+                request = httpx2.Request(
+                    "POST",
+                    request.url,
+                    headers=headers,
+                    content=wire.encode(msg, tensors=False).join(),
+                )
         response = self.inner.handle_request(request)
         if path == "/v1/pull":
             response.read()
@@ -227,8 +232,9 @@ class AsIfOlder(httpx2.BaseTransport):
                 info.pop("features")
             else:
                 info["features"] = [f for f in info["features"] if f not in self.drop_features]
-            response = httpx2.Response(response.status_code, headers=response.headers,
-                                       content=json.dumps(info).encode())
+            response = httpx2.Response(
+                response.status_code, headers=response.headers, content=json.dumps(info).encode()
+            )
         return response
 
     def close(self) -> None:
@@ -260,8 +266,9 @@ def test_pull_and_push_use_tables_where_the_shard_has_them(fleet2, older):
         np.testing.assert_array_equal(third[names[0]], values[names[0]] - 1)
         assert all(third[n] is first[n] for n in names[2:])
     assert transport.pushes and set(transport.pushes) == {"map" if older else "table"}
-    assert transport.pulls and all(r == ({"variables"} if older else {"table"})
-                                   for r in transport.pulls)
+    assert transport.pulls and all(
+        r == ({"variables"} if older else {"table"}) for r in transport.pulls
+    )
 
 
 @pytest.mark.parametrize("packing", [True, False])  # False: a shard that predates it
@@ -280,8 +287,11 @@ def test_a_pull_of_same_shaped_variables_gets_their_dtype_and_shape_once(fleet2,
         ps.push({names[0]: np.ones((2, 5), np.float32)})
         second = ps.pull([*names, odd])
     assert transport.tables == [{"versions", "uniform"}, {"versions", "dtype", "shape"}]
-    assert transport.uniforms[0] == {"dtype": "<f4", "shape": [2, 5],
-                                     **({"packed": True} if packing else {})}
+    assert transport.uniforms[0] == {
+        "dtype": "<f4",
+        "shape": [2, 5],
+        **({"packed": True} if packing else {}),
+    }
     for i, n in enumerate(names):
         np.testing.assert_array_equal(first[n], values[n])
         np.testing.assert_array_equal(second[n], values[n] - (i == 0))
@@ -299,14 +309,17 @@ def test_same_shaped_gradients_go_as_a_packed_uniform_table(fleet2, packed):
     odd = next(on_shard0)
     transport = AsIfOlder(False, drop_features=() if packed else ("packed",))
     with PSClient(fleet2.urls, transport=transport) as ps:
-        ps.init({**{n: np.zeros((2, 5), np.float32) for n in names}, odd: np.zeros(3)},
-                optimizer=SGD(lr=1.0))
+        ps.init(
+            {**{n: np.zeros((2, 5), np.float32) for n in names}, odd: np.zeros(3)},
+            optimizer=SGD(lr=1.0),
+        )
         ps.push({n: np.full((2, 5), i, np.float32) for i, n in enumerate(names)})
         ps.push({names[0]: np.ones((2, 5), np.float32), odd: np.ones(3)})
         got = ps.pull([*names, odd])
     uniform = {"dtype": "<f4", "shape": [2, 5], "packed": True}
-    assert transport.push_tables[0] == ({"uniform": uniform} if packed else
-                                        {"dtype": ["<f4"] * 3, "shape": [[2, 5]] * 3})
+    assert transport.push_tables[0] == (
+        {"uniform": uniform} if packed else {"dtype": ["<f4"] * 3, "shape": [[2, 5]] * 3}
+    )
     assert set(transport.push_tables[1]) == {"dtype", "shape"}
     for i, n in enumerate(names):
         np.testing.assert_array_equal(got[n], np.full((2, 5), -i - (i == 0), np.float32))
@@ -431,8 +444,9 @@ def test_big_framed_variables_round_trip(fleet2):
 def test_values_may_be_array_likes_and_other_byte_orders(fleet2):
     lst, be = unique("list"), unique("bigendian")
     with PSClient(fleet2.urls) as ps:
-        ps.init({lst: [[1.5, 2.5], [3.5, 4.5]], be: np.arange(5, dtype=">f4")},
-                optimizer=SGD(lr=1.0))
+        ps.init(
+            {lst: [[1.5, 2.5], [3.5, 4.5]], be: np.arange(5, dtype=">f4")}, optimizer=SGD(lr=1.0)
+        )
         ps.push({lst: [[1.0, 1.0], [1.0, 1.0]], be: np.ones(5, dtype=">f4")})
         got = ps.pull([lst, be])
     np.testing.assert_array_equal(got[lst], [[0.5, 1.5], [2.5, 3.5]])
@@ -739,13 +753,24 @@ def scripted_shard(script: list):
     status (answered with an error payload), an exception to raise, or "ok". ``calls`` records
     (path, decoded body) of each data-plane request."""
     calls: list[str] = []
-    headers = {"x-paramshard-shard": "0/1", "x-paramshard-incarnation": "abc",
-               "x-paramshard-protocol": "1"}
+    headers = {
+        "x-paramshard-shard": "0/1",
+        "x-paramshard-incarnation": "abc",
+        "x-paramshard-protocol": "1",
+    }
 
     def handler(request: httpx2.Request) -> httpx2.Response:
         if request.url.path == "/v1/cluster":
-            return httpx2.Response(200, headers=headers, json={
-                "shard_index": 0, "num_shards": 1, "incarnation": "abc", "protocol_version": 1})
+            return httpx2.Response(
+                200,
+                headers=headers,
+                json={
+                    "shard_index": 0,
+                    "num_shards": 1,
+                    "incarnation": "abc",
+                    "protocol_version": 1,
+                },
+            )
         body = request.read()
         ctype = request.headers.get("content-type", wire.MSGPACK)
         calls.append((request.url.path, wire.unpack(bytearray(body), ctype) if body else None))
@@ -753,14 +778,25 @@ def scripted_shard(script: list):
         if isinstance(step, Exception):
             raise step
         if step == "ok":
-            msg = {"value": 1, "version": 1, "ready": ["w"], "missing": [],
-                   "variables": {"w": {"status": "applied", "version": 1, "staleness": 0}}}
-            return httpx2.Response(200, headers={**headers, "content-type": wire.MSGPACK},
-                                   content=wire.encode(msg).join())
+            msg = {
+                "value": 1,
+                "version": 1,
+                "ready": ["w"],
+                "missing": [],
+                "variables": {"w": {"status": "applied", "version": 1, "staleness": 0}},
+            }
+            return httpx2.Response(
+                200,
+                headers={**headers, "content-type": wire.MSGPACK},
+                content=wire.encode(msg).join(),
+            )
         code = {429: "overloaded", 503: "unavailable"}.get(step, "bad_request")
         body = wire.encode(wire.error_payload(code, "busy, retry")).join()
-        return httpx2.Response(step, content=body, headers={
-            **headers, "content-type": wire.MSGPACK, "retry-after": "0"})
+        return httpx2.Response(
+            step,
+            content=body,
+            headers={**headers, "content-type": wire.MSGPACK, "retry-after": "0"},
+        )
 
     return httpx2.MockTransport(handler), calls
 
@@ -782,9 +818,15 @@ def test_overload_past_the_deadline_raises_overloaded():
 
 
 def test_writes_are_retried_after_any_transport_error_with_the_same_seq():
-    transport, calls = scripted_shard([httpx2.ReadTimeout("slow"),
-                                       httpx2.RemoteProtocolError("gone"), "ok",
-                                       httpx2.WriteError("reset"), "ok"])
+    transport, calls = scripted_shard(
+        [
+            httpx2.ReadTimeout("slow"),
+            httpx2.RemoteProtocolError("gone"),
+            "ok",
+            httpx2.WriteError("reset"),
+            "ok",
+        ]
+    )
     with PSClient(["http://shard0"], transport=transport, worker_id="w") as ps:
         assert ps.push({"w": np.ones(2)})["w"]["status"] == "applied"
         assert ps.increment("c") == 1
@@ -803,8 +845,9 @@ def test_a_write_that_keeps_failing_says_it_was_applied_at_most_once():
 
 
 def test_read_only_calls_are_retried_after_any_transport_error():
-    transport, calls = scripted_shard([httpx2.ReadTimeout("slow"),
-                                       httpx2.RemoteProtocolError("gone"), "ok"])
+    transport, calls = scripted_shard(
+        [httpx2.ReadTimeout("slow"), httpx2.RemoteProtocolError("gone"), "ok"]
+    )
 
     async def main() -> None:
         async with AsyncPSClient(["http://shard0"], transport=transport) as ps:
@@ -812,7 +855,6 @@ def test_read_only_calls_are_retried_after_any_transport_error():
 
     asyncio.run(main())
     assert [path for path, _ in calls] == ["/v1/wait"] * 3
-
 
 
 def test_a_pull_plan_is_kept_per_list_of_names(fleet2):

@@ -16,10 +16,15 @@ from server import config as config_module
 from server.config import ConfigError, ShardConfig, index_from_hostname
 
 
-@pytest.mark.parametrize("hostname,index", [
-    ("paramshard-0", 0), ("paramshard-12", 12), ("ps3", 3),
-    ("paramshard-2.paramshard.default.svc.cluster.local", 2),
-])
+@pytest.mark.parametrize(
+    "hostname,index",
+    [
+        ("paramshard-0", 0),
+        ("paramshard-12", 12),
+        ("ps3", 3),
+        ("paramshard-2.paramshard.default.svc.cluster.local", 2),
+    ],
+)
 def test_index_from_hostname(hostname, index):
     assert index_from_hostname(hostname) == index
 
@@ -51,24 +56,47 @@ def test_auto_index_in_config(monkeypatch):
 
 needs_uts = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("hostname") is None,
-    reason="needs root and unshare(1) to give a shard process a host name of its own")
+    reason="needs root and unshare(1) to give a shard process a host name of its own",
+)
 
 
 def serve_as(hostname: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """``paramshard serve`` in a UTS namespace whose host name is ``hostname``."""
     script = 'hostname "$0" && exec "$@"'
-    cmd = ["unshare", "--uts", "sh", "-c", script, hostname,
-           sys.executable, "-m", "server.cli", "serve", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT),
-                                                **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [
+        "unshare",
+        "--uts",
+        "sh",
+        "-c",
+        script,
+        hostname,
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @needs_uts
 def test_statefulset_pod_serves_the_shard_of_its_ordinal():
     port = free_port()
-    proc = serve_as("paramshard-1", "--num-shards", "3", "--port", str(port),
-                    env={"PARAMSHARD_SHARD_INDEX": "auto"})
+    proc = serve_as(
+        "paramshard-1",
+        "--num-shards",
+        "3",
+        "--port",
+        str(port),
+        env={"PARAMSHARD_SHARD_INDEX": "auto"},
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -97,11 +125,17 @@ def test_auto_index_on_a_host_name_without_a_number_exits_2():
 
 # -- paramshard health ----------------------------------------------------------------------
 
+
 def health(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PARAMSHARD_")}
-    return subprocess.run([sys.executable, "-m", "server.cli", "health", *args], cwd=ROOT,
-                          env={**clean, "PYTHONPATH": str(ROOT), **(env or {})},
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", "health", *args],
+        cwd=ROOT,
+        env={**clean, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_health_of_a_running_shard(fleet2):
@@ -121,10 +155,13 @@ def test_health_without_a_shard_fails_and_says_why():
     assert f"127.0.0.1:{port}/healthz did not answer" in done.stderr
 
 
-@pytest.mark.parametrize("args,env,key", [
-    (["--timeout", "soon"], {}, "--timeout"),
-    ([], {"PARAMSHARD_PORT": "http"}, "PARAMSHARD_PORT"),
-])
+@pytest.mark.parametrize(
+    "args,env,key",
+    [
+        (["--timeout", "soon"], {}, "--timeout"),
+        ([], {"PARAMSHARD_PORT": "http"}, "PARAMSHARD_PORT"),
+    ],
+)
 def test_health_rejects_bad_settings(args, env, key):
     done = health(*args, env=env)
     assert done.returncode == 2 and key in done.stderr and "Traceback" not in done.stderr

@@ -28,9 +28,14 @@ def test_processes_incrementing_one_counter_get_distinct_values(fleet2):
     name = f"global_step_{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [
-        subprocess.Popen([sys.executable, "-c", WORKER, ",".join(fleet2.urls), name,
-                          str(INCREMENTS)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, ",".join(fleet2.urls), name, str(INCREMENTS)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(PROCESSES)
     ]
     seen: list[int] = []

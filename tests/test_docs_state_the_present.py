@@ -26,10 +26,12 @@ _HEX = re.compile(rb"\b[0-9a-f]{7,40}\b")
 
 def _git(*args: str, stdin: bytes | None = None) -> bytes:
     if shutil.which("git") is None:
-        pytest.fail("git is not on the path, but this checkout has a .git: install git to run "
-                    "this test")
-    done = subprocess.run(["git", "-C", str(ROOT), *args], input=stdin, capture_output=True,
-                          timeout=60, check=False)
+        pytest.fail(
+            "git is not on the path, but this checkout has a .git: install git to run this test"
+        )
+    done = subprocess.run(
+        ["git", "-C", str(ROOT), *args], input=stdin, capture_output=True, timeout=60, check=False
+    )
     if done.returncode != 0:
         pytest.fail(f"git {' '.join(args)} failed: {done.stderr.decode(errors='replace')}")
     return done.stdout
@@ -51,23 +53,31 @@ def _citations() -> list[str]:
         return []
     tokens = list(places)
     # One git process for every token: "<type>" per input line, "missing"/"ambiguous" otherwise.
-    answers = _git("cat-file", "--batch-check=%(objecttype)",
-                   stdin=b"\n".join(tokens) + b"\n").splitlines()
+    answers = _git(
+        "cat-file", "--batch-check=%(objecttype)", stdin=b"\n".join(tokens) + b"\n"
+    ).splitlines()
     assert len(answers) == len(tokens), answers
-    return [f"{where}: {token.decode()}" for token, answer in zip(tokens, answers, strict=True)
-            if answer == b"commit" for where in places[token]]
+    return [
+        f"{where}: {token.decode()}"
+        for token, answer in zip(tokens, answers, strict=True)
+        if answer == b"commit"
+        for where in places[token]
+    ]
 
 
 def test_no_file_cites_a_commit_of_this_repository():
     if not (ROOT / ".git").exists():
-        pytest.skip("no .git here (installed from a wheel or an sdist): nothing to resolve "
-                    "hashes against")
+        pytest.skip(
+            "no .git here (installed from a wheel or an sdist): nothing to resolve hashes against"
+        )
     found = _citations()
     assert not found, (
-        "these tracked files cite commits of this repository by hash:\n  " + "\n  ".join(found)
+        "these tracked files cite commits of this repository by hash:\n  "
+        + "\n  ".join(found)
         + "\nState what is true now and why instead (history is in git log; measurements go "
-          "in commit messages and bench results). To name the commit a benchmark ran at, give "
-          "its date, e.g. `git log -1 --until='<date>' main`.")
+        "in commit messages and bench results). To name the commit a benchmark ran at, give "
+        "its date, e.g. `git log -1 --until='<date>' main`."
+    )
 
 
 def test_the_bench_readme_is_a_reference_not_a_diary():
@@ -75,4 +85,5 @@ def test_the_bench_readme_is_a_reference_not_a_diary():
     assert lines <= BENCH_README_MAX_LINES, (
         f"bench/README.md has {lines} lines, at most {BENCH_README_MAX_LINES}: keep it to how to "
         "run, what each case measures, the latest results, the goals and the JSON; a run's "
-        "story goes in its commit message")
+        "story goes in its commit message"
+    )

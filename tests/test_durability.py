@@ -50,8 +50,12 @@ def summaries(ps: PSClient) -> dict[str, dict]:
 
 def post(url: str, verb: str, msg: dict) -> tuple[int, dict, dict]:
     enc = wire.encode(msg)
-    r = httpx2.post(f"{url}/v1/{verb}", content=enc.join(),
-                    headers={"content-type": enc.content_type}, timeout=30)
+    r = httpx2.post(
+        f"{url}/v1/{verb}",
+        content=enc.join(),
+        headers={"content-type": enc.content_type},
+        timeout=30,
+    )
     return r.status_code, wire.unpack(bytearray(r.content), r.headers["content-type"]), r.headers
 
 
@@ -64,6 +68,7 @@ def adagrad_reference(w0: np.ndarray, grads: list[np.ndarray], lr: float) -> np.
 
 
 # -- SIGTERM and restart ------------------------------------------------------------------------
+
 
 def test_sigterm_then_restart_keeps_every_value_version_and_slot(fleet_factory, caplog):
     fleet = fleet_factory(2, "--snapshot-interval", "0", data=True)  # only the final snapshot
@@ -79,10 +84,14 @@ def test_sigterm_then_restart_keeps_every_value_version_and_slot(fleet_factory, 
         ps.push({"sgd64": np.arange(5.0)})
         ps.assign({"sgd64": np.full(5, 2.5)})
         ps.increment("global_step", 7)
-        before = ps.pull(names + ["sgd64", "global_step"])
+        before = ps.pull([*names, "sgd64", "global_step"])
         meta = summaries(ps)
-        assert post(fleet.urls[0], "push", {"worker_id": "raw", "seq": 1,
-                                            "grads": {names[0]: grads[0]}})[0] == 200
+        assert (
+            post(
+                fleet.urls[0], "push", {"worker_id": "raw", "seq": 1, "grads": {names[0]: grads[0]}}
+            )[0]
+            == 200
+        )
         before[names[0]] = ps.pull([names[0]])[names[0]]
         meta[names[0]] = summaries(ps)[names[0]]
         versions = [http_json(u + "/v1/cluster")["state_version"] for u in fleet.urls]
@@ -94,7 +103,7 @@ def test_sigterm_then_restart_keeps_every_value_version_and_slot(fleet_factory, 
             fleet.start(i)
 
         caplog.set_level(logging.WARNING, logger="client_sdk")
-        after = ps.pull(names + ["sgd64", "global_step"])  # the same client carries on
+        after = ps.pull([*names, "sgd64", "global_step"])  # the same client carries on
         restarts = [r for r in caplog.records if "restarted" in r.getMessage()]
         assert len(restarts) == 2, caplog.text  # one warning per shard
         assert all("came back at state version" in r.getMessage() for r in restarts)
@@ -103,17 +112,20 @@ def test_sigterm_then_restart_keeps_every_value_version_and_slot(fleet_factory, 
             assert after[name].dtype == value.dtype
         now = summaries(ps)
         for name, s in meta.items():
-            assert {k: now[name][k] for k in ("version", "updates", "optimizer", "shape",
-                                              "dtype", "kind")} == \
-                {k: s[k] for k in ("version", "updates", "optimizer", "shape", "dtype", "kind")}
+            assert {
+                k: now[name][k]
+                for k in ("version", "updates", "optimizer", "shape", "dtype", "kind")
+            } == {k: s[k] for k in ("version", "updates", "optimizer", "shape", "dtype", "kind")}
         assert [http_json(u + "/v1/cluster")["state_version"] for u in fleet.urls] == versions
         # the optimizer's slots came back too: one more step matches uninterrupted Adagrad
         ps.push({names[-1]: grads[3]})
-        np.testing.assert_allclose(ps.pull([names[-1]])[names[-1]],
-                                   adagrad_reference(w0, grads, 0.1), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            ps.pull([names[-1]])[names[-1]], adagrad_reference(w0, grads, 0.1), rtol=1e-5, atol=1e-6
+        )
     # ...and so did the dedup table: the retry of a push applied before the stop is caught
-    status, msg, _ = post(fleet.urls[0], "push", {"worker_id": "raw", "seq": 1,
-                                                   "grads": {names[0]: grads[0]}})
+    status, msg, _ = post(
+        fleet.urls[0], "push", {"worker_id": "raw", "seq": 1, "grads": {names[0]: grads[0]}}
+    )
     assert status == 200 and msg["variables"][names[0]]["status"] == "duplicate"
     workers = {w["worker_id"]: w for w in http_json(fleet.urls[0] + "/v1/workers")["workers"]}
     assert workers["raw"]["applied"] == 1 and workers["raw"]["duplicates"] == 1
@@ -123,11 +135,15 @@ def test_sigterm_finishes_the_request_in_flight_then_snapshots_it(fleet_factory)
     fleet = fleet_factory(1, "--snapshot-interval", "0", data=True)
     with PSClient(fleet.urls, worker_id="t") as ps:
         ps.init({"w": np.zeros(4, np.float32)}, optimizer=Add())
-    body = wire.encode({"worker_id": "slow", "seq": 1,
-                        "grads": {"w": np.ones(4, np.float32)}}).join()
+    body = wire.encode(
+        {"worker_id": "slow", "seq": 1, "grads": {"w": np.ones(4, np.float32)}}
+    ).join()
     with socket.create_connection(("127.0.0.1", fleet.ports[0])) as s:
-        s.sendall(f"POST /v1/push HTTP/1.1\r\nhost: x\r\ncontent-type: {wire.MSGPACK}\r\n"
-                  f"content-length: {len(body)}\r\n\r\n".encode() + body[:10])
+        s.sendall(
+            f"POST /v1/push HTTP/1.1\r\nhost: x\r\ncontent-type: {wire.MSGPACK}\r\n"
+            f"content-length: {len(body)}\r\n\r\n".encode()
+            + body[:10]
+        )
         wait_in_flight(fleet.urls[0], 1)
         fleet.procs[0].send_signal(signal.SIGTERM)  # the push is half sent
         time.sleep(0.3)
@@ -178,18 +194,21 @@ def test_a_data_dir_of_another_shard_is_refused_with_exit_1(fleet_factory):
 
 # -- fleet checkpoints, restore and reshard -----------------------------------------------------
 
+
 def test_checkpoint_restore_and_reshard_2_3_2(fleet_factory, tmp_path):
     fleet = fleet_factory(2, "--snapshot-interval", "0", data=True)
     rng = np.random.default_rng(1)
     names = [f"layer{i}/kernel" for i in range(6)] + ["emb/part-0", "emb/part-1"]
     with PSClient(fleet.urls, worker_id="t") as ps:
-        ps.init({n: rng.standard_normal((7, 3)).astype(np.float32) for n in names},
-                optimizer=Adagrad(lr=0.05))
+        ps.init(
+            {n: rng.standard_normal((7, 3)).astype(np.float32) for n in names},
+            optimizer=Adagrad(lr=0.05),
+        )
         for _ in range(3):
             ps.push({n: rng.standard_normal((7, 3)).astype(np.float32) for n in names[::2]})
         ps.increment("global_step", 3)
         ckpt = ps.checkpoint()
-        at_ckpt = ps.pull(names + ["global_step"])
+        at_ckpt = ps.pull([*names, "global_step"])
         ps.push({n: np.ones((7, 3), np.float32) for n in names})  # after the checkpoint
     assert ckpt.startswith("ckpt-")
     for i in range(2):
@@ -197,22 +216,28 @@ def test_checkpoint_restore_and_reshard_2_3_2(fleet_factory, tmp_path):
     sources = [str(d) for d in fleet.data_dirs]
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "server.cli", "reshard", *args], cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                              text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "server.cli", "reshard", *args],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     three, back = tmp_path / "three", tmp_path / "back"
     r = run("--from", *sources[::-1], "--to", str(three), "--shards", "3")
     assert r.returncode == 0, r.stderr
     assert ckpt in r.stdout and "shard 2/3" in r.stdout
-    r = run("--from", *(str(three / f"shard-{j}") for j in range(3)), "--to", str(back),
-            "--shards", "2")
+    r = run(
+        "--from", *(str(three / f"shard-{j}") for j in range(3)), "--to", str(back), "--shards", "2"
+    )
     assert r.returncode == 0, r.stderr
 
     def load(dirs: list[Path]) -> dict[str, tuple[dict, dict]]:
         out = {}
         for d in dirs:
-            (_, _, path), = [s for s in persistence.list_snapshots(d) if s[1] == ckpt]
+            ((_, _, path),) = [s for s in persistence.list_snapshots(d) if s[1] == ckpt]
             snap = persistence.read_manifest(path)
             arrays = persistence.read_arrays(snap)
             for name, meta in snap.manifest["variables"].items():
@@ -235,7 +260,7 @@ def test_checkpoint_restore_and_reshard_2_3_2(fleet_factory, tmp_path):
     for j in range(3):
         fleet3.start(j)
     with PSClient(fleet3.urls, worker_id="t3") as ps:
-        got = ps.pull(names + ["global_step"])
+        got = ps.pull([*names, "global_step"])
         for name in names:
             np.testing.assert_array_equal(got[name], at_ckpt[name])
             assert summaries(ps)[name]["version"] == original[name][0]["version"]
@@ -263,9 +288,14 @@ def test_checkpoint_needs_a_data_dir_and_resumes_every_shard(fleet_factory):
 
 def test_reshard_refuses_what_it_cannot_do(fleet_factory, tmp_path):
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "server.cli", "reshard", *args], cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                              text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "server.cli", "reshard", *args],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     r = run("--from", str(tmp_path / "nope"), "--to", str(tmp_path / "out"), "--shards", "2")
     assert r.returncode == 2 and "no such directory" in r.stderr
@@ -289,12 +319,14 @@ def test_reshard_refuses_what_it_cannot_do(fleet_factory, tmp_path):
 
 # -- retries: lost replies, restarts, kill -9 ---------------------------------------------------
 
+
 def test_lost_replies_are_retried_and_applied_exactly_once(fleet_factory):
     fleet = fleet_factory(1)
     shard_port = fleet.ports[0]
     # every third push's reply is lost after the shard applied the push
-    with DroppingProxy(("127.0.0.1", shard_port),
-                       drop=lambda method, path, n: path == "/v1/push" and n % 3 == 0) as proxy:
+    with DroppingProxy(
+        ("127.0.0.1", shard_port), drop=lambda method, path, n: path == "/v1/push" and n % 3 == 0
+    ) as proxy:
         w0 = np.zeros(64, np.float32)
         grads = [np.full(64, k, np.float32) for k in range(1, 31)]  # exact in float32
         with PSClient([proxy.url], worker_id="lossy") as ps:
@@ -321,12 +353,36 @@ def test_kill_9_mid_training_and_restart_reaches_the_demos_accuracy(fleet_factor
     assert {shard_for(n, 2) for n in digits.PARAM_NAMES} == {0, 1}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PARAMSHARD_", "DIGITS_"))}
     env["PYTHONPATH"] = str(ROOT)
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), "--shards", ",".join(fleet.urls),
-                               "--worker-index", str(i), "--num-workers", str(workers),
-                               "--steps", str(steps), "--batch-size", str(batch), "--lr", str(lr),
-                               "--seed", str(seed), "--log-every", "50"],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(workers)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(SCRIPT),
+                "--shards",
+                ",".join(fleet.urls),
+                "--worker-index",
+                str(i),
+                "--num-workers",
+                str(workers),
+                "--steps",
+                str(steps),
+                "--batch-size",
+                str(batch),
+                "--lr",
+                str(lr),
+                "--seed",
+                str(seed),
+                "--log-every",
+                "50",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(workers)
+    ]
     try:
         victim = shard_for(digits.STEP_COUNTER, 2)
         deadline = time.monotonic() + 60
@@ -357,14 +413,14 @@ def test_kill_9_mid_training_and_restart_reaches_the_demos_accuracy(fleet_factor
         params = ps.pull(list(digits.PARAM_NAMES))
     data = digits.load_data(seed)
     acc_ps = digits.accuracy(params, data.X_test, data.y_test)
-    ref = train_one_process(digits, data, steps=workers * steps, batch_size=batch, lr=lr,
-                            seed=seed)
+    ref = train_one_process(digits, data, steps=workers * steps, batch_size=batch, lr=lr, seed=seed)
     acc_ref = digits.accuracy(ref, data.X_test, data.y_test)
     assert acc_ref > 0.9, acc_ref
     assert acc_ps >= acc_ref - 0.02, (acc_ps, acc_ref)
 
 
 # -- bounded work -------------------------------------------------------------------------------
+
 
 def in_flight(url: str) -> int:
     return http_json(url + "/v1/cluster")["admission"]["requests_in_flight"]
@@ -380,8 +436,11 @@ def wait_in_flight(url: str, n: int) -> None:
 def hold_a_request(url: str, port: int, path: str = "/v1/push") -> socket.socket:
     """Start a request whose body never finishes: it holds one admission slot."""
     s = socket.create_connection(("127.0.0.1", port))
-    s.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/msgpack\r\n"
-              f"content-length: 1000\r\n\r\n".encode() + b"\x80")
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/msgpack\r\n"
+        f"content-length: 1000\r\n\r\n".encode()
+        + b"\x80"
+    )
     wait_in_flight(url, 1)
     return s
 
@@ -393,8 +452,9 @@ def test_past_its_bound_a_shard_answers_429_with_retry_after(fleet_factory):
         ps.init({"w": np.zeros(4)}, optimizer=Add())
         held = hold_a_request(url, fleet.ports[0])
         try:
-            status, msg, headers = post(url, "push", {"worker_id": "x", "seq": 1,
-                                                      "grads": {"w": np.ones(4)}})
+            status, msg, headers = post(
+                url, "push", {"worker_id": "x", "seq": 1, "grads": {"w": np.ones(4)}}
+            )
             assert status == 429 and msg["error"]["code"] == "overloaded"
             assert headers["retry-after"] == "1"
             with PSClient([url], worker_id="t2", retry_deadline=0.5) as quick:
@@ -425,7 +485,10 @@ def test_paused_writes_wait_and_coalesced_pushes_add_up(fleet_factory):
         time.sleep(1.5)
         assert not first.done()  # refused with 503 while paused, and retried
         assert post(url, "resume", {"checkpoint": "manual"})[1] == {
-            "checkpoint": "manual", "resumed": True, "snapshot": None}  # none was captured
+            "checkpoint": "manual",
+            "resumed": True,
+            "snapshot": None,
+        }  # none was captured
         ps.flush()
         assert first.result()["w"]["status"] == f2.result()["w"]["status"] == "applied"
         np.testing.assert_array_equal(ps.pull(["w"])["w"], np.full(3, 7.0))
@@ -484,8 +547,15 @@ def test_a_flood_from_several_processes_keeps_shard_memory_bounded(fleet_factory
     copies) + 48 MiB (server buffers), i.e. +112 MiB. Measured here: +25 to +28 MiB; with
     --max-queued-bytes 2GiB instead, +247 to +265 MiB."""
     queued = 32 << 20
-    fleet = fleet_factory(1, "--max-queued-bytes", str(queued), "--max-request-bytes", "16MiB",
-                          "--log-level", "warning")
+    fleet = fleet_factory(
+        1,
+        "--max-queued-bytes",
+        str(queued),
+        "--max-request-bytes",
+        "16MiB",
+        "--log-level",
+        "warning",
+    )
     url, pid = fleet.urls[0], fleet.procs[0].pid
     with PSClient([url], worker_id="setup") as ps:
         ps.init({"big": np.zeros(1 << 21, np.float32)}, optimizer=Add())
@@ -494,10 +564,16 @@ def test_a_flood_from_several_processes_keeps_shard_memory_bounded(fleet_factory
     procs, pushes = [], 12
     for i in range(4):
         deadline = "0.3" if i == 0 else "120"  # the first gives up quickly: some of it fails
-        procs.append(subprocess.Popen([sys.executable, "-c", FLOOD, url, f"f{i}", str(pushes),
-                                       deadline], cwd=ROOT, env={**os.environ,
-                                                                 "PYTHONPATH": str(ROOT)},
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", FLOOD, url, f"f{i}", str(pushes), deadline],
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     stop = threading.Event()
 
     def slow_shard() -> None:

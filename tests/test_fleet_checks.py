@@ -11,8 +11,7 @@ import httpx2
 import numpy as np
 import pytest
 
-from client_sdk import FleetMismatchError, NotReadyError, PSClient
-from client_sdk import wire
+from client_sdk import FleetMismatchError, NotReadyError, PSClient, wire
 from client_sdk.placement import shard_for
 from conftest import free_port
 
@@ -39,7 +38,7 @@ class Waiter(threading.Thread):
         try:
             self.client.wait_ready(self.names, timeout=self.timeout)
             self.returned = True
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
+        except BaseException as exc:  # reported by the test
             self.error = exc
 
 
@@ -48,8 +47,10 @@ class Waiter(threading.Thread):
 
 def test_wait_ready_returns_once_another_worker_inits(fleet2):
     names = [name_on(0, prefix="late"), name_on(1, prefix="late")]
-    with PSClient(fleet2.urls, worker_id="waiter") as waiting, \
-            PSClient(fleet2.urls, worker_id="chief") as chief:
+    with (
+        PSClient(fleet2.urls, worker_id="waiter") as waiting,
+        PSClient(fleet2.urls, worker_id="chief") as chief,
+    ):
         waiter = Waiter(waiting, names, timeout=60)
         waiter.start()
         waiter.calling.wait(10)
@@ -117,11 +118,15 @@ def test_misrouted_request_is_refused_with_421(fleet2):
         err = wire.unpack(r.content, r.headers["content-type"])["error"]
         assert err["code"] == "not_owner" and err["details"]["owners"] == {name: 1}
         # to the right shard, but saying it is meant for another one
-        r = http.post(fleet2.urls[1] + "/v1/pull", content=body,
-                      headers={**headers, "x-paramshard-fleet": "0/2"})
+        r = http.post(
+            fleet2.urls[1] + "/v1/pull",
+            content=body,
+            headers={**headers, "x-paramshard-fleet": "0/2"},
+        )
         assert r.status_code == 421
-        assert wire.unpack(r.content, r.headers["content-type"])["error"]["code"] == \
-            "fleet_mismatch"
+        assert (
+            wire.unpack(r.content, r.headers["content-type"])["error"]["code"] == "fleet_mismatch"
+        )
 
 
 def test_shard_list_in_the_wrong_order_is_refused(fleet2):

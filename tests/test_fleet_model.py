@@ -1,12 +1,12 @@
 """Workers and a real 2-shard fleet against a model: random sequences of SDK calls.
 
 Three workers (a ``PSClient`` over the SDK's own connection pools, one over an httpx2
-transport, an ``AsyncPSClient``) share variables on two shard processes. Hypothesis has them init, push (same-shaped
-gradients that go as packed tables, mixed ones, cast ones, in the background too), pull,
-assign, increment and send refused pushes in any order, and checks every reply against a dict
-of numpy arrays: what the fast paths keep (each worker's version cache, packed rows, slabs on
-the shards, the protocol's immediate answers) must never show, so a pull returns exactly what
-the last writes made, whichever worker made them.
+transport, an ``AsyncPSClient``) share variables on two shard processes. Hypothesis has them init,
+push (same-shaped gradients that go as packed tables, mixed ones, cast ones, in the background too),
+pull, assign, increment and send refused pushes in any order, and checks every reply against a dict
+of numpy arrays: what the fast paths keep (each worker's version cache, packed rows, slabs on the
+shards, the protocol's immediate answers) must never show, so a pull returns exactly what the last
+writes made, whichever worker made them.
 
 A second run does the same on a fleet with a data dir, with fleet checkpoints and shard
 restarts among the steps: graceful ones, and crashes that take a shard back to its newest
@@ -24,15 +24,20 @@ from typing import ClassVar
 import httpx2
 import numpy as np
 import pytest
-from conftest import OnLoop, examples
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from client_sdk import AsyncPSClient, BadTensorError, PSClient
 from client_sdk.optimizers import SGD, Adagrad, Add
 from client_sdk.placement import shard_for
+from conftest import OnLoop, examples
 from server import optim
 
 SHAPES = [(4,), (2, 3), (300,)]
@@ -47,10 +52,11 @@ class FleetMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.prefix = f"model{next(_runs)}"
-        self.workers = [PSClient(self.urls, worker_id=f"{self.prefix}-a"),
-                        PSClient(self.urls, worker_id=f"{self.prefix}-b",
-                                 transport=httpx2.HTTPTransport()),
-                        OnLoop(AsyncPSClient(self.urls, worker_id=f"{self.prefix}-c"))]
+        self.workers = [
+            PSClient(self.urls, worker_id=f"{self.prefix}-a"),
+            PSClient(self.urls, worker_id=f"{self.prefix}-b", transport=httpx2.HTTPTransport()),
+            OnLoop(AsyncPSClient(self.urls, worker_id=f"{self.prefix}-c")),
+        ]
         self.checker = PSClient(self.urls, worker_id=f"{self.prefix}-check")
         self.values: dict[str, np.ndarray] = {}
         self.state: dict[str, dict[str, np.ndarray]] = {}
@@ -93,8 +99,13 @@ class FleetMachine(RuleBasedStateMachine):
     def apply(self, grads: dict[str, np.ndarray]) -> None:
         for name, grad in grads.items():
             value = self.values[name]
-            optim.apply(self.optimizer[name], value, grad.astype(value.dtype),
-                        self.state[name], scratch=True)
+            optim.apply(
+                self.optimizer[name],
+                value,
+                grad.astype(value.dtype),
+                self.state[name],
+                scratch=True,
+            )
 
     def settle(self) -> None:
         for ps in self.workers:
@@ -102,9 +113,14 @@ class FleetMachine(RuleBasedStateMachine):
 
     # -- rules ------------------------------------------------------------------------------
 
-    @rule(worker=st.integers(0, 2), count=st.integers(1, 5), shape=st.sampled_from(SHAPES),
-          dtype=st.sampled_from(DTYPES), opt=st.sampled_from(OPTIMIZERS),
-          odd_one=st.sampled_from([False, False, True]))
+    @rule(
+        worker=st.integers(0, 2),
+        count=st.integers(1, 5),
+        shape=st.sampled_from(SHAPES),
+        dtype=st.sampled_from(DTYPES),
+        opt=st.sampled_from(OPTIMIZERS),
+        odd_one=st.sampled_from([False, False, True]),
+    )
     def init(self, worker, count, shape, dtype, opt, odd_one):
         """One worker inits a group of same-shaped variables (spread over both shards), with
         one optimizer, perhaps with one of another shape among them."""
@@ -120,9 +136,13 @@ class FleetMachine(RuleBasedStateMachine):
         self.groups.append(list(values))
 
     @precondition(lambda self: self.groups)
-    @rule(data=st.data(), worker=st.integers(0, 2),
-          how=st.sampled_from(["group", "group", "part", "any"]),
-          cast=st.sampled_from([False, False, True]), background=st.sampled_from([False, True]))
+    @rule(
+        data=st.data(),
+        worker=st.integers(0, 2),
+        how=st.sampled_from(["group", "group", "part", "any"]),
+        cast=st.sampled_from([False, False, True]),
+        background=st.sampled_from([False, True]),
+    )
     def push(self, data, worker, how, cast, background):
         """A push of a whole group (all same-shaped: a packed table), part of one, or any
         names; gradients cast or not; in the background (flushed before the next read)."""
@@ -164,8 +184,10 @@ class FleetMachine(RuleBasedStateMachine):
     def assign(self, data, worker):
         self.settle()
         names = data.draw(st.lists(st.sampled_from(self.names()), min_size=1, unique=True))
-        values = {n: np.full(self.values[n].shape, data.draw(st.integers(-9, 9)), np.float64)
-                  for n in names}
+        values = {
+            n: np.full(self.values[n].shape, data.draw(st.integers(-9, 9)), np.float64)
+            for n in names
+        }
         self.workers[worker].assign(values)
         for name, value in values.items():
             self.values[name][...] = value
@@ -241,8 +263,10 @@ class RestartingFleetMachine(FleetMachine):
         out = {}
         for name in self.values:
             if shard_for(name, 2) == shard:
-                out[name] = (self.values[name].copy(),
-                             {k: a.copy() for k, a in self.state[name].items()})
+                out[name] = (
+                    self.values[name].copy(),
+                    {k: a.copy() for k, a in self.state[name].items()},
+                )
         for name, value in self.counters.items():
             if shard_for(name, 2) == shard:
                 out[name] = (value, None)
@@ -277,8 +301,9 @@ class RestartingFleetMachine(FleetMachine):
                     self.counters[name] = saved[name][0]
                 else:
                     del self.counters[name]
-            self.groups = [kept for g in self.groups if (kept := [n for n in g
-                                                                   if n in self.values])]
+            self.groups = [
+                kept for g in self.groups if (kept := [n for n in g if n in self.values])
+            ]
         else:
             self.fleet.stop(shard)
             self.saved[shard] = self.snapshot_of(shard)
@@ -308,15 +333,27 @@ class RestartingFleetMachine(FleetMachine):
 
 def test_workers_against_a_model(fleet2):
     FleetMachine.urls = fleet2.urls
-    run_state_machine_as_test(FleetMachine, settings=settings(
-        max_examples=examples(60), stateful_step_count=25, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]))
+    run_state_machine_as_test(
+        FleetMachine,
+        settings=settings(
+            max_examples=examples(60),
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+        ),
+    )
 
 
 def test_workers_against_a_model_while_shards_restart(fleet_factory):
     fleet = fleet_factory(2, "--snapshot-interval", "0", data=True)
     RestartingFleetMachine.urls = fleet.urls
     RestartingFleetMachine.fleet = fleet
-    run_state_machine_as_test(RestartingFleetMachine, settings=settings(
-        max_examples=examples(12), stateful_step_count=25, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]))
+    run_state_machine_as_test(
+        RestartingFleetMachine,
+        settings=settings(
+            max_examples=examples(12),
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+        ),
+    )

@@ -23,20 +23,27 @@ import httpx2
 import msgpack
 import numpy as np
 import pytest
-from dropproxy import DroppingProxy
-from conftest import OnLoop, examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from client_sdk import AsyncPSClient, PSClient, PSError, wire
+from conftest import OnLoop, examples
+from dropproxy import DroppingProxy
 from test_fuzz_requests import damage, damage_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
 
 NAMES = [f"replies-{i}" for i in range(3)]
 SIZE = 50
-PATHS = ["/v1/cluster", "/v1/init", "/v1/pull", "/v1/push", "/v1/increment", "/v1/wait",
-         "/v1/variables"]
+PATHS = [
+    "/v1/cluster",
+    "/v1/init",
+    "/v1/pull",
+    "/v1/push",
+    "/v1/increment",
+    "/v1/wait",
+    "/v1/variables",
+]
 _HEAD = struct.Struct("<4sI")
 
 
@@ -62,8 +69,7 @@ def split(reply: bytes) -> tuple[bytes, list[tuple[bytes, bytes]], bytes]:
 def join(status: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
     headers = [(k, v) for k, v in headers if k.strip().lower() != b"content-length"]
     headers.append((b"content-length", b" %d" % len(body)))
-    return status + b"\r\n" + b"".join(k + b":" + v + b"\r\n" for k, v in headers) + \
-        b"\r\n" + body
+    return status + b"\r\n" + b"".join(k + b":" + v + b"\r\n" for k, v in headers) + b"\r\n" + body
 
 
 def damage_body(data, body: bytes, content_type: bytes) -> bytes:
@@ -74,7 +80,7 @@ def damage_body(data, body: bytes, content_type: bytes) -> bytes:
         try:
             if framed:
                 _, size = _HEAD.unpack_from(body)
-                header, rest = msgpack.unpackb(body[8:8 + size], raw=False), body[8 + size:]
+                header, rest = msgpack.unpackb(body[8 : 8 + size], raw=False), body[8 + size :]
             else:
                 header, rest = msgpack.unpackb(body, raw=False), b""
         except Exception:  # a JSON body: damage its bytes instead
@@ -90,23 +96,60 @@ def damage_reply(data, reply: bytes) -> bytes:
     status, headers, body = split(reply)
     what = data.draw(st.sampled_from(["status", "header", "body", "body", "body"]))
     if what == "status":
-        code = data.draw(st.sampled_from([b"200 OK", b"201 Created", b"204 No Content",
-                                          b"400 Bad Request", b"404 Not Found",
-                                          b"409 Conflict", b"421 Misdirected Request",
-                                          b"422 Unprocessable", b"429 Too Many Requests",
-                                          b"500 Internal Server Error",
-                                          b"503 Service Unavailable", b"418 I'm a teapot"]))
+        code = data.draw(
+            st.sampled_from(
+                [
+                    b"200 OK",
+                    b"201 Created",
+                    b"204 No Content",
+                    b"400 Bad Request",
+                    b"404 Not Found",
+                    b"409 Conflict",
+                    b"421 Misdirected Request",
+                    b"422 Unprocessable",
+                    b"429 Too Many Requests",
+                    b"500 Internal Server Error",
+                    b"503 Service Unavailable",
+                    b"418 I'm a teapot",
+                ]
+            )
+        )
         status = b"HTTP/1.1 " + code
     elif what == "header":
-        name = data.draw(st.sampled_from([b"content-type", wire.HEADER_SHARD.encode(),
-                                          wire.HEADER_INCARNATION.encode(),
-                                          wire.HEADER_PROTOCOL.encode(),
-                                          wire.HEADER_STATE_VERSION.encode(),
-                                          b"retry-after"]))
-        value = data.draw(st.sampled_from([
-            b"", b"0/1", b"1/1", b"0/2", b"x", b"-1", b"2", b"0", b"99999999999999999999",
-            wire.MSGPACK.encode(), wire.FRAME.encode(), wire.JSON.encode(), b"text/html",
-            b"deadbeef", b"1e9", b"nan"]))
+        name = data.draw(
+            st.sampled_from(
+                [
+                    b"content-type",
+                    wire.HEADER_SHARD.encode(),
+                    wire.HEADER_INCARNATION.encode(),
+                    wire.HEADER_PROTOCOL.encode(),
+                    wire.HEADER_STATE_VERSION.encode(),
+                    b"retry-after",
+                ]
+            )
+        )
+        value = data.draw(
+            st.sampled_from(
+                [
+                    b"",
+                    b"0/1",
+                    b"1/1",
+                    b"0/2",
+                    b"x",
+                    b"-1",
+                    b"2",
+                    b"0",
+                    b"99999999999999999999",
+                    wire.MSGPACK.encode(),
+                    wire.FRAME.encode(),
+                    wire.JSON.encode(),
+                    b"text/html",
+                    b"deadbeef",
+                    b"1e9",
+                    b"nan",
+                ]
+            )
+        )
         headers = [(k, v) for k, v in headers if k.strip().lower() != name]
         headers.append((name, b" " + value))
     else:
@@ -139,8 +182,11 @@ def client(kind: str, url: str):
 
 
 @pytest.mark.parametrize("kind", ["native", "httpx2", "async"])
-@settings(max_examples=examples(80), deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=examples(80),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data(), path=st.sampled_from(PATHS))
 def test_a_damaged_reply_is_a_ps_error_or_a_result(proxy, kind, data, path):
     """The worker's calls run in a thread of their own; the proxy hands the first reply to

@@ -22,12 +22,12 @@ import httpx2
 import msgpack
 import numpy as np
 import pytest
-from conftest import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from client_sdk import wire
 from client_sdk.optimizers import SGD
+from conftest import examples
 
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
 
@@ -40,9 +40,14 @@ def shard(fleet_module):
     url = fleet_module.urls[0]
     names = [f"fuzz-{uuid.uuid4().hex[:8]}-{i}" for i in range(ROWS)]
     with httpx2.Client(timeout=30.0) as http:
-        body = wire.encode({"variables": {n: {"value": np.full(SIZE, i, np.float32),
-                                              "optimizer": SGD(lr=0.5).to_wire()}
-                                          for i, n in enumerate(names)}}).join()
+        body = wire.encode(
+            {
+                "variables": {
+                    n: {"value": np.full(SIZE, i, np.float32), "optimizer": SGD(lr=0.5).to_wire()}
+                    for i, n in enumerate(names)
+                }
+            }
+        ).join()
         r = http.post(f"{url}/v1/init", content=body, headers={"content-type": wire.MSGPACK})
         assert r.status_code == 200, r.text
         yield url, names, http
@@ -66,21 +71,57 @@ def requests(names: list[str]) -> dict[str, tuple[str, dict, list[np.ndarray] | 
     push = {"worker_id": "fuzz-" + uuid.uuid4().hex[:8], "seq": 1}
     grads = _grads(names)
     return {
-        "push-packed": ("push", {**push, "layout": "table", "grads": {"names": names}}, grads,
-                        "packed"),
-        "push-table": ("push", {**push, "layout": "table", "grads": {"names": names},
-                                "versions": {names[0]: 0}}, grads, "table"),
+        "push-packed": (
+            "push",
+            {**push, "layout": "table", "grads": {"names": names}},
+            grads,
+            "packed",
+        ),
+        "push-table": (
+            "push",
+            {**push, "layout": "table", "grads": {"names": names}, "versions": {names[0]: 0}},
+            grads,
+            "table",
+        ),
         "push-framed": ("push", {**push, "grads": dict(zip(names, grads))}, None, "frame"),
         "push-msgpack": ("push", {**push, "grads": dict(zip(names, grads))}, None, "msgpack"),
-        "pull-table": ("pull", {"names": names, "layout": "table", "uniform": True,
-                                "packed": True, "versions": [0, None, 5]}, None, "msgpack"),
-        "assign": ("assign", {**push, "values": {names[1]: np.zeros(SIZE, np.float32)}}, None,
-                   "frame"),
-        "init": ("init", {"variables": {names[2]: {"value": np.zeros(SIZE, np.float32),
-                                                   "optimizer": {"type": "sgd", "lr": 0.1}}}},
-                 None, "msgpack"),
-        "increment": ("increment", {**push, "name": names[0] + "-steps", "delta": 2}, None,
-                      "msgpack"),
+        "pull-table": (
+            "pull",
+            {
+                "names": names,
+                "layout": "table",
+                "uniform": True,
+                "packed": True,
+                "versions": [0, None, 5],
+            },
+            None,
+            "msgpack",
+        ),
+        "assign": (
+            "assign",
+            {**push, "values": {names[1]: np.zeros(SIZE, np.float32)}},
+            None,
+            "frame",
+        ),
+        "init": (
+            "init",
+            {
+                "variables": {
+                    names[2]: {
+                        "value": np.zeros(SIZE, np.float32),
+                        "optimizer": {"type": "sgd", "lr": 0.1},
+                    }
+                }
+            },
+            None,
+            "msgpack",
+        ),
+        "increment": (
+            "increment",
+            {**push, "name": names[0] + "-steps", "delta": 2},
+            None,
+            "msgpack",
+        ),
         "wait": ("wait", {"names": names, "timeout": 0.01}, None, "msgpack"),
         "pause": ("pause", {"checkpoint": "fuzz-ck", "lease": 5.0}, None, "msgpack"),
         "snapshot": ("snapshot", {"checkpoint": "fuzz-ck"}, None, "msgpack"),
@@ -92,15 +133,14 @@ def encode(msg: dict, arrays: list[np.ndarray] | None, how: str) -> tuple[dict, 
     """(the header as sent, decoded again; the body; its content type)."""
     if arrays is not None:
         table = msg["grads"]
-        enc = wire.encode_table(msg, table, arrays, uniform=how == "packed",
-                                packed=how == "packed")
+        enc = wire.encode_table(msg, table, arrays, uniform=how == "packed", packed=how == "packed")
     else:
         enc = wire.encode(msg, frame=how == "frame")
     body = enc.join()
     if enc.content_type == wire.MSGPACK:
         return msgpack.unpackb(body, raw=False, strict_map_key=False), body, wire.MSGPACK
     _, size = _HEAD.unpack_from(body)
-    return msgpack.unpackb(body[8:8 + size], raw=False, strict_map_key=False), body, wire.FRAME
+    return msgpack.unpackb(body[8 : 8 + size], raw=False, strict_map_key=False), body, wire.FRAME
 
 
 def reframe(header: Any, body: bytes) -> bytes:
@@ -111,8 +151,7 @@ def reframe(header: Any, body: bytes) -> bytes:
     start = -(-(8 + size) // 64) * 64
     head = msgpack.packb(header, use_bin_type=True)
     at = max(start, -(-(8 + len(head)) // 64) * 64)
-    return _HEAD.pack(wire.FRAME_MAGIC, len(head)) + head + bytes(at - 8 - len(head)) + \
-        body[start:]
+    return _HEAD.pack(wire.FRAME_MAGIC, len(head)) + head + bytes(at - 8 - len(head)) + body[start:]
 
 
 def paths(obj: Any, here: tuple = ()) -> list[tuple]:
@@ -120,26 +159,65 @@ def paths(obj: Any, here: tuple = ()) -> list[tuple]:
     out = [here]
     if isinstance(obj, dict):
         for k, v in obj.items():
-            out += paths(v, here + (k,))
+            out += paths(v, (*here, k))
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
-            out += paths(v, here + (i,))
+            out += paths(v, (*here, i))
     return out
 
 
 ANYTHING = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1),
-              st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
-              st.binary(max_size=16)),
-    lambda inner: st.one_of(st.lists(inner, max_size=4),
-                            st.dictionaries(st.text(max_size=6), inner, max_size=3)),
-    max_leaves=6)
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**63), 2**64 - 1),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=8),
+        st.binary(max_size=16),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 #: Dtype strings: valid ones of other sizes and byte orders, and ones a shard must refuse.
-DTYPE_STRINGS = ["<f4", ">f4", "<f8", ">f8", "<f2", "|u1", "<i4", ">i8", "<u8", "<c8", "|b1",
-                 "f4", "<f3", "<f16", "|f4", "", "<"]
+DTYPE_STRINGS = [
+    "<f4",
+    ">f4",
+    "<f8",
+    ">f8",
+    "<f2",
+    "|u1",
+    "<i4",
+    ">i8",
+    "<u8",
+    "<c8",
+    "|b1",
+    "f4",
+    "<f3",
+    "<f16",
+    "|f4",
+    "",
+    "<",
+]
 #: Ints at the edges: of sizes, offsets, counts and seqs.
-EDGE_INTS = [-2**63, -1, 0, 1, 3, 63, 64, 65, 2**31 - 1, 2**31, 2**32, 2**40, 2**62, 2**63 - 1,
-             2**64 - 1]
+EDGE_INTS = [
+    -(2**63),
+    -1,
+    0,
+    1,
+    3,
+    63,
+    64,
+    65,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**40,
+    2**62,
+    2**63 - 1,
+    2**64 - 1,
+]
 
 
 def near(value: Any) -> st.SearchStrategy:
@@ -148,20 +226,23 @@ def near(value: Any) -> st.SearchStrategy:
     if isinstance(value, bool):
         options = st.sampled_from([not value, 0, 1, None, "true"])
     elif isinstance(value, int):
-        options = st.sampled_from([value - 1, value + 1, -value, *EDGE_INTS]) | \
-            st.floats(allow_nan=True, allow_infinity=True)
+        options = st.sampled_from([value - 1, value + 1, -value, *EDGE_INTS]) | st.floats(
+            allow_nan=True, allow_infinity=True
+        )
     elif isinstance(value, float):
-        options = st.sampled_from([-value, 0.0, float("nan"), float("inf"), 1e308]) | \
-            st.integers(-2, 2)
+        options = st.sampled_from([-value, 0.0, float("nan"), float("inf"), 1e308]) | st.integers(
+            -2, 2
+        )
     elif isinstance(value, str):
-        options = st.sampled_from([*DTYPE_STRINGS, value + "x", value[:-1], value.upper(),
-                                   "table", "uniform"]) | st.text(max_size=6)
+        options = st.sampled_from(
+            [*DTYPE_STRINGS, value + "x", value[:-1], value.upper(), "table", "uniform"]
+        ) | st.text(max_size=6)
     elif isinstance(value, bytes):
         options = st.sampled_from([value[:-1], value + b"\0", b"", value * 2])
     elif isinstance(value, list):
-        options = st.sampled_from([value[:-1], value + value[:1], [], [value], value[::-1],
-                                   [*value, *value]]) | \
-            st.lists(st.sampled_from(EDGE_INTS), max_size=4)
+        options = st.sampled_from(
+            [value[:-1], value + value[:1], [], [value], value[::-1], [*value, *value]]
+        ) | st.lists(st.sampled_from(EDGE_INTS), max_size=4)
     elif isinstance(value, dict):
         options = st.sampled_from([{}, dict(list(value.items())[:1]), [value]])
     else:
@@ -172,8 +253,9 @@ def near(value: Any) -> st.SearchStrategy:
 @st.composite
 def damage(draw, header: Any):
     """A copy of ``header`` with one thing changed."""
-    header = msgpack.unpackb(msgpack.packb(header, use_bin_type=True), raw=False,
-                             strict_map_key=False)
+    header = msgpack.unpackb(
+        msgpack.packb(header, use_bin_type=True), raw=False, strict_map_key=False
+    )
     places = paths(header)  # (by index: a reply's structure may vary between runs)
     where = places[draw(st.integers(0, 1 << 16)) % len(places)]
     if not where:
@@ -206,12 +288,16 @@ def state(shard) -> list[tuple[str, int, int]]:
 SDK_HEADERS = {"x-paramshard-fleet": "0/1", "accept": f"{wire.FRAME}, {wire.MSGPACK}"}
 
 
-def check(shard, verb: str, body: bytes, content_type: str,
-          headers: dict[str, str] | None = None) -> None:
-    url, names, http = shard
+def check(
+    shard, verb: str, body: bytes, content_type: str, headers: dict[str, str] | None = None
+) -> None:
+    url, _names, http = shard
     before = state(shard)
-    r = http.post(f"{url}/v1/{verb}", content=body,
-                  headers={**SDK_HEADERS, "content-type": content_type, **(headers or {})})
+    r = http.post(
+        f"{url}/v1/{verb}",
+        content=body,
+        headers={**SDK_HEADERS, "content-type": content_type, **(headers or {})},
+    )
     assert r.status_code < 500, (r.status_code, r.content[:300])
     if r.status_code >= 400:
         assert r.headers["content-type"].startswith(wire.MSGPACK), r.headers
@@ -221,15 +307,20 @@ def check(shard, verb: str, body: bytes, content_type: str,
     assert http.get(f"{url}/healthz").status_code == 200
     paused = http.get(f"{url}/v1/cluster").json()["admission"]["paused_for"]
     if paused is not None:  # a damaged pause that was still a valid one: end it
-        r = http.post(f"{url}/v1/resume", content=msgpack.packb({"checkpoint": paused}),
-                      headers={"content-type": wire.MSGPACK})
+        r = http.post(
+            f"{url}/v1/resume",
+            content=msgpack.packb({"checkpoint": paused}),
+            headers={"content-type": wire.MSGPACK},
+        )
         assert r.status_code == 200, r.content
 
 
 CASES = list(requests(["a", "b", "c"]))
-FUZZ = settings(max_examples=examples(60), deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                       HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=examples(60),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def damage_bytes(data, body: bytes) -> bytes:
@@ -243,15 +334,32 @@ def damage_bytes(data, body: bytes) -> bytes:
         return body[:at]
     if what == "overwrite":
         junk = data.draw(st.binary(min_size=1, max_size=8))
-        return body[:at] + junk + body[at + len(junk):]
+        return body[:at] + junk + body[at + len(junk) :]
     return body + data.draw(st.binary(min_size=1, max_size=100))
 
 
-HTTP_VALUES = st.sampled_from([
-    "0/2", "1/1", "0/0", "-1/1", "1/0", "0/1/2", "x", "", "0/18446744073709551616", "0 /1",
-    wire.MSGPACK, wire.FRAME, wire.JSON, "text/plain", f"{wire.FRAME}; charset=utf-8",
-    "application/msgpack, */*", "*/*", wire.MSGPACK.upper()]) | st.text(
-        st.characters(min_codepoint=32, max_codepoint=126), max_size=20).map(str.strip)
+HTTP_VALUES = st.sampled_from(
+    [
+        "0/2",
+        "1/1",
+        "0/0",
+        "-1/1",
+        "1/0",
+        "0/1/2",
+        "x",
+        "",
+        "0/18446744073709551616",
+        "0 /1",
+        wire.MSGPACK,
+        wire.FRAME,
+        wire.JSON,
+        "text/plain",
+        f"{wire.FRAME}; charset=utf-8",
+        "application/msgpack, */*",
+        "*/*",
+        wire.MSGPACK.upper(),
+    ]
+) | st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=20).map(str.strip)
 
 
 @pytest.mark.parametrize("part", ["message", "bytes", "http-headers"])
@@ -267,8 +375,11 @@ def test_a_damaged_request_is_refused_whole_or_taken_whole(shard, case, part, da
     extra = None
     if part == "message":
         damaged = data.draw(damage(header))
-        body = msgpack.packb(damaged, use_bin_type=True) if content_type == wire.MSGPACK \
+        body = (
+            msgpack.packb(damaged, use_bin_type=True)
+            if content_type == wire.MSGPACK
             else reframe(damaged, body)
+        )
     elif part == "bytes":
         if content_type == wire.FRAME and data.draw(st.booleans()):  # another header length
             size = data.draw(st.sampled_from([0, 1, 7, 2**31, 2**32 - 1]) | st.integers(0, 400))
@@ -276,6 +387,9 @@ def test_a_damaged_request_is_refused_whole_or_taken_whole(shard, case, part, da
         else:
             body = damage_bytes(data, body)
     else:
-        extra = {data.draw(st.sampled_from(["x-paramshard-fleet", "content-type", "accept"])):
-                 data.draw(HTTP_VALUES)}
+        extra = {
+            data.draw(st.sampled_from(["x-paramshard-fleet", "content-type", "accept"])): data.draw(
+                HTTP_VALUES
+            )
+        }
     check(shard, verb, body, content_type, extra)

@@ -15,8 +15,8 @@ import threading
 import time
 
 import httpx2
-import numpy as np
 import msgpack
+import numpy as np
 import pytest
 
 from client_sdk import wire
@@ -36,18 +36,29 @@ def error_of(r: httpx2.Response, family: str) -> dict:
 
 # -- header values the shard parses ---------------------------------------------------------
 
-ROUTES = [("GET", "/healthz", "json"), ("GET", "/readyz", "json"),
-          ("GET", "/v1/cluster", "json"), ("GET", "/v1/variables", "json"),
-          ("GET", "/v1/variables/x", "json"), ("GET", "/v1/workers", "json"),
-          ("GET", "/metrics", "json"), ("GET", "/", "json"), ("GET", "/nowhere", "json"),
-          ("POST", "/v1/pull", "msgpack"), ("POST", "/v1/push", "msgpack"),
-          ("POST", "/v1/init", "msgpack"), ("POST", "/v1/wait", "msgpack"),
-          ("POST", "/v1/increment", "msgpack"), ("POST", "/v1/pause", "msgpack"),
-          ("POST", "/v1/nowhere", "msgpack")]
+ROUTES = [
+    ("GET", "/healthz", "json"),
+    ("GET", "/readyz", "json"),
+    ("GET", "/v1/cluster", "json"),
+    ("GET", "/v1/variables", "json"),
+    ("GET", "/v1/variables/x", "json"),
+    ("GET", "/v1/workers", "json"),
+    ("GET", "/metrics", "json"),
+    ("GET", "/", "json"),
+    ("GET", "/nowhere", "json"),
+    ("POST", "/v1/pull", "msgpack"),
+    ("POST", "/v1/push", "msgpack"),
+    ("POST", "/v1/init", "msgpack"),
+    ("POST", "/v1/wait", "msgpack"),
+    ("POST", "/v1/increment", "msgpack"),
+    ("POST", "/v1/pause", "msgpack"),
+    ("POST", "/v1/nowhere", "msgpack"),
+]
 
 
-@pytest.mark.parametrize("value", ["1" * 5000 + "/2", "0/" + "9" * 5000, "0/" + "1" * 10,
-                                   "\u00b2/2", "0/\u00b9"])
+@pytest.mark.parametrize(
+    "value", ["1" * 5000 + "/2", "0/" + "9" * 5000, "0/" + "1" * 10, "\u00b2/2", "0/\u00b9"]
+)
 def test_a_fleet_header_of_any_length_or_digits_is_a_400_on_every_route(fleet2, value):
     """A fleet header whose numbers are too long for Python's ``int`` (4,300 digits), or
     digits that ``int`` does not take (superscripts pass ``str.isdigit``), is 400
@@ -56,9 +67,15 @@ def test_a_fleet_header_of_any_length_or_digits_is_a_400_on_every_route(fleet2, 
     body = msgpack.packb({"names": []})
     with httpx2.Client(timeout=10.0) as http:
         for method, path, family in ROUTES:
-            r = http.request(method, url + path, content=body if method == "POST" else None,
-                             headers={"x-paramshard-fleet": value.encode("latin-1"),
-                                      "content-type": wire.MSGPACK})
+            r = http.request(
+                method,
+                url + path,
+                content=body if method == "POST" else None,
+                headers={
+                    "x-paramshard-fleet": value.encode("latin-1"),
+                    "content-type": wire.MSGPACK,
+                },
+            )
             assert r.status_code == 400, (method, path, r.status_code, r.content[:200])
             err = error_of(r, family)
             assert err["code"] == "bad_request" and "x-paramshard-fleet" in err["message"]
@@ -68,6 +85,7 @@ def test_a_fleet_header_of_any_length_or_digits_is_a_400_on_every_route(fleet2, 
 
 
 # -- heads: their size and their deadline ---------------------------------------------------
+
 
 def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
@@ -86,7 +104,7 @@ def closed_by_peer(sock: socket.socket, within: float) -> tuple[bool, bytes]:
     while time.monotonic() < deadline:
         try:
             data = sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             continue
         except (ConnectionResetError, BrokenPipeError):
             return True, got
@@ -102,9 +120,19 @@ def edge_shard(request, fleet_factory):
     httptools hidden), and served the stock way (server/upstream.py)."""
     prelude = "import sys; sys.modules['httptools'] = None" if request.param == "h11" else ""
     env = {"PARAMSHARD_HTTP": "stock"} if request.param == "stock" else {}
-    return fleet_factory(1, "--head-timeout", "1", "--body-timeout", "1",
-                         "--max-request-bytes", "64MiB", "--max-queued-bytes", "128MiB",
-                         env=env, prelude=prelude)
+    return fleet_factory(
+        1,
+        "--head-timeout",
+        "1",
+        "--body-timeout",
+        "1",
+        "--max-request-bytes",
+        "64MiB",
+        "--max-queued-bytes",
+        "128MiB",
+        env=env,
+        prelude=prelude,
+    )
 
 
 def test_a_huge_head_is_refused_early_and_costs_no_memory(edge_shard):
@@ -141,8 +169,9 @@ def test_a_huge_head_is_refused_early_and_costs_no_memory(edge_shard):
         big = "b" * (80 * 1024)
         r = http.get(url + "/healthz", headers={"x-big": big})
         assert r.status_code == 400 and error_of(r, "json")["code"] == "bad_request"
-        r = http.post(url + "/v1/pull", content=b"\x80", headers={"x-big": big,
-                                                                  "content-type": wire.MSGPACK})
+        r = http.post(
+            url + "/v1/pull", content=b"\x80", headers={"x-big": big, "content-type": wire.MSGPACK}
+        )
         assert r.status_code == 400
         r = http.get(url + "/healthz", headers={"x-fine": "c" * 4096})
         assert r.status_code == 200
@@ -175,6 +204,7 @@ def test_unfinished_heads_are_closed_after_the_head_timeout(edge_shard):
 
 # -- bodies that stall, and admission -------------------------------------------------------
 
+
 def admission(url: str) -> dict:
     with httpx2.Client(timeout=10.0) as http:
         return http.get(url + "/v1/cluster").json()["admission"]
@@ -188,10 +218,14 @@ def test_idle_senders_do_not_lock_out_other_clients(edge_shard):
     from client_sdk import PSClient
 
     url, port = edge_shard.urls[0], edge_shard.ports[0]
-    heads = [b"POST /v1/pull HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
-             b"Transfer-Encoding: chunked\r\n\r\n"]
-    heads += [b"POST /v1/pull HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
-              b"Content-Length: %d\r\n\r\n" % (64 << 20)] * 2
+    heads = [
+        b"POST /v1/pull HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    ]
+    heads += [
+        b"POST /v1/pull HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
+        b"Content-Length: %d\r\n\r\n" % (64 << 20)
+    ] * 2
     socks = []
     for head in heads:
         s = socket.create_connection(("127.0.0.1", port))
@@ -216,8 +250,10 @@ def test_a_trickling_body_is_cut_off(edge_shard):
     """A body that keeps coming, a byte at a time, is below the minimum rate: cut off."""
     port = edge_shard.ports[0]
     s = socket.create_connection(("127.0.0.1", port))
-    s.sendall(b"POST /v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
-              b"Content-Length: 100000\r\n\r\n")
+    s.sendall(
+        b"POST /v1/push HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
+        b"Content-Length: 100000\r\n\r\n"
+    )
     cut = False
     for _ in range(200):  # 20 s at most; --body-timeout is 1 s, windows at most 2 s
         try:
@@ -230,7 +266,7 @@ def test_a_trickling_body_is_cut_off(edge_shard):
             if s.recv(1024) == b"":
                 cut = True
                 break
-        except socket.timeout:
+        except TimeoutError:
             pass
         except OSError:
             cut = True
@@ -242,14 +278,17 @@ def test_a_trickling_body_is_cut_off(edge_shard):
 
 # -- long-poll bodies count -----------------------------------------------------------------
 
+
 def test_wait_bodies_are_bounded_and_counted_in_admission(fleet_factory):
     """``/v1/wait`` bodies above their bound are 413 unread (eight 120 MiB ones: no memory),
     and a wait's body counts in the bytes admitted (not in the requests) while it is read."""
     fleet = fleet_factory(1, "--max-request-bytes", "128MiB", "--max-queued-bytes", "128MiB")
     url, port, pid = fleet.urls[0], fleet.ports[0], fleet.procs[0].pid
     before = rss_mib(pid)
-    head = (b"POST /v1/wait HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
-            b"Content-Length: %d\r\n\r\n")
+    head = (
+        b"POST /v1/wait HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
+        b"Content-Length: %d\r\n\r\n"
+    )
     socks = []
     for _ in range(8):
         s = socket.create_connection(("127.0.0.1", port))
@@ -265,8 +304,7 @@ def test_wait_bodies_are_bounded_and_counted_in_admission(fleet_factory):
     held = socket.create_connection(("127.0.0.1", port))
     held.sendall(head % (8 << 20) + b"\x00" * (1 << 20))
     deadline = time.monotonic() + 10
-    while (state := admission(url))["bytes_in_flight"] < (8 << 20) \
-            and time.monotonic() < deadline:
+    while (state := admission(url))["bytes_in_flight"] < (8 << 20) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert state["bytes_in_flight"] == 8 << 20 and state["requests_in_flight"] == 0, state
     held.close()
@@ -275,18 +313,23 @@ def test_wait_bodies_are_bounded_and_counted_in_admission(fleet_factory):
         time.sleep(0.1)
     assert state["bytes_in_flight"] == 0, state
     with httpx2.Client(timeout=10.0) as http:  # a chunked wait body past its bound: 413 too
+
         def chunks():
             for _ in range(20):
                 yield msgpack.packb("x" * 1024) * 1024
-        r = http.post(url + "/v1/wait", content=chunks(),
-                      headers={"content-type": wire.MSGPACK})
+
+        r = http.post(url + "/v1/wait", content=chunks(), headers={"content-type": wire.MSGPACK})
         assert r.status_code == 413 and error_of(r, "msgpack")["code"] == "too_large"
-        r = http.post(url + "/v1/wait", content=msgpack.packb({"names": [], "timeout": 0}),
-                      headers={"content-type": wire.MSGPACK})
+        r = http.post(
+            url + "/v1/wait",
+            content=msgpack.packb({"names": [], "timeout": 0}),
+            headers={"content-type": wire.MSGPACK},
+        )
         assert r.status_code == 200
 
 
 # -- memory after a burst of big pushes -----------------------------------------------------
+
 
 def test_the_memory_of_a_burst_of_big_pushes_is_given_back(fleet_factory):
     """Sixteen concurrent 16 MiB pushes take the shard's heap up by what admission lets in

@@ -34,16 +34,18 @@ from pathlib import Path
 import httpx2
 import numpy as np
 import pytest
-from dropproxy import DroppingProxy
 
 from client_sdk import AsyncPSClient, ProtocolError, PSClient
 from client_sdk.placement import shard_for
+from dropproxy import DroppingProxy
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = 64
 #: one variable on each shard
-NAMES = [next(f"hostile-{s}-{k}" for k in range(100) if shard_for(f"hostile-{s}-{k}", 2) == s)
-         for s in range(2)]
+NAMES = [
+    next(f"hostile-{s}-{k}" for k in range(100) if shard_for(f"hostile-{s}-{k}", 2) == s)
+    for s in range(2)
+]
 #: what the proxies send of an 8 GiB body before they give up (the bad case's memory)
 SENT_AT_MOST = 320 << 20
 
@@ -64,6 +66,7 @@ def proxies(tmp_path_factory):
 
 def hostile(relays, pulls):
     """Let ``pulls(sock, reply)`` send the replies to pulls (others go as they are)."""
+
     def deliver(sock: socket.socket, method: str, path: str, reply: bytes) -> bool:
         if path != "/v1/pull":
             sock.sendall(reply)
@@ -120,13 +123,15 @@ def trickle(stop: threading.Event):
         for i in range(len(reply)):  # head and body, one byte per second
             if stop.wait(1.0):
                 return False
-            sock.sendall(reply[i:i + 1])
+            sock.sendall(reply[i : i + 1])
         return True
+
     return pulls
 
 
-@pytest.mark.parametrize("kind,shards", [("native", 1), ("native", 2), ("httpx2", 2),
-                                         ("async", 2), ("async-httpx2", 2)])
+@pytest.mark.parametrize(
+    "kind,shards", [("native", 1), ("native", 2), ("httpx2", 2), ("async", 2), ("async-httpx2", 2)]
+)
 def test_a_trickled_reply_ends_at_the_deadline(proxies, kind, shards):
     """Each call of the worker (a process of its own, so that a hang fails the test instead
     of holding it) must end with ShardUnavailableError well before 15 s: with timeout=2 and
@@ -136,17 +141,22 @@ def test_a_trickled_reply_ends_at_the_deadline(proxies, kind, shards):
     hostile(proxies, trickle(stop))
     urls = ",".join(p.url for p in proxies)
     try:
-        proc = subprocess.Popen([sys.executable, "-c", TRICKLE, kind, urls,
-                                 ",".join(NAMES[:shards])], cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", TRICKLE, kind, urls, ",".join(NAMES[:shards])],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             out, err = proc.communicate(timeout=15 + 10)  # + the worker's start and fleet check
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
-            pytest.fail(f"the {kind} pull of a trickled reply was still running after 15 s: "
-                        f"{out}{err}")
+            pytest.fail(
+                f"the {kind} pull of a trickled reply was still running after 15 s: {out}{err}"
+            )
     finally:
         stop.set()
         quiet(proxies)
@@ -208,15 +218,19 @@ print(json.dumps(out))
 
 def declared(sock: socket.socket, reply: bytes) -> bool:
     """Content-Length: 8 GiB, then zeros as fast as the worker takes them (up to a point)."""
-    head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\n"
-            b"content-length: 8589934592\r\n\r\n")
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\n"
+        b"content-length: 8589934592\r\n\r\n"
+    )
     return _flood(sock, head, lambda block: block)
 
 
 def chunked(sock: socket.socket, reply: bytes) -> bool:
     """A chunked body of 1 MiB chunks without end (up to a point)."""
-    head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\n"
-            b"transfer-encoding: chunked\r\n\r\n")
+    head = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+    )
     return _flood(sock, head, lambda block: b"%x\r\n" % len(block) + block + b"\r\n")
 
 
@@ -231,13 +245,21 @@ def _flood(sock: socket.socket, head: bytes, frame) -> bool:
     return False
 
 
-CASES = [(how, kind, shards, knows)
-         for how, unknown in (("declared", "unknown"), ("chunked", "capped"))
-         for kind, shards, knows in (("native", 1, "knows"), ("native", 2, "knows"),
-                                     ("native", 1, unknown), ("httpx2", 2, "knows"),
-                                     ("httpx2", 1, unknown), ("async", 2, "knows"),
-                                     ("async", 1, unknown), ("async-httpx2", 2, "knows"),
-                                     ("async-httpx2", 1, unknown))]
+CASES = [
+    (how, kind, shards, knows)
+    for how, unknown in (("declared", "unknown"), ("chunked", "capped"))
+    for kind, shards, knows in (
+        ("native", 1, "knows"),
+        ("native", 2, "knows"),
+        ("native", 1, unknown),
+        ("httpx2", 2, "knows"),
+        ("httpx2", 1, unknown),
+        ("async", 2, "knows"),
+        ("async", 1, unknown),
+        ("async-httpx2", 2, "knows"),
+        ("async-httpx2", 1, unknown),
+    )
+]
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
@@ -253,10 +275,14 @@ def test_a_huge_reply_is_refused_before_it_is_read(proxies, how, kind, shards, k
     hostile(proxies, declared if how == "declared" else chunked)
     urls = ",".join(p.url for p in proxies)
     try:
-        result = subprocess.run([sys.executable, "-c", HUGE, kind, urls,
-                                 ",".join(NAMES[:shards]), knows], cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-c", HUGE, kind, urls, ",".join(NAMES[:shards]), knows],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         quiet(proxies)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -288,8 +314,9 @@ def test_a_reply_within_the_bound_is_taken(proxies):
 def compressed(sock: socket.socket, reply: bytes) -> bool:
     """The reply with its body gzip-compressed (as a compressing proxy would send it)."""
     head, _, body = reply.partition(b"\r\n\r\n")
-    lines = [line for line in head.split(b"\r\n")
-             if not line.lower().startswith(b"content-length:")]
+    lines = [
+        line for line in head.split(b"\r\n") if not line.lower().startswith(b"content-length:")
+    ]
     packed = gzip.compress(body)
     lines += [b"content-encoding: gzip", b"content-length: %d" % len(packed)]
     sock.sendall(b"\r\n".join(lines) + b"\r\n\r\n" + packed)
@@ -305,11 +332,13 @@ def test_a_compressed_reply_is_refused_unread(proxies, kind):
     options = dict(worker_id="gzipped-" + uuid.uuid4().hex[:6], retry_deadline=5.0)
     try:
         if kind.startswith("async"):
+
             async def main() -> None:
                 transport = httpx2.AsyncHTTPTransport() if kind == "async-httpx2" else None
                 async with AsyncPSClient(urls, transport=transport, **options) as ps:
                     with pytest.raises(ProtocolError, match="Content-Encoding 'gzip'"):
                         await ps.pull(NAMES)
+
             asyncio.run(main())
         else:
             transport = httpx2.HTTPTransport() if kind == "httpx2" else None

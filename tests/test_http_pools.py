@@ -23,8 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client_sdk import AsyncPSClient, PSClient, ShardUnavailableError
-from client_sdk import _pool
+from client_sdk import AsyncPSClient, PSClient, ShardUnavailableError, _pool
 from client_sdk._apool import AsyncHTTPPool
 from client_sdk._fanout import Exchange, exchange_all
 from client_sdk._http11 import MAX_IOV, SEND_SLICE, Origin, advance, next_send
@@ -56,15 +55,16 @@ def read_request(conn: socket.socket, buf: bytearray) -> tuple[str, str] | None:
     return method, path
 
 
-def response(status: int, body: bytes, ctype: str = "application/json",
-             extra: str = "") -> bytes:
-    return (f"HTTP/1.1 {status} X\r\ncontent-type: {ctype}\r\ncontent-length: {len(body)}\r\n"
-            f"{extra}\r\n").encode() + body
+def response(status: int, body: bytes, ctype: str = "application/json", extra: str = "") -> bytes:
+    return (
+        f"HTTP/1.1 {status} X\r\ncontent-type: {ctype}\r\ncontent-length: {len(body)}\r\n"
+        f"{extra}\r\n"
+    ).encode() + body
 
 
 def cluster(index: int, count: int) -> bytes:
-    return json.dumps({"shard_index": index, "num_shards": count,
-                       "protocol_version": 1}).encode()
+    return json.dumps({"shard_index": index, "num_shards": count, "protocol_version": 1}).encode()
+
 
 Handler = Callable[[socket.socket, str, str], bool]
 
@@ -165,8 +165,9 @@ def test_concurrent_requests_get_their_own_connections_and_at_most_max_idle_stay
 
     server = scripted(slow)
     p, origin = pool(max_idle=2), Origin(server.url)
-    threads = [threading.Thread(target=p.request, args=(origin, "GET", "/x", None))
-               for _ in range(4)]
+    threads = [
+        threading.Thread(target=p.request, args=(origin, "GET", "/x", None)) for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -219,8 +220,10 @@ def test_a_connection_is_not_reused_after_connection_close(scripted):
 def test_chunked_and_close_delimited_bodies(scripted):
     def chunked(conn: socket.socket, method: str, path: str) -> bool:
         if path == "/chunked":
-            conn.sendall(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
-                         b"5;ext=1\r\nhello\r\n1\r\n \r\n")
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                b"5;ext=1\r\nhello\r\n1\r\n \r\n"
+            )
             conn.sendall(b"5\r\nworld\r\n0\r\ntrailer: x\r\n\r\n")
             return True
         conn.sendall(b"HTTP/1.0 200 OK\r\n\r\nuntil the end")
@@ -248,16 +251,19 @@ def test_a_big_body_is_read_into_one_buffer(scripted):
     assert isinstance(r.content, memoryview) and r.content == payload
 
 
-@pytest.mark.parametrize("raw", [
-    b"SSH-2.0-OpenSSH\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort",
-    b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nxx",
-    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
-    b"HTTP/1.1 200 OK\r\n content-length: 0\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\ncontent-length : 0\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\n: 0\r\ncontent-length: 0\r\n\r\n",
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"SSH-2.0-OpenSSH\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nxx",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\n content-length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length : 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n: 0\r\ncontent-length: 0\r\n\r\n",
+    ],
+)
 def test_malformed_responses_are_protocol_errors(scripted, raw):
     def bad(conn: socket.socket, method: str, path: str) -> bool:
         conn.sendall(raw)
@@ -343,8 +349,11 @@ def test_exchanges_run_at_once_from_one_thread_and_reuse_their_connections(scrip
     origins = [Origin(s.url) for s in servers]
     body = [b"x" * 100, memoryview(np.ones(6_000_000, np.uint8))]  # more than a socket takes
     for _ in range(2):
-        out = exchange_all(p, [Exchange(o, "POST", "/x", {"content-length": "6000100"}, body)
-                               for o in origins], submit)
+        out = exchange_all(
+            p,
+            [Exchange(o, "POST", "/x", {"content-length": "6000100"}, body) for o in origins],
+            submit,
+        )
         assert [r.status for r in out] == [200, 200]
         assert all(bytes(r.content) == payload for r in out)
     assert [s.connections for s in servers] == [1, 1]
@@ -369,19 +378,28 @@ def test_one_exchange_failing_ends_it_alone(scripted):
     big = [memoryview(np.ones(64_000_000, np.uint8))]
     soon = time.monotonic() + 0.3
     try:
-        out = exchange_all(p, [
-            Exchange(Origin(hung_up.url), "GET", "/x", None),
-            Exchange(Origin(mute.url), "GET", "/x", None, deadline=soon),
-            Exchange(Origin(refused), "GET", "/x", None),
-            Exchange(Origin(stuck), "POST", "/x", {"content-length": "64000000"}, big,
-                     deadline=soon),
-            Exchange(Origin(fine.url), "GET", "/x", None),
-        ], submit)
+        out = exchange_all(
+            p,
+            [
+                Exchange(Origin(hung_up.url), "GET", "/x", None),
+                Exchange(Origin(mute.url), "GET", "/x", None, deadline=soon),
+                Exchange(Origin(refused), "GET", "/x", None),
+                Exchange(
+                    Origin(stuck), "POST", "/x", {"content-length": "64000000"}, big, deadline=soon
+                ),
+                Exchange(Origin(fine.url), "GET", "/x", None),
+            ],
+            submit,
+        )
     finally:
         release.set()
         reader.close()
-    assert [type(r) for r in out[:4]] == [httpx2.RemoteProtocolError, httpx2.ReadTimeout,
-                                          httpx2.ConnectError, httpx2.WriteTimeout]
+    assert [type(r) for r in out[:4]] == [
+        httpx2.RemoteProtocolError,
+        httpx2.ReadTimeout,
+        httpx2.ConnectError,
+        httpx2.WriteTimeout,
+    ]
     assert out[4].status == 200
     assert [p.idle_count(Origin(u)) for u in (hung_up.url, mute.url, fine.url)] == [0, 0, 1]
 

@@ -53,9 +53,15 @@ class Connection:
     """One connection of the shard's protocol to ``app``; :meth:`send` feeds it bytes."""
 
     def __init__(self, app, access_log: bool = False) -> None:
-        config = uvicorn.Config(app, http=ShardHttpProtocol, lifespan="off",
-                                log_level="critical", access_log=access_log,
-                                proxy_headers=False, server_header=False)  # as a shard serves
+        config = uvicorn.Config(
+            app,
+            http=ShardHttpProtocol,
+            lifespan="off",
+            log_level="critical",
+            access_log=access_log,
+            proxy_headers=False,
+            server_header=False,
+        )  # as a shard serves
         config.load()
         state = ServerState()
         state.default_headers = list(DATE)
@@ -70,8 +76,11 @@ class Connection:
         self.protocol.data_received(data)
         deadline = asyncio.get_running_loop().time() + 5.0
         for i in itertools.count():
-            if self.transport.closed or _complete(self.transport, before) >= replies \
-                    or asyncio.get_running_loop().time() > deadline:
+            if (
+                self.transport.closed
+                or _complete(self.transport, before) >= replies
+                or asyncio.get_running_loop().time() > deadline
+            ):
                 break
             await asyncio.sleep(0 if i < 100 else 0.001)
         return self.transport.sent(before)
@@ -89,12 +98,15 @@ def _complete(transport: Recorder, before: int) -> int:
         if head.startswith(b"HTTP/1.1 1"):  # an interim response: no body
             sent = rest
             continue
-        length = [int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:")]
+        length = [
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ]
         if not length or len(rest) < length[0]:
             break
         count += 1
-        sent = rest[length[0]:]
+        sent = rest[length[0] :]
     return count
 
 
@@ -104,29 +116,45 @@ async def shard(config: ShardConfig | None = None):
     serve it: ``(immediate, usual)``, each a :class:`Counting`."""
     app = create_app(config or ShardConfig())
     async with app.router.lifespan_context(app):
-        app.state.store.init({"a": (np.arange(3, dtype=np.float32), Add().to_wire()),
-                              "b": (np.ones(3, np.float32), Add().to_wire()),
-                              "c": (np.arange(4, dtype=np.int64).reshape(2, 2), None)})
+        app.state.store.init(
+            {
+                "a": (np.arange(3, dtype=np.float32), Add().to_wire()),
+                "b": (np.ones(3, np.float32), Add().to_wire()),
+                "c": (np.arange(4, dtype=np.int64).reshape(2, 2), None),
+            }
+        )
         immediate = Counting(serving_app(app))
         plain = serving_app(app)
         plain.immediate = {}
         yield app, immediate, Counting(plain)
 
 
-def request(msg=None, *, path: str = "/v1/pull", body: bytes | None = None,
-            ctype: str = wire.MSGPACK, accept: str = wire.FRAME, extra: str = "",
-            version: str = "1.1") -> bytes:
+def request(
+    msg=None,
+    *,
+    path: str = "/v1/pull",
+    body: bytes | None = None,
+    ctype: str = wire.MSGPACK,
+    accept: str = wire.FRAME,
+    extra: str = "",
+    version: str = "1.1",
+) -> bytes:
     if body is None:
         body = msgpack.packb(msg if msg is not None else {"names": NAMES, "layout": "table"})
-    return (f"POST {path} HTTP/{version}\r\nhost: shard\r\ncontent-type: {ctype}\r\n"
-            f"accept: {accept}\r\ncontent-length: {len(body)}\r\n{extra}\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/{version}\r\nhost: shard\r\ncontent-type: {ctype}\r\n"
+        f"accept: {accept}\r\ncontent-length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
 
 
-async def both(immediate: Counting, usual: Counting, data: bytes, replies: int = 1
-               ) -> tuple[bytes, bytes]:
+async def both(
+    immediate: Counting, usual: Counting, data: bytes, replies: int = 1
+) -> tuple[bytes, bytes]:
     """``data`` on a new connection to each; what each wrote."""
-    return (await Connection(immediate).send(data, replies),
-            await Connection(usual).send(data, replies))
+    return (
+        await Connection(immediate).send(data, replies),
+        await Connection(usual).send(data, replies),
+    )
 
 
 def _table(sent: bytes) -> tuple[dict, list]:
@@ -157,14 +185,15 @@ def test_a_small_table_pull_is_answered_at_once_with_the_apps_bytes():
                     assert rows[2].tolist() == [[0, 1], [2, 3]]
             # a uniform table, padded and packed (a and b: float32 (3,), 12 bytes each)
             for packed in (False, True):
-                msg = {"names": ["a", "b"], "layout": "table", "uniform": True,
-                       "packed": packed}
+                msg = {"names": ["a", "b"], "layout": "table", "uniform": True, "packed": packed}
                 mine, theirs = await both(immediate, usual, request(msg))
                 assert mine == theirs and immediate.calls == 0
                 uniform = wire.unpack(mine.partition(b"\r\n\r\n")[2], wire.FRAME)["table"]
                 assert uniform["uniform"].get("packed", False) is packed
             # the fleet header as the SDK sends it (this shard's own) is no obstacle
-            mine, theirs = await both(immediate, usual, request(extra="x-paramshard-fleet: 0/1\r\n"))
+            mine, theirs = await both(
+                immediate, usual, request(extra="x-paramshard-fleet: 0/1\r\n")
+            )
             assert mine == theirs and immediate.calls == 0
             # the reply carries the shard's headers, the restored state's version included
             head = mine.partition(b"\r\n\r\n")[0].decode()
@@ -188,8 +217,9 @@ CASES = {
     "unknown variable": lambda: request({"names": ["a", "nope"], "layout": "table"}),
     "bad name": lambda: request({"names": ["a", 7], "layout": "table"}),
     "bad versions": lambda: request({"names": NAMES, "layout": "table", "versions": [1, -1, 0]}),
-    "bad packed": lambda: request({"names": NAMES, "layout": "table", "uniform": True,
-                                   "packed": "yes"}),
+    "bad packed": lambda: request(
+        {"names": NAMES, "layout": "table", "uniform": True, "packed": "yes"}
+    ),
     "not msgpack": lambda: request(body=b"\xc1garbage"),
     "not a map": lambda: request(body=msgpack.packb([1, 2])),
     "wrong content type": lambda: request(ctype="application/json"),
@@ -210,6 +240,7 @@ CASES = {
 def test_a_request_not_taken_goes_to_the_app_and_gets_its_answer(case):
     """Each request the protocol does not answer itself reaches the app, which answers it
     (errors included) exactly as without immediate answers."""
+
     async def run() -> None:
         async with shard() as (app, immediate, usual):
             data = CASES[case]()
@@ -225,7 +256,7 @@ def test_a_pull_the_gate_would_hold_or_refuse_goes_to_the_app(phase, monkeypatch
     monkeypatch.setattr(admission, "ADMIT_WAIT", 0.05)
 
     async def run() -> None:
-        async with shard(ShardConfig(max_queued_requests=1)) as (app, immediate, usual):
+        async with shard(ShardConfig(max_queued_requests=1)) as (app, immediate, _usual):
             gate = app.state.gate
             if phase == "draining":
                 gate.set_phase("draining")
@@ -245,7 +276,7 @@ def test_a_pull_the_gate_would_hold_or_refuse_goes_to_the_app(phase, monkeypatch
 
 def test_a_pull_of_a_variable_being_written_in_place_goes_to_the_app():
     async def run() -> None:
-        async with shard() as (app, immediate, usual):
+        async with shard() as (app, immediate, _usual):
             store = app.state.store
             var = store._vars["b"]
             var.in_place, var.writing = True, asyncio.get_running_loop().create_future()
@@ -266,9 +297,11 @@ def test_a_pull_of_a_variable_being_written_in_place_goes_to_the_app():
 
 def test_an_answerer_that_fails_hands_the_request_to_the_app(caplog):
     async def run() -> None:
-        async with shard() as (app, immediate, usual):
+        async with shard() as (_app, immediate, usual):
+
             def broken(headers, body):
                 raise RuntimeError("a bug")
+
             getattr(immediate, IMMEDIATE)[b"/v1/pull"] = broken
             with caplog.at_level(logging.ERROR, logger="paramshard.protocol"):
                 mine, theirs = await both(immediate, usual, request())
@@ -282,15 +315,18 @@ def test_immediate_answers_keep_the_connection_and_the_order_of_replies():
     """On one connection: pulls answered at once, a push through the app in between, and
     pipelined requests answered in the order they came (a pull behind a push in flight waits
     for it, as uvicorn queues pipelined requests)."""
+
     def push(seq: int) -> bytes:
         grads = {n: np.ones(3, np.float32) for n in ("a", "b")}
         enc = wire.encode({"grads": grads, "worker_id": "w", "seq": seq})
         body = enc.join()
-        return (f"POST /v1/push HTTP/1.1\r\nhost: shard\r\ncontent-type: {enc.content_type}\r\n"
-                f"accept: {wire.FRAME}\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+        return (
+            f"POST /v1/push HTTP/1.1\r\nhost: shard\r\ncontent-type: {enc.content_type}\r\n"
+            f"accept: {wire.FRAME}\r\ncontent-length: {len(body)}\r\n\r\n"
+        ).encode() + body
 
     async def run() -> None:
-        async with shard() as (app, immediate, usual):
+        async with shard() as (_app, immediate, _usual):
             conn = Connection(immediate)
             pull = request({"names": NAMES, "layout": "table"})
             assert _table(await conn.send(pull))[0]["table"]["versions"] == [0, 0, 0]
@@ -313,7 +349,7 @@ def test_immediate_answers_keep_the_connection_and_the_order_of_replies():
 
 def test_a_pull_while_writing_is_paused_goes_to_the_app():
     async def run() -> None:
-        async with shard() as (app, immediate, usual):
+        async with shard() as (_app, immediate, _usual):
             conn = Connection(immediate)
             conn.protocol.pause_writing()
             pending = asyncio.ensure_future(conn.send(request()))
@@ -328,8 +364,9 @@ def test_a_pull_while_writing_is_paused_goes_to_the_app():
 
 def test_with_an_access_log_every_request_goes_to_the_app():
     """`--access-log` logs every request: none is answered past the app (and its log line)."""
+
     async def run() -> None:
-        async with shard() as (app, immediate, usual):
+        async with shard() as (_app, immediate, _usual):
             conn = Connection(immediate, access_log=True)
             _table(await conn.send(request()))
             assert immediate.calls == 1

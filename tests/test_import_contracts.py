@@ -54,8 +54,15 @@ CONTRACTS = (
         "the store, optimizers and persistence never import the web stack",
         "they are the shard's state and its files, testable and reusable without HTTP "
         "(reshard runs offline); the web stack reaches them, not the other way round",
-        ("server.store", "server.optim", "server.dedup", "server.persistence", "server.scan",
-         "server.memory", "server.reshard"),
+        (
+            "server.store",
+            "server.optim",
+            "server.dedup",
+            "server.persistence",
+            "server.scan",
+            "server.memory",
+            "server.reshard",
+        ),
         WEB_STACK,
     ),
     Contract(
@@ -63,8 +70,9 @@ CONTRACTS = (
         "bench is a measuring tool, free to change; the suite tests the product",
         ("tests.*",),
         ("bench",),
-        exempt=(("tests.test_bench", "it tests make bench itself: its arithmetic and a quick "
-                                     "run"),),
+        exempt=(
+            ("tests.test_bench", "it tests make bench itself: its arithmetic and a quick run"),
+        ),
     ),
 )
 
@@ -88,7 +96,8 @@ def _modules() -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(tree: ast.AST) -> list[tuple[str, int, tuple[str, ...]]]:
@@ -122,13 +131,12 @@ def _graph(modules: dict[str, Path]) -> dict[str, set[str]]:
         for module, level, names in _imports(ast.parse(path.read_text(), str(path))):
             if level:
                 base = package.split(".")
-                base = base[:len(base) - (level - 1)]
+                base = base[: len(base) - (level - 1)]
                 module = ".".join(base + ([module] if module else []))
             elif name.startswith("tests.") and module.split(".")[0] not in PACKAGES:
                 # pytest puts the test files' folders on sys.path: `import netlab`.
                 for folder in (path.parent, TESTS):
-                    local = ".".join(
-                        (folder / module.replace(".", "/")).relative_to(ROOT).parts)
+                    local = ".".join((folder / module.replace(".", "/")).relative_to(ROOT).parts)
                     if local in modules:
                         module = local
                         break
@@ -160,13 +168,17 @@ def _bound(contract: Contract, modules: dict[str, Path]) -> list[str]:
             matched = [m for m in modules if m == prefix or m.startswith(prefix + ".")]
         else:
             matched = [pattern] if pattern in modules else []
-        assert matched, (f"contract {contract.name!r} names {pattern}, which is not a module of "
-                         f"the repository: update CONTRACTS in {Path(__file__).name}")
+        assert matched, (
+            f"contract {contract.name!r} names {pattern}, which is not a module of "
+            f"the repository: update CONTRACTS in {Path(__file__).name}"
+        )
         bound += matched
     exempt = dict(contract.exempt)
     for module in exempt:
-        assert module in bound, (f"contract {contract.name!r} exempts {module}, which it does "
-                                 f"not bind: update CONTRACTS in {Path(__file__).name}")
+        assert module in bound, (
+            f"contract {contract.name!r} exempts {module}, which it does "
+            f"not bind: update CONTRACTS in {Path(__file__).name}"
+        )
     return [m for m in bound if m not in exempt]
 
 
@@ -174,8 +186,9 @@ def _forbidden(target: str, forbidden: tuple[str, ...]) -> bool:
     return any(target == f or target.startswith(f + ".") for f in forbidden)
 
 
-def violations(contract: Contract, modules: dict[str, Path],
-               graph: dict[str, set[str]]) -> list[str]:
+def violations(
+    contract: Contract, modules: dict[str, Path], graph: dict[str, set[str]]
+) -> list[str]:
     """One line per module of the contract that reaches a forbidden import, with the chain."""
     out = []
     for start in _bound(contract, modules):
@@ -209,8 +222,9 @@ def test_import_contract(contract, tree):
     modules, graph = tree
     broken = violations(contract, modules, graph)
     if broken:
-        pytest.fail(f"{contract.name} ({contract.why}), but:\n  " + "\n  ".join(broken),
-                    pytrace=False)
+        pytest.fail(
+            f"{contract.name} ({contract.why}), but:\n  " + "\n  ".join(broken), pytrace=False
+        )
 
 
 def test_the_checker_sees_imports_in_functions_and_through_our_modules(tmp_path):
@@ -220,9 +234,14 @@ def test_the_checker_sees_imports_in_functions_and_through_our_modules(tmp_path)
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    import fastapi\n"
         "def f():\n    import uvicorn\n"
-        "from . import sibling\nfrom ..store import x\n")
-    assert sorted(_imports(tree)) == [("", 1, ("sibling",)), ("store", 2, ("x",)),
-                                      ("typing", 0, ("TYPE_CHECKING",)), ("uvicorn", 0, ())]
+        "from . import sibling\nfrom ..store import x\n"
+    )
+    assert sorted(_imports(tree)) == [
+        ("", 1, ("sibling",)),
+        ("store", 2, ("x",)),
+        ("typing", 0, ("TYPE_CHECKING",)),
+        ("uvicorn", 0, ()),
+    ]
     modules = {"server.a": Path("a.py"), "server.b": Path("b.py"), "server": Path("i.py")}
     graph = {"server.a": {"server.b", "numpy"}, "server.b": {"starlette"}, "server": set()}
     rule = Contract("t", "t", ("server.a",), WEB_STACK)

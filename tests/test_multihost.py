@@ -30,11 +30,16 @@ from pathlib import Path
 
 import pytest
 
-from client_sdk.placement import shard_for
-
 import netlab
+from client_sdk.placement import shard_for
 from deploy_files import (
-    DOCKERFILE, ROOT, environment, image_env, in_stage, load_compose, parse_dockerfile,
+    DOCKERFILE,
+    ROOT,
+    environment,
+    image_env,
+    in_stage,
+    load_compose,
+    parse_dockerfile,
     shard_services,
 )
 
@@ -54,6 +59,7 @@ COUNTERS = ("global_step", "digits/workers")
 
 # -- what a container would get -------------------------------------------------------------
 
+
 def image(stage: str) -> tuple[list[str], dict[str, str]]:
     """The command (ENTRYPOINT + CMD, made runnable from this checkout) and the ENV of one
     target of docker/Dockerfile."""
@@ -72,12 +78,18 @@ def image(stage: str) -> tuple[list[str], dict[str, str]]:
     return command, env
 
 
-def container_env(image_env: dict[str, str], service: dict, volumes: dict[str, Path]
-                  ) -> dict[str, str]:
+def container_env(
+    image_env: dict[str, str], service: dict, volumes: dict[str, Path]
+) -> dict[str, str]:
     """The image's ENV, then the service's environment; a value naming a volume's mount point
     becomes that volume's directory here."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT),
-           "LANG": "C.UTF-8", **image_env, **environment(service)}
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PYTHONPATH": str(ROOT),
+        "LANG": "C.UTF-8",
+        **image_env,
+        **environment(service),
+    }
     return {k: str(volumes[v]) if v in volumes else v for k, v in env.items()}
 
 
@@ -92,6 +104,7 @@ def service_volumes(service: dict, base: Path) -> dict[str, Path]:
 
 
 # -- the test -------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def lab():
@@ -130,21 +143,38 @@ class Fleet:
         return container_env(self.shard_image_env, svc, service_volumes(svc, self.workdir))
 
     def start_shard(self, name: str) -> None:
-        self.procs[name] = self.lab.start(name, self.shard_cmd, self.shard_env(name),
-                                          self.workdir / f"{name}.log", cwd=self.workdir)
+        self.procs[name] = self.lab.start(
+            name,
+            self.shard_cmd,
+            self.shard_env(name),
+            self.workdir / f"{name}.log",
+            cwd=self.workdir,
+        )
 
     def wait_healthy(self, name: str, timeout: float = 60.0) -> None:
         """Run the compose healthcheck in the shard's "container" until it passes."""
         test = self.shards[name]["healthcheck"]["test"]
         assert test[:2] == ["CMD", "paramshard"]
-        cmd = ["ip", "netns", "exec", self.lab.namespace(name),
-               sys.executable, "-m", "server.cli", *test[2:]]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            self.lab.namespace(name),
+            sys.executable,
+            "-m",
+            "server.cli",
+            *test[2:],
+        ]
         deadline = time.monotonic() + timeout
         while True:
             proc = self.procs[name]
             assert proc.poll() is None, f"{name} exited with {proc.returncode}:\n{self.log(name)}"
-            if subprocess.run(cmd, env=self.shard_env(name), capture_output=True,
-                              timeout=30).returncode == 0:
+            if (
+                subprocess.run(
+                    cmd, env=self.shard_env(name), capture_output=True, timeout=30
+                ).returncode
+                == 0
+            ):
                 return
             assert time.monotonic() < deadline, f"{name} not healthy:\n{self.log(name)}"
             time.sleep(0.2)
@@ -153,8 +183,9 @@ class Fleet:
         env = container_env(self.worker_image_env, self.worker_service, {})
         env["DIGITS_STEPS"] = str(STEPS)
         for host in self.workers:
-            self.procs[host] = self.lab.start(host, self.worker_cmd, env,
-                                              self.workdir / f"{host}.log", cwd=self.workdir)
+            self.procs[host] = self.lab.start(
+                host, self.worker_cmd, env, self.workdir / f"{host}.log", cwd=self.workdir
+            )
 
     def log(self, name: str) -> str:
         path = self.workdir / f"{name}.log"
@@ -165,8 +196,9 @@ class Fleet:
 
     def counter(self, name: str) -> int | None:
         owner = self.names[shard_for(name, len(self.names))]
-        answer = self.lab.fetch_json("ops", self.url(owner, f"/v1/variables/{name}?values=true"),
-                                     timeout=1.0)
+        answer = self.lab.fetch_json(
+            "ops", self.url(owner, f"/v1/variables/{name}?values=true"), timeout=1.0
+        )
         return None if answer is None else int(answer["values"])
 
     def versions(self, shard: str) -> dict[str, int]:
@@ -176,10 +208,15 @@ class Fleet:
 
     def checkpoint(self) -> str:
         """A fleet checkpoint, asked for by an operator's SDK on the ops host."""
-        env = {**container_env(self.worker_image_env, self.worker_service, {}),
-               "PARAMSHARD_WORKER_ID": "ops"}
-        done = self.lab.python("ops", "from client_sdk import PSClient\n"
-                                      "with PSClient() as ps: print(ps.checkpoint())", env=env)
+        env = {
+            **container_env(self.worker_image_env, self.worker_service, {}),
+            "PARAMSHARD_WORKER_ID": "ops",
+        }
+        done = self.lab.python(
+            "ops",
+            "from client_sdk import PSClient\nwith PSClient() as ps: print(ps.checkpoint())",
+            env=env,
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
@@ -188,9 +225,10 @@ class Fleet:
         while True:
             for host in self.workers:
                 proc = self.procs[host]
-                assert proc.poll() is None, \
-                    f"{host} ended (status {proc.returncode}) before step {at_least}:\n" \
+                assert proc.poll() is None, (
+                    f"{host} ended (status {proc.returncode}) before step {at_least}:\n"
                     f"{self.log(host)}"
+                )
             step = self.counter("global_step")
             if step is not None and step >= at_least:
                 return step
@@ -203,8 +241,11 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_shard(lab, tmp_pa
     n = len(fleet.names)
     owner = {name: fleet.names[shard_for(name, n)] for name in PARAMS + COUNTERS}
     cut = owner["global_step"]  # every step of every worker goes through it
-    victims = [s for s in fleet.names if s in {owner[p] for p in PARAMS}
-               and s not in {owner[c] for c in COUNTERS}]
+    victims = [
+        s
+        for s in fleet.names
+        if s in {owner[p] for p in PARAMS} and s not in {owner[c] for c in COUNTERS}
+    ]
     assert victims, f"placement leaves no shard with weights only: {owner}"
     victim = victims[0]
 
@@ -220,8 +261,9 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_shard(lab, tmp_pa
     before = fleet.cluster(cut)
     lab.cut(cut)
     cut_at = time.monotonic()
-    assert lab.fetch("ops", fleet.url(cut, "/healthz"), timeout=1.0) is None, \
+    assert lab.fetch("ops", fleet.url(cut, "/healthz"), timeout=1.0) is None, (
         f"{cut} still answers with its cable out"
+    )
     time.sleep(max(0.0, OUTAGE - (time.monotonic() - cut_at)))
     lab.plug(cut)
     after = lab.wait_for("ops", fleet.url(cut, "/v1/cluster"), timeout=30)
@@ -261,8 +303,9 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_shard(lab, tmp_pa
             pytest.fail(f"{host} did not finish:\n{fleet.log(host)}")
         outputs[host] = fleet.log(host)
         assert proc.returncode == 0, f"{host} failed:\n{outputs[host]}"
-    claimed = sorted(int(re.search(r"claimed worker index (\d+)", out).group(1))
-                     for out in outputs.values())
+    claimed = sorted(
+        int(re.search(r"claimed worker index (\d+)", out).group(1)) for out in outputs.values()
+    )
     assert claimed == list(range(WORKERS))
     for out in outputs.values():
         m = re.search(r"done: (\d+) steps .* accuracy of the fleet's weights ([0-9.]+)", out)

@@ -22,9 +22,13 @@ from server.store import ParameterStore
 
 def make_store() -> ParameterStore:
     store = ParameterStore(0, 1)
-    store.init({"w": (np.arange(6, dtype=np.float32).reshape(2, 3), Adagrad(lr=0.1).to_wire()),
-                "b": (np.zeros(3, np.float64), SGD(lr=1.0).to_wire()),
-                "empty": (np.zeros((0, 4), np.float32), None)})
+    store.init(
+        {
+            "w": (np.arange(6, dtype=np.float32).reshape(2, 3), Adagrad(lr=0.1).to_wire()),
+            "b": (np.zeros(3, np.float64), SGD(lr=1.0).to_wire()),
+            "empty": (np.zeros((0, 4), np.float32), None),
+        }
+    )
     store.push("w0", 5, {"w": np.ones((2, 3), np.float32), "b": np.ones(3)})
     store.push("w0", 7, {"w": np.ones((2, 3), np.float32)})
     store.increment("step", 3, "w1", 1)
@@ -32,8 +36,9 @@ def make_store() -> ParameterStore:
 
 
 def snapshot(store: ParameterStore, tmp_path, number: int = 1, checkpoint: str | None = None):
-    return persistence.write_snapshot(tmp_path, number, store.capture(), incarnation="abc",
-                                      checkpoint=checkpoint)
+    return persistence.write_snapshot(
+        tmp_path, number, store.capture(), incarnation="abc", checkpoint=checkpoint
+    )
 
 
 def restore(tmp_path) -> ParameterStore:
@@ -54,23 +59,28 @@ def test_round_trip_keeps_values_versions_state_and_dedup(tmp_path):
         got = back.get(var.name)
         np.testing.assert_array_equal(got.value, var.value)
         assert got.value.dtype == var.value.dtype and got.value.flags.writeable
-        assert (got.version, got.updates, got.kind, got.optimizer) == \
-            (var.version, var.updates, var.kind, var.optimizer)
+        assert (got.version, got.updates, got.kind, got.optimizer) == (
+            var.version,
+            var.updates,
+            var.kind,
+            var.optimizer,
+        )
         assert got.state.keys() == var.state.keys()
         for slot in var.state:
             np.testing.assert_array_equal(got.state[slot], var.state[slot])
     # the dedup table came back: the same seqs are duplicates, the increment's result too
     assert back.push("w0", 7, {"w": np.ones((2, 3), np.float32)})["w"]["status"] == "duplicate"
-    assert back.increment("step", 3, "w1", 1) == {"value": 3, "version": 1,
-                                                   "status": "duplicate"}
+    assert back.increment("step", 3, "w1", 1) == {"value": 3, "version": 1, "status": "duplicate"}
     assert back.push("w0", 6, {"b": np.ones(3)})["b"]["status"] == "applied"
 
 
 def test_values_file_is_plain_safetensors(tmp_path):
     snap = snapshot(make_store(), tmp_path)
     tensors = load_file(snap.values_path)
-    keys = {name: {slot: t["key"] for slot, t in meta["tensors"].items()}
-            for name, meta in snap.manifest["variables"].items()}
+    keys = {
+        name: {slot: t["key"] for slot, t in meta["tensors"].items()}
+        for name, meta in snap.manifest["variables"].items()
+    }
     assert set(tensors) == {k for slots in keys.values() for k in slots.values()}
     assert set(keys["w"]) == {"value", "accumulator"} and len(set(tensors)) == 5
     np.testing.assert_array_equal(tensors[keys["b"]["value"]], np.zeros(3) - 1.0)
@@ -82,8 +92,12 @@ AWKWARD = ["__metadata__", "t0", "t1", "t0.accumulator", "t2.accumulator", "w"]
 
 def awkward_store() -> ParameterStore:
     store = ParameterStore(0, 1)
-    store.init({name: (np.full((2, 2), i, np.float32), Adagrad(lr=0.1).to_wire())
-                for i, name in enumerate(AWKWARD)})
+    store.init(
+        {
+            name: (np.full((2, 2), i, np.float32), Adagrad(lr=0.1).to_wire())
+            for i, name in enumerate(AWKWARD)
+        }
+    )
     store.push("w0", 1, {name: np.ones((2, 2), np.float32) for name in AWKWARD})
     return store
 
@@ -112,8 +126,11 @@ def test_format_1_snapshots_keyed_by_name_still_restore(tmp_path, monkeypatch):
     key twice into the safetensors header."""
     store = awkward_store()
     names = list(store.capture().variables)
-    monkeypatch.setattr(persistence, "tensor_key",
-                        lambda j, slot: names[j] if slot == "value" else f"{names[j]}#{slot}")
+    monkeypatch.setattr(
+        persistence,
+        "tensor_key",
+        lambda j, slot: names[j] if slot == "value" else f"{names[j]}#{slot}",
+    )
     snap = snapshot(store, tmp_path)
     monkeypatch.undo()
     head = snap.values_path.read_bytes()[:4096]
@@ -130,27 +147,30 @@ def test_reshard_moves_awkward_names(tmp_path):
     persistence.write_snapshot(tmp_path / "one", 1, capture, incarnation="x", checkpoint="ck")
     result = reshard([tmp_path / "one"], tmp_path / "two", 2, checkpoint="ck")
     assert result.variables == len(AWKWARD)
-    held = {v.name: v for j in range(2) for v in persistence.find_restorable(
-        tmp_path / "two" / f"shard-{j}", j, 2).variables}
+    held = {
+        v.name: v
+        for j in range(2)
+        for v in persistence.find_restorable(tmp_path / "two" / f"shard-{j}", j, 2).variables
+    }
     assert sorted(held) == sorted(AWKWARD)
     for var in store:
         np.testing.assert_array_equal(held[var.name].value, var.value)
-        np.testing.assert_array_equal(held[var.name].state["accumulator"],
-                                      var.state["accumulator"])
+        np.testing.assert_array_equal(held[var.name].state["accumulator"], var.state["accumulator"])
 
 
 def test_capture_is_one_instant_and_later_updates_do_not_touch_it(tmp_path):
     store = make_store()
     capture = store.capture()
-    frozen = {name: {k: a.copy() for k, a in arrays.items()}
-              for name, (_, arrays) in capture.variables.items()}
+    frozen = {
+        name: {k: a.copy() for k, a in arrays.items()}
+        for name, (_, arrays) in capture.variables.items()
+    }
     store.push("w0", 8, {"w": np.full((2, 3), 10, np.float32)})
     store.assign({"b": np.full(3, 5.0)})
     for name, (_, arrays) in capture.variables.items():
         for slot, a in arrays.items():
             np.testing.assert_array_equal(a, frozen[name][slot])
-    assert not np.array_equal(store.get("w").state["accumulator"],
-                              frozen["w"]["accumulator"])
+    assert not np.array_equal(store.get("w").state["accumulator"], frozen["w"]["accumulator"])
 
 
 def damage_truncate(snap):
@@ -189,10 +209,19 @@ def damage_header_length(snap):
     snap.values_path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", [
-    damage_truncate, damage_flip_value_byte, damage_garbage_values, damage_torn_manifest,
-    damage_edited_manifest, damage_missing_values, damage_header_length,
-], ids=lambda f: f.__name__[len("damage_"):])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        damage_truncate,
+        damage_flip_value_byte,
+        damage_garbage_values,
+        damage_torn_manifest,
+        damage_edited_manifest,
+        damage_missing_values,
+        damage_header_length,
+    ],
+    ids=lambda f: f.__name__[len("damage_") :],
+)
 def test_a_damaged_newest_snapshot_is_skipped_for_the_previous_good_one(tmp_path, damage, caplog):
     store = make_store()
     snapshot(store, tmp_path, 1)
@@ -232,8 +261,10 @@ def test_keep_k_plain_snapshots_and_every_checkpoint(tmp_path):
     left = [(n, c) for n, c, _ in persistence.list_snapshots(tmp_path)]
     assert left == [(2, "ck2"), (5, "ck5"), (6, "ck6"), (7, "ck7"), (8, None), (9, None)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        f"snapshot-{n:08d}{'-' + c if c else ''}{ext}" for n, c in left
-        for ext in (".json", ".safetensors"))
+        f"snapshot-{n:08d}{'-' + c if c else ''}{ext}"
+        for n, c in left
+        for ext in (".json", ".safetensors")
+    )
     persistence.prune(tmp_path, keep=2, keep_checkpoints=2)  # --keep-checkpoints 2
     assert [c for _, c, _ in persistence.list_snapshots(tmp_path)] == ["ck6", "ck7", None, None]
 
@@ -246,10 +277,14 @@ def test_leftovers_of_interrupted_writes_are_cleaned(tmp_path):
     (tmp_path / ".tmpA1b2C3").write_bytes(b"safetensors' writer's own, killed mid-write")
     for other in (".tmpA1b2C", ".tmp-notes", "notes.txt"):  # not ours: left alone
         (tmp_path / other).write_bytes(b"x")
-    assert sorted(persistence.clean(tmp_path)) == [".tmp-snapshot-00000002.safetensors",
-                                                   ".tmpA1b2C3", "snapshot-00000003.safetensors"]
+    assert sorted(persistence.clean(tmp_path)) == [
+        ".tmp-snapshot-00000002.safetensors",
+        ".tmpA1b2C3",
+        "snapshot-00000003.safetensors",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [snap.manifest_path.name, snap.values_path.name, ".tmpA1b2C", ".tmp-notes", "notes.txt"])
+        [snap.manifest_path.name, snap.values_path.name, ".tmpA1b2C", ".tmp-notes", "notes.txt"]
+    )
     assert persistence.next_number(tmp_path) == 2
 
 
@@ -266,16 +301,26 @@ def test_checkpoint_restore_picks_that_snapshot(tmp_path):
 
 # -- the dedup table ----------------------------------------------------------------------------
 
+
 def test_dedup_window_duplicates_and_expiry():
     t = DedupTable()
     for seq in (100, 102, 101):  # out of order is fine within the window
         assert t.check("w", seq) == "new"
         t.record("w", seq)
-    assert [t.check("w", s) for s in (99, 100, 101, 102, 103)] == \
-        ["new", "duplicate", "duplicate", "duplicate", "new"]
+    assert [t.check("w", s) for s in (99, 100, 101, 102, 103)] == [
+        "new",
+        "duplicate",
+        "duplicate",
+        "duplicate",
+        "new",
+    ]
     t.record("w", 102 + WINDOW)  # a jump: the window behind it is kept below
-    assert [t.check("w", s) for s in (99, 100, 103, 102 + WINDOW)] == \
-        ["new", "duplicate", "new", "duplicate"]
+    assert [t.check("w", s) for s in (99, 100, 103, 102 + WINDOW)] == [
+        "new",
+        "duplicate",
+        "new",
+        "duplicate",
+    ]
     t.record("w", 103)  # the writes below the jump go on
     assert t.check("w", 103) == "duplicate" and t.check("w", 104) == "new"
     t.record("w", 102 + 3 * WINDOW)  # a second jump: the lowest window is forgotten
@@ -322,8 +367,12 @@ def test_dedup_export_load_and_merge():
     assert back.check("w", 12) == "duplicate" and back.result("w", 12) == [5, 2]
     assert back.check("w", 11) == "new"
     merged = DedupTable.merge([a, b])
-    assert [merged.check("w", s) for s in (10, 11, 12, 13)] == \
-        ["duplicate", "duplicate", "duplicate", "new"]
+    assert [merged.check("w", s) for s in (10, 11, 12, 13)] == [
+        "duplicate",
+        "duplicate",
+        "duplicate",
+        "new",
+    ]
     assert merged.check("v", 3) == "duplicate"
     with pytest.raises(ValueError):
         DedupTable.load({"window": 5, "workers": {"w": {"high": "x"}}})

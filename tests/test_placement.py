@@ -32,7 +32,7 @@ def _doc_vectors() -> list[tuple[str, str, dict[int, int]]]:
     head = next(i for i, line in enumerate(lines) if line.startswith("| name | key (hex) |"))
     counts = [int(c) for c in re.findall(r"\d+", lines[head].split("|", 3)[3])]
     rows = []
-    for line in lines[head + 2:]:
+    for line in lines[head + 2 :]:
         if not line.startswith("|"):
             break
         cells = [c.strip().strip("`") for c in line.strip("|").split("|")]
@@ -143,15 +143,46 @@ def test_valid_names_are_accepted(name):
     assert validate_name(name) is name
 
 
-@pytest.mark.parametrize("name", ["w", "global_step", "layer1/kernel", "a.b:c-d_e/f",
-                                  "x" * MAX_NAME_LENGTH, "0", "-", "emb/part-12"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "w",
+        "global_step",
+        "layer1/kernel",
+        "a.b:c-d_e/f",
+        "x" * MAX_NAME_LENGTH,
+        "0",
+        "-",
+        "emb/part-12",
+    ],
+)
 def test_edge_names_are_accepted(name):
     assert validate_name(name) == name
 
 
-@pytest.mark.parametrize("name", ["", "x" * (MAX_NAME_LENGTH + 1), "a b", "w\n", "\nw", "w\x00",
-                                  "caf\u00e9", "a*b", "a#b", "a\\b", "a?b", "a%2Fb", "a,b",
-                                  "\u0661", "w\t", "a+b", "a=b", "a@b"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "x" * (MAX_NAME_LENGTH + 1),
+        "a b",
+        "w\n",
+        "\nw",
+        "w\x00",
+        "caf\u00e9",
+        "a*b",
+        "a#b",
+        "a\\b",
+        "a?b",
+        "a%2Fb",
+        "a,b",
+        "\u0661",
+        "w\t",
+        "a+b",
+        "a=b",
+        "a@b",
+    ],
+)
 def test_bad_names_are_rejected(name):
     with pytest.raises(ValueError, match="A-Z a-z 0-9") as info:
         validate_name(name)

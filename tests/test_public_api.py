@@ -20,7 +20,8 @@ def test_all_is_sorted_and_matches_the_exported_members():
     for name in client_sdk.__all__:
         assert hasattr(client_sdk, name), name
     public = {
-        name for name, value in vars(client_sdk).items()
+        name
+        for name, value in vars(client_sdk).items()
         if not name.startswith("_") and not isinstance(value, types.ModuleType)
     }
     assert public == set(client_sdk.__all__)
@@ -34,12 +35,34 @@ def test_every_exported_class_is_documented_and_every_error_is_a_pserror():
             assert issubclass(obj, PSError), name
     for cls in (client_sdk.PSClient, client_sdk.AsyncPSClient):
         assert cls.__doc__
-        for verb in ("init", "wait_ready", "pull", "push", "push_async", "flush",
-                     "increment", "assign", "variables", "checkpoint", "close"):
+        for verb in (
+            "init",
+            "wait_ready",
+            "pull",
+            "push",
+            "push_async",
+            "flush",
+            "increment",
+            "assign",
+            "variables",
+            "checkpoint",
+            "close",
+        ):
             method = getattr(cls, verb)
             assert method.__doc__, f"{cls.__name__}.{verb} has no docstring"
-        for verb in ("init", "wait_ready", "pull", "push", "push_async", "flush",
-                     "increment", "assign", "variables", "checkpoint", "close"):
+        for verb in (
+            "init",
+            "wait_ready",
+            "pull",
+            "push",
+            "push_async",
+            "flush",
+            "increment",
+            "assign",
+            "variables",
+            "checkpoint",
+            "close",
+        ):
             is_async = inspect.iscoroutinefunction(getattr(cls, verb))
             assert is_async == (cls is client_sdk.AsyncPSClient), f"{cls.__name__}.{verb}"
 
@@ -77,8 +100,14 @@ raise SystemExit(1 if loaded else 0)
 
 
 def test_the_sdk_imports_without_server_packages():
-    proc = subprocess.run([sys.executable, "-c", BLOCKER], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCKER],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -37,6 +37,7 @@ ACCEPT_FRAME = f"{wire.FRAME}, {wire.MSGPACK}"
 
 # -- helpers --------------------------------------------------------------------------------
 
+
 @dataclass
 class Reply:
     status: int
@@ -76,13 +77,24 @@ def owned(shard: int, num_shards: int = 2, prefix: str | None = None) -> str:
 def decode_reply(r: httpx2.Response) -> Reply:
     body = bytearray(r.content)
     ctype = r.headers.get("content-type", "")
-    msg = wire.unpack(body, ctype) if ctype.startswith(("application/msgpack", wire.FRAME)) \
+    msg = (
+        wire.unpack(body, ctype)
+        if ctype.startswith(("application/msgpack", wire.FRAME))
         else r.json()
+    )
     return Reply(r.status_code, r.headers, msg, body)
 
 
-def post(http, url: str, verb: str, msg: Any, *, frame: bool = False, accept_frame: bool = False,
-         headers: dict[str, str] | None = None) -> Reply:
+def post(
+    http,
+    url: str,
+    verb: str,
+    msg: Any,
+    *,
+    frame: bool = False,
+    accept_frame: bool = False,
+    headers: dict[str, str] | None = None,
+) -> Reply:
     enc = wire.encode(msg, frame=frame)
     h = {"content-type": enc.content_type, **(headers or {})}
     if accept_frame:
@@ -91,8 +103,9 @@ def post(http, url: str, verb: str, msg: Any, *, frame: bool = False, accept_fra
 
 
 def post_raw(http, url: str, verb: str, content: bytes, content_type: str = wire.MSGPACK) -> Reply:
-    return decode_reply(http.post(f"{url}/v1/{verb}", content=content,
-                                  headers={"content-type": content_type}))
+    return decode_reply(
+        http.post(f"{url}/v1/{verb}", content=content, headers={"content-type": content_type})
+    )
 
 
 def inspect(http, url: str, name: str) -> dict[str, Any]:
@@ -130,12 +143,17 @@ def frame_bytes(msg: Any) -> bytes:
 
 # -- the verbs, happy paths -----------------------------------------------------------------
 
+
 def test_init_pull_push_assign_msgpack(fleet2, http):
     url = fleet2.urls[0]
     name = owned(0)
     w0 = np.arange(6, dtype=np.float32).reshape(2, 3)
-    rep = post(http, url, "init", {"variables": {name: {"value": w0,
-                                                         "optimizer": {"type": "sgd", "lr": 0.5}}}})
+    rep = post(
+        http,
+        url,
+        "init",
+        {"variables": {name: {"value": w0, "optimizer": {"type": "sgd", "lr": 0.5}}}},
+    )
     assert rep.status == 200
     assert rep.headers["content-type"] == wire.MSGPACK
     assert rep.msg == {"variables": {name: {"version": 0, "created": True}}}
@@ -146,8 +164,9 @@ def test_init_pull_push_assign_msgpack(fleet2, http):
 
     g = np.ones((2, 3), np.float32)
     wid = worker()
-    rep = post(http, url, "push", {"worker_id": wid, "seq": 0, "grads": {name: g},
-                                   "versions": {name: 0}})
+    rep = post(
+        http, url, "push", {"worker_id": wid, "seq": 0, "grads": {name: g}, "versions": {name: 0}}
+    )
     assert rep.status == 200
     assert rep.msg["variables"][name] == {"status": "applied", "version": 1, "staleness": 0}
     rep = post(http, url, "pull", {"names": [name]})
@@ -164,9 +183,13 @@ def test_framed_request_and_framed_response(fleet2, http):
     url = fleet2.urls[1]
     name = owned(1)
     big = np.random.default_rng(0).standard_normal((256, 128)).astype(np.float32)  # 128 KiB
-    rep = post(http, url, "init", {"variables": {name: {"value": big,
-                                                         "optimizer": {"type": "add"}}}},
-               frame=True)
+    rep = post(
+        http,
+        url,
+        "init",
+        {"variables": {name: {"value": big, "optimizer": {"type": "add"}}}},
+        frame=True,
+    )
     assert rep.status == 200 and rep.msg["variables"][name]["created"] is True
 
     rep = post(http, url, "pull", {"names": [name]}, accept_frame=True)
@@ -176,8 +199,14 @@ def test_framed_request_and_framed_response(fleet2, http):
     np.testing.assert_array_equal(got, big)
 
     delta = np.full_like(big, 0.25)
-    rep = post(http, url, "push", {"worker_id": worker(), "seq": 3, "grads": {name: delta}},
-               frame=True, accept_frame=True)
+    rep = post(
+        http,
+        url,
+        "push",
+        {"worker_id": worker(), "seq": 3, "grads": {name: delta}},
+        frame=True,
+        accept_frame=True,
+    )
     assert rep.status == 200
     assert rep.msg["variables"][name]["version"] == 1
 
@@ -187,8 +216,9 @@ def test_framed_request_and_framed_response(fleet2, http):
     np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][name]["value"]), big + delta)
 
     rep = post(http, url, "assign", {"values": {name: -big}}, frame=True, accept_frame=True)
-    assert rep.status == 200 and rep.msg == {"variables": {name: {"status": "applied",
-                                                                    "version": 2}}}
+    assert rep.status == 200 and rep.msg == {
+        "variables": {name: {"status": "applied", "version": 2}}
+    }
     rep = post(http, url, "pull", {"names": [name]}, accept_frame=True)
     np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][name]["value"]), -big)
 
@@ -218,12 +248,20 @@ def test_pull_in_the_table_layout(fleet2, http):
     layout; refusals are those of any pull."""
     url = fleet2.urls[0]
     a, b, c, d = (owned(0) for _ in range(4))
-    values = {a: np.arange(6, dtype=np.float32).reshape(2, 3), b: np.arange(5, dtype=np.int64),
-              c: np.array(2.5), d: np.zeros(0, np.float32)}
+    values = {
+        a: np.arange(6, dtype=np.float32).reshape(2, 3),
+        b: np.arange(5, dtype=np.int64),
+        c: np.array(2.5),
+        d: np.zeros(0, np.float32),
+    }
     for name, value in values.items():
         init(http, url, name, value, {"type": "add"})
-    post(http, url, "push", {"worker_id": worker(), "seq": 0,
-                             "grads": {a: np.ones((2, 3), np.float32)}})
+    post(
+        http,
+        url,
+        "push",
+        {"worker_id": worker(), "seq": 0, "grads": {a: np.ones((2, 3), np.float32)}},
+    )
     values[a] = values[a] + 1
     ask = {"names": [d, a, b, c], "layout": "table", "versions": {b: 0, a: 0}}
 
@@ -246,10 +284,17 @@ def test_pull_in_the_table_layout(fleet2, http):
     rep = post(http, url, "pull", {**ask, "versions": [0, 1, 0, 0]}, accept_frame=True)
     assert rep.msg["table"]["versions"] == [0, 1, 0, 0]  # every row held: no values
     assert rep.msg["table"]["dtype"] == [None] * 4
-    for bad in ([0, 0], [None, -1, 0, None], [None, "1", 0, None], [0, -1, 0, 0],
-                [0, True, 0, 0], [0, 1.0, 0, 0]):
-        assert_refused(post(http, url, "pull", {**ask, "versions": bad}, accept_frame=True),
-                       400, "bad_request")
+    for bad in (
+        [0, 0],
+        [None, -1, 0, None],
+        [None, "1", 0, None],
+        [0, -1, 0, 0],
+        [0, True, 0, 0],
+        [0, 1.0, 0, 0],
+    ):
+        assert_refused(
+            post(http, url, "pull", {**ask, "versions": bad}, accept_frame=True), 400, "bad_request"
+        )
 
     rep = post(http, url, "pull", ask)  # no framed Accept: the map layout
     assert rep.headers["content-type"] == wire.MSGPACK and set(rep.msg) == {"variables"}
@@ -259,12 +304,19 @@ def test_pull_in_the_table_layout(fleet2, http):
     np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][a]["value"]), values[a])
 
     missing = owned(0)
-    assert_refused(post(http, url, "pull", {**ask, "names": [a, missing]}, accept_frame=True),
-                   404, "not_found")
-    assert_refused(post(http, url, "pull", {**ask, "names": [a, owned(1)]}, accept_frame=True),
-                   421, "not_owner")
-    assert_refused(post(http, url, "pull", {**ask, "names": [a, "bad name"]},
-                        accept_frame=True), 400, "bad_request")
+    assert_refused(
+        post(http, url, "pull", {**ask, "names": [a, missing]}, accept_frame=True), 404, "not_found"
+    )
+    assert_refused(
+        post(http, url, "pull", {**ask, "names": [a, owned(1)]}, accept_frame=True),
+        421,
+        "not_owner",
+    )
+    assert_refused(
+        post(http, url, "pull", {**ask, "names": [a, "bad name"]}, accept_frame=True),
+        400,
+        "bad_request",
+    )
 
 
 def test_a_table_pull_may_ask_for_one_dtype_and_shape_once(fleet2, http):
@@ -273,28 +325,38 @@ def test_a_table_pull_may_ask_for_one_dtype_and_shape_once(fleet2, http):
     it (nil: as if absent). A `uniform` that is not a bool is refused."""
     url = fleet2.urls[0]
     a, b, c = (owned(0) for _ in range(3))
-    values = {a: np.arange(6, dtype=np.float32).reshape(2, 3),
-              b: np.ones((2, 3), np.float32), c: np.arange(3, dtype=np.float32)}
+    values = {
+        a: np.arange(6, dtype=np.float32).reshape(2, 3),
+        b: np.ones((2, 3), np.float32),
+        c: np.arange(3, dtype=np.float32),
+    }
     for name, value in values.items():
         init(http, url, name, value, {"type": "add"})
     ask = {"names": [a, b], "layout": "table", "uniform": True}
     rep = post(http, url, "pull", ask, accept_frame=True)
     assert rep.status == 200 and rep.msg["table"] == {
-        "versions": [0, 0], "uniform": {"dtype": "<f4", "shape": [2, 3]}}
+        "versions": [0, 0],
+        "uniform": {"dtype": "<f4", "shape": [2, 3]},
+    }
     _, rows = wire.table_rows(rep.msg["table"], rep.body, names=[a, b])
     for name, row in zip([a, b], rows):
         np.testing.assert_array_equal(row, values[name])
-    for other in ({**ask, "names": [a, c]},  # two shapes
-                  {**ask, "versions": [None, 0]},  # a row held: no tensor
-                  {**ask, "names": [a]},  # one row
-                  {**ask, "uniform": False}, {**ask, "uniform": None}):
+    for other in (
+        {**ask, "names": [a, c]},  # two shapes
+        {**ask, "versions": [None, 0]},  # a row held: no tensor
+        {**ask, "names": [a]},  # one row
+        {**ask, "uniform": False},
+        {**ask, "uniform": None},
+    ):
         table = post(http, url, "pull", other, accept_frame=True).msg["table"]
         assert "uniform" not in table and len(table["dtype"]) == len(other["names"])
     for bad in (1, "yes", [True]):
-        assert_refused(post(http, url, "pull", {**ask, "uniform": bad}, accept_frame=True),
-                       400, "bad_request")
-        assert_refused(post(http, url, "pull", {**ask, "packed": bad}, accept_frame=True),
-                       400, "bad_request")
+        assert_refused(
+            post(http, url, "pull", {**ask, "uniform": bad}, accept_frame=True), 400, "bad_request"
+        )
+        assert_refused(
+            post(http, url, "pull", {**ask, "packed": bad}, accept_frame=True), 400, "bad_request"
+        )
 
 
 def test_a_uniform_pull_may_ask_for_its_rows_packed(fleet2, http):
@@ -303,15 +365,20 @@ def test_a_uniform_pull_may_ask_for_its_rows_packed(fleet2, http):
     table is not uniform, as if absent. The values are the same either way."""
     url = fleet2.urls[0]
     a, b, c = (owned(0) for _ in range(3))
-    values = {a: np.arange(6, dtype=np.float32).reshape(2, 3),  # 24 bytes: padded to 64
-              b: np.ones((2, 3), np.float32), c: np.arange(3, dtype=np.float32)}
+    values = {
+        a: np.arange(6, dtype=np.float32).reshape(2, 3),  # 24 bytes: padded to 64
+        b: np.ones((2, 3), np.float32),
+        c: np.arange(3, dtype=np.float32),
+    }
     for name, value in values.items():
         init(http, url, name, value, {"type": "add"})
     ask = {"names": [a, b], "layout": "table", "uniform": True, "packed": True}
     padded = post(http, url, "pull", {**ask, "packed": False}, accept_frame=True)
     rep = post(http, url, "pull", ask, accept_frame=True)
     assert rep.status == 200 and rep.msg["table"] == {
-        "versions": [0, 0], "uniform": {"dtype": "<f4", "shape": [2, 3], "packed": True}}
+        "versions": [0, 0],
+        "uniform": {"dtype": "<f4", "shape": [2, 3], "packed": True},
+    }
     assert len(rep.body) == len(padded.body) - 40  # the padding after the first row
     assert bytes(rep.body[-48:]) == values[a].tobytes() + values[b].tobytes()
     _, rows = wire.table_rows(rep.msg["table"], rep.body, names=[a, b])
@@ -322,15 +389,27 @@ def test_a_uniform_pull_may_ask_for_its_rows_packed(fleet2, http):
         assert "packed" not in table.get("uniform", {})
 
 
-def post_table(http, url: str, verb: str, msg: dict, key: str, names: list[str], arrays: list,
-               *, content_type: str = wire.FRAME, packed: bool = False) -> Reply:
+def post_table(
+    http,
+    url: str,
+    verb: str,
+    msg: dict,
+    key: str,
+    names: list[str],
+    arrays: list,
+    *,
+    content_type: str = wire.FRAME,
+    packed: bool = False,
+) -> Reply:
     """POST ``msg`` whose field ``key`` is a tensor table of ``arrays`` (``"layout": "table"``;
     ``packed``: a packed uniform table where the arrays have one dtype and shape)."""
     table = msg[key] = {"names": names}
-    enc = wire.encode_table({**msg, "layout": "table"}, table, arrays, uniform=packed,
-                            packed=packed)
-    return decode_reply(http.post(f"{url}/v1/{verb}", content=enc.join(),
-                                  headers={"content-type": content_type}))
+    enc = wire.encode_table(
+        {**msg, "layout": "table"}, table, arrays, uniform=packed, packed=packed
+    )
+    return decode_reply(
+        http.post(f"{url}/v1/{verb}", content=enc.join(), headers={"content-type": content_type})
+    )
 
 
 @pytest.mark.parametrize("count", [3, 120])  # a small body, and one of 480 KB (read into
@@ -344,18 +423,25 @@ def test_push_with_a_packed_uniform_gradient_table(fleet2, http, count):  # np.e
         init(http, url, name, np.zeros(1000, np.float32), {"type": "sgd", "lr": 0.5})
     wid = worker()
     grads = [np.full(1000, i, np.float32) for i in range(count)]
-    rep = post_table(http, url, "push", {"worker_id": wid, "seq": 1}, "grads", names, grads,
-                     packed=True)
+    rep = post_table(
+        http, url, "push", {"worker_id": wid, "seq": 1}, "grads", names, grads, packed=True
+    )
     assert rep.status == 200 and {v["status"] for v in rep.msg["variables"].values()} == {"applied"}
     bad = [g.copy() for g in grads]
     bad[-1][999] = np.nan
-    assert_refused(post_table(http, url, "push", {"worker_id": wid, "seq": 2}, "grads", names,
-                              bad, packed=True), 422, "bad_tensor")
+    assert_refused(
+        post_table(
+            http, url, "push", {"worker_id": wid, "seq": 2}, "grads", names, bad, packed=True
+        ),
+        422,
+        "bad_tensor",
+    )
     t = {}
     msg = {"worker_id": wid, "seq": 3, "layout": "table", "grads": (t := {"names": names})}
     body = wire.encode_table(msg, t, grads, uniform=True, packed=True).join()
-    rep = decode_reply(http.post(f"{url}/v1/push", content=body[:-4],
-                                 headers={"content-type": wire.FRAME}))
+    rep = decode_reply(
+        http.post(f"{url}/v1/push", content=body[:-4], headers={"content-type": wire.FRAME})
+    )
     assert rep.status in (400, 422)
     values = post(http, url, "pull", {"names": names})
     for i, name in enumerate(names):
@@ -373,11 +459,20 @@ def test_push_with_a_gradient_table(fleet2, http):
     init(http, url, b, np.zeros(4, np.float64), {"type": "add"})
     wid = worker()
     ga, gb = np.ones((2, 3), np.float32), np.arange(4.0)
-    rep = post_table(http, url, "push", {"worker_id": wid, "seq": 1, "versions": {a: 0}},
-                     "grads", [a, b], [ga, gb])
+    rep = post_table(
+        http,
+        url,
+        "push",
+        {"worker_id": wid, "seq": 1, "versions": {a: 0}},
+        "grads",
+        [a, b],
+        [ga, gb],
+    )
     assert rep.status == 200, rep.msg
-    assert rep.msg["variables"] == {a: {"status": "applied", "version": 1, "staleness": 0},
-                                    b: {"status": "applied", "version": 1, "staleness": None}}
+    assert rep.msg["variables"] == {
+        a: {"status": "applied", "version": 1, "staleness": 0},
+        b: {"status": "applied", "version": 1, "staleness": None},
+    }
     bad = [
         ({"names": [a, a]}, [ga, ga], wire.FRAME, 400, "bad_request"),
         ({"names": [a, b]}, [ga, None], wire.FRAME, 400, "bad_request"),
@@ -387,40 +482,61 @@ def test_push_with_a_gradient_table(fleet2, http):
         ({"names": [a, owned(0)]}, [ga, gb], wire.FRAME, 404, "not_found"),
     ]
     for seq, (table, arrays, ctype, status, code) in enumerate(bad, start=2):
-        rep = post_table(http, url, "push", {"worker_id": wid, "seq": seq}, "grads",
-                         table["names"], arrays, content_type=ctype)
+        rep = post_table(
+            http,
+            url,
+            "push",
+            {"worker_id": wid, "seq": seq},
+            "grads",
+            table["names"],
+            arrays,
+            content_type=ctype,
+        )
         assert_refused(rep, status, code)
     rep = post(http, url, "pull", {"names": [a, b]})
     assert {n: v["version"] for n, v in rep.msg["variables"].items()} == {a: 1, b: 1}
     np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][a]["value"]), ga)
     np.testing.assert_array_equal(rep.tensor(rep.msg["variables"][b]["value"]), gb)
-    assert_refused(post(http, url, "push", {"worker_id": wid, "seq": 99, "layout": "rows",
-                                            "grads": {a: ga}}), 400, "bad_request")
+    assert_refused(
+        post(http, url, "push", {"worker_id": wid, "seq": 99, "layout": "rows", "grads": {a: ga}}),
+        400,
+        "bad_request",
+    )
     # Malformed tables, big enough that the shard scans them as they arrive: 4xx, no trace.
     big = np.ones(300_000, np.float32)
     init(http, url, c := owned(0), np.zeros(300_000, np.float32), {"type": "add"})
-    good = wire.encode_table({"worker_id": wid, "seq": 100, "layout": "table",
-                              "grads": (t := {"names": [c]})}, t, [big]).join()
+    good = wire.encode_table(
+        {"worker_id": wid, "seq": 100, "layout": "table", "grads": (t := {"names": [c]})}, t, [big]
+    ).join()
     head_len = struct.unpack_from("<I", good, 4)[0]
-    header = msgpack.unpackb(good[8:8 + head_len])
+    header = msgpack.unpackb(good[8 : 8 + head_len])
 
     def with_grads(grads) -> bytes:
         h = msgpack.packb({**header, "grads": grads})
-        return struct.pack("<4sI", wire.FRAME_MAGIC, len(h)) + h + bytes(-(8 + len(h)) % 64) \
+        return (
+            struct.pack("<4sI", wire.FRAME_MAGIC, len(h))
+            + h
+            + bytes(-(8 + len(h)) % 64)
             + big.tobytes()
+        )
 
     for body, status in [
-            (with_grads([1, 2]), 400), (with_grads({"names": c, "dtype": ["<f4"],
-                                                   "shape": [[300_000]]}), 400),
-            (with_grads({"names": [c], "dtype": ["<f4", "<f4"], "shape": [[300_000]]}), 400),
-            (with_grads({"names": [c], "dtype": ["<c8"], "shape": [[300_000]]}), 422),
-            (with_grads({"names": [c], "dtype": ["<f4"], "shape": [[300_001]]}), 422),
-            (good[:-4], 422), (good[:8] + b"\xc1" + good[9:], 400)]:
+        (with_grads([1, 2]), 400),
+        (with_grads({"names": c, "dtype": ["<f4"], "shape": [[300_000]]}), 400),
+        (with_grads({"names": [c], "dtype": ["<f4", "<f4"], "shape": [[300_000]]}), 400),
+        (with_grads({"names": [c], "dtype": ["<c8"], "shape": [[300_000]]}), 422),
+        (with_grads({"names": [c], "dtype": ["<f4"], "shape": [[300_001]]}), 422),
+        (good[:-4], 422),
+        (good[:8] + b"\xc1" + good[9:], 400),
+    ]:
         rep = post_raw(http, url, "push", body, wire.FRAME)
         assert rep.status == status, (rep.status, rep.msg)
     assert post(http, url, "pull", {"names": [c]}).msg["variables"][c]["version"] == 0
     assert http.get(f"{url}/v1/cluster").json()["features"] == [
-        wire.FEATURE_TABLES, wire.FEATURE_PACKED, wire.FEATURE_COUNTER_KIND]
+        wire.FEATURE_TABLES,
+        wire.FEATURE_PACKED,
+        wire.FEATURE_COUNTER_KIND,
+    ]
 
 
 def test_init_is_idempotent_and_conflicts_create_nothing(fleet2, http):
@@ -435,8 +551,12 @@ def test_init_is_idempotent_and_conflicts_create_nothing(fleet2, http):
     assert rep.msg == {"variables": {name: {"version": 1, "created": False}}}
 
     for other in (np.ones((2, 3), np.float32), np.ones((2, 2), np.float64)):
-        rep = post(http, url, "init", {"variables": {fresh: {"value": np.zeros(2, np.float32)},
-                                                     name: {"value": other}}})
+        rep = post(
+            http,
+            url,
+            "init",
+            {"variables": {fresh: {"value": np.zeros(2, np.float32)}, name: {"value": other}}},
+        )
         assert_refused(rep, 409, "conflict")
         assert name in rep.msg["error"]["details"]["conflicts"]
     assert_refused(post(http, url, "pull", {"names": [fresh]}), 404, "not_found")
@@ -502,8 +622,12 @@ def test_push_reports_staleness(fleet2, http):
     a = worker()
     for seq in range(3):
         post(http, url, "push", {"worker_id": a, "seq": seq, "grads": {name: g}})
-    rep = post(http, url, "push", {"worker_id": worker(), "seq": 0, "grads": {name: g},
-                                   "versions": {name: 1}})
+    rep = post(
+        http,
+        url,
+        "push",
+        {"worker_id": worker(), "seq": 0, "grads": {name: g}, "versions": {name: 1}},
+    )
     assert rep.msg["variables"][name] == {"status": "applied", "version": 4, "staleness": 2}
 
 
@@ -519,14 +643,27 @@ def test_a_pull_in_flight_never_sees_later_pushes(fleet2, http):
         init(http, url, name, zeros, {"type": "add"})
     req = wire.encode({"names": names})
     with httpx2.Client(timeout=60.0) as slow:
-        with slow.stream("POST", f"{url}/v1/pull", content=req.join(),
-                         headers={"content-type": req.content_type, "accept": ACCEPT_FRAME}) as r:
+        with slow.stream(
+            "POST",
+            f"{url}/v1/pull",
+            content=req.join(),
+            headers={"content-type": req.content_type, "accept": ACCEPT_FRAME},
+        ) as r:
             assert r.status_code == 200 and r.headers["content-type"] == wire.FRAME
             chunks = r.iter_raw()
             received = bytearray(next(chunks))
             for seq in range(3):  # while the rest of the response waits in the shard
-                rep = post(http, url, "push", {"worker_id": worker(), "seq": seq, "grads": {
-                    n: np.ones_like(zeros) for n in names}}, frame=True)
+                rep = post(
+                    http,
+                    url,
+                    "push",
+                    {
+                        "worker_id": worker(),
+                        "seq": seq,
+                        "grads": {n: np.ones_like(zeros) for n in names},
+                    },
+                    frame=True,
+                )
                 assert rep.status == 200
             for chunk in chunks:
                 received += chunk
@@ -542,6 +679,7 @@ def test_a_pull_in_flight_never_sees_later_pushes(fleet2, http):
 
 
 # -- optimizer math -------------------------------------------------------------------------
+
 
 def _reference(opt: dict, w: np.ndarray, grads: list[np.ndarray]) -> np.ndarray:
     w = w.astype(np.float64)
@@ -559,16 +697,26 @@ def _reference(opt: dict, w: np.ndarray, grads: list[np.ndarray]) -> np.ndarray:
     return w
 
 
-@pytest.mark.parametrize("opt", [
-    {"type": "sgd", "lr": 0.1},
-    {"type": "sgd", "lr": 0.05, "weight_decay": 0.1},
-    {"type": "adagrad", "lr": 0.3},
-    {"type": "adagrad", "lr": 0.2, "initial_accumulator_value": 0.5, "epsilon": 1e-3,
-     "weight_decay": 0.01},
-    {"type": "add"},
-], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
-@pytest.mark.parametrize("shape,frame", [((3, 4), False), ((128, 160), True)],
-                         ids=["small-msgpack", "big-framed"])
+@pytest.mark.parametrize(
+    "opt",
+    [
+        {"type": "sgd", "lr": 0.1},
+        {"type": "sgd", "lr": 0.05, "weight_decay": 0.1},
+        {"type": "adagrad", "lr": 0.3},
+        {
+            "type": "adagrad",
+            "lr": 0.2,
+            "initial_accumulator_value": 0.5,
+            "epsilon": 1e-3,
+            "weight_decay": 0.01,
+        },
+        {"type": "add"},
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
+)
+@pytest.mark.parametrize(
+    "shape,frame", [((3, 4), False), ((128, 160), True)], ids=["small-msgpack", "big-framed"]
+)
 def test_optimizer_math_matches_numpy(fleet2, http, opt, shape, frame):
     url = fleet2.urls[1]
     name = owned(1)
@@ -578,8 +726,9 @@ def test_optimizer_math_matches_numpy(fleet2, http, opt, shape, frame):
     # gradients in several encodings: native f4, big-endian f8 and f2 are cast to the variable's
     grads = [rng.standard_normal(shape).astype(dt) for dt in ("<f4", ">f8", "<f2", ">f4")]
     for seq, g in enumerate(grads):
-        rep = post(http, url, "push", {"worker_id": worker(), "seq": seq, "grads": {name: g}},
-                   frame=frame)
+        rep = post(
+            http, url, "push", {"worker_id": worker(), "seq": seq, "grads": {name: g}}, frame=frame
+        )
         assert rep.status == 200, rep.msg
     expected = _reference(opt, w0, [g.astype(np.float32) for g in grads])
     rep = post(http, url, "pull", {"names": [name]}, accept_frame=True)
@@ -590,6 +739,7 @@ def test_optimizer_math_matches_numpy(fleet2, http, opt, shape, frame):
 
 # -- refusals: the right code, nothing changed, never a 500 ---------------------------------
 
+
 @pytest.fixture
 def victim(fleet2, http):
     """A variable on shard 0 that a refused request must leave exactly as it was."""
@@ -597,13 +747,20 @@ def victim(fleet2, http):
     name = owned(0)
     value = np.arange(6, dtype=np.float32).reshape(2, 3)
     init(http, url, name, value)
-    post(http, url, "push", {"worker_id": worker(), "seq": 0, "grads": {name: np.ones((2, 3),
-                                                                                   np.float32)}})
+    post(
+        http,
+        url,
+        "push",
+        {"worker_id": worker(), "seq": 0, "grads": {name: np.ones((2, 3), np.float32)}},
+    )
     before = inspect(http, url, name)
     yield url, name
     after = inspect(http, url, name)
-    assert (after["version"], after["values"], after["updates"]) == \
-        (before["version"], before["values"], before["updates"]), "a refused request changed state"
+    assert (after["version"], after["values"], after["updates"]) == (
+        before["version"],
+        before["values"],
+        before["updates"],
+    ), "a refused request changed state"
     assert_healthy(http, url)
 
 
@@ -621,56 +778,130 @@ def _bad_requests(name: str, other: str) -> list[tuple[str, str, Any, int, str]]
         ("missing-names", "pull", {}, 400, "bad_request"),
         ("names-not-list", "pull", {"names": name}, 400, "bad_request"),
         ("names-not-strings", "pull", {"names": [1, 2]}, 400, "bad_request"),
-        ("pull-unknown-layout", "pull", {"names": [name], "layout": "columns"}, 400,
-         "bad_request"),
+        ("pull-unknown-layout", "pull", {"names": [name], "layout": "columns"}, 400, "bad_request"),
         ("seq-negative", "push", {**push, "seq": -1, "grads": {name: g}}, 400, "bad_request"),
         ("seq-string", "push", {**push, "seq": "1", "grads": {name: g}}, 400, "bad_request"),
         ("seq-bool", "push", {**push, "seq": True, "grads": {name: g}}, 400, "bad_request"),
-        ("worker-id-int", "push", {**push, "worker_id": 5, "grads": {name: g}}, 400,
-         "bad_request"),
-        ("versions-past-int64", "push", {**push, "grads": {name: g},
-                                          "versions": {name: 2**64 - 1}}, 400, "bad_request"),
-        ("pull-versions-past-int64", "pull", {"names": [name], "layout": "table",
-                                              "versions": [2**63]}, 400, "bad_request"),
-        ("versions-not-ints", "push", {**push, "grads": {name: g}, "versions": {name: "x"}},
-         400, "bad_request"),
+        ("worker-id-int", "push", {**push, "worker_id": 5, "grads": {name: g}}, 400, "bad_request"),
+        (
+            "versions-past-int64",
+            "push",
+            {**push, "grads": {name: g}, "versions": {name: 2**64 - 1}},
+            400,
+            "bad_request",
+        ),
+        (
+            "pull-versions-past-int64",
+            "pull",
+            {"names": [name], "layout": "table", "versions": [2**63]},
+            400,
+            "bad_request",
+        ),
+        (
+            "versions-not-ints",
+            "push",
+            {**push, "grads": {name: g}, "versions": {name: "x"}},
+            400,
+            "bad_request",
+        ),
         ("grads-not-map", "push", {**push, "grads": [g]}, 400, "bad_request"),
         ("grad-not-tensor", "push", {**push, "grads": {name: 3}}, 422, "bad_tensor"),
         ("bad-name", "push", {**push, "grads": {"bad name!": g}}, 400, "bad_request"),
-        ("bad-dtype", "push", {**push, "grads": {name: {"dtype": "<c8", "shape": [2, 3],
-                                                         "data": bytes(48)}}}, 422, "bad_tensor"),
-        ("data-size-mismatch", "push", {**push, "grads": {name: {"dtype": "<f4", "shape": [2, 3],
-                                                                  "data": bytes(20)}}},
-         422, "bad_tensor"),
+        (
+            "bad-dtype",
+            "push",
+            {**push, "grads": {name: {"dtype": "<c8", "shape": [2, 3], "data": bytes(48)}}},
+            422,
+            "bad_tensor",
+        ),
+        (
+            "data-size-mismatch",
+            "push",
+            {**push, "grads": {name: {"dtype": "<f4", "shape": [2, 3], "data": bytes(20)}}},
+            422,
+            "bad_tensor",
+        ),
         ("unknown-name", "push", {**push, "grads": {name: g, other: g}}, 404, "not_found"),
-        ("wrong-shape", "push", {**push, "grads": {name: np.ones((3, 2), np.float32)}}, 422,
-         "bad_tensor"),
-        ("int-gradient", "push", {**push, "grads": {name: np.ones((2, 3), np.int32)}}, 422,
-         "bad_tensor"),
-        ("nan-gradient", "push", {**push, "grads": {name: np.full((2, 3), np.nan, np.float32)}},
-         422, "bad_tensor"),
-        ("inf-gradient", "push", {**push, "grads": {name: np.array([[1, 2, np.inf]] * 2)}}, 422,
-         "bad_tensor"),
-        ("overflows-f4", "push", {**push, "grads": {name: np.full((2, 3), 1e300)}}, 422,
-         "bad_tensor"),
-        ("assign-wrong-shape", "assign", {"values": {name: np.ones(6, np.float32)}}, 422,
-         "bad_tensor"),
-        ("assign-nan", "assign", {"values": {name: np.full((2, 3), np.nan, np.float32)}}, 422,
-         "bad_tensor"),
-        ("init-conflict", "init", {"variables": {name: {"value": np.ones(3, np.float32)}}}, 409,
-         "conflict"),
-        ("init-bad-optimizer", "init", {"variables": {other: {"value": g, "optimizer":
-                                                              {"type": "adamw"}}}},
-         400, "bad_request"),
-        ("init-negative-lr", "init", {"variables": {other: {"value": g, "optimizer":
-                                                            {"type": "sgd", "lr": -1.0}}}},
-         400, "bad_request"),
-        ("init-nan", "init", {"variables": {other: {"value": np.full(3, np.nan)}}}, 422,
-         "bad_tensor"),
+        (
+            "wrong-shape",
+            "push",
+            {**push, "grads": {name: np.ones((3, 2), np.float32)}},
+            422,
+            "bad_tensor",
+        ),
+        (
+            "int-gradient",
+            "push",
+            {**push, "grads": {name: np.ones((2, 3), np.int32)}},
+            422,
+            "bad_tensor",
+        ),
+        (
+            "nan-gradient",
+            "push",
+            {**push, "grads": {name: np.full((2, 3), np.nan, np.float32)}},
+            422,
+            "bad_tensor",
+        ),
+        (
+            "inf-gradient",
+            "push",
+            {**push, "grads": {name: np.array([[1, 2, np.inf]] * 2)}},
+            422,
+            "bad_tensor",
+        ),
+        (
+            "overflows-f4",
+            "push",
+            {**push, "grads": {name: np.full((2, 3), 1e300)}},
+            422,
+            "bad_tensor",
+        ),
+        (
+            "assign-wrong-shape",
+            "assign",
+            {"values": {name: np.ones(6, np.float32)}},
+            422,
+            "bad_tensor",
+        ),
+        (
+            "assign-nan",
+            "assign",
+            {"values": {name: np.full((2, 3), np.nan, np.float32)}},
+            422,
+            "bad_tensor",
+        ),
+        (
+            "init-conflict",
+            "init",
+            {"variables": {name: {"value": np.ones(3, np.float32)}}},
+            409,
+            "conflict",
+        ),
+        (
+            "init-bad-optimizer",
+            "init",
+            {"variables": {other: {"value": g, "optimizer": {"type": "adamw"}}}},
+            400,
+            "bad_request",
+        ),
+        (
+            "init-negative-lr",
+            "init",
+            {"variables": {other: {"value": g, "optimizer": {"type": "sgd", "lr": -1.0}}}},
+            400,
+            "bad_request",
+        ),
+        (
+            "init-nan",
+            "init",
+            {"variables": {other: {"value": np.full(3, np.nan)}}},
+            422,
+            "bad_tensor",
+        ),
         ("init-entry-not-map", "init", {"variables": {other: g}}, 400, "bad_request"),
         ("increment-non-scalar", "increment", {"name": name}, 422, "bad_tensor"),
-        ("increment-delta-string", "increment", {"name": other, "delta": "1"}, 400,
-         "bad_request"),
+        ("increment-delta-string", "increment", {"name": other, "delta": "1"}, 400, "bad_request"),
         ("wait-bad-timeout", "wait", {"names": [name], "timeout": "soon"}, 400, "bad_request"),
         ("wait-negative-timeout", "wait", {"names": [name], "timeout": -1}, 400, "bad_request"),
     ]
@@ -684,7 +915,9 @@ def test_bad_request_is_refused_and_changes_nothing(victim, http, case):
     url, name = victim
     other = owned(0)
     _, verb, body, status, code = next(c for c in _bad_requests(name, other) if c[0] == case)
-    rep = post_raw(http, url, verb, body) if isinstance(body, bytes) else post(http, url, verb, body)
+    rep = (
+        post_raw(http, url, verb, body) if isinstance(body, bytes) else post(http, url, verb, body)
+    )
     assert_refused(rep, status, code)
     # nothing named in the request was created either
     assert_refused(post(http, url, "pull", {"names": [other]}), 404, "not_found")
@@ -694,8 +927,16 @@ def test_a_bad_gradient_refuses_the_whole_push(fleet2, http, victim):
     url, name = victim
     good = owned(0)
     init(http, url, good, np.zeros(3, np.float32))
-    rep = post(http, url, "push", {"worker_id": worker(), "seq": 9, "grads": {
-        good: np.ones(3, np.float32), name: np.full((2, 3), np.nan, np.float32)}})
+    rep = post(
+        http,
+        url,
+        "push",
+        {
+            "worker_id": worker(),
+            "seq": 9,
+            "grads": {good: np.ones(3, np.float32), name: np.full((2, 3), np.nan, np.float32)},
+        },
+    )
     assert_refused(rep, 422, "bad_tensor")
     assert rep.msg["error"]["details"]["variable"] == name
     assert inspect(http, url, good)["version"] == 0
@@ -705,8 +946,12 @@ def test_push_to_an_integer_variable_is_refused(fleet2, http):
     url = fleet2.urls[0]
     name = owned(0)
     init(http, url, name, np.arange(4, dtype=np.int64))
-    rep = post(http, url, "push", {"worker_id": worker(), "seq": 0,
-                                   "grads": {name: np.ones(4, np.float32)}})
+    rep = post(
+        http,
+        url,
+        "push",
+        {"worker_id": worker(), "seq": 0, "grads": {name: np.ones(4, np.float32)}},
+    )
     assert_refused(rep, 422, "bad_tensor")
     state = inspect(http, url, name)
     assert state["version"] == 0 and state["values"] == [0, 1, 2, 3]
@@ -717,27 +962,35 @@ def test_increment_refusals_leave_the_counter(fleet2, http):
     name = owned(0)
     assert post(http, url, "increment", {"name": name, "delta": 3}).msg["value"] == 3
     assert_refused(post(http, url, "increment", {"name": name, "delta": 1.5}), 422, "bad_tensor")
-    assert_refused(post(http, url, "increment", {"name": name, "delta": 2**63}), 422,
-                   "bad_tensor")
+    assert_refused(post(http, url, "increment", {"name": name, "delta": 2**63}), 422, "bad_tensor")
     state = inspect(http, url, name)
     assert (state["values"], state["version"]) == (3, 1)
 
 
-@pytest.mark.parametrize("case", ["truncated-frame", "short-prefix", "bad-magic",
-                                  "offset-out-of-range", "negative-offset", "nbytes-mismatch"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "truncated-frame",
+        "short-prefix",
+        "bad-magic",
+        "offset-out-of-range",
+        "negative-offset",
+        "nbytes-mismatch",
+    ],
+)
 def test_bad_frames_are_refused(victim, http, case):
     url, name = victim
     g = np.ones((64, 64), np.float32)
     other = owned(0)
-    good = frame_bytes({"worker_id": worker(), "seq": 1, "grads": {name: np.ones((2, 3), np.float32),
-                                                              other: g}})
+    good = frame_bytes(
+        {"worker_id": worker(), "seq": 1, "grads": {name: np.ones((2, 3), np.float32), other: g}}
+    )
     (hlen,) = struct.unpack_from("<I", good, 4)
-    header = msgpack.unpackb(good[8:8 + hlen])
+    header = msgpack.unpackb(good[8 : 8 + hlen])
 
     def reframe(msg: Any) -> bytes:
         head = msgpack.packb(msg)
-        return struct.pack("<4sI", wire.FRAME_MAGIC, len(head)) + head + bytes(
-            good[8 + hlen:])
+        return struct.pack("<4sI", wire.FRAME_MAGIC, len(head)) + head + bytes(good[8 + hlen :])
 
     t = header["grads"][name]
     if case == "truncated-frame":
@@ -771,11 +1024,24 @@ def test_not_owner_is_421_with_owners(fleet2, http):
     url = fleet2.urls[0]
     init(http, url, mine, np.zeros(2, np.float32))
     for verb, msg in [
-        ("init", {"variables": {theirs: {"value": np.zeros(2, np.float32)},
-                                mine: {"value": np.zeros(2, np.float32)}}}),
+        (
+            "init",
+            {
+                "variables": {
+                    theirs: {"value": np.zeros(2, np.float32)},
+                    mine: {"value": np.zeros(2, np.float32)},
+                }
+            },
+        ),
         ("pull", {"names": [mine, theirs]}),
-        ("push", {"worker_id": worker(), "seq": 0, "grads": {mine: np.ones(2, np.float32),
-                                                        theirs: np.ones(2, np.float32)}}),
+        (
+            "push",
+            {
+                "worker_id": worker(),
+                "seq": 0,
+                "grads": {mine: np.ones(2, np.float32), theirs: np.ones(2, np.float32)},
+            },
+        ),
         ("assign", {"values": {theirs: np.ones(2, np.float32)}}),
         ("increment", {"name": theirs}),
         ("wait", {"names": [theirs]}),
@@ -828,10 +1094,11 @@ def test_too_large_body_is_413(fleet_factory, http):
 
     def chunks():  # no Content-Length: the shard counts as it reads
         for i in range(0, len(body), 1000):
-            yield body[i:i + 1000]
+            yield body[i : i + 1000]
 
-    rep = decode_reply(http.post(f"{url}/v1/push", content=chunks(),
-                                 headers={"content-type": wire.MSGPACK}))
+    rep = decode_reply(
+        http.post(f"{url}/v1/push", content=chunks(), headers={"content-type": wire.MSGPACK})
+    )
     assert_refused(rep, 413, "too_large")
     # a small body still works, and nothing was applied
     assert post(http, url, "pull", {"names": [name]}).status == 200
@@ -840,6 +1107,7 @@ def test_too_large_body_is_413(fleet_factory, http):
 
 
 # -- inspection -----------------------------------------------------------------------------
+
 
 def test_inspection_endpoints(fleet2, http):
     url = fleet2.urls[1]
@@ -913,8 +1181,11 @@ def test_every_response_carries_the_shard_headers(fleet2, http):
             http.get(url + "/nowhere"),
             http.get(url + "/v1/push"),
             http.post(url + "/v1/pull", content=b"\xc1", headers={"content-type": wire.MSGPACK}),
-            http.post(url + "/v1/pull", content=wire.encode({"names": []}).join(),
-                      headers={"content-type": wire.MSGPACK}),
+            http.post(
+                url + "/v1/pull",
+                content=wire.encode({"names": []}).join(),
+                headers={"content-type": wire.MSGPACK},
+            ),
             http.post(url + "/v1/pull", content=b"", headers={"x-paramshard-fleet": "9/9"}),
         ]
         for r in responses:

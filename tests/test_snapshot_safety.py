@@ -24,11 +24,13 @@ from conftest import Fleet, http_json
 
 #: Runs a command with a soft limit on the size of any file it writes (argv[1] bytes) and
 #: SIGXFSZ ignored, so that a write past it fails with EFBIG: a disk that refuses, for any user.
-_LIMITED = ("import os, resource, signal, sys\n"
-            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
-            "hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]\n"
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), hard))\n"
-            "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n")
+_LIMITED = (
+    "import os, resource, signal, sys\n"
+    "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+    "hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), hard))\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
 
 
 class LimitedFleet(Fleet):
@@ -67,8 +69,12 @@ def one_shard(tmp_path):
 
 def post(url: str, verb: str, msg: dict) -> tuple[int, dict, httpx2.Headers]:
     enc = wire.encode(msg)
-    r = httpx2.post(f"{url}/v1/{verb}", content=enc.join(), timeout=60,
-                    headers={"content-type": enc.content_type})
+    r = httpx2.post(
+        f"{url}/v1/{verb}",
+        content=enc.join(),
+        timeout=60,
+        headers={"content-type": enc.content_type},
+    )
     return r.status_code, wire.unpack(bytearray(r.content), r.headers["content-type"]), r.headers
 
 
@@ -81,8 +87,9 @@ def test_a_variable_named_like_safetensors_own_key_survives_sigterm_and_restart(
     fleet = fleet_factory(1, "--snapshot-interval", "0", data=True)
     names = ["__metadata__", "t0", "t0.accumulator", "w"]
     with PSClient(fleet.urls, worker_id="t") as ps:
-        ps.init({n: np.full(4, i, np.float32) for i, n in enumerate(names)},
-                optimizer=Adagrad(lr=0.1))
+        ps.init(
+            {n: np.full(4, i, np.float32) for i, n in enumerate(names)}, optimizer=Adagrad(lr=0.1)
+        )
         for _ in range(3):
             ps.push({n: np.ones(4, np.float32) for n in names})
         before = ps.pull(names)
@@ -108,8 +115,15 @@ def test_a_checkpoint_is_kept_until_deleted(fleet_factory):
         for _ in range(4):  # more checkpoints and plain snapshots than either is kept
             ps.push({"w": np.ones(3, np.float32)})
             later.append(ps.checkpoint())
-            assert httpx2.post(url + "/v1/snapshot", content=b"\x80", timeout=30,
-                               headers={"content-type": "application/msgpack"}).status_code == 200
+            assert (
+                httpx2.post(
+                    url + "/v1/snapshot",
+                    content=b"\x80",
+                    timeout=30,
+                    headers={"content-type": "application/msgpack"},
+                ).status_code
+                == 200
+            )
     assert fleet.stop(0) == 0
     fleet.extra_args += ("--restore", first)
     fleet.start(0)  # exits 1 if the checkpoint was pruned
@@ -121,9 +135,11 @@ def test_a_checkpoint_is_kept_until_deleted(fleet_factory):
 
     r = httpx2.delete(url + f"/v1/checkpoints/{first}", timeout=10)
     assert r.status_code == 200, r.text
-    assert sorted(r.json()["removed"]) == [f"{stem}{ext}" for stem in
-                                           [f"snapshot-{listed[0]['snapshot']:08d}-{first}"]
-                                           for ext in (".json", ".safetensors")]
+    assert sorted(r.json()["removed"]) == [
+        f"{stem}{ext}"
+        for stem in [f"snapshot-{listed[0]['snapshot']:08d}-{first}"]
+        for ext in (".json", ".safetensors")
+    ]
     assert [c["checkpoint"] for c in http_json(url + "/v1/checkpoints")["checkpoints"]] == later
     r = httpx2.delete(url + f"/v1/checkpoints/{first}", timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
@@ -149,8 +165,11 @@ def test_leftover_temp_files_of_a_killed_snapshot_are_removed_at_start(fleet_fac
         ps.init({"w": np.arange(4, dtype=np.float32)})
     fleet.kill(0)
     data = fleet.data_dirs[0]
-    leftovers = [".tmpXq81Zb", ".tmp-snapshot-00000007.safetensors",
-                 ".tmp-snapshot-00000007.json"]  # safetensors' writer's, then ours
+    leftovers = [
+        ".tmpXq81Zb",
+        ".tmp-snapshot-00000007.safetensors",
+        ".tmp-snapshot-00000007.json",
+    ]  # safetensors' writer's, then ours
     for name in leftovers:
         (data / name).write_bytes(b"\0" * 65536)
     (data / "operator-notes.txt").write_text("not ours")
@@ -192,19 +211,25 @@ def test_a_disk_that_refuses_snapshots_refuses_writes_until_one_succeeds(one_sha
         assert status == 503 and body["status"] == "cannot_persist" and body["error"]
         info = http_json(url + "/v1/cluster")["cannot_persist"]
         assert info["error"] == "File too large" and info["attempts"] >= 1
-        status, msg, headers = post(url, "push", {"worker_id": "raw", "seq": 1,
-                                                  "grads": {"w": np.ones(4, np.float32)}})
+        status, msg, headers = post(
+            url, "push", {"worker_id": "raw", "seq": 1, "grads": {"w": np.ones(4, np.float32)}}
+        )
         assert status == 503 and msg["error"]["details"]["reason"] == "cannot_persist"
         assert int(headers["retry-after"]) >= 1
         assert "cannot write snapshots" in msg["error"]["message"]
         with pytest.raises(ShardUnavailableError, match="cannot write snapshots"):
             ps.push({"w": np.ones(4, np.float32)})  # the SDK retried, then gave up: not applied
         np.testing.assert_array_equal(ps.pull(["w"])["w"], np.full(4, acked, np.float32))
-        assert "cannot persist" in fleet.log_tail(0) and str(fleet.data_dirs[0]) in fleet.log_tail(0)
+        assert "cannot persist" in fleet.log_tail(0) and str(fleet.data_dirs[0]) in fleet.log_tail(
+            0
+        )
 
         # the operator makes room: the shard's own retry succeeds and writes are taken again
-        resource.prlimit(fleet.procs[0].pid, resource.RLIMIT_FSIZE,
-                         (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        resource.prlimit(
+            fleet.procs[0].pid,
+            resource.RLIMIT_FSIZE,
+            (resource.RLIM_INFINITY, resource.RLIM_INFINITY),
+        )
         deadline = time.monotonic() + 60
         while readyz(url)[0] != 200:
             assert time.monotonic() < deadline, fleet.log_tail(0)
@@ -227,12 +252,17 @@ def small_filesystem(path, size: str):
     """A filesystem of ``size`` bytes mounted at ``path`` (a tmpfs): a disk that fills up for
     real. Needs the right to mount (root, as in the containers this suite runs in)."""
     path.mkdir(parents=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip()}): run the suite as "
-                    "root to test a full disk; the refusal of writes is tested without root "
-                    "by test_a_disk_that_refuses_snapshots_refuses_writes_until_one_succeeds")
+        pytest.skip(
+            f"cannot mount a small tmpfs here ({r.stderr.strip()}): run the suite as "
+            "root to test a full disk; the refusal of writes is tested without root "
+            "by test_a_disk_that_refuses_snapshots_refuses_writes_until_one_succeeds"
+        )
     try:
         yield path
     finally:
@@ -244,6 +274,7 @@ def test_on_a_full_disk_snapshots_free_older_ones_and_sigterm_loses_nothing(one_
     the final one on SIGTERM, find the disk full, remove older periodic snapshots (never the
     newest, never the checkpoint) and are written; every acknowledged push survives."""
     with contextlib.ExitStack() as stack:
+
         def mount(data):
             stack.enter_context(small_filesystem(data, "1536k"))
 
@@ -269,8 +300,9 @@ def test_on_a_full_disk_snapshots_free_older_ones_and_sigterm_loses_nothing(one_
         fleet.start(0)
         with PSClient(fleet.urls, worker_id="t2") as ps:
             np.testing.assert_array_equal(ps.pull(["v"])["v"], np.full_like(value, acked))
-        assert [c["checkpoint"] for c in http_json(url + "/v1/checkpoints")["checkpoints"]] \
-            == [ckpt]
+        assert [c["checkpoint"] for c in http_json(url + "/v1/checkpoints")["checkpoints"]] == [
+            ckpt
+        ]
         assert http_json(url + "/v1/cluster")["restored"]["checkpoint"] is None
 
 

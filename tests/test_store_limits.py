@@ -40,8 +40,9 @@ def fresh(prefix: str = "v") -> str:
 
 def post(http, url: str, verb: str, msg: Any, *, frame: bool = False) -> tuple[int, Any]:
     enc = wire.encode(msg, frame=frame)
-    r = http.post(f"{url}/v1/{verb}", content=enc.join(),
-                  headers={"content-type": enc.content_type})
+    r = http.post(
+        f"{url}/v1/{verb}", content=enc.join(), headers={"content-type": enc.content_type}
+    )
     return r.status_code, wire.unpack(bytearray(r.content), r.headers["content-type"])
 
 
@@ -86,12 +87,16 @@ def assert_healthy(http, url: str) -> None:
 
 # -- statistics ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("values", [
-    np.full(1000, 1e200),                          # the sum of squares overflows float64
-    np.array([1e308, 1e308, -1e308]),             # so does the plain sum
-    np.array([3e38, -3e38], np.float32),
-    np.array([1e-300, 2e-300]),
-])
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.full(1000, 1e200),  # the sum of squares overflows float64
+        np.array([1e308, 1e308, -1e308]),  # so does the plain sum
+        np.array([3e38, -3e38], np.float32),
+        np.array([1e-300, 2e-300]),
+    ],
+)
 def test_statistics_of_huge_finite_values_are_numbers(shard, http, values):
     name = fresh()
     init(http, shard, name, values)
@@ -101,8 +106,7 @@ def test_statistics_of_huge_finite_values_are_numbers(shard, http, values):
     mean = float(np.mean(exact / exact.size) * exact.size)
     assert got["mean"] == pytest.approx(mean, rel=1e-9)
     scale = np.abs(exact).max()
-    assert got["l2_norm"] == pytest.approx(scale * np.sqrt(np.sum((exact / scale) ** 2)),
-                                           rel=1e-9)
+    assert got["l2_norm"] == pytest.approx(scale * np.sqrt(np.sum((exact / scale) ** 2)), rel=1e-9)
     r = http.get(f"{shard}/v1/variables/{name}", params={"values": "true"})
     assert r.status_code == 200 and r.json()["values"] == exact.tolist()
 
@@ -115,6 +119,7 @@ def test_a_statistic_past_float64_is_null(shard, http):
 
 
 # -- tensors by offset in a msgpack body -------------------------------------------------------
+
 
 @pytest.mark.parametrize("verb", ["init", "push", "assign"])
 def test_a_msgpack_tensor_by_offset_is_refused(shard, http, verb):
@@ -137,6 +142,7 @@ def test_a_msgpack_tensor_by_offset_is_refused(shard, http, verb):
 
 
 # -- seqs and the dedup table -----------------------------------------------------
+
 
 def increment(http, url: str, name: str, worker: str, seq: int) -> tuple[int, Any]:
     return post(http, url, "increment", {"name": name, "worker_id": worker, "seq": seq})
@@ -170,8 +176,11 @@ def test_one_poisoned_seq_cannot_lock_a_worker_out(fleet_factory, http):
     assert increment(http, url, name, real, base)[1]["status"] == "duplicate"
     fleet.stop(0)
     fleet.start(0)
-    assert increment(http, url, name, real, base + 1)[1] == {"value": 3, "version": 3,
-                                                            "status": "duplicate"}
+    assert increment(http, url, name, real, base + 1)[1] == {
+        "value": 3,
+        "version": 3,
+        "status": "duplicate",
+    }
     status, msg = increment(http, url, name, real, base + 2)
     assert status == 200 and msg["status"] == "applied" and msg["value"] == 4, msg
     assert increment(http, url, name, real, 2**63 - 1)[1]["status"] == "duplicate"
@@ -217,28 +226,42 @@ def test_idle_workers_are_forgotten(fleet_factory, http):
 
 # -- updates whose result is not finite, and settings that divide by zero --------------------
 
-def push(http, url: str, grads: dict[str, np.ndarray], *, frame: bool = False,
-         table: bool = False) -> tuple[int, Any]:
+
+def push(
+    http, url: str, grads: dict[str, np.ndarray], *, frame: bool = False, table: bool = False
+) -> tuple[int, Any]:
     msg: dict[str, Any] = {"worker_id": fresh("w"), "seq": 1}
     if not table:
         return post(http, url, "push", {**msg, "grads": grads}, frame=frame)
     cols = {"names": list(grads)}
-    body = wire.encode_table({**msg, "layout": "table", "grads": cols}, cols,
-                             list(grads.values())).join()
+    body = wire.encode_table(
+        {**msg, "layout": "table", "grads": cols}, cols, list(grads.values())
+    ).join()
     r = http.post(f"{url}/v1/push", content=body, headers={"content-type": wire.FRAME})
     return r.status_code, wire.unpack(bytearray(r.content), r.headers["content-type"])
 
 
-@pytest.mark.parametrize("spec, field", [
-    ({"type": "adagrad", "epsilon": 0.0, "initial_accumulator_value": 0.0}, "epsilon"),
-    ({"type": "sgd", "lr": 1e308}, "lr"),
-    ({"type": "adagrad", "lr": float("inf")}, "lr"),
-    ({"type": "sgd", "weight_decay": 1e7}, "weight_decay"),
-])
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ({"type": "adagrad", "epsilon": 0.0, "initial_accumulator_value": 0.0}, "epsilon"),
+        ({"type": "sgd", "lr": 1e308}, "lr"),
+        ({"type": "adagrad", "lr": float("inf")}, "lr"),
+        ({"type": "sgd", "weight_decay": 1e7}, "weight_decay"),
+    ],
+)
 def test_optimizer_settings_out_of_range_are_refused_at_init(shard, http, spec, field):
     name = fresh()
-    err = refused(post(http, shard, "init", {"variables": {name: {
-        "value": np.zeros(3, np.float32), "optimizer": spec}}}), 400, "bad_request")
+    err = refused(
+        post(
+            http,
+            shard,
+            "init",
+            {"variables": {name: {"value": np.zeros(3, np.float32), "optimizer": spec}}},
+        ),
+        400,
+        "bad_request",
+    )
     assert field in err["message"]
     refused(post(http, shard, "pull", {"names": [name]}), 404, "not_found")
 
@@ -246,14 +269,23 @@ def test_optimizer_settings_out_of_range_are_refused_at_init(shard, http, spec, 
 def test_an_adagrad_epsilon_that_is_zero_in_the_variables_dtype_is_refused(shard, http):
     spec = {"type": "adagrad", "epsilon": 1e-10, "initial_accumulator_value": 0.0}
     name = fresh()
-    err = refused(post(http, shard, "init", {"variables": {name: {
-        "value": np.zeros(3, np.float16), "optimizer": spec}}}), 400, "bad_request")
+    err = refused(
+        post(
+            http,
+            shard,
+            "init",
+            {"variables": {name: {"value": np.zeros(3, np.float16), "optimizer": spec}}},
+        ),
+        400,
+        "bad_request",
+    )
     assert "epsilon" in err["message"] and "<f2" in err["message"]
     init(http, shard, name, np.zeros(3, np.float32), spec)  # 1e-10 is a float32
 
 
 def test_the_sdk_refuses_such_settings_at_construction():
     from client_sdk.optimizers import SGD, Adagrad
+
     with pytest.raises(ValueError, match="epsilon"):
         Adagrad(epsilon=0.0, initial_accumulator_value=0.0)
     with pytest.raises(ValueError, match="lr"):
@@ -269,13 +301,22 @@ def test_an_update_whose_result_is_not_finite_is_refused_whole(shard, http, way)
     off the loop)."""
     n = 5_000_000 if way == "big" else 4  # 20 MB: applied off the event loop
     ok, bad = fresh("ok"), fresh("bad")
-    status, msg = post(http, shard, "init", {"variables": {
-        ok: {"value": np.zeros(n, np.float32), "optimizer": {"type": "add"}},
-        bad: {"value": np.full(n, 3e38, np.float32), "optimizer": {"type": "add"}}}})
+    status, msg = post(
+        http,
+        shard,
+        "init",
+        {
+            "variables": {
+                ok: {"value": np.zeros(n, np.float32), "optimizer": {"type": "add"}},
+                bad: {"value": np.full(n, 3e38, np.float32), "optimizer": {"type": "add"}},
+            }
+        },
+    )
     assert status == 200, msg
     grads = {ok: np.ones(n, np.float32), bad: np.full(n, 3e38, np.float32)}
-    err = refused(push(http, shard, grads, frame=way != "msgpack", table=way == "table"),
-                  422, "bad_tensor")
+    err = refused(
+        push(http, shard, grads, frame=way != "msgpack", table=way == "table"), 422, "bad_tensor"
+    )
     assert err["details"]["variable"] == bad and "infinite" in err["message"]
     for name, expected in ((ok, 0.0), (bad, np.float32(3e38))):
         got = stats(http, shard, name)
@@ -287,11 +328,14 @@ def test_an_update_whose_result_is_not_finite_is_refused_whole(shard, http, way)
     assert stats(http, shard, bad)["max"] == 0.0 and stats(http, shard, ok)["max"] == 1.0
 
 
-@pytest.mark.parametrize("spec, start, grad", [
-    ({"type": "sgd", "lr": 1e6}, 0.0, 1e33),  # lr * grad overflows float32
-    ({"type": "adagrad", "lr": 0.1}, 1.0, 1e20),  # grad**2 overflows the accumulator
-    ({"type": "sgd", "lr": 1.0, "weight_decay": 1e6}, 1e34, 0.0),  # value * (1 - lr*wd)
-])
+@pytest.mark.parametrize(
+    "spec, start, grad",
+    [
+        ({"type": "sgd", "lr": 1e6}, 0.0, 1e33),  # lr * grad overflows float32
+        ({"type": "adagrad", "lr": 0.1}, 1.0, 1e20),  # grad**2 overflows the accumulator
+        ({"type": "sgd", "lr": 1.0, "weight_decay": 1e6}, 1e34, 0.0),  # value * (1 - lr*wd)
+    ],
+)
 def test_optimizer_updates_that_overflow_are_refused(shard, http, spec, start, grad):
     name = fresh()
     init(http, shard, name, np.full(3, start, np.float32), spec)
@@ -306,10 +350,17 @@ def test_optimizer_updates_that_overflow_are_refused(shard, http, spec, start, g
 
 # -- requests big enough to block the event loop ---------------------------------------------
 
+
 def _msgpack_names(key: bytes, count: int) -> bytes:
     """``{key: ["a", "a", ...]}`` (``count`` names) as raw msgpack, built without packing."""
-    return b"\x81" + bytes([0xa0 | len(key)]) + key + b"\xdd" + count.to_bytes(4, "big") \
+    return (
+        b"\x81"
+        + bytes([0xA0 | len(key)])
+        + key
+        + b"\xdd"
+        + count.to_bytes(4, "big")
         + b"\xa1a" * count
+    )
 
 
 def _rss(pid: int) -> int:
@@ -323,18 +374,37 @@ def _rss(pid: int) -> int:
 def _hostile_bodies() -> list[tuple[str, str, bytes, str]]:
     """The issue's four requests: (what, verb, body, content type)."""
     names = [f"n{i}" for i in range(100_000)]
-    init = msgpack.packb({"variables": {n: {"value": {"dtype": "<f4", "shape": [1],
-                                                       "data": bytes(4)}} for n in names}})
+    init = msgpack.packb(
+        {
+            "variables": {
+                n: {"value": {"dtype": "<f4", "shape": [1], "data": bytes(4)}} for n in names
+            }
+        }
+    )
     rows = 2_000_000
-    header = msgpack.packb({"worker_id": "w", "seq": 1, "layout": "table", "grads": {
-        "names": [f"g{i}" for i in range(rows)], "uniform": {"dtype": "<f4", "shape": [1]}}})
+    header = msgpack.packb(
+        {
+            "worker_id": "w",
+            "seq": 1,
+            "layout": "table",
+            "grads": {
+                "names": [f"g{i}" for i in range(rows)],
+                "uniform": {"dtype": "<f4", "shape": [1]},
+            },
+        }
+    )
     frame = wire.FRAME_MAGIC + len(header).to_bytes(4, "little") + header
-    maps = b"\x81\xa5names\xdc" + (1250).to_bytes(2, "big") \
+    maps = (
+        b"\x81\xa5names\xdc"
+        + (1250).to_bytes(2, "big")
         + (b"\xdc" + (4000).to_bytes(2, "big") + b"\x80" * 4000) * 1250
-    return [("init of 100k variables", "init", init, wire.MSGPACK),
-            ("pull of 5M names", "pull", _msgpack_names(b"names", 5_000_000), wire.MSGPACK),
-            ("push table of 2M rows", "push", frame, wire.FRAME),
-            ("5 MB of empty maps", "pull", maps, wire.MSGPACK)]
+    )
+    return [
+        ("init of 100k variables", "init", init, wire.MSGPACK),
+        ("pull of 5M names", "pull", _msgpack_names(b"names", 5_000_000), wire.MSGPACK),
+        ("push table of 2M rows", "push", frame, wire.FRAME),
+        ("5 MB of empty maps", "pull", maps, wire.MSGPACK),
+    ]
 
 
 def test_requests_too_big_to_process_are_refused_and_health_answers(fleet_factory, http):
@@ -369,12 +439,17 @@ def test_requests_too_big_to_process_are_refused_and_health_answers(fleet_factor
             assert err["details"]["limit"] == wire.MAX_REQUEST_NAMES
         # the largest allowed requests are served, and health still answers
         names = [f"big/{i}" for i in range(wire.MAX_REQUEST_NAMES)]
-        status, msg = post(http, url, "init", {"variables": {
-            n: {"value": np.zeros(1, np.float32)} for n in names}}, frame=True)
+        status, msg = post(
+            http,
+            url,
+            "init",
+            {"variables": {n: {"value": np.zeros(1, np.float32)} for n in names}},
+            frame=True,
+        )
         assert status == 200, msg
         status, msg = post(http, url, "pull", {"names": names})
         assert status == 200 and len(msg["variables"]) == len(names)
-        refused(post(http, url, "pull", {"names": names + ["one-more"]}), 413, "too_large")
+        refused(post(http, url, "pull", {"names": [*names, "one-more"]}), 413, "too_large")
     finally:
         done.set()
         poller.join()
@@ -388,6 +463,7 @@ def test_the_sdk_splits_batches_above_the_shards_limit(fleet_factory):
     pull, push and assign all work, each sent as several requests."""
     from client_sdk import PSClient
     from client_sdk.optimizers import Add
+
     fleet = fleet_factory(2, "--max-request-names", "100")
     names = [f"many/{i}" for i in range(450)]
     with PSClient(fleet.urls) as ps:

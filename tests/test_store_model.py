@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import examples
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from client_sdk.optimizers import SGD, Adagrad, Add, from_wire
+from conftest import examples
 from server import optim, persistence
 from server import store as store_module
 from server.errors import ShardError
@@ -114,8 +114,7 @@ class StoreMachine(RuleBasedStateMachine):
         out = {}
         for name in names:
             value = self.model.values[name]
-            ints = data.draw(st.lists(st.integers(-4, 4), min_size=value.size,
-                                      max_size=value.size))
+            ints = data.draw(st.lists(st.integers(-4, 4), min_size=value.size, max_size=value.size))
             dtype = np.float64 if cast and value.dtype == np.float32 else value.dtype
             out[name] = gradient(value.shape, dtype, ints)
         return out
@@ -128,11 +127,14 @@ class StoreMachine(RuleBasedStateMachine):
 
     # -- rules ------------------------------------------------------------------------------
 
-    @rule(count=st.integers(1, 4), shape=st.sampled_from(SHAPES),
-          dtype=st.sampled_from(DTYPES), opts=st.lists(st.sampled_from(OPTIMIZERS), min_size=4,
-                                                       max_size=4),
-          same_opt=st.sampled_from([True, True, False]),
-          odd_one=st.sampled_from([False, False, True]))
+    @rule(
+        count=st.integers(1, 4),
+        shape=st.sampled_from(SHAPES),
+        dtype=st.sampled_from(DTYPES),
+        opts=st.lists(st.sampled_from(OPTIMIZERS), min_size=4, max_size=4),
+        same_opt=st.sampled_from([True, True, False]),
+        odd_one=st.sampled_from([False, False, True]),
+    )
     def init(self, count, shape, dtype, opts, same_opt, odd_one):
         """One init of ``count`` same-shaped variables (a slab when two or more), one
         optimizer for all or one each, perhaps followed by one of another shape."""
@@ -170,16 +172,18 @@ class StoreMachine(RuleBasedStateMachine):
         before = self.model.copy()
         self.counter += 1
         fresh = f"v{self.counter}"
-        entries = {fresh: (np.zeros(3, np.float32), None),
-                   name: (np.zeros(value.shape if same else value.shape + (1,), value.dtype),
-                          None)}
+        entries = {
+            fresh: (np.zeros(3, np.float32), None),
+            name: (np.zeros(value.shape if same else (*value.shape, 1), value.dtype), None),
+        }
         if same:
             result = self.store.init(entries)
             assert result[name] == {"version": before.version[name], "created": False}
             self.model.values[fresh] = np.zeros(3, np.float32)
             self.model.optimizer[fresh] = store_module.DEFAULT_OPTIMIZER
-            self.model.state[fresh] = optim.init_state(store_module.DEFAULT_OPTIMIZER,
-                                                       self.model.values[fresh])
+            self.model.state[fresh] = optim.init_state(
+                store_module.DEFAULT_OPTIMIZER, self.model.values[fresh]
+            )
             self.model.version[fresh] = 0
         else:
             with pytest.raises(ShardError) as info:
@@ -188,10 +192,14 @@ class StoreMachine(RuleBasedStateMachine):
             self.assert_unchanged(before)
 
     @precondition(lambda self: self.groups)
-    @rule(data=st.data(),
-          how=st.sampled_from(["whole", "whole", "whole", "part", "reversed", "mixed"]),
-          block=st.sampled_from([True, True, False]), cast=st.sampled_from([False, False, True]),
-          off_loop=st.sampled_from([False, False, True]), worker=st.sampled_from(WORKERS))
+    @rule(
+        data=st.data(),
+        how=st.sampled_from(["whole", "whole", "whole", "part", "reversed", "mixed"]),
+        block=st.sampled_from([True, True, False]),
+        cast=st.sampled_from([False, False, True]),
+        off_loop=st.sampled_from([False, False, True]),
+        worker=st.sampled_from(WORKERS),
+    )
     def push(self, data, how, block, cast, off_loop, worker):
         """A push as the routes make it: one init's names (all, some, reversed) or any names,
         the gradients as the rows of one block when they are same-shaped (a packed table),
@@ -235,11 +243,13 @@ class StoreMachine(RuleBasedStateMachine):
         seq = self.next_seq(worker)
         result = self.push_now(worker, seq, grads, rows, off_loop)
         self.model.push(expected)
-        assert {k: (r["status"], r["version"]) for k, r in result.items()} == \
-            {k: ("applied", self.model.version[k]) for k in names}
+        assert {k: (r["status"], r["version"]) for k, r in result.items()} == {
+            k: ("applied", self.model.version[k]) for k in names
+        }
         assert self.homes_after_update(names, now=True) == homes
-        again = self.push_now(worker, seq, {k: v.copy() for k, v in expected.items()}, None,
-                              off_loop)
+        again = self.push_now(
+            worker, seq, {k: v.copy() for k, v in expected.items()}, None, off_loop
+        )
         assert all(r["status"] == "duplicate" for r in again.values())
 
     def homes_after_update(self, names, now=False, off_loop=False):
@@ -258,7 +268,8 @@ class StoreMachine(RuleBasedStateMachine):
                 out[name] = home
             elif home:
                 out[name] = not var.held() and not (
-                    off_loop and type(var.optimizer) not in store_module._CHEAP_IN_PLACE)
+                    off_loop and type(var.optimizer) not in store_module._CHEAP_IN_PLACE
+                )
             else:
                 out[name] = var._gone() is None
         return out
@@ -274,8 +285,12 @@ class StoreMachine(RuleBasedStateMachine):
             store_module.OFFLOAD_BYTES = saved
 
     @precondition(lambda self: self.model.values)
-    @rule(data=st.data(), fault=st.sampled_from(["nan", "shape", "int", "unknown"]),
-          off_loop=st.booleans(), worker=st.sampled_from(WORKERS))
+    @rule(
+        data=st.data(),
+        fault=st.sampled_from(["nan", "shape", "int", "unknown"]),
+        off_loop=st.booleans(),
+        worker=st.sampled_from(WORKERS),
+    )
     def refused_push(self, data, fault, off_loop, worker):
         """A push with one bad gradient among good ones changes nothing, and the seq it
         used is still free."""
@@ -327,8 +342,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert not value.flags.writeable
             self.hold(value)
         if rows.whole is not None:
-            assert rows.whole.tobytes() == b"".join(self.model.values[n].tobytes()
-                                                    for n in names)
+            assert rows.whole.tobytes() == b"".join(self.model.values[n].tobytes() for n in names)
             self.hold(rows.whole)
 
     @precondition(lambda self: self.held)
@@ -342,8 +356,9 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def assign(self, data):
         names = data.draw(st.lists(st.sampled_from(self.names()), min_size=1, unique=True))
-        values = {n: np.full_like(self.model.values[n], data.draw(st.integers(-9, 9)))
-                  for n in names}
+        values = {
+            n: np.full_like(self.model.values[n], data.draw(st.integers(-9, 9))) for n in names
+        }
         self.run(self.store.settled(names))
         result = self.store.assign(values)
         for name, value in values.items():
@@ -375,8 +390,7 @@ class StoreMachine(RuleBasedStateMachine):
             for _ in range(3):
                 await self.store.readable(names)
                 rows = self.store.pull_rows(names)
-                seen.extend((n, v, a.copy()) for n, v, a in zip(names, rows.versions,
-                                                                   rows.values))
+                seen.extend((n, v, a.copy()) for n, v, a in zip(names, rows.versions, rows.values))
                 await asyncio.sleep(0)
 
         async def both():
@@ -384,7 +398,8 @@ class StoreMachine(RuleBasedStateMachine):
             return await asyncio.gather(
                 self.store.push_async("w0", seq_a, grads_a),
                 read(),
-                self.store.push_async("w1", seq_b, grads_b))
+                self.store.push_async("w1", seq_b, grads_b),
+            )
 
         saved = store_module.OFFLOAD_BYTES
         if off_loop:
@@ -395,8 +410,9 @@ class StoreMachine(RuleBasedStateMachine):
             store_module.OFFLOAD_BYTES = saved
         for name, version, value in seen:
             possible = [s.values[name] for s in (*states, only_b) if s.version[name] == version]
-            assert any(np.array_equal(value, p) for p in possible), \
+            assert any(np.array_equal(value, p) for p in possible), (
                 f"{name} read at version {version} as {value}: none of {possible}"
+            )
         self.model = states[-1]
 
     @precondition(lambda self: self.model.values)
@@ -441,8 +457,9 @@ class StoreMachine(RuleBasedStateMachine):
     def slabs_know_who_is_away(self):
         slabs = {id(v._slab): v._slab for v in self.store if v._slab is not None}
         for slab in slabs.values():
-            away = [m.value.ctypes.data != slab.address + m._row * slab.stride
-                    for m in slab.members]
+            away = [
+                m.value.ctypes.data != slab.address + m._row * slab.stride for m in slab.members
+            ]
             assert slab.away == sum(away)
             assert all(m._slab is slab and m.name in self.store for m in slab.members)
             for m, is_away in zip(slab.members, away):
@@ -450,5 +467,9 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 TestStoreModel = StoreMachine.TestCase
-TestStoreModel.settings = settings(max_examples=examples(200), stateful_step_count=40, deadline=None,
-                                   suppress_health_check=[HealthCheck.too_slow])
+TestStoreModel.settings = settings(
+    max_examples=examples(200),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

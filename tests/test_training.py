@@ -31,14 +31,31 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_workers(urls: list[str], n: int, *args: str, timeout: float = 120.0
-                ) -> list[tuple[int, str]]:
+def run_workers(
+    urls: list[str], n: int, *args: str, timeout: float = 120.0
+) -> list[tuple[int, str]]:
     """Run n digits workers at once; return each one's (exit status, output)."""
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), "--shards", ",".join(urls),
-                               "--worker-index", str(i), "--num-workers", str(n), *args],
-                              cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-             for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(SCRIPT),
+                "--shards",
+                ",".join(urls),
+                "--worker-index",
+                str(i),
+                "--num-workers",
+                str(n),
+                *args,
+            ],
+            cwd=ROOT,
+            env=worker_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(n)
+    ]
     try:
         return [(p.wait(timeout), p.communicate()[0]) for p in procs]
     finally:
@@ -52,8 +69,20 @@ def run_workers(urls: list[str], n: int, *args: str, timeout: float = 120.0
 def test_async_workers_match_one_process(fleet_factory):
     workers, steps, batch, lr, seed = 3, 400, 32, 0.05, 3
     fleet = fleet_factory(3)
-    results = run_workers(fleet.urls, workers, "--steps", str(steps), "--batch-size", str(batch),
-                          "--n-fetch", "2", "--lr", str(lr), "--seed", str(seed))
+    results = run_workers(
+        fleet.urls,
+        workers,
+        "--steps",
+        str(steps),
+        "--batch-size",
+        str(batch),
+        "--n-fetch",
+        "2",
+        "--lr",
+        str(lr),
+        "--seed",
+        str(seed),
+    )
     for i, (code, out) in enumerate(results):
         assert code == 0, f"worker {i} failed:\n{out}"
         assert f"[w{i}] step {steps}/{steps} loss" in out, out
@@ -100,8 +129,10 @@ def test_data_split_is_shared_and_disjoint():
 
 def test_gradients_match_finite_differences():
     rng = np.random.default_rng(1)
-    params = {k: v.astype(np.float64) + rng.normal(0, 0.1, v.shape)
-              for k, v in digits.init_params(1).items()}
+    params = {
+        k: v.astype(np.float64) + rng.normal(0, 0.1, v.shape)
+        for k, v in digits.init_params(1).items()
+    }
     data = digits.load_data(1)
     X, y = data.X_train[:16].astype(np.float64), data.y_train[:16]
     _, grads = digits.loss_and_grads(params, X, y)
@@ -120,21 +151,26 @@ def test_gradients_match_finite_differences():
 
 
 def test_worker_rejects_bad_arguments():
-    for args, message in ((["--worker-index", "3", "--num-workers", "3"],
-                           "--worker-index must be in 0..2"),
-                          (["--steps", "0"], "--steps must be >= 1"),
-                          (["--lr", "-1"], "--lr must be a finite number > 0"),
-                          (["--lr", "nan"], "--lr must be a finite number > 0"),
-                          (["--worker-index", "first"], "expected an integer or 'auto'"),
-                          (["DIGITS_WORKER_INDEX=first"],
-                           "DIGITS_WORKER_INDEX must be an integer or 'auto'")):
+    for args, message in (
+        (["--worker-index", "3", "--num-workers", "3"], "--worker-index must be in 0..2"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--lr", "-1"], "--lr must be a finite number > 0"),
+        (["--lr", "nan"], "--lr must be a finite number > 0"),
+        (["--worker-index", "first"], "expected an integer or 'auto'"),
+        (["DIGITS_WORKER_INDEX=first"], "DIGITS_WORKER_INDEX must be an integer or 'auto'"),
+    ):
         env = worker_env()
         if args[0].startswith("DIGITS_"):
             key, _, value = args.pop().partition("=")
             env[key] = value
-        proc = subprocess.run([sys.executable, str(SCRIPT), "--shards", "http://127.0.0.1:9",
-                               *args], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "--shards", "http://127.0.0.1:9", *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 2, proc
         assert message in proc.stderr, proc.stderr
 
@@ -142,10 +178,24 @@ def test_worker_rejects_bad_arguments():
 def test_auto_indexed_replicas_claim_distinct_indices(fleet_factory):
     # `docker compose up --scale worker=3`: identical containers, DIGITS_WORKER_INDEX=auto.
     fleet = fleet_factory(2)
-    env = {**worker_env(), "PARAMSHARD_SHARDS": ",".join(fleet.urls),
-           "DIGITS_WORKER_INDEX": "auto", "DIGITS_STEPS": "20", "DIGITS_LOG_EVERY": "10"}
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT)], cwd=ROOT, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(3)]
+    env = {
+        **worker_env(),
+        "PARAMSHARD_SHARDS": ",".join(fleet.urls),
+        "DIGITS_WORKER_INDEX": "auto",
+        "DIGITS_STEPS": "20",
+        "DIGITS_LOG_EVERY": "10",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT)],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], outs
     claimed = sorted(int(out.split("claimed worker index ")[1].split()[0]) for out in outs)
@@ -166,10 +216,12 @@ def test_worker_reports_a_conflicting_fleet(fleet2):
 
 # -- client_sdk.training.DownpourLoop ---------------------------------------------------------
 
+
 def test_downpour_loop_schedule(fleet2):
     with PSClient(fleet2.urls, worker_id="loop") as ps:
-        ps.init({"loop/x": np.zeros(3, np.float32), "loop/y": np.zeros(2, np.float32)},
-                optimizer=Add())
+        ps.init(
+            {"loop/x": np.zeros(3, np.float32), "loop/y": np.zeros(2, np.float32)}, optimizer=Add()
+        )
         loop = DownpourLoop(ps, ["loop/x", "loop/y"], n_fetch=3, n_push=2, counter="loop/step")
         fetched = []
         for _ in range(5):

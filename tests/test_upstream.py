@@ -81,13 +81,19 @@ def test_http_stock_serves_the_stock_way_without_a_warning(fleet_factory):
 def test_a_bad_http_mode_is_refused_at_start():
     import subprocess
 
-    done = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--http", "fastest"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--http", "fastest"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2, done
     assert "--http" in done.stderr and "auto, stock" in done.stderr, done.stderr
 
 
 # -- dependency bounds ----------------------------------------------------------------------
+
 
 def _requirements() -> dict[str, str]:
     """Every dependency pyproject.toml names (runtime and extras, not the peers'), name ->
@@ -104,7 +110,7 @@ def _requirements() -> dict[str, str]:
         name = re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower()
         if name == "paramshard":
             continue
-        out[name] = req[len(name):].split("]", 1)[-1] if "[" in req else req[len(name):]
+        out[name] = req[len(name) :].split("]", 1)[-1] if "[" in req else req[len(name) :]
     return out
 
 
@@ -122,7 +128,7 @@ def test_constraints_lowest_pins_every_dependency_to_its_lower_bound():
     """constraints-lowest.txt (make test-lowest) names every dependency of pyproject.toml once,
     at exactly its lower bound."""
     reqs, lowest = _requirements(), _lowest()
-    assert set(lowest) == set(reqs), (set(lowest) ^ set(reqs))
+    assert set(lowest) == set(reqs), set(lowest) ^ set(reqs)
     for name, spec in reqs.items():
         lower = re.search(r">=\s*([^,\s]+)", spec)
         assert lower, f"{name} has no lower bound in pyproject.toml ({spec!r})"
@@ -138,6 +144,7 @@ def test_the_web_stack_is_bounded_above(name):
 
 
 # -- the lists of what the subclasses use -----------------------------------------------------
+
 
 def _attribute_reads(path, classes: set[str]) -> dict[str, set[str]]:
     """``base -> attribute names`` read or written on ``self``, ``self.cycle``/``cycle`` and
@@ -160,8 +167,12 @@ def _attribute_reads(path, classes: set[str]) -> dict[str, set[str]]:
                     out["stored"].add(node.attr)
             elif isinstance(base, ast.Name) and base.id in ("cycle", "previous"):
                 out["cycle"].add(node.attr)
-            elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) \
-                    and base.value.id == "self" and base.attr in ("cycle", "flow"):
+            elif (
+                isinstance(base, ast.Attribute)
+                and isinstance(base.value, ast.Name)
+                and base.value.id == "self"
+                and base.attr in ("cycle", "flow")
+            ):
                 out[base.attr].add(node.attr)
     return out
 
@@ -177,13 +188,14 @@ def test_the_lists_name_every_upstream_member_the_subclasses_use():
             if klass.__module__.startswith("server."):
                 own.update(vars(klass))
     fast = _attribute_reads(ROOT / "server" / "protocol.py", {"ShardHttpProtocol"})
-    guard = _attribute_reads(ROOT / "server" / "readguard.py", {"ReadGuard",
-                                                                "GuardedH11Protocol"})
+    guard = _attribute_reads(ROOT / "server" / "readguard.py", {"ReadGuard", "GuardedH11Protocol"})
     assigned_here = {"parser", "flow"}  # replaced by the subclasses, but uvicorn's to begin with
     own |= fast["stored"] | guard["stored"]
     http_used = (fast["self"] | guard["self"]) - (own - assigned_here)
     assert http_used - set(upstream.HTTPTOOLS_NEEDS) - set(upstream.H11_NEEDS) == set()
     assert fast["cycle"] - set(upstream.CYCLE_NEEDS) == set()
-    flow_own = set(vars(readguard._WatchedFlow)) | _attribute_reads(
-        ROOT / "server" / "readguard.py", {"_WatchedFlow"})["stored"]
+    flow_own = (
+        set(vars(readguard._WatchedFlow))
+        | _attribute_reads(ROOT / "server" / "readguard.py", {"_WatchedFlow"})["stored"]
+    )
     assert (fast["flow"] | guard["flow"]) - flow_own - set(upstream.FLOW_NEEDS) == set()

@@ -30,8 +30,10 @@ PROTOCOL_CODES = {"bad_request", "bad_tensor"}
 
 # --------------------------------------------------------------------------- strategies
 
+
 def dtype_strings() -> st.SearchStrategy[str]:
     """Every wire dtype in every byte order it may be written in."""
+
     def orders(kind_size: str) -> list[str]:
         return ["|" + kind_size] if kind_size.endswith("1") else ["<" + kind_size, ">" + kind_size]
 
@@ -89,6 +91,7 @@ def _round_trip(msg, frame, body_type=bytes):
 
 # --------------------------------------------------------------------------- round trips
 
+
 @given(arrays(), st.sampled_from([False, True, None]), st.sampled_from([bytes, bytearray]))
 def test_round_trip_is_exact_and_copy_free(a, frame, body_type):
     enc, body, msg = _round_trip({"t": a}, frame, body_type)
@@ -98,7 +101,9 @@ def test_round_trip_is_exact_and_copy_free(a, frame, body_type):
     else:
         assert framed == frame
     t = msg["t"]
-    assert set(t) == ({"dtype", "shape", "offset", "nbytes"} if framed else {"dtype", "shape", "data"})
+    assert set(t) == (
+        {"dtype", "shape", "offset", "nbytes"} if framed else {"dtype", "shape", "data"}
+    )
     out = wire.decode_tensor(t, body)
     _same(out, a)
     # The decoded array is a view of what arrived, not a copy of it.
@@ -113,13 +118,13 @@ def test_round_trip_is_exact_and_copy_free(a, frame, body_type):
 @given(arrays(max_side=4, max_dims=3))
 def test_decoded_framed_tensor_writes_through_to_the_body(a):
     assume(a.nbytes > 0)
-    enc, body, msg = _round_trip({"t": a}, True, bytearray)
+    _enc, body, msg = _round_trip({"t": a}, True, bytearray)
     out = wire.decode_tensor(msg["t"], body)
     before = bytes(body)
     out.reshape(-1).view(np.uint8)[:] = 0xAB
     off = msg["t"]["offset"]
-    assert body[off:off + a.nbytes] == b"\xab" * a.nbytes
-    assert body[:off] == before[:off] and body[off + a.nbytes:] == before[off + a.nbytes:]
+    assert body[off : off + a.nbytes] == b"\xab" * a.nbytes
+    assert body[:off] == before[:off] and body[off + a.nbytes :] == before[off + a.nbytes :]
 
 
 @given(arrays(max_side=4, max_dims=3))
@@ -132,12 +137,20 @@ def test_decoding_from_a_memoryview_body(a):
         assert out.flags.writeable == writable
 
 
-@given(st.dictionaries(st.from_regex(r"[a-z]{1,8}", fullmatch=True), arrays(max_side=5), max_size=6),
-       st.sampled_from([False, True]))
+@given(
+    st.dictionaries(st.from_regex(r"[a-z]{1,8}", fullmatch=True), arrays(max_side=5), max_size=6),
+    st.sampled_from([False, True]),
+)
 def test_many_tensors_in_one_message(grads, frame):
-    msg = {"worker_id": "w0", "seq": 7, "grads": grads, "versions": {k: 3 for k in grads},
-           "scalar": np.float32(1.5), "nested": [(1, 2), {"x": None}]}
-    enc, body, got = _round_trip(msg, frame)
+    msg = {
+        "worker_id": "w0",
+        "seq": 7,
+        "grads": grads,
+        "versions": {k: 3 for k in grads},
+        "scalar": np.float32(1.5),
+        "nested": [(1, 2), {"x": None}],
+    }
+    _enc, body, got = _round_trip(msg, frame)
     assert got["worker_id"] == "w0" and got["seq"] == 7 and got["versions"] == msg["versions"]
     assert got["scalar"] == 1.5 and got["nested"] == [[1, 2], {"x": None}]
     decoded = wire.tensors_of(got["grads"], body, "grads")
@@ -155,51 +168,58 @@ def test_frame_layout(arrs):
     body = enc.join()
     magic, hlen = struct.unpack_from("<4sI", body)
     assert magic == wire.FRAME_MAGIC
-    header = msgpack.unpackb(body[8:8 + hlen], raw=False)
+    header = msgpack.unpackb(body[8 : 8 + hlen], raw=False)
     assert header == wire.unpack(body, wire.FRAME)
     end = 8 + hlen
     for t, a in zip(header["ts"], arrs):
         assert t["offset"] % wire.ALIGN == 0
         assert t["offset"] >= end
-        assert body[end:t["offset"]] == bytes(t["offset"] - end)  # zero padding
+        assert body[end : t["offset"]] == bytes(t["offset"] - end)  # zero padding
         assert t["nbytes"] == a.nbytes
         end = t["offset"] + t["nbytes"]
     assert end == len(body) == enc.nbytes
     for a in arrs:
         if a.nbytes and a.flags.c_contiguous:
-            assert any(isinstance(c, memoryview) and np.shares_memory(_u8(c), a)
-                       for c in enc.chunks)
+            assert any(
+                isinstance(c, memoryview) and np.shares_memory(_u8(c), a) for c in enc.chunks
+            )
 
 
-@pytest.mark.parametrize(("dtype", "bits"), [
-    ("<f2", [0x7C01, 0xFE00, 0x7E00, 0x8000, 0x7C00]),
-    (">f2", [0x7C01, 0xFC01]),
-    ("<f4", [0x7F800001, 0xFFC00001, 0x7FBFFFFF, 0x80000000, 0xFF800000]),
-    (">f4", [0x7F800001, 0xFFFFFFFF]),
-    ("<f8", [0x7FF0000000000001, 0xFFF8000000000001, 0x7FF7FFFFFFFFFFFF, 1 << 63]),
-    (">f8", [0x7FF0000000000001, 0xFFFFFFFFFFFFFFFF]),
-])
+@pytest.mark.parametrize(
+    ("dtype", "bits"),
+    [
+        ("<f2", [0x7C01, 0xFE00, 0x7E00, 0x8000, 0x7C00]),
+        (">f2", [0x7C01, 0xFC01]),
+        ("<f4", [0x7F800001, 0xFFC00001, 0x7FBFFFFF, 0x80000000, 0xFF800000]),
+        (">f4", [0x7F800001, 0xFFFFFFFF]),
+        ("<f8", [0x7FF0000000000001, 0xFFF8000000000001, 0x7FF7FFFFFFFFFFFF, 1 << 63]),
+        (">f8", [0x7FF0000000000001, 0xFFFFFFFFFFFFFFFF]),
+    ],
+)
 @pytest.mark.parametrize("frame", [False, True])
 def test_nan_payloads_and_signed_zero_survive(dtype, bits, frame):
     dt = np.dtype(dtype)
     uint = np.dtype(dtype[0] + "u" + dtype[2])
     a = np.array(bits, dtype=uint).view(dt)
-    enc, body, msg = _round_trip({"t": a}, frame)
+    _enc, body, msg = _round_trip({"t": a}, frame)
     out = wire.decode_tensor(msg["t"], body)
     assert out.dtype == dt
     assert out.view(uint).tolist() == bits
 
 
 @settings(max_examples=4)
-@given(st.integers(0, 2**32 - 1), st.sampled_from(["<f4", ">f8", "|u1", "<i2"]),
-       st.sampled_from([False, True]))
+@given(
+    st.integers(0, 2**32 - 1),
+    st.sampled_from(["<f4", ">f8", "|u1", "<i2"]),
+    st.sampled_from([False, True]),
+)
 def test_multi_megabyte_arrays(seed, dtype, frame):
     rng = np.random.default_rng(seed)
     nbytes = int(rng.integers(2 << 20, 5 << 20)) // 8 * 8 + 8  # a few MB, odd element counts
     a = np.frombuffer(rng.bytes(nbytes), dtype=dtype).reshape(-1)
     a = a[: a.size - int(rng.integers(0, 3))]
     a = a.reshape(-1, 1) if seed % 2 else a
-    enc, body, msg = _round_trip({"big": a, "small": np.arange(3)}, frame, bytearray)
+    _enc, body, msg = _round_trip({"big": a, "small": np.arange(3)}, frame, bytearray)
     out = wire.decode_tensor(msg["big"], body)
     _same(out, a)
     if frame:
@@ -209,8 +229,9 @@ def test_multi_megabyte_arrays(seed, dtype, frame):
 
 def test_zero_d_and_empty_tensors_on_the_wire():
     for frame in (False, True):
-        enc, body, msg = _round_trip({"s": np.float64(2.5), "z": np.array(7, "<i4"),
-                                      "e": np.zeros((3, 0, 2), ">f4")}, frame)
+        _enc, body, msg = _round_trip(
+            {"s": np.float64(2.5), "z": np.array(7, "<i4"), "e": np.zeros((3, 0, 2), ">f4")}, frame
+        )
         assert msg["s"] == 2.5  # a numpy scalar is a plain msgpack number, not a tensor
         z = wire.decode_tensor(msg["z"], body)
         assert z.shape == () and z.dtype.str == "<i4" and int(z) == 7
@@ -227,15 +248,18 @@ def test_encoding_does_not_modify_or_keep_noncontiguous_inputs():
     np.testing.assert_array_equal(a, before)
 
 
-@pytest.mark.parametrize("arr", [
-    np.array([True, False]),
-    np.array([1 + 2j], dtype=np.complex64),
-    np.array(["x"], dtype=object),
-    np.array(["ab"]),
-    np.array([1], dtype="datetime64[s]"),
-    np.zeros(2, dtype=[("a", "<f4")]),
-    np.zeros(2, dtype=np.longdouble),
-])
+@pytest.mark.parametrize(
+    "arr",
+    [
+        np.array([True, False]),
+        np.array([1 + 2j], dtype=np.complex64),
+        np.array(["x"], dtype=object),
+        np.array(["ab"]),
+        np.array([1], dtype="datetime64[s]"),
+        np.zeros(2, dtype=[("a", "<f4")]),
+        np.zeros(2, dtype=np.longdouble),
+    ],
+)
 @pytest.mark.parametrize("frame", [False, True])
 def test_encoding_refuses_arrays_off_the_dtype_list(arr, frame):
     with pytest.raises(wire.WireError) as info:
@@ -244,6 +268,7 @@ def test_encoding_refuses_arrays_off_the_dtype_list(arr, frame):
 
 
 # --------------------------------------------------------------------------- robustness
+
 
 def _check(exc: wire.WireError) -> None:
     assert exc.code in PROTOCOL_CODES, exc.code
@@ -263,8 +288,10 @@ def _only_wire_errors(body, content_type) -> None:
 
     def visit(v):
         if isinstance(v, dict):
-            for call in (lambda: wire.decode_tensor(v, body),
-                         lambda: wire.tensors_of(v, body, "field")):
+            for call in (
+                lambda: wire.decode_tensor(v, body),
+                lambda: wire.tensors_of(v, body, "field"),
+            ):
                 try:
                     call()
                 except wire.WireError as exc:
@@ -290,23 +317,35 @@ def test_random_bytes_after_a_valid_frame_prefix(rest):
 
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
     | st.binary(max_size=16),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=20,
 )
 
-tensor_fields = st.fixed_dictionaries({}, optional={
-    "dtype": dtype_strings() | st.text(max_size=5) | msgpack_values,
-    "shape": st.lists(st.integers(-2, 2**64 - 1), max_size=4) | msgpack_values,
-    "data": st.binary(max_size=64) | msgpack_values,
-    "offset": st.integers(-100, 300) | msgpack_values,
-    "nbytes": st.integers(-10, 300) | msgpack_values,
-})
+tensor_fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "dtype": dtype_strings() | st.text(max_size=5) | msgpack_values,
+        "shape": st.lists(st.integers(-2, 2**64 - 1), max_size=4) | msgpack_values,
+        "data": st.binary(max_size=64) | msgpack_values,
+        "offset": st.integers(-100, 300) | msgpack_values,
+        "nbytes": st.integers(-10, 300) | msgpack_values,
+    },
+)
 
 
-@given(st.dictionaries(st.text(max_size=4), tensor_fields | msgpack_values, max_size=4),
-       st.binary(max_size=256), st.sampled_from([wire.MSGPACK, wire.FRAME]))
+@given(
+    st.dictionaries(st.text(max_size=4), tensor_fields | msgpack_values, max_size=4),
+    st.binary(max_size=256),
+    st.sampled_from([wire.MSGPACK, wire.FRAME]),
+)
 def test_arbitrary_messages_raise_only_wire_errors(msg, tail, content_type):
     head = msgpack.packb(msg, use_bin_type=True)
     if content_type == wire.FRAME:
@@ -328,7 +367,7 @@ def test_decode_tensor_accepts_consistent_maps_and_refuses_the_rest(t, body):
     if "data" in t:
         assert out.tobytes() == bytes(t["data"])
     else:
-        assert out.tobytes() == bytes(body[t["offset"]:t["offset"] + t["nbytes"]])
+        assert out.tobytes() == bytes(body[t["offset"] : t["offset"] + t["nbytes"]])
 
 
 def _valid(frame: bool):
@@ -417,9 +456,36 @@ def test_framed_tensor_without_a_body():
     assert info.value.code == "bad_tensor"
 
 
-BAD_DTYPES = ["O", "<c8", "<f3", "|f4", ">u1", "<u1", "<b1", "<f16", "<V4", "f4", "=f4",
-              "<F4", " <f4", "<f4 ", "<f4\n", "<i8\x00", "<U4", "float32", "", "<", "<f",
-              4, 4.0, None, True, b"<f4", ["<f4"], {"<f4": 1}]
+BAD_DTYPES = [
+    "O",
+    "<c8",
+    "<f3",
+    "|f4",
+    ">u1",
+    "<u1",
+    "<b1",
+    "<f16",
+    "<V4",
+    "f4",
+    "=f4",
+    "<F4",
+    " <f4",
+    "<f4 ",
+    "<f4\n",
+    "<i8\x00",
+    "<U4",
+    "float32",
+    "",
+    "<",
+    "<f",
+    4,
+    4.0,
+    None,
+    True,
+    b"<f4",
+    ["<f4"],
+    {"<f4": 1},
+]
 
 
 @pytest.mark.parametrize("dtype", BAD_DTYPES, ids=repr)
@@ -444,9 +510,27 @@ def test_parse_dtype_accepts_exactly_the_list(text):
             wire.parse_dtype(text)
 
 
-BAD_SHAPES = [[-1], [2, -3], [True], [1, False], [1.0], [2.5], ["2"], [None], [[2]],
-              [1] * (wire.MAX_NDIM + 1), "ab", 3, None, {"0": 1}, b"\x01",
-              [0, 2**63], [0, 2**62, 2**62], [2**64], [2**70, 0]]
+BAD_SHAPES = [
+    [-1],
+    [2, -3],
+    [True],
+    [1, False],
+    [1.0],
+    [2.5],
+    ["2"],
+    [None],
+    [[2]],
+    [1] * (wire.MAX_NDIM + 1),
+    "ab",
+    3,
+    None,
+    {"0": 1},
+    b"\x01",
+    [0, 2**63],
+    [0, 2**62, 2**62],
+    [2**64],
+    [2**70, 0],
+]
 
 
 @pytest.mark.parametrize("shape", BAD_SHAPES, ids=repr)
@@ -476,8 +560,14 @@ def test_message_must_be_a_map(body, frame):
 
 def test_tensors_of_names_the_bad_variable():
     with pytest.raises(wire.WireError) as info:
-        wire.tensors_of({"ok": {"dtype": "|u1", "shape": [1], "data": b"x"},
-                         "bad": {"dtype": "<f3", "shape": [1], "data": b"x"}}, None, "grads")
+        wire.tensors_of(
+            {
+                "ok": {"dtype": "|u1", "shape": [1], "data": b"x"},
+                "bad": {"dtype": "<f3", "shape": [1], "data": b"x"},
+            },
+            None,
+            "grads",
+        )
     assert info.value.code == "bad_tensor"
     assert info.value.details["variable"] == "bad"
     assert str(info.value).startswith("bad: ")
@@ -487,9 +577,18 @@ def test_tensors_of_names_the_bad_variable():
         assert info.value.code == "bad_request"
 
 
-@pytest.mark.parametrize("ctype", ["application/json", "text/plain", "", None,
-                                   "application/msgpackx", "application/x-msgpack",
-                                   "multipart/form-data; boundary=x"])
+@pytest.mark.parametrize(
+    "ctype",
+    [
+        "application/json",
+        "text/plain",
+        "",
+        None,
+        "application/msgpackx",
+        "application/x-msgpack",
+        "multipart/form-data; boundary=x",
+    ],
+)
 def test_unsupported_content_type(ctype):
     body, _ = _valid(False)
     with pytest.raises(wire.WireError) as info:
@@ -499,8 +598,9 @@ def test_unsupported_content_type(ctype):
     assert wire.MSGPACK in info.value.message  # says what to send instead
 
 
-@pytest.mark.parametrize("ctype", ["Application/MsgPack", "application/msgpack; charset=binary",
-                                   " application/msgpack "])
+@pytest.mark.parametrize(
+    "ctype", ["Application/MsgPack", "application/msgpack; charset=binary", " application/msgpack "]
+)
 def test_content_type_parameters_and_case_are_ignored(ctype):
     body, _ = _valid(False)
     assert set(wire.unpack(body, ctype)) == {"grads"}
@@ -509,11 +609,17 @@ def test_content_type_parameters_and_case_are_ignored(ctype):
 def test_error_payload_shape():
     details = {"missing": ["w"]}
     p = wire.error_payload("not_found", "create it with init first", details)
-    assert p == {"error": {"code": "not_found", "message": "create it with init first",
-                           "details": {"missing": ["w"]}}}
+    assert p == {
+        "error": {
+            "code": "not_found",
+            "message": "create it with init first",
+            "details": {"missing": ["w"]},
+        }
+    }
     assert p["error"]["details"] is not details  # a copy: the caller's map is not shared
     assert wire.error_payload("bad_request", "m") == {
-        "error": {"code": "bad_request", "message": "m", "details": {}}}
+        "error": {"code": "bad_request", "message": "m", "details": {}}
+    }
     # travels as msgpack (data plane) and JSON (inspection)
     assert msgpack.unpackb(msgpack.packb(p), raw=False) == p
     assert json.loads(json.dumps(p)) == p
@@ -521,14 +627,25 @@ def test_error_payload_shape():
 
 def test_error_codes_map_to_statuses():
     assert all(isinstance(s, int) and 400 <= s < 600 for s in wire.ERROR_STATUS.values())
-    for code in ("bad_request", "not_found", "conflict", "too_large", "unsupported_media_type",
-                 "not_owner", "fleet_mismatch", "bad_tensor", "overloaded", "unavailable"):
+    for code in (
+        "bad_request",
+        "not_found",
+        "conflict",
+        "too_large",
+        "unsupported_media_type",
+        "not_owner",
+        "fleet_mismatch",
+        "bad_tensor",
+        "overloaded",
+        "unavailable",
+    ):
         assert code in wire.ERROR_STATUS  # every code PROTOCOL.md §2 lists
     assert wire.WireError("m").code == "bad_request"
     assert isinstance(wire.WireError("m"), ValueError)
 
 
 # --------------------------------------------------------------------------- tensor tables
+
 
 def _contiguous(a: np.ndarray) -> np.ndarray:
     return a if a.flags.c_contiguous else a.copy(order="C")
@@ -547,10 +664,12 @@ def _table_round_trip(rows, body_type=bytes):
     return arrs, enc, body, msg
 
 
-@given(st.lists(arrays(max_side=4, max_dims=3) | st.none(), max_size=8),
-       st.sampled_from([bytes, bytearray]))
+@given(
+    st.lists(arrays(max_side=4, max_dims=3) | st.none(), max_size=8),
+    st.sampled_from([bytes, bytearray]),
+)
 def test_table_round_trip_is_exact_and_copy_free(rows, body_type):
-    arrs, enc, body, msg = _table_round_trip(rows, body_type)
+    arrs, _enc, body, msg = _table_round_trip(rows, body_type)
     assert msg["other"] == 1 and msg["table"]["versions"] == list(range(len(arrs)))
     names, out = wire.table_rows(msg["table"], body)
     assert names == [f"v{i}" for i in range(len(arrs))]
@@ -581,35 +700,35 @@ def test_table_layout_follows_the_protocol_text(rows):
         assert dtype == a.dtype.str and shape == list(a.shape)
         start = -(-pos // 64) * 64
         assert body[pos:start] == bytes(start - pos)
-        assert body[start:start + a.nbytes] == a.tobytes()
+        assert body[start : start + a.nbytes] == a.tobytes()
         pos = start + a.nbytes
     assert pos == len(body)
     for a in arrs:  # the arrays' own memory is handed to the writer
         if a is not None and a.nbytes:
-            assert any(isinstance(c, memoryview) and np.shares_memory(_u8(c), a)
-                       for c in enc.chunks)
+            assert any(
+                isinstance(c, memoryview) and np.shares_memory(_u8(c), a) for c in enc.chunks
+            )
 
 
 def test_table_native_converts_the_other_byte_order():
     big = np.arange(6, dtype=">f4").reshape(2, 3)
     little = np.arange(3, dtype="<i8")
-    arrs, _, body, msg = _table_round_trip([big, little])
-    _, (as_sent, same) = wire.table_rows(msg["table"], body)
+    _arrs, _, body, msg = _table_round_trip([big, little])
+    _, (as_sent, _same) = wire.table_rows(msg["table"], body)
     assert as_sent.dtype.str == ">f4" and np.shares_memory(as_sent, _u8(body))
     _, (native, same2) = wire.table_rows(msg["table"], body, native=True)
     assert native.dtype.isnative and not native.flags.writeable
     np.testing.assert_array_equal(native, big)
     assert np.shares_memory(same2, _u8(body))
     # decoded row by row (the other byte order): no block, the same rows
-    _, (native3, same3), block = wire.table_rows(msg["table"], body, native=True,
-                                                 with_block=True)
+    _, (native3, same3), block = wire.table_rows(msg["table"], body, native=True, with_block=True)
     assert block is None and np.array_equal(native3, big) and np.array_equal(same3, little)
 
 
 def test_table_with_block_gives_same_shaped_rows_as_one_view():
     rows = [np.full((2, 3), i, np.float32) for i in range(4)]
     _, _, body, msg = _table_round_trip(rows)
-    names, out, block = wire.table_rows(msg["table"], body, with_block=True)
+    _names, out, block = wire.table_rows(msg["table"], body, with_block=True)
     assert block.shape == (4, 2, 3) and np.shares_memory(block, _u8(body))
     assert all(np.array_equal(a, b) and np.shares_memory(a, b) for a, b in zip(out, block))
     assert len(wire.table_rows(msg["table"], body)) == 2
@@ -625,7 +744,7 @@ def _table_refusal(table, body, code, variable=None):
 
 
 def test_bad_tables_are_refused_with_what_is_wrong():
-    arrs, _, body, msg = _table_round_trip([np.arange(4, dtype=np.float32), None])
+    _arrs, _, body, msg = _table_round_trip([np.arange(4, dtype=np.float32), None])
     good = msg["table"]
     _table_refusal([1, 2], body, "bad_request")
     _table_refusal({**good, "names": "v0"}, body, "bad_request")
@@ -642,10 +761,14 @@ def test_bad_tables_are_refused_with_what_is_wrong():
     _table_refusal(good, body[:6], "bad_request")  # not even a frame prefix
 
 
-@given(st.lists(st.one_of(st.none(), dtype_strings(), msgpack_values), max_size=4),
-       st.lists(st.one_of(st.none(), st.lists(st.integers(-3, 2**40), max_size=3),
-                          msgpack_values), max_size=4),
-       st.binary(max_size=300))
+@given(
+    st.lists(st.one_of(st.none(), dtype_strings(), msgpack_values), max_size=4),
+    st.lists(
+        st.one_of(st.none(), st.lists(st.integers(-3, 2**40), max_size=3), msgpack_values),
+        max_size=4,
+    ),
+    st.binary(max_size=300),
+)
 def test_arbitrary_tables_raise_only_wire_errors(dtypes, shapes, tail):
     n = min(len(dtypes), len(shapes))
     table = {"names": [f"v{i}" for i in range(n)], "dtype": dtypes[:n], "shape": shapes[:n]}
@@ -678,7 +801,8 @@ def uniform_rows(draw) -> list[np.ndarray | None]:
     dtype = np.dtype(draw(dtype_strings()))
     shape = draw(array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=20))
     rows: list[np.ndarray | None] = [
-        _random_array(draw, dtype, shape) for _ in range(draw(st.integers(2, 6)))]
+        _random_array(draw, dtype, shape) for _ in range(draw(st.integers(2, 6)))
+    ]
     if draw(st.integers(0, 4)) == 0:
         rows[draw(st.integers(0, len(rows) - 1))] = None
     return rows
@@ -694,8 +818,11 @@ def _rows_the_general_way(table, body, names):
             continue
         start = -(-pos // 64) * 64
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-        out.append(wire.decode_tensor({"dtype": dtype, "shape": shape, "offset": start,
-                                       "nbytes": nbytes}, body))
+        out.append(
+            wire.decode_tensor(
+                {"dtype": dtype, "shape": shape, "offset": start, "nbytes": nbytes}, body
+            )
+        )
         pos = start + nbytes
     return out
 
@@ -723,8 +850,7 @@ def test_same_shaped_rows_decode_as_any_others(rows, body_type, native):
         assert got.flags.writeable == (body_type is bytearray)
     if out[0] is not None and out[0].flags.writeable and out[0].size:
         out[0].reshape(-1).view(np.uint8)[:] = 0xAB  # rows are distinct tensors
-        assert all(got is None or got.tobytes() == a.tobytes()
-                   for got, a in zip(out[1:], arrs[1:]))
+        assert all(got is None or got.tobytes() == a.tobytes() for got, a in zip(out[1:], arrs[1:]))
 
 
 def test_same_shaped_rows_are_checked_as_strictly_as_any_others():
@@ -733,7 +859,7 @@ def test_same_shaped_rows_are_checked_as_strictly_as_any_others():
     rows = [np.arange(4, dtype=np.float32) for _ in range(3)]
     _, _, body, msg = _table_round_trip(rows)
     good = msg["table"]
-    names, out = wire.table_rows(good, body)
+    _names, out = wire.table_rows(good, body)
     assert [r.tolist() for r in out] == [[0.0, 1.0, 2.0, 3.0]] * 3
     _table_refusal({**good, "shape": [[4], [4.0], [4]]}, body, "bad_tensor", "v1")
     ones = [np.ones(1, dtype=np.float32)] * 2
@@ -742,8 +868,7 @@ def test_same_shaped_rows_are_checked_as_strictly_as_any_others():
     _table_refusal(good, body[:-4], "bad_tensor", "v2")
 
 
-@given(st.one_of(uniform_rows(),
-                 st.lists(arrays(max_side=4, max_dims=3) | st.none(), max_size=6)))
+@given(st.one_of(uniform_rows(), st.lists(arrays(max_side=4, max_dims=3) | st.none(), max_size=6)))
 def test_arrays_as_chunks_encode_the_same_bytes(rows):
     """encode_table(arrays_as_chunks=True) (what a shard hands a vectored write): the same
     bytes and size as the usual encoding, with the arrays themselves among the chunks."""
@@ -761,9 +886,13 @@ def test_arrays_as_chunks_encode_the_same_bytes(rows):
 
 # ------------------------------------------------------------- tables with one dtype and shape
 
-@given(st.one_of(uniform_rows(),
-                 st.lists(arrays(max_side=4, max_dims=3) | st.none(), max_size=6)),
-       st.sampled_from([bytes, bytearray]), st.booleans(), st.booleans())
+
+@given(
+    st.one_of(uniform_rows(), st.lists(arrays(max_side=4, max_dims=3) | st.none(), max_size=6)),
+    st.sampled_from([bytes, bytearray]),
+    st.booleans(),
+    st.booleans(),
+)
 def test_a_uniform_table_decodes_as_its_columns_do(rows, body_type, native, as_chunks):
     """encode_table(uniform=True): a table whose rows all hold a tensor of one dtype and shape
     carries that dtype and shape once (``uniform``) instead of two columns, the tensors laid
@@ -773,10 +902,10 @@ def test_a_uniform_table_decodes_as_its_columns_do(rows, body_type, native, as_c
     t1 = {"versions": list(range(len(arrs)))}
     t2 = dict(t1)
     columns = wire.encode_table({"table": t1}, t1, arrs)
-    compact = wire.encode_table({"table": t2}, t2, arrs, arrays_as_chunks=as_chunks,
-                                uniform=True)
-    same = len(arrs) > 1 and all(a is not None and a.dtype == arrs[0].dtype
-                                 and a.shape == arrs[0].shape for a in arrs)
+    compact = wire.encode_table({"table": t2}, t2, arrs, arrays_as_chunks=as_chunks, uniform=True)
+    same = len(arrs) > 1 and all(
+        a is not None and a.dtype == arrs[0].dtype and a.shape == arrs[0].shape for a in arrs
+    )
     assert ("uniform" in t2) == same and ("dtype" in t2) == (not same)
     body = body_type(b"".join(compact.chunks))
     assert len(body) == compact.nbytes
@@ -785,14 +914,17 @@ def test_a_uniform_table_decodes_as_its_columns_do(rows, body_type, native, as_c
     if same:
         assert set(table) == {"versions", "uniform"}
         assert table["uniform"] == {"dtype": arrs[0].dtype.str, "shape": list(arrs[0].shape)}
+
         # the tensors are laid out as with the columns, from the first multiple of 64 after
         # the (shorter) header on
         def tensors(data: bytes) -> bytes:
-            return data[-(-(8 + struct.unpack_from("<4sI", data)[1]) // 64) * 64:]
+            return data[-(-(8 + struct.unpack_from("<4sI", data)[1]) // 64) * 64 :]
+
         assert tensors(bytes(body)) == tensors(columns.join())
     _, got, block = wire.table_rows(table, body, names=names, native=native, with_block=True)
-    _, want = wire.table_rows(wire.unpack(columns.join(), wire.FRAME)["table"], columns.join(),
-                              names=names, native=native)
+    _, want = wire.table_rows(
+        wire.unpack(columns.join(), wire.FRAME)["table"], columns.join(), names=names, native=native
+    )
     assert len(got) == len(want) == len(arrs)
     for g, w, a in zip(got, want, arrs):
         if a is None:
@@ -810,8 +942,7 @@ def test_a_uniform_table_decodes_as_its_columns_do(rows, body_type, native, as_c
 
 
 @given(uniform_rows(), st.sampled_from([bytes, bytearray]), st.booleans(), st.booleans())
-def test_a_packed_uniform_table_has_its_rows_one_after_another(rows, body_type, native,
-                                                              as_chunks):
+def test_a_packed_uniform_table_has_its_rows_one_after_another(rows, body_type, native, as_chunks):
     """encode_table(uniform=True, packed=True): a uniform table's rows follow one another
     with no padding (``"packed": true`` in its ``uniform`` map), the first where it would be
     anyway; one chunk per row, not two; it decodes to the same rows, views of the body. Any
@@ -819,10 +950,10 @@ def test_a_packed_uniform_table_has_its_rows_one_after_another(rows, body_type, 
     arrs = [None if a is None else _contiguous(a) for a in rows]
     names = [f"v{i}" for i in range(len(arrs))]
     t1, t2 = {}, {}
-    padded = wire.encode_table({"table": t1}, t1, arrs, arrays_as_chunks=as_chunks,
-                               uniform=True)
-    packed = wire.encode_table({"table": t2}, t2, arrs, arrays_as_chunks=as_chunks,
-                               uniform=True, packed=True)
+    padded = wire.encode_table({"table": t1}, t1, arrs, arrays_as_chunks=as_chunks, uniform=True)
+    packed = wire.encode_table(
+        {"table": t2}, t2, arrs, arrays_as_chunks=as_chunks, uniform=True, packed=True
+    )
     body = body_type(b"".join(packed.chunks))
     assert len(body) == packed.nbytes
     if "uniform" not in t1:
@@ -856,17 +987,26 @@ def test_rows_already_laid_out_go_as_one_chunk(size):
     block = np.concatenate(rows)
     for packed in (True, False):
         t1, t2 = {}, {}
-        plain = wire.encode_table({"table": t1}, t1, rows, arrays_as_chunks=True, uniform=True,
-                                  packed=packed)
-        laid = wire.encode_table({"table": t2}, t2, rows, arrays_as_chunks=True, uniform=True,
-                                 packed=packed, laid_out=block)
+        plain = wire.encode_table(
+            {"table": t1}, t1, rows, arrays_as_chunks=True, uniform=True, packed=packed
+        )
+        laid = wire.encode_table(
+            {"table": t2},
+            t2,
+            rows,
+            arrays_as_chunks=True,
+            uniform=True,
+            packed=packed,
+            laid_out=block,
+        )
         assert laid.join() == plain.join() and t1 == t2
         side_by_side = packed or size * 4 % 64 == 0
         assert any(c is block for c in laid.chunks) == side_by_side
         assert len(laid.chunks) == (len(plain.chunks) - 2 if side_by_side else len(plain.chunks))
     t = {}
-    short = wire.encode_table({"table": t}, t, rows, arrays_as_chunks=True, uniform=True,
-                              packed=True, laid_out=block[:-1])
+    short = wire.encode_table(
+        {"table": t}, t, rows, arrays_as_chunks=True, uniform=True, packed=True, laid_out=block[:-1]
+    )
     assert sum(isinstance(c, np.ndarray) for c in short.chunks) == 3  # the rows themselves
 
 
@@ -895,11 +1035,14 @@ def test_a_uniform_table_is_checked_as_strictly_as_columns():
     assert "past the end" in refused({"uniform": {"dtype": "<f4", "shape": [5]}})
     assert "past the end" in refused(good, body[:-4])
     for packed in (1, "yes", [True]):
-        assert "packed" in refused({"uniform": {**good["uniform"], "packed": packed}},
-                                   code="bad_request")
+        assert "packed" in refused(
+            {"uniform": {**good["uniform"], "packed": packed}}, code="bad_request"
+        )
     for absent in (None, False):  # as without it
         same = {"uniform": {**good["uniform"], "packed": absent}}
-        assert [r.tolist() for r in wire.table_rows(same, body, names=names)[1]] == [[0, 1, 2, 3]] * 3
+        assert [r.tolist() for r in wire.table_rows(same, body, names=names)[1]] == [
+            [0, 1, 2, 3]
+        ] * 3
     # Packed rows lie at their own size's stride: three of 48 bytes end where the padded
     # rows of 16 end (two strides of 64 and 16), padded ones of 48 would run past it.
     assert "past the end" in refused({"uniform": {"dtype": "<f4", "shape": [12]}})
@@ -923,8 +1066,9 @@ def test_arbitrary_uniform_tables_raise_only_wire_errors(dtype, shape, n, tail):
     head = msgpack.packb({"table": table}, use_bin_type=True)
     body = struct.pack("<4sI", wire.FRAME_MAGIC, len(head)) + head + tail
     try:
-        _, out = wire.table_rows(wire.unpack(body, wire.FRAME)["table"], body,
-                                 names=[f"v{i}" for i in range(n)])
+        _, out = wire.table_rows(
+            wire.unpack(body, wire.FRAME)["table"], body, names=[f"v{i}" for i in range(n)]
+        )
     except wire.WireError as exc:
         assert exc.code in PROTOCOL_CODES
     else:
@@ -933,12 +1077,14 @@ def test_arbitrary_uniform_tables_raise_only_wire_errors(dtype, shape, n, tail):
 
 # ------------------------------------------- the layout a shard checks (decoding with whole)
 
-@given(st.dictionaries(st.from_regex(r"[a-z]{1,8}", fullmatch=True), arrays(max_side=5),
-                       max_size=6))
+
+@given(
+    st.dictionaries(st.from_regex(r"[a-z]{1,8}", fullmatch=True), arrays(max_side=5), max_size=6)
+)
 def test_framed_messages_end_where_their_last_tensor_ends(grads):
     """What the encoder frames is what a shard takes whole: every offset a multiple of 64
     after the header, no byte after the last tensor."""
-    enc, body, got = _round_trip({"seq": 1, "grads": grads}, True)
+    _enc, body, got = _round_trip({"seq": 1, "grads": grads}, True)
     decoded = wire.tensors_of(got["grads"], body, "grads", whole=True)
     for name, a in grads.items():
         _same(decoded[name], a)
@@ -947,8 +1093,11 @@ def test_framed_messages_end_where_their_last_tensor_ends(grads):
         wire.tensors_of(got["grads"], body + b"\0", "grads", whole=True)
 
 
-@given(st.lists(arrays(max_side=4, max_dims=3) | st.none(), max_size=8),
-       st.sampled_from(["columns", "uniform", "packed"]), st.booleans())
+@given(
+    st.lists(arrays(max_side=4, max_dims=3) | st.none(), max_size=8),
+    st.sampled_from(["columns", "uniform", "packed"]),
+    st.booleans(),
+)
 def test_tables_end_where_their_last_tensor_ends(rows, form, as_chunks):
     """Tables as the encoder lays them out, in every form, are taken whole; a byte more is
     refused."""
@@ -957,8 +1106,14 @@ def test_tables_end_where_their_last_tensor_ends(rows, form, as_chunks):
         rows = [first.copy() for _ in rows]
     arrs = [None if a is None else _contiguous(a) for a in rows]
     table: dict = {"names": [f"v{i}" for i in range(len(arrs))]}
-    enc = wire.encode_table({"t": table}, table, arrs, uniform=form != "columns",
-                            packed=form == "packed", arrays_as_chunks=as_chunks)
+    enc = wire.encode_table(
+        {"t": table},
+        table,
+        arrs,
+        uniform=form != "columns",
+        packed=form == "packed",
+        arrays_as_chunks=as_chunks,
+    )
     body = b"".join(bytes(memoryview(c).cast("B")) for c in enc.chunks)
     assert len(body) == enc.nbytes
     msg = wire.unpack(body, wire.FRAME)

@@ -47,8 +47,9 @@ PEERS: dict[str, PeerInfo] = {
     "tf": PeerInfo("bench.peers.tf_grpc", "TF gRPC PS", imports=("tensorflow",)),
     "torch": PeerInfo("bench.peers.torch_rpc", "PyTorch RPC", imports=("torch",)),
     "ray": PeerInfo("bench.peers.ray_actor", "Ray actor", imports=("ray",)),
-    "redis": PeerInfo("bench.peers.redis_kv", "Redis", imports=("redis",),
-                      binaries=("redis-server",)),
+    "redis": PeerInfo(
+        "bench.peers.redis_kv", "Redis", imports=("redis",), binaries=("redis-server",)
+    ),
 }
 
 
@@ -69,8 +70,14 @@ def missing(names: tuple[str, ...]) -> list[str]:
     out = []
     for name in names:
         info = PEERS[name]
-        out += [f"{name}: Python package {m!r} is not installed" for m in info.imports
-                if importlib.util.find_spec(m) is None]
-        out += [f"{name}: program {b!r} is not on PATH" for b in info.binaries
-                if shutil.which(b) is None]
+        out += [
+            f"{name}: Python package {m!r} is not installed"
+            for m in info.imports
+            if importlib.util.find_spec(m) is None
+        ]
+        out += [
+            f"{name}: program {b!r} is not on PATH"
+            for b in info.binaries
+            if shutil.which(b) is None
+        ]
     return out

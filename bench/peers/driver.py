@@ -45,8 +45,12 @@ __all__ = ["Peer", "start_peers"]
 
 #: For every peer process: unbuffered logs, quiet TensorFlow, and PyTorch's TensorPipe and
 #: Gloo bound to the loopback interface (they would otherwise pick the host's first address).
-_LOOPBACK_ENV = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "TP_SOCKET_IFNAME": "lo",
-                 "GLOO_SOCKET_IFNAME": "lo"}
+_LOOPBACK_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "TP_SOCKET_IFNAME": "lo",
+    "GLOO_SOCKET_IFNAME": "lo",
+}
 _START_TIMEOUT = 240.0  # importing TensorFlow and starting Ray on a busy 2-core box
 _CALL_TIMEOUT = 300.0
 
@@ -59,8 +63,11 @@ class Peer:
         self.label = PEERS[name].label
         self.log = logdir / f"peer-{name}.log"
         self._proc = processes.spawn(
-            [sys.executable, "-m", "bench.peers.driver", "drive", name, str(logdir)], self.log,
-            pipes=True, extra_env=_LOOPBACK_ENV)
+            [sys.executable, "-m", "bench.peers.driver", "drive", name, str(logdir)],
+            self.log,
+            pipes=True,
+            extra_env=_LOOPBACK_ENV,
+        )
         self._lines = processes.LineReader(self._proc, self.log, f"peer {name!r}")
         self.server_pids: list[int] = []
         self.applies = True
@@ -121,6 +128,7 @@ def start_peers(names: tuple[str, ...], logdir: Path) -> Iterator[list[Peer]]:
 
 # -- the driver process ------------------------------------------------------------------------
 
+
 def _values(size: int) -> np.ndarray:
     return np.random.default_rng(size).random(size, dtype=np.float32)
 
@@ -133,12 +141,17 @@ def _drive(name: str, logdir: Path, proto: Any) -> None:
     try:
         module = importlib.import_module(PEERS[name].module)
         adapter = module.Adapter(logdir)
-    except Exception as exc:  # noqa: BLE001 - reported to the bench, which stops the run
+    except Exception as exc:  # reported to the bench, which stops the run
         traceback.print_exc()
         answer({"error": f"could not start: {type(exc).__name__}: {exc}"})
         return
-    answer({"ready": True, "server_pids": adapter.server_pids,
-            "applies": getattr(module, "APPLIES", True)})
+    answer(
+        {
+            "ready": True,
+            "server_pids": adapter.server_pids,
+            "applies": getattr(module, "APPLIES", True),
+        }
+    )
     expected: dict[str, np.ndarray] = {}
     grads: dict[str, np.ndarray] = {}
     applies = getattr(module, "APPLIES", True)
@@ -147,15 +160,20 @@ def _drive(name: str, logdir: Path, proto: Any) -> None:
             req = json.loads(line)
             try:
                 answer(_command(adapter, req, expected, grads, applies))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 traceback.print_exc()
                 answer({"error": f"{req.get('cmd')}: {type(exc).__name__}: {exc}"})
     finally:
         adapter.close()
 
 
-def _command(adapter: Any, req: dict[str, Any], expected: dict[str, np.ndarray],
-             grads: dict[str, np.ndarray], applies: bool) -> dict[str, Any]:
+def _command(
+    adapter: Any,
+    req: dict[str, Any],
+    expected: dict[str, np.ndarray],
+    grads: dict[str, np.ndarray],
+    applies: bool,
+) -> dict[str, Any]:
     cmd, names = req["cmd"], list(req["names"])
     if cmd == "init":
         size = int(req["size"])
@@ -173,8 +191,9 @@ def _command(adapter: Any, req: dict[str, Any], expected: dict[str, np.ndarray],
         nbytes = 0
         for n, arr in zip(names, got, strict=True):
             if arr.dtype != np.float32 or arr.shape != expected[n].shape:
-                raise ValueError(f"pulled {n} as {arr.dtype}{arr.shape}, "
-                                 f"expected float32{expected[n].shape}")
+                raise ValueError(
+                    f"pulled {n} as {arr.dtype}{arr.shape}, expected float32{expected[n].shape}"
+                )
             nbytes += arr.nbytes
         return {"s": seconds, "nbytes": nbytes}
     if cmd == "push":

@@ -60,8 +60,14 @@ class Adapter:
         import ray
 
         self._ray = ray
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=_OBJECT_STORE_BYTES,
-                 _temp_dir=str(logdir / "ray"), log_to_driver=False, logging_level="warning")
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            object_store_memory=_OBJECT_STORE_BYTES,
+            _temp_dir=str(logdir / "ray"),
+            log_to_driver=False,
+            logging_level="warning",
+        )
         self._actor = ray.remote(_Store).remote()
         self.server_pids = [ray.get(self._actor.pid.remote())]
 

@@ -39,9 +39,24 @@ class Adapter:
             raise RuntimeError("redis-server is not on PATH: apt-get install -y redis-server")
         port = processes.free_port()
         self._server = processes.spawn(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(logdir), "--daemonize", "no"],
-            logdir / "redis-server.log", own_session=False)
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(logdir),
+                "--daemonize",
+                "no",
+            ],
+            logdir / "redis-server.log",
+            own_session=False,
+        )
         self.server_pids = [self._server.pid]
         # hiredis parses replies (a big GET is read into one buffer instead of being joined
         # from chunks); commands are packed by redis-py's own serializer, which sends a
@@ -49,8 +64,11 @@ class Adapter:
         from redis.connection import Encoder, PythonRespSerializer
 
         packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
-        self._db = redis.Redis(connection_pool=redis.ConnectionPool(
-            host="127.0.0.1", port=port, socket_timeout=300, command_packer=packer))
+        self._db = redis.Redis(
+            connection_pool=redis.ConnectionPool(
+                host="127.0.0.1", port=port, socket_timeout=300, command_packer=packer
+            )
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -58,8 +76,10 @@ class Adapter:
                 break
             except redis.ConnectionError:
                 if self._server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start:\n"
-                                       f"{processes.tail(logdir / 'redis-server.log')}") from None
+                    raise RuntimeError(
+                        f"redis-server did not start:\n"
+                        f"{processes.tail(logdir / 'redis-server.log')}"
+                    ) from None
                 time.sleep(0.05)
 
     def init(self, values: dict[str, np.ndarray]) -> None:

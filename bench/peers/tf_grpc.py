@@ -38,8 +38,9 @@ _WORKER = "/job:worker/replica:0/task:0/device:CPU:0"
 def _cluster(ps_port: int, worker_port: int):  # -> tf.train.ClusterSpec
     import tensorflow as tf
 
-    return tf.train.ClusterSpec({"ps": [f"127.0.0.1:{ps_port}"],
-                                 "worker": [f"127.0.0.1:{worker_port}"]})
+    return tf.train.ClusterSpec(
+        {"ps": [f"127.0.0.1:{ps_port}"], "worker": [f"127.0.0.1:{worker_port}"]}
+    )
 
 
 def serve(argv: list[str]) -> None:
@@ -49,8 +50,9 @@ def serve(argv: list[str]) -> None:
     import tensorflow as tf
 
     ps_port, worker_port = (int(a) for a in argv)
-    server = tf.distribute.Server(_cluster(ps_port, worker_port), job_name="ps", task_index=0,
-                                  protocol="grpc", start=True)
+    server = tf.distribute.Server(
+        _cluster(ps_port, worker_port), job_name="ps", task_index=0, protocol="grpc", start=True
+    )
     print("ready", flush=True)
     sys.stdin.read()  # the server runs on its own threads until the process exits
     del server
@@ -63,8 +65,19 @@ class Adapter:
         ps_port, worker_port = processes.free_port(), processes.free_port()
         log = logdir / "tf-ps.log"
         self._server = processes.spawn(
-            [sys.executable, "-m", "bench.peers.driver", "serve", "tf", str(ps_port),
-             str(worker_port)], log, pipes=True, own_session=False)
+            [
+                sys.executable,
+                "-m",
+                "bench.peers.driver",
+                "serve",
+                "tf",
+                str(ps_port),
+                str(worker_port),
+            ],
+            log,
+            pipes=True,
+            own_session=False,
+        )
         self.server_pids = [self._server.pid]
         line = processes.LineReader(self._server, log, "TF parameter server").readline(240)
         if line != "ready":
@@ -73,9 +86,11 @@ class Adapter:
 
         self._tf = tf
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-            _cluster(ps_port, worker_port), task_type="worker", task_id=0, rpc_layer="grpc")
-        tf.config.experimental_connect_to_cluster(resolver, job_name="worker", task_index=0,
-                                                  make_master_device_default=False)
+            _cluster(ps_port, worker_port), task_type="worker", task_id=0, rpc_layer="grpc"
+        )
+        tf.config.experimental_connect_to_cluster(
+            resolver, job_name="worker", task_index=0, make_master_device_default=False
+        )
         self._vars: dict[str, object] = {}
         self._pulls: dict[tuple[str, ...], object] = {}
         self._pushes: dict[tuple[str, ...], object] = {}

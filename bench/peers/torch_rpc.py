@@ -49,9 +49,12 @@ def _ps_push(grads: dict) -> None:
 def _options(port: int):  # -> rpc.TensorPipeRpcBackendOptions
     from torch.distributed import rpc
 
-    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                           rpc_timeout=300, _transports=["uv"],
-                                           _channels=["basic"])
+    return rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}",
+        rpc_timeout=300,
+        _transports=["uv"],
+        _channels=["basic"],
+    )
 
 
 def serve(argv: list[str]) -> None:
@@ -71,7 +74,9 @@ class Adapter:
         port = processes.free_port()
         self._server = processes.spawn(
             [sys.executable, "-m", "bench.peers.driver", "serve", "torch", str(port)],
-            logdir / "torch-ps.log", own_session=False)
+            logdir / "torch-ps.log",
+            own_session=False,
+        )
         self.server_pids = [self._server.pid]
         import torch
         from torch.distributed import rpc
