@@ -65,7 +65,7 @@ and ``disconnected`` flags, on its writing the head, then the body, through
 ``on_headers_complete``/``on_body``/``on_message_complete``. Its base class comes from
 :mod:`server.upstream`, which lists every uvicorn member used here and checks at start that the
 installed uvicorn has them (else the shard serves the stock way). The shard tests run every
-request through it, and tests/test_datapath.py runs it on its own under uvloop and asyncio's
+request through it, and tests/shard/test_datapath.py runs it on its own under uvloop and asyncio's
 loop. Without httptools, :func:`protocol_class` picks uvicorn's h11 (no :class:`BodyInto`:
 the app reads pieces).
 

@@ -227,7 +227,7 @@ def fleet_factory(tmp_path):
 
 
 #: The ways a shard serves HTTP (``--http``; "fast" is ``auto`` on a web stack that offers
-#: what the fast path needs, as tests/test_upstream.py checks).
+#: what the fast path needs, as tests/shard/test_upstream.py checks).
 HTTP_MODES = ("fast", "stock")
 
 

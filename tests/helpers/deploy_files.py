@@ -1,0 +1,152 @@
+"""Readers for the deployment files, shared by the static checks and the multi-host test.
+
+``docker-compose.yml`` is read with PyYAML (anchors and ``<<`` merge keys resolved, as Compose
+resolves them); ``docker/Dockerfile`` with :func:`parse_dockerfile`, a small reader of the
+instructions this repository uses (continuation lines, comments, ``FROM ... AS stage``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+K8S_DIR = ROOT / "docker" / "k8s"
+
+SHARD_SERVICE = re.compile(r"^ps(\d+)$")
+
+
+def load_compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def shard_services(compose: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The shard services (``ps0``, ``ps1``, ...) in shard-index order."""
+    found = sorted(
+        (int(m.group(1)), name) for name in compose["services"] if (m := SHARD_SERVICE.match(name))
+    )
+    return [(name, compose["services"][name]) for _, name in found]
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    """A service's ``environment`` as a dict of strings (both Compose spellings)."""
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+@dataclass(frozen=True)
+class Instruction:
+    keyword: str  # upper-case, e.g. "COPY"
+    args: str  # the rest of the (joined) line
+    stage: str  # the name of the stage it belongs to ("" before the first FROM)
+    line: int  # 1-based line where it starts
+
+
+def parse_dockerfile(text: str) -> list[Instruction]:
+    """The instructions of a Dockerfile, continuation lines joined, comments dropped."""
+    out: list[Instruction] = []
+    stage = ""
+    pending: list[str] = []
+    start = 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue  # a comment inside a continued instruction
+        if not pending:
+            start = number
+        if line.endswith("\\"):
+            pending.append(line[:-1].strip())
+            continue
+        pending.append(line)
+        joined = " ".join(p for p in pending if p)
+        pending = []
+        keyword, _, args = joined.partition(" ")
+        keyword = keyword.upper()
+        if keyword == "FROM":
+            m = re.search(r"\s+AS\s+(\S+)\s*$", args, re.IGNORECASE)
+            stage = m.group(1) if m else ""
+        out.append(Instruction(keyword, args.strip(), stage, start))
+    return out
+
+
+def stages(instructions: list[Instruction]) -> list[str]:
+    return [i.stage for i in instructions if i.keyword == "FROM"]
+
+
+def in_stage(instructions: list[Instruction], stage: str, keyword: str) -> list[Instruction]:
+    return [i for i in instructions if i.stage == stage and i.keyword == keyword]
+
+
+def image_env(instructions: list[Instruction], stage: str) -> dict[str, str]:
+    """The ``ENV`` a container of ``stage`` starts with (the ``base`` stage's, then its own)."""
+    env: dict[str, str] = {}
+    for ins in in_stage(instructions, "base", "ENV") + in_stage(instructions, stage, "ENV"):
+        for item in shlex.split(ins.args):
+            key, _, value = item.partition("=")
+            env[key] = value
+    return env
+
+
+def dockerignore_allows(path: str, patterns: list[str]) -> bool:
+    """Whether ``path`` (relative, with ``/``) reaches the build context under these
+    ``.dockerignore`` patterns: the last matching pattern wins, ``!`` re-includes, and a
+    pattern that matches a directory matches everything under it."""
+    included = True
+    parts = path.strip("/").split("/")
+    prefixes = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pat = pattern[1:] if negate else pattern
+        pat = pat.strip().strip("/")
+        if pat.startswith("**/"):
+            hit = any(fnmatch.fnmatchcase(p, pat[3:]) for p in parts) or any(
+                fnmatch.fnmatchcase(p, pat) for p in prefixes
+            )
+        else:
+            hit = any(
+                fnmatch.fnmatchcase(p, pat) and p.count("/") == pat.count("/") for p in prefixes
+            )
+        if hit:
+            included = negate
+    return included
+
+
+def dockerignore_patterns() -> list[str]:
+    lines = DOCKERIGNORE.read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+
+
+def load_k8s() -> list[tuple[Path, dict[str, Any]]]:
+    """Every document of every manifest in docker/k8s/ except the kustomization."""
+    docs = []
+    for path in sorted(K8S_DIR.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs += [(path, doc) for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return docs
+
+
+def k8s_object(docs: list[tuple[Path, dict[str, Any]]], kind: str) -> dict[str, Any]:
+    found = [doc for _, doc in docs if doc.get("kind") == kind]
+    assert len(found) == 1, f"expected one {kind} in docker/k8s/, found {len(found)}"
+    return found[0]
+
+
+def k8s_env(container: dict[str, Any]) -> dict[str, Any]:
+    """name -> value (a string) or the ``valueFrom`` mapping."""
+    return {
+        e["name"]: e["value"] if "value" in e else e["valueFrom"] for e in container.get("env", [])
+    }

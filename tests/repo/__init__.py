@@ -1,0 +1,1 @@
+"""Checks of the repository itself: import layering and prose that states the present."""

@@ -1,0 +1,374 @@
+"""Small table pulls answered by the shard's HTTP protocol itself (server.protocol, IMMEDIATE;
+server.app.immediate_routes): the same bytes as the app's answer, and every request it does
+not take handed to the app, which answers it the usual way.
+
+The shard's real app runs in this process, served twice over one store: once as a shard
+serves it, once with nothing answered immediately (``immediate = {}``); each request goes to
+both, on connections of the protocol with a recording transport and a fixed ``date`` header,
+and the two byte streams must be equal. A counting wrapper around the served app tells which
+requests reached it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+
+import msgpack
+import numpy as np
+import pytest
+import uvicorn
+from uvicorn.server import ServerState
+
+from client_sdk import wire
+from client_sdk.optimizers import Add
+from server import admission
+from server.app import create_app, serving_app
+from server.config import ShardConfig
+from server.protocol import ANSWER_BELOW, IMMEDIATE, ShardHttpProtocol
+from tests.helpers.recorder import Recorder
+
+NAMES = ["a", "b", "c"]
+DATE = [(b"date", b"Tue, 24 Nov 2026 10:00:00 GMT")]
+
+
+class Counting:
+    """The served app, counting the requests that reach it (the protocol finds the
+    answerers on it, as on the app it wraps)."""
+
+    def __init__(self, served) -> None:
+        self.served = served
+        self.calls = 0
+        setattr(self, IMMEDIATE, getattr(served, IMMEDIATE))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            self.calls += 1
+        await self.served(scope, receive, send)
+
+
+class Connection:
+    """One connection of the shard's protocol to ``app``; :meth:`send` feeds it bytes."""
+
+    def __init__(self, app, access_log: bool = False) -> None:
+        config = uvicorn.Config(
+            app,
+            http=ShardHttpProtocol,
+            lifespan="off",
+            log_level="critical",
+            access_log=access_log,
+            proxy_headers=False,
+            server_header=False,
+        )  # as a shard serves
+        config.load()
+        state = ServerState()
+        state.default_headers = list(DATE)
+        self.protocol = ShardHttpProtocol(config=config, server_state=state, app_state={})
+        self.transport = Recorder()
+        self.protocol.connection_made(self.transport)
+
+    async def send(self, data: bytes, replies: int = 1) -> bytes:
+        """Feed ``data``; what was written once ``replies`` responses are complete (or the
+        connection closed)."""
+        before = len(self.transport.calls)
+        self.protocol.data_received(data)
+        deadline = asyncio.get_running_loop().time() + 5.0
+        for i in itertools.count():
+            if (
+                self.transport.closed
+                or _complete(self.transport, before) >= replies
+                or asyncio.get_running_loop().time() > deadline
+            ):
+                break
+            await asyncio.sleep(0 if i < 100 else 0.001)
+        return self.transport.sent(before)
+
+
+def _complete(transport: Recorder, before: int) -> int:
+    """Responses whose last byte was written since call ``before`` (each a head with a
+    Content-Length and its body, after any interim 1xx response)."""
+    sent = transport.sent(before)
+    count = 0
+    while sent:
+        head, sep, rest = sent.partition(b"\r\n\r\n")
+        if not sep:
+            break
+        if head.startswith(b"HTTP/1.1 1"):  # an interim response: no body
+            sent = rest
+            continue
+        length = [
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ]
+        if not length or len(rest) < length[0]:
+            break
+        count += 1
+        sent = rest[length[0] :]
+    return count
+
+
+@contextlib.asynccontextmanager
+async def shard(config: ShardConfig | None = None):
+    """The shard's app with variables a, b (float32, 3) and c (int64, 2 x 2), and two ways to
+    serve it: ``(immediate, usual)``, each a :class:`Counting`."""
+    app = create_app(config or ShardConfig())
+    async with app.router.lifespan_context(app):
+        app.state.store.init(
+            {
+                "a": (np.arange(3, dtype=np.float32), Add().to_wire()),
+                "b": (np.ones(3, np.float32), Add().to_wire()),
+                "c": (np.arange(4, dtype=np.int64).reshape(2, 2), None),
+            }
+        )
+        immediate = Counting(serving_app(app))
+        plain = serving_app(app)
+        plain.immediate = {}
+        yield app, immediate, Counting(plain)
+
+
+def request(
+    msg=None,
+    *,
+    path: str = "/v1/pull",
+    body: bytes | None = None,
+    ctype: str = wire.MSGPACK,
+    accept: str = wire.FRAME,
+    extra: str = "",
+    version: str = "1.1",
+) -> bytes:
+    if body is None:
+        body = msgpack.packb(msg if msg is not None else {"names": NAMES, "layout": "table"})
+    return (
+        f"POST {path} HTTP/{version}\r\nhost: shard\r\ncontent-type: {ctype}\r\n"
+        f"accept: {accept}\r\ncontent-length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
+
+
+async def both(
+    immediate: Counting, usual: Counting, data: bytes, replies: int = 1
+) -> tuple[bytes, bytes]:
+    """``data`` on a new connection to each; what each wrote."""
+    return (
+        await Connection(immediate).send(data, replies),
+        await Connection(usual).send(data, replies),
+    )
+
+
+def _table(sent: bytes) -> tuple[dict, list]:
+    """A 200 table reply's header message and rows."""
+    head, _, body = sent.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n"), head
+    msg = wire.unpack(body, wire.FRAME)
+    return msg, wire.table_rows(msg["table"], body, names=NAMES)[1]
+
+
+def test_a_small_table_pull_is_answered_at_once_with_the_apps_bytes():
+    async def run() -> None:
+        async with shard() as (app, immediate, usual):
+            for held in (None, [None, None, None], [0, 0, 0], [0, None, 0]):
+                msg = {"names": NAMES, "layout": "table"}
+                if held is not None:
+                    msg["versions"] = held
+                mine, theirs = await both(immediate, usual, request(msg))
+                assert mine == theirs
+                assert immediate.calls == 0 and usual.calls > 0
+                table, rows = _table(mine)
+                assert table["table"]["versions"] == [0, 0, 0]
+                fresh = [v is None for v in held] if held else [True] * 3
+                assert [r is not None for r in rows] == fresh
+                if fresh[0]:
+                    assert rows[0].tolist() == [0.0, 1.0, 2.0]
+                if fresh[2]:
+                    assert rows[2].tolist() == [[0, 1], [2, 3]]
+            # a uniform table, padded and packed (a and b: float32 (3,), 12 bytes each)
+            for packed in (False, True):
+                msg = {"names": ["a", "b"], "layout": "table", "uniform": True, "packed": packed}
+                mine, theirs = await both(immediate, usual, request(msg))
+                assert mine == theirs and immediate.calls == 0
+                uniform = wire.unpack(mine.partition(b"\r\n\r\n")[2], wire.FRAME)["table"]
+                assert uniform["uniform"].get("packed", False) is packed
+            # the fleet header as the SDK sends it (this shard's own) is no obstacle
+            mine, theirs = await both(
+                immediate, usual, request(extra="x-paramshard-fleet: 0/1\r\n")
+            )
+            assert mine == theirs and immediate.calls == 0
+            # the reply carries the shard's headers, the restored state's version included
+            head = mine.partition(b"\r\n\r\n")[0].decode()
+            assert "x-paramshard-incarnation: " + app.state.incarnation in head
+            assert "x-paramshard-state-version: " in head
+
+    asyncio.run(run())
+
+
+def _big_pull() -> bytes:
+    """A pull the app answers 200, with a body of ANSWER_BELOW bytes (a field it ignores)."""
+    msg = {"names": NAMES, "layout": "table", "padding": b""}
+    size = len(msgpack.packb(msg))
+    msg["padding"] = b"x" * (ANSWER_BELOW - size - 1)  # bin 16: 1 more byte than bin 8
+    body = msgpack.packb(msg)
+    assert len(body) == ANSWER_BELOW
+    return request(body=body)
+
+
+CASES = {
+    "unknown variable": lambda: request({"names": ["a", "nope"], "layout": "table"}),
+    "bad name": lambda: request({"names": ["a", 7], "layout": "table"}),
+    "bad versions": lambda: request({"names": NAMES, "layout": "table", "versions": [1, -1, 0]}),
+    "bad packed": lambda: request(
+        {"names": NAMES, "layout": "table", "uniform": True, "packed": "yes"}
+    ),
+    "not msgpack": lambda: request(body=b"\xc1garbage"),
+    "not a map": lambda: request(body=msgpack.packb([1, 2])),
+    "wrong content type": lambda: request(ctype="application/json"),
+    "map layout": lambda: request({"names": NAMES}),
+    "no framed accept": lambda: request(accept=wire.MSGPACK),
+    "another shard's request": lambda: request(extra="x-paramshard-fleet: 1/2\r\n"),
+    "malformed fleet header": lambda: request(extra="x-paramshard-fleet: zero\r\n"),
+    "query string": lambda: request(path="/v1/pull?x=1"),
+    "expects 100-continue": lambda: request(extra="expect: 100-continue\r\n"),
+    "connection close": lambda: request(extra="connection: close\r\n"),
+    "HTTP/1.0": lambda: request(version="1.0"),
+    "HTTP/1.0 keep-alive": lambda: request(version="1.0", extra="connection: keep-alive\r\n"),
+    "body of ANSWER_BELOW or more": _big_pull,
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_request_not_taken_goes_to_the_app_and_gets_its_answer(case):
+    """Each request the protocol does not answer itself reaches the app, which answers it
+    (errors included) exactly as without immediate answers."""
+
+    async def run() -> None:
+        async with shard() as (app, immediate, usual):
+            data = CASES[case]()
+            assert await Connection(immediate).send(data) == await Connection(usual).send(data)
+            assert immediate.calls == 1
+            assert app.state.store.pull(["a"])["a"]["version"] == 0
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("phase", ["draining", "full", "queue"])
+def test_a_pull_the_gate_would_hold_or_refuse_goes_to_the_app(phase, monkeypatch):
+    monkeypatch.setattr(admission, "ADMIT_WAIT", 0.05)
+
+    async def run() -> None:
+        async with shard(ShardConfig(max_queued_requests=1)) as (app, immediate, _usual):
+            gate = app.state.gate
+            if phase == "draining":
+                gate.set_phase("draining")
+            else:
+                gate.requests, gate.bytes = 1, 0  # a request in flight fills the shard
+            if phase == "queue":  # room, but another waits in line before it (and stays)
+                gate.max_requests = 2
+                gate._waiters.append([0, asyncio.get_running_loop().create_future(), True])
+            mine = await Connection(immediate).send(request())
+            gate._waiters.clear()
+            assert immediate.calls == 1
+            status = mine.split(b" ", 2)[1]
+            assert status == {"draining": b"503", "full": b"429", "queue": b"429"}[phase]
+
+    asyncio.run(run())
+
+
+def test_a_pull_of_a_variable_being_written_in_place_goes_to_the_app():
+    async def run() -> None:
+        async with shard() as (app, immediate, _usual):
+            store = app.state.store
+            var = store._vars["b"]
+            var.in_place, var.writing = True, asyncio.get_running_loop().create_future()
+            store._in_place += 1
+            assert not store.settled_now(["a", "b"]) and store.settled_now(["a", "c", 3])
+            conn = Connection(immediate)
+            pending = asyncio.ensure_future(conn.send(request()))
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert not pending.done() and immediate.calls == 1  # the app waits for the writer
+            var.writing.set_result(None)
+            var.writing, var.in_place = None, False
+            store._in_place -= 1
+            _table(await pending)
+
+    asyncio.run(run())
+
+
+def test_an_answerer_that_fails_hands_the_request_to_the_app(caplog):
+    async def run() -> None:
+        async with shard() as (_app, immediate, usual):
+
+            def broken(headers, body):
+                raise RuntimeError("a bug")
+
+            getattr(immediate, IMMEDIATE)[b"/v1/pull"] = broken
+            with caplog.at_level(logging.ERROR, logger="paramshard.protocol"):
+                mine, theirs = await both(immediate, usual, request())
+            assert mine == theirs and immediate.calls == 1
+            assert "answering b'/v1/pull' immediately failed" in caplog.text
+
+    asyncio.run(run())
+
+
+def test_immediate_answers_keep_the_connection_and_the_order_of_replies():
+    """On one connection: pulls answered at once, a push through the app in between, and
+    pipelined requests answered in the order they came (a pull behind a push in flight waits
+    for it, as uvicorn queues pipelined requests)."""
+
+    def push(seq: int) -> bytes:
+        grads = {n: np.ones(3, np.float32) for n in ("a", "b")}
+        enc = wire.encode({"grads": grads, "worker_id": "w", "seq": seq})
+        body = enc.join()
+        return (
+            f"POST /v1/push HTTP/1.1\r\nhost: shard\r\ncontent-type: {enc.content_type}\r\n"
+            f"accept: {wire.FRAME}\r\ncontent-length: {len(body)}\r\n\r\n"
+        ).encode() + body
+
+    async def run() -> None:
+        async with shard() as (_app, immediate, _usual):
+            conn = Connection(immediate)
+            pull = request({"names": NAMES, "layout": "table"})
+            assert _table(await conn.send(pull))[0]["table"]["versions"] == [0, 0, 0]
+            assert conn.protocol.timeout_keep_alive_task is not None  # armed, as uvicorn does
+            assert b" 200 " in (await conn.send(push(1)))[:16]
+            assert _table(await conn.send(pull))[0]["table"]["versions"] == [1, 1, 0]
+            calls = immediate.calls
+            both_ways = await conn.send(push(2) + pull + pull, replies=3)
+            assert immediate.calls == calls + 3  # the push, and the pulls queued behind it
+            first, _, rest = both_ways.partition(b"\r\n\r\n")
+            assert first.startswith(b"HTTP/1.1 200") and b"x-paramshard" in first
+            replies = rest.split(b"HTTP/1.1 200 OK\r\n")[1:]
+            assert len(replies) == 2
+            for reply in replies:
+                assert _table(b"HTTP/1.1 200 OK\r\n" + reply)[0]["table"]["versions"] == [2, 2, 0]
+            assert not conn.transport.closed
+
+    asyncio.run(run())
+
+
+def test_a_pull_while_writing_is_paused_goes_to_the_app():
+    async def run() -> None:
+        async with shard() as (_app, immediate, _usual):
+            conn = Connection(immediate)
+            conn.protocol.pause_writing()
+            pending = asyncio.ensure_future(conn.send(request()))
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert immediate.calls == 1 and not pending.done()  # the app waits to write
+            conn.protocol.resume_writing()
+            _table(await pending)
+
+    asyncio.run(run())
+
+
+def test_with_an_access_log_every_request_goes_to_the_app():
+    """`--access-log` logs every request: none is answered past the app (and its log line)."""
+
+    async def run() -> None:
+        async with shard() as (_app, immediate, _usual):
+            conn = Connection(immediate, access_log=True)
+            _table(await conn.send(request()))
+            assert immediate.calls == 1
+
+    asyncio.run(run())
