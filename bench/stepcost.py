@@ -86,7 +86,7 @@ def _shard_in_process(names: list[str], size: int, reps: int) -> float:
 
     from client_sdk import wire
     from client_sdk.optimizers import Add
-    from server import protocol
+    from server import httptools_protocol as protocol
     from server.app import create_app, serving_app
     from server.config import ShardConfig
 

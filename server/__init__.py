@@ -9,8 +9,9 @@ Run it with ``paramshard serve`` (``server/cli.py``). Modules: ``config`` (flags
 ``optim`` (optimizer math), ``persistence`` (snapshot files), ``durability`` (restore,
 periodic and final snapshots), ``admission`` (restore/drain phases, bounded work, pauses),
 ``app`` (create_app, serving_app, error rendering, headers), ``routes_data`` (msgpack data
-plane), ``fastpath`` (data-plane requests straight to their endpoints), ``protocol`` (uvicorn's
-httptools protocol without its body copies), ``memory`` (big buffers reused from the heap),
+plane), ``direct_routes`` (data-plane requests straight to their endpoints),
+``httptools_protocol`` (uvicorn's httptools protocol without its body copies), ``memory``
+(big buffers reused from the heap),
 ``routes_checkpoint`` (fleet checkpoints), ``routes_inspect`` (JSON for people), ``reshard``
 (offline resharding), ``scan`` (gradients checked finite while their bytes arrive), ``cli``
 (serve | up | demo | status | reshard).

@@ -16,8 +16,8 @@ response, refuses requests meant for another shard (``x-paramshard-fleet``), and
 exception that escapes a handler (a bug, never bad input) into a logged 500 ``internal``.
 :func:`serving_app` is what a shard serves: the app, except that data-plane ``POST`` requests go
 through the app's middleware (:class:`ShardMiddleware`, admission) straight to their endpoints
-(:mod:`server.fastpath`), past FastAPI's per-request routing (the routes stay registered, and in
-``/docs``), and a small pull in the table layout is answered by the shard's HTTP protocol itself
+(:mod:`server.direct_routes`), past FastAPI's per-request routing (the routes stay registered, and
+in ``/docs``), and a small pull in the table layout is answered by the shard's HTTP protocol itself
 when nothing stands in its way (:func:`immediate_routes`).
 """
 
@@ -45,12 +45,12 @@ from . import __version__
 from .admission import AdmissionMiddleware, Gate
 from .config import ShardConfig
 from .dedup import DedupTable
+from .direct_routes import DirectRoutes
 from .durability import Durability
 from .errors import ShardError
-from .fastpath import DirectRoutes
 from .headers import header
+from .httptools_protocol import Answerer, Immediate
 from .memory import trim_heap
-from .protocol import Answerer, Immediate
 from .store import ParameterStore
 
 __all__ = [
@@ -362,9 +362,9 @@ def create_app(config: ShardConfig) -> FastAPI:
 
 def serving_app(app: FastAPI) -> ASGIApp:
     """The ASGI app to serve for ``app`` (made by :func:`create_app`): the same responses, with
-    the data plane's ``POST`` requests handed straight to their endpoints (:mod:`server.fastpath`),
-    and the small pulls that can be answered at once answered by the shard's HTTP protocol
-    itself (:func:`immediate_routes`)."""
+    the data plane's ``POST`` requests handed straight to their endpoints
+    (:mod:`server.direct_routes`), and the small pulls that can be answered at once answered by the
+    shard's HTTP protocol itself (:func:`immediate_routes`)."""
     served = DirectRoutes(app)
     served.immediate = immediate_routes(app)
     return served
@@ -372,7 +372,7 @@ def serving_app(app: FastAPI) -> ASGIApp:
 
 def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     """What the shard's HTTP protocol may answer without an ASGI request cycle
-    (:data:`server.protocol.IMMEDIATE`): ``POST /v1/pull`` in the table layout, when the
+    (:data:`server.httptools_protocol.IMMEDIATE`): ``POST /v1/pull`` in the table layout, when the
     request passes the fleet check as sent by the SDK, the gate would admit it at once, and
     :func:`~server.routes_data.pull_now` can answer it. The reply is the one the usual way
     gives, byte for byte: the same handler code, the same headers (the shard's, from

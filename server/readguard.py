@@ -6,8 +6,8 @@ until its line ends, however long, and a connection that sends half a head, or a
 of a body, stays open for as long as the client likes (uvicorn's only timer, keep-alive, runs
 between requests). A body that stalls also keeps the admission it was granted
 (:mod:`server.admission`). :class:`ReadGuard`, mixed into both of the shard's protocols
-(:class:`server.protocol.ShardHttpProtocol` on httptools, :class:`GuardedH11Protocol` on h11),
-enforces :class:`EdgeLimits`:
+(:class:`server.httptools_protocol.ShardHttpProtocol` on httptools, :class:`GuardedH11Protocol` on
+h11), enforces :class:`EdgeLimits`:
 
 * **Head size.** A head (request line and headers) above ``max_head_bytes`` is answered 400
   ``bad_request`` and the connection closed. On httptools the head is measured as it is
@@ -31,8 +31,8 @@ is answered 400 ``bad_request`` in the protocol's error format (JSON, msgpack fo
 
 Everything runs on the event loop. This module subclasses uvicorn's protocols and uses their
 members (``flow``, ``transport``, ``cycle``, ``server_state``, ``send_400_response``), as
-:mod:`server.protocol` does; the bases come from :mod:`server.upstream`, which checks at start
-that the installed uvicorn has those members.
+:mod:`server.httptools_protocol` does; the bases come from :mod:`server.upstream`, which checks at
+start that the installed uvicorn has those members.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ big chunks (the arrays' own memory) as they are and joins only the small ones. H
 coroutines on the event loop; the store calls they make are synchronous, except a push (which
 may compute off the loop, :meth:`~server.store.ParameterStore.push_async`) and the wait before
 an assign or increment for such a push to finish (:meth:`~server.store.ParameterStore.settled`).
-On a shard the handlers are reached straight from :mod:`server.fastpath`, and a small pull in
+On a shard the handlers are reached straight from :mod:`server.direct_routes`, and a small pull in
 the table layout is answered by :func:`pull_now` from the shard's HTTP protocol itself when it
 can be (:func:`server.app.immediate_routes`), with the same code and bytes.
 """
@@ -28,7 +28,7 @@ from client_sdk import wire
 from .dedup import MAX_SEQ
 from .errors import ShardError
 from .headers import header
-from .protocol import BODY_INTO, Gathered, gathers
+from .httptools_protocol import BODY_INTO, Gathered, gathers
 from .scan import SCAN_FROM, FiniteScan, finite_rows
 from .store import COUNTER_KINDS, MAX_WAIT_SECONDS, ParameterStore
 
@@ -65,12 +65,12 @@ class EncodedResponse(Response):
     """Send a :class:`client_sdk.wire.Encoded` body without joining its big chunks.
 
     ``Content-Length`` is the encoded size. Served by the shard's own protocol
-    (:data:`server.protocol.GATHER` in the scope's extensions), the whole body is one
-    ``http.response.body`` message holding every chunk (:class:`server.protocol.Gathered`),
-    written with one vectored write: nothing is joined. Elsewhere each chunk of
-    :data:`COALESCE_BELOW` bytes or more (a memoryview of an array, for framed bodies) goes out
-    as its own message, and runs of smaller chunks (header, padding, small tensors) are joined
-    first.
+    (:data:`server.httptools_protocol.GATHER` in the scope's extensions), the whole body is one
+    ``http.response.body`` message holding every chunk
+    (:class:`server.httptools_protocol.Gathered`), written with one vectored write: nothing is
+    joined. Elsewhere each chunk of :data:`COALESCE_BELOW` bytes or more (a memoryview of an array,
+    for framed bodies) goes out as its own message, and runs of smaller chunks (header, padding,
+    small tensors) are joined first.
     """
 
     def __init__(self, encoded: wire.Encoded, status_code: int = 200) -> None:
@@ -131,10 +131,11 @@ async def read_body(request: Request, limit: int, scan: bool = False) -> tuple[w
     A body that arrives in one piece is that piece (``bytes``); a longer one goes into one
     writable buffer of ``Content-Length`` bytes (``np.empty`` memory: a ``bytearray`` would be
     zero-filled first, which costs as much as the copy): written there by the socket itself
-    when the server offers it (:class:`server.protocol.BodyInto`), else copied piece by piece
-    as the server hands them over. 415 for a content type that is neither msgpack nor frame (before
-    reading); 413 for a declared ``Content-Length`` above ``limit`` (before reading) or, without
-    one, as soon as the bytes received pass ``limit``; 400 for a body that ends early or runs long.
+    when the server offers it (:class:`server.httptools_protocol.BodyInto`), else copied piece by
+    piece as the server hands them over. 415 for a content type that is neither msgpack nor frame
+    (before reading); 413 for a declared ``Content-Length`` above ``limit`` (before reading) or,
+    without one, as soon as the bytes received pass ``limit``; 400 for a body that ends early or
+    runs long.
     """
     content_type = header(request.scope, b"content-type", "")
     kind = content_type.split(";")[0].strip().lower()

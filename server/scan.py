@@ -3,8 +3,8 @@
 A push is validated whole before any of it is applied, so a finiteness check (one pass over
 every gradient byte) run after the last byte arrived would sit in series with the update, a
 noticeable part of a big push. But the body of a big push is written by the socket straight into one
-buffer (:class:`server.protocol.BodyInto`), piece by piece, and between pieces the shard waits
-for the network. :class:`FiniteScan` uses those waits: it is called with the count of bytes
+buffer (:class:`server.httptools_protocol.BodyInto`), piece by piece, and between pieces the shard
+waits for the network. :class:`FiniteScan` uses those waits: it is called with the count of bytes
 received after each piece, reads the frame's header as soon as it is complete, and checks
 each float gradient's bytes as they land, while they are still in the CPU's caches. When the
 body is complete, :attr:`FiniteScan.finite` maps the gradients found finite to their sum of

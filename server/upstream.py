@@ -5,10 +5,10 @@ a shard serves (:func:`serving`).
 Two ways to serve, chosen once at start:
 
 * **fast** (``--http auto``, the default, when :func:`check` finds nothing missing): uvicorn
-  runs :class:`server.protocol.ShardHttpProtocol` (a subclass of uvicorn's httptools protocol;
-  without httptools, :class:`server.readguard.GuardedH11Protocol`) and serves
+  runs :class:`server.httptools_protocol.ShardHttpProtocol` (a subclass of uvicorn's httptools
+  protocol; without httptools, :class:`server.readguard.GuardedH11Protocol`) and serves
   :func:`server.app.serving_app`: the data plane's ``POST`` requests go straight to their
-  endpoints (:mod:`server.fastpath`, which reads FastAPI's ``Dependant`` through
+  endpoints (:mod:`server.direct_routes`, which reads FastAPI's ``Dependant`` through
   :func:`request_only_posts`) and small pulls are answered by the protocol itself.
 * **stock** (``--http stock`` / ``PARAMSHARD_HTTP=stock``, or when :func:`check` finds
   something missing): uvicorn runs :class:`server.readguard.GuardedH11Protocol` and serves the
@@ -17,14 +17,14 @@ Two ways to serve, chosen once at start:
   runs: the head bound holds (h11 enforces it), the read deadlines do not.
 
 No other module imports uvicorn's protocol modules or reads FastAPI's route internals; the
-subclasses in :mod:`server.protocol` and :mod:`server.readguard` take their bases from here and
-use only the members listed in :data:`HTTPTOOLS_NEEDS`, :data:`CYCLE_NEEDS`, :data:`H11_NEEDS`
-and :data:`FLOW_NEEDS`, which :func:`check` looks for (presence, not version strings), plus
-one behaviour: uvicorn's httptools request cycle hands the pending body to ``receive()`` as
-``bytes(cycle.body)`` (uvicorn 0.42 and later; 0.41 handed the object on as it was, which
-:class:`server.protocol.BodyPieces` cannot be). pyproject.toml bounds uvicorn, FastAPI and
-starlette to the releases the suite ran on; the check is for an environment that installed
-others anyway.
+subclasses in :mod:`server.httptools_protocol` and :mod:`server.readguard` take their bases from
+here and use only the members listed in :data:`HTTPTOOLS_NEEDS`, :data:`CYCLE_NEEDS`,
+:data:`H11_NEEDS` and :data:`FLOW_NEEDS`, which :func:`check` looks for (presence, not version
+strings), plus one behaviour: uvicorn's httptools request cycle hands the pending body to
+``receive()`` as ``bytes(cycle.body)`` (uvicorn 0.42 and later; 0.41 handed the object on as it was,
+which :class:`server.httptools_protocol.BodyPieces` cannot be). pyproject.toml bounds uvicorn,
+FastAPI and starlette to the releases the suite ran on; the check is for an environment that
+installed others anyway.
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ logger = logging.getLogger("paramshard.http")
 #: The values of ``--http`` / ``PARAMSHARD_HTTP``.
 MODES = HTTP_MODES
 
-#: Members of uvicorn's ``HttpToolsProtocol`` that :class:`server.protocol.ShardHttpProtocol`
-#: overrides, calls or reads (instance attributes included).
+#: Members of uvicorn's ``HttpToolsProtocol`` that
+#: :class:`server.httptools_protocol.ShardHttpProtocol` overrides, calls or reads (instance
+#: attributes included).
 HTTPTOOLS_NEEDS = (
     "_should_upgrade",
     "_unset_keepalive_if_required",
@@ -180,7 +181,8 @@ def _missing(cls: type | None, needs: Iterable[str], what: str) -> list[str]:
 
 
 class _ProbeBody:
-    """A pending body that is not a ``bytearray``, as :class:`server.protocol.BodyPieces`."""
+    """A pending body that is not a ``bytearray``, as
+    :class:`server.httptools_protocol.BodyPieces`."""
 
     def __len__(self) -> int:
         return 5
@@ -249,7 +251,7 @@ async def _with_query(request: Request, q: int = 0) -> Response:
 
 
 def _fastapi_missing() -> list[str]:
-    """What :mod:`server.fastpath` needs of FastAPI and starlette, found missing on a probe
+    """What :mod:`server.direct_routes` needs of FastAPI and starlette, found missing on a probe
     app: route dependants with :data:`DEPENDANT_NEEDS`, middleware as ``(cls, args,
     kwargs)``, and :func:`request_only_posts` telling a request-only endpoint from others."""
     missing = []
@@ -299,7 +301,7 @@ def check() -> tuple[list[str], list[str]]:
     return fast + h11, h11
 
 
-# -- FastAPI and starlette, as server.fastpath reads them ---------------------------------------
+# -- FastAPI and starlette, as server.direct_routes reads them -------------------------------------
 
 try:  # FastAPI >= 0.13x includes routers lazily; this yields each route with its effective
     # dependencies (the router's, the include's and the app's)
@@ -384,7 +386,7 @@ def serving(app: Any, limits: Any = None, mode: str = "auto") -> Serving:
 
     Where a ``POST /v1/pull`` goes, fast: answered inside the protocol's parser callbacks when
     small and in the table layout (:func:`server.app.immediate_routes`, which calls
-    :func:`server.routes_data.pull_now`); else handed by :class:`server.fastpath.DirectRoutes`
+    :func:`server.routes_data.pull_now`); else handed by :class:`server.direct_routes.DirectRoutes`
     through the app's middleware to the endpoint (:func:`server.routes_data.pull`); stock:
     through FastAPI's router to that same endpoint. Every way ends in ``routes_data``'s code.
 
@@ -400,7 +402,7 @@ def serving(app: Any, limits: Any = None, mode: str = "auto") -> Serving:
     fast_missing, h11_missing = check()
     if mode == "auto" and not fast_missing:
         from .app import serving_app
-        from .protocol import protocol_class
+        from .httptools_protocol import protocol_class
 
         return Serving(serving_app(app), protocol_class(limits), "fast")
     stock: type[asyncio.Protocol] | str = GuardedH11Protocol

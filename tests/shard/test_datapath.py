@@ -27,13 +27,13 @@ from uvicorn.server import ServerState
 
 from client_sdk import BadTensorError, PSClient, wire
 from client_sdk.optimizers import SGD, Adagrad, Add, from_wire
+from server import httptools_protocol as server_protocol
 from server import optim
-from server import protocol as server_protocol
 from server import store as store_module
+from server.direct_routes import direct_routes
 from server.errors import ShardError
-from server.fastpath import direct_routes
 from server.headers import header, request_headers
-from server.protocol import BODY_INTO, GATHER, Gathered, ShardHttpProtocol
+from server.httptools_protocol import BODY_INTO, GATHER, Gathered, ShardHttpProtocol
 from server.routes_data import coalesce, read_body
 from server.scan import FiniteScan, finite_rows
 from server.store import (
@@ -677,8 +677,8 @@ def read_responses(sock: socket.socket, count: int) -> list[tuple[int, bytes]]:
 
 
 def test_requests_after_a_big_body_on_the_same_connection(fleet_factory):
-    """A big body is read past the HTTP parser (server/protocol.py): whatever follows it on
-    the connection, sent at once, in pieces, or after an early refusal, is still parsed."""
+    """A big body is read past the HTTP parser (server/httptools_protocol.py): whatever follows it
+    on the connection, sent at once, in pieces, or after an early refusal, is still parsed."""
     fleet = fleet_factory(1)
     n = 200_000  # 800 KB: more than the shard reads at once, so most comes after the head
     with PSClient(fleet.urls) as ps:
@@ -772,7 +772,7 @@ class _BodyEcho:
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_a_big_body_is_written_straight_into_the_apps_buffer(loop):
-    """server/protocol.py on its own, in a uvicorn server in this process: a big body is
+    """server/httptools_protocol.py on its own, in a uvicorn server in this process: a big body is
     received into the app's buffer (BODY_INTO), whole and unchanged, whether it comes in
     pieces or together with the next request on the connection; a client leaving mid-body is
     reported to the app and the server serves on."""
@@ -1005,7 +1005,7 @@ def test_a_gradient_found_finite_as_received_is_checked_again_once_cast():
     assert (store.get("w").value == 2).all()
 
 
-# -- how a response is written (server/protocol.py, _HeadWithBody) ---------------------------
+# -- how a response is written (server/httptools_protocol.py, _HeadWithBody) -----------------------
 
 BIG_REPLY = server_protocol.JOIN_BELOW  # bytes: a reply its pieces are not joined for
 

@@ -1,6 +1,6 @@
-"""Small table pulls answered by the shard's HTTP protocol itself (server.protocol, IMMEDIATE;
-server.app.immediate_routes): the same bytes as the app's answer, and every request it does
-not take handed to the app, which answers it the usual way.
+"""Small table pulls answered by the shard's HTTP protocol itself (server.httptools_protocol,
+IMMEDIATE; server.app.immediate_routes): the same bytes as the app's answer, and every request it
+does not take handed to the app, which answers it the usual way.
 
 The shard's real app runs in this process, served twice over one store: once as a shard
 serves it, once with nothing answered immediately (``immediate = {}``); each request goes to
@@ -27,7 +27,7 @@ from client_sdk.optimizers import Add
 from server import admission
 from server.app import create_app, serving_app
 from server.config import ShardConfig
-from server.protocol import ANSWER_BELOW, IMMEDIATE, ShardHttpProtocol
+from server.httptools_protocol import ANSWER_BELOW, IMMEDIATE, ShardHttpProtocol
 from tests.helpers.recorder import Recorder
 
 NAMES = ["a", "b", "c"]

@@ -180,16 +180,17 @@ def _attribute_reads(path, classes: set[str]) -> dict[str, set[str]]:
 
 
 def test_the_lists_name_every_upstream_member_the_subclasses_use():
-    """Every member of uvicorn's classes that server/protocol.py and server/readguard.py use
-    is in server/upstream.py's lists, so the check at start covers it."""
-    from server import protocol, readguard
+    """Every member of uvicorn's classes that server/httptools_protocol.py and server/readguard.py
+    use is in server/upstream.py's lists, so the check at start covers it."""
+    from server import httptools_protocol as protocol
+    from server import readguard
 
     own = set()
     for cls in (protocol.ShardHttpProtocol, readguard.ReadGuard, readguard.GuardedH11Protocol):
         for klass in cls.__mro__:
             if klass.__module__.startswith("server."):
                 own.update(vars(klass))
-    fast = _attribute_reads(ROOT / "server" / "protocol.py", {"ShardHttpProtocol"})
+    fast = _attribute_reads(ROOT / "server" / "httptools_protocol.py", {"ShardHttpProtocol"})
     guard = _attribute_reads(ROOT / "server" / "readguard.py", {"ReadGuard", "GuardedH11Protocol"})
     assigned_here = {"parser", "flow"}  # replaced by the subclasses, but uvicorn's to begin with
     own |= fast["stored"] | guard["stored"]

@@ -62,8 +62,8 @@ class DirectRoutes:
         for cls, args, kwargs in reversed(middleware(app)):  # as Starlette stacks them
             direct = cls(direct, *args, **kwargs)
         self.direct = direct
-        #: Requests the shard's HTTP protocol may answer itself (:data:`server.protocol.IMMEDIATE`);
-        #: set by :func:`server.app.serving_app`.
+        #: Requests the shard's HTTP protocol may answer itself
+        #: (:data:`server.httptools_protocol.IMMEDIATE`); set by :func:`server.app.serving_app`.
         self.immediate: dict[bytes, Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
