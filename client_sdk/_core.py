@@ -59,9 +59,6 @@ from .optimizers import Optimizer
 from .placement import shard_for, validate_name
 
 __all__ = [
-    "ENV_SHARDS",
-    "ENV_TOKEN",
-    "ENV_WORKER_ID",
     "Core",
     "Flow",
     "PushJob",
@@ -71,10 +68,6 @@ __all__ = [
     "as_array",
     "load_settings",
 ]
-
-ENV_SHARDS = "PARAMSHARD_SHARDS"
-ENV_WORKER_ID = "PARAMSHARD_WORKER_ID"
-ENV_TOKEN = "PARAMSHARD_TOKEN"
 
 #: What every data-plane request accepts back: framed bodies for big tensors, msgpack otherwise.
 ACCEPT = f"{wire.FRAME}, {wire.MSGPACK}"
@@ -141,8 +134,8 @@ def load_settings(
     env = os.environ if environ is None else environ
     source = "the shards argument"
     if shards is None:
-        shards = env.get(ENV_SHARDS, "")
-        source = ENV_SHARDS
+        shards = env.get(wire.ENV_SHARDS, "")
+        source = wire.ENV_SHARDS
     if isinstance(shards, str):
         shards = [s for s in (part.strip() for part in shards.split(",")) if s]
     try:
@@ -152,7 +145,8 @@ def load_settings(
     if not shard_list:
         raise ConfigError(
             'no shards configured: pass PSClient(["http://host:7100", ...]) or set '
-            f"{ENV_SHARDS}=http://host:7100,http://host:7101 (every shard, in --shard-index order)"
+            f"{wire.ENV_SHARDS}=http://host:7100,http://host:7101 (every shard, in "
+            "--shard-index order)"
         )
     urls = tuple(_check_url(u, i, source) for i, u in enumerate(shard_list))
     seen: dict[str, int] = {}
@@ -165,7 +159,7 @@ def load_settings(
         seen[u] = i
 
     if worker_id is None:
-        worker_id = env.get(ENV_WORKER_ID) or f"{socket.gethostname()}-{os.getpid()}"
+        worker_id = env.get(wire.ENV_WORKER_ID) or f"{socket.gethostname()}-{os.getpid()}"
     if (
         not isinstance(worker_id, str)
         or not 0 < len(worker_id) <= 256
@@ -173,16 +167,16 @@ def load_settings(
     ):
         raise ConfigError(
             f"worker_id must be 1-256 printable characters, got {worker_id!r}: pass "
-            f"worker_id=... or set {ENV_WORKER_ID}"
+            f"worker_id=... or set {wire.ENV_WORKER_ID}"
         )
 
     if token is None:
-        token = env.get(ENV_TOKEN) or None
+        token = env.get(wire.ENV_TOKEN) or None
     if token is not None and (
         not isinstance(token, str) or not token.isascii() or not token.isprintable() or " " in token
     ):
         raise ConfigError(
-            f"the token must be printable ASCII without spaces: check token=... or {ENV_TOKEN}"
+            f"the token must be printable ASCII without spaces: check token=... or {wire.ENV_TOKEN}"
         )
 
     for name, value in (("timeout", timeout), ("retry_deadline", retry_deadline)):
@@ -348,9 +342,7 @@ class Core:
         if settings.token:
             base["authorization"] = f"Bearer {settings.token}"
         self._base_headers = base
-        self._data_headers = [
-            {**base, "x-paramshard-fleet": f"{i}/{self.n}"} for i in range(self.n)
-        ]
+        self._data_headers = [{**base, wire.HEADER_FLEET: f"{i}/{self.n}"} for i in range(self.n)]
 
     # -- retry policy ------------------------------------------------------------------
 

@@ -46,13 +46,19 @@ import numpy as np
 __all__ = [
     "ALIGN",
     "DTYPES",
+    "ENV_PREFIX",
+    "ENV_SHARDS",
+    "ENV_TOKEN",
+    "ENV_WORKER_ID",
     "ERROR_STATUS",
     "FEATURE_COUNTER_KIND",
     "FEATURE_PACKED",
     "FEATURE_TABLES",
     "FRAME",
     "FRAME_MAGIC",
+    "FRAME_PREFIX",
     "FRAME_THRESHOLD",
+    "HEADER_FLEET",
     "HEADER_INCARNATION",
     "HEADER_PROTOCOL",
     "HEADER_SHARD",
@@ -88,6 +94,19 @@ HEADER_INCARNATION = "x-paramshard-incarnation"
 HEADER_PROTOCOL = "x-paramshard-protocol"
 #: The shard's state version (sum of its variables' versions), once it has restored its state.
 HEADER_STATE_VERSION = "x-paramshard-state-version"
+#: A data-plane request names the shard it is meant for, ``"<index>/<num_shards>"``; a shard
+#: that is not that one answers 421 ``fleet_mismatch``.
+HEADER_FLEET = "x-paramshard-fleet"
+
+#: Every environment variable paramshard reads starts with this: the SDK's three below, and a
+#: shard's settings (``PARAMSHARD_`` and the flag's name, see ``paramshard serve --help``).
+ENV_PREFIX = "PARAMSHARD_"
+#: The fleet's shard URLs, comma-separated, in shard-index order (the SDK, ``paramshard status``).
+ENV_SHARDS = ENV_PREFIX + "SHARDS"
+#: The worker's id (the SDK).
+ENV_WORKER_ID = ENV_PREFIX + "WORKER_ID"
+#: The bearer token the SDK sends.
+ENV_TOKEN = ENV_PREFIX + "TOKEN"
 
 #: What a shard lists in ``/v1/cluster`` ``features`` when its verbs take tensor tables in
 #: requests (push ``grads``); every shard that lists it also answers pulls in tables.
@@ -99,6 +118,8 @@ FEATURE_PACKED = "packed"
 FEATURE_COUNTER_KIND = "counter_kind"
 
 FRAME_MAGIC = b"PSF1"
+#: A framed body's prefix: :data:`FRAME_MAGIC` and the header's length, a little-endian uint32.
+FRAME_PREFIX = struct.Struct("<4sI")
 ALIGN = 64
 #: Messages whose tensors hold at least this many bytes in all are framed by default.
 FRAME_THRESHOLD = 64 * 1024
@@ -140,7 +161,6 @@ ERROR_STATUS = {
 }
 
 Buffer = bytes | bytearray | memoryview
-_HEAD = struct.Struct("<4sI")
 
 
 class WireError(ValueError):
@@ -430,14 +450,14 @@ def encode(msg: Any, frame: bool | None = None, *, tensors: bool = True) -> Enco
         d["offset"] = widest
         d["nbytes"] = a.nbytes
     head = msgpack.packb(header_obj, use_bin_type=True)
-    pos = _align(_HEAD.size + len(head))
+    pos = _align(FRAME_PREFIX.size + len(head))
     for d, a in found:
         d["offset"] = pos
         pos = (pos + a.nbytes + ALIGN - 1) // ALIGN * ALIGN
     head = msgpack.packb(header_obj, use_bin_type=True)
-    chunks: list[Buffer] = [_HEAD.pack(FRAME_MAGIC, len(head)), head]
+    chunks: list[Buffer] = [FRAME_PREFIX.pack(FRAME_MAGIC, len(head)), head]
     append = chunks.append
-    at = _HEAD.size + len(head)
+    at = FRAME_PREFIX.size + len(head)
     for d, a in found:
         offset = d["offset"]
         if offset > at:
@@ -470,15 +490,17 @@ def unpack(
         return _unpack_map(body, "body", max_entries)
     if kind == FRAME:
         size = _buffer_size(body)
-        if size < _HEAD.size:
+        if size < FRAME_PREFIX.size:
             raise WireError("framed body shorter than its 8-byte prefix")
-        magic, hlen = _HEAD.unpack_from(body, 0)
+        magic, hlen = FRAME_PREFIX.unpack_from(body, 0)
         if magic != FRAME_MAGIC:
             raise WireError(f"framed body must start with {FRAME_MAGIC!r}")
-        if _HEAD.size + hlen > size:
+        if FRAME_PREFIX.size + hlen > size:
             raise WireError("framed body shorter than its declared header")
         return _unpack_map(
-            memoryview(body).cast("B")[_HEAD.size : _HEAD.size + hlen], "framed header", max_entries
+            memoryview(body).cast("B")[FRAME_PREFIX.size : FRAME_PREFIX.size + hlen],
+            "framed header",
+            max_entries,
         )
     raise WireError(
         f"unsupported content type {content_type!r}: send {MSGPACK} or {FRAME}",
@@ -570,7 +592,7 @@ def tensors_of(
 
 def header_end(body: Buffer) -> int:
     """Where the header of a framed ``body`` (already :func:`unpack`-ed) ends: ``8 + H``."""
-    return _HEAD.size + int(_HEAD.unpack_from(body, 0)[1])
+    return FRAME_PREFIX.size + int(FRAME_PREFIX.unpack_from(body, 0)[1])
 
 
 def check_end(body: Buffer, end: int) -> None:
@@ -647,9 +669,9 @@ def encode_table(
         packed = False
         table["dtype"], table["shape"] = dtypes, shapes
     head = msgpack.packb(message, use_bin_type=True)
-    at = _HEAD.size + len(head)
+    at = FRAME_PREFIX.size + len(head)
     # Buffers, and with arrays_as_chunks the arrays themselves.
-    chunks: list[Any] = [_HEAD.pack(FRAME_MAGIC, len(head)), head]
+    chunks: list[Any] = [FRAME_PREFIX.pack(FRAME_MAGIC, len(head)), head]
     append = chunks.append
     pads = _PADS
     n = len(arrays)
@@ -734,9 +756,9 @@ def table_rows(
             f"'dtype' and 'shape' columns"
         )
     size = _buffer_size(body)
-    if size < _HEAD.size:
+    if size < FRAME_PREFIX.size:
         raise WireError("a tensor table needs a framed body")
-    start = _HEAD.size + _HEAD.unpack_from(body, 0)[1]
+    start = FRAME_PREFIX.size + FRAME_PREFIX.unpack_from(body, 0)[1]
     if uniform is not None:
         same_rows, block, end = _uniform_rows(uniform, n, body, start, size, what, native)
         if whole:

@@ -54,7 +54,6 @@ from .memory import trim_heap
 from .store import ParameterStore
 
 __all__ = [
-    "FLEET_HEADER",
     "ShardMiddleware",
     "create_app",
     "error_response",
@@ -65,8 +64,7 @@ __all__ = [
 logger = logging.getLogger("paramshard.server")
 
 #: Request header a client may send to say which shard it means: ``"<index>/<num_shards>"``.
-FLEET_HEADER = "x-paramshard-fleet"
-_FLEET_KEY = FLEET_HEADER.encode()
+_FLEET_KEY = wire.HEADER_FLEET.encode()
 _STATE_VERSION = wire.HEADER_STATE_VERSION.encode()
 #: ``<index>/<num_shards>``: ASCII digits, at most 9 each (a fleet has at most 65,536 shards),
 #: so that no header value turns into an unbounded ``int``.
@@ -207,7 +205,7 @@ class ShardMiddleware:
                 scope,
                 400,
                 "bad_request",
-                f"{FLEET_HEADER} must be '<index>/<num_shards>' (decimal, at "
+                f"{wire.HEADER_FLEET} must be '<index>/<num_shards>' (decimal, at "
                 f"most 9 digits each), e.g. '0/2'; got {raw[:40]!r} "
                 f"({len(raw)} characters)",
             )

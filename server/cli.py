@@ -32,13 +32,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from client_sdk import wire
+
 from .config import LOG_LEVELS, ConfigError, ShardConfig, env_name, flag_name
 from .reshard import ReshardError, reshard, shard_dir
 
 __all__ = ["build_parser", "main", "serve"]
 
 PROG = "paramshard"
-_SHARDS_ENV = "PARAMSHARD_SHARDS"
 _STARTUP_TIMEOUT = 60.0
 
 
@@ -245,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
         "are up and in fleet order, else 1.",
     )
     p.add_argument(
-        "--shards", metavar="URL,URL,...", help=f"the fleet's shard URLs in order [{_SHARDS_ENV}]"
+        "--shards",
+        metavar="URL,URL,...",
+        help=f"the fleet's shard URLs in order [{wire.ENV_SHARDS}]",
     )
     p.add_argument("--timeout", default="3", help="seconds to wait per shard (default 3)")
 
@@ -555,7 +558,7 @@ def _up(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    for key in [k for k in env if k.startswith("PARAMSHARD_") and k != _SHARDS_ENV]:
+    for key in [k for k in env if k.startswith(wire.ENV_PREFIX) and k != wire.ENV_SHARDS]:
         del env[key]  # the flags below say everything; stray settings must not override them
     procs: list[subprocess.Popen] = []
     try:
@@ -583,7 +586,7 @@ def _up(args: argparse.Namespace) -> int:
             print(f"{PROG}: {n} shard(s) up", flush=True)
             for i, (url, proc) in enumerate(zip(urls, procs)):
                 print(f"  shard {i}/{n}  {url}  (pid {proc.pid})", flush=True)
-            print(f"export {_SHARDS_ENV}={','.join(urls)}", flush=True)
+            print(f"export {wire.ENV_SHARDS}={','.join(urls)}", flush=True)
             print("Press Ctrl-C to stop.", flush=True)
             failed = _watch(procs, stop)
         if failed is not None:
@@ -677,9 +680,9 @@ def _probe(url: str, timeout: float) -> dict[str, Any]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    raw = args.shards if args.shards is not None else os.environ.get(_SHARDS_ENV)
+    raw = args.shards if args.shards is not None else os.environ.get(wire.ENV_SHARDS)
     if not raw:
-        raise UsageError(f"give the fleet with --shards URL,URL,... or set {_SHARDS_ENV}")
+        raise UsageError(f"give the fleet with --shards URL,URL,... or set {wire.ENV_SHARDS}")
     urls = [u.strip().rstrip("/") for u in raw.split(",") if u.strip()]
     if not urls or any(not u.startswith(("http://", "https://")) for u in urls):
         raise UsageError(f"--shards must be comma-separated http(s):// URLs, got {raw!r}")

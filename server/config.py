@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from client_sdk.wire import MAX_REQUEST_NAMES
+from client_sdk.wire import ENV_PREFIX, MAX_REQUEST_NAMES
 
 __all__ = [
     "ENV_PREFIX",
@@ -30,7 +30,6 @@ __all__ = [
     "parse_size",
 ]
 
-ENV_PREFIX = "PARAMSHARD_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 #: The values of ``http`` (as :data:`server.upstream.MODES`, which needs uvicorn to import).
 HTTP_MODES = ("auto", "stock")

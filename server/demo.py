@@ -40,6 +40,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from client_sdk import wire
 from client_sdk.optimizers import Adagrad
 
 from . import optim
@@ -408,7 +409,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def _child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PARAMSHARD_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(wire.ENV_PREFIX)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -37,8 +37,8 @@ __all__ = ["COALESCE_BELOW", "EncodedResponse", "coalesce", "pull_now", "read_bo
 _BODY_DOC = {
     "requestBody": {
         "required": True,
-        "description": "One msgpack map (application/msgpack) or a framed body "
-        "(application/x-paramshard-frame); see docs/PROTOCOL.md.",
+        "description": f"One msgpack map ({wire.MSGPACK}) or a framed body "
+        f"({wire.FRAME}); see docs/PROTOCOL.md.",
         "content": {
             wire.MSGPACK: {"schema": {"type": "string", "format": "binary"}},
             wire.FRAME: {"schema": {"type": "string", "format": "binary"}},

@@ -39,7 +39,7 @@ SCAN_FROM = 1 << 20
 #: A gradient's arrived bytes are checked once at least this many are waiting (or the
 #: gradient is complete): fewer, bigger reductions.
 MIN_SCAN_BYTES = 256 * 1024
-_PREFIX = struct.Struct("<4sI")
+_PREFIX = wire.FRAME_PREFIX
 
 
 class _Row:

@@ -9,8 +9,10 @@ code and nothing else.
 
 from __future__ import annotations
 
+import ast
 import json
 import math
+import re
 import struct
 
 import msgpack
@@ -21,6 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes
 
 from client_sdk import wire
+from tests.conftest import ROOT
 
 settings.register_profile("wire", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("wire")
@@ -1136,3 +1139,56 @@ def test_framed_offsets_off_the_64_byte_grid_are_refused():
     assert info.value.code == "bad_tensor"
     t["offset"] = start
     assert wire.decode_tensor(t, body).shape == (4,)
+
+
+# --------------------------------------------------------------------------- names spelled once
+
+#: The one module that spells the protocol's names; every other module of the SDK and the
+#: shard refers to its constants.
+NAMES_MODULE = ROOT / "client_sdk" / "wire.py"
+#: A literal that is one of these is a name of the protocol (a header, an environment
+#: variable, a content type, the frame's prefix).
+WIRE_NAME = re.compile(
+    r"(?i:x-paramshard-[a-z-]+|application/(msgpack|x-paramshard-frame|json))"
+    r"|PARAMSHARD_[A-Z_]*|PSF1|<4sI"
+)
+
+
+def _literals(tree: ast.AST) -> list[tuple[int, str]]:
+    """Every str or bytes constant of the module but its docstrings, with its line."""
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docstrings.add(id(body[0].value))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and id(node) not in docstrings:
+            value = node.value
+            if isinstance(value, bytes):
+                value = value.decode("latin-1")
+            if isinstance(value, str):
+                out.append((node.lineno, value))
+    return out
+
+
+def test_the_protocols_names_are_spelled_once():
+    """Header names, environment variable names, content types and the frame's prefix are
+    each written once, in client_sdk/wire: a literal elsewhere in the SDK or the shard that is
+    such a name is a second spelling that can drift from the first."""
+    spelled: dict[str, list[str]] = {}
+    for package in ("client_sdk", "server"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for line, value in _literals(ast.parse(path.read_text(), str(path))):
+                if WIRE_NAME.fullmatch(value):
+                    where = f"{path.relative_to(ROOT)}:{line}"
+                    spelled.setdefault(value.lower(), []).append(where)
+    elsewhere = {
+        name: places
+        for name, places in spelled.items()
+        if any(not p.startswith(str(NAMES_MODULE.relative_to(ROOT)) + ":") for p in places)
+    }
+    assert not elsewhere, f"use client_sdk.wire's constants instead of these literals: {elsewhere}"
+    for name, places in spelled.items():
+        assert len(places) == 1, f"{name!r} is spelled {len(places)} times: {places}"
