@@ -5,16 +5,15 @@
     app = create_app(ShardConfig(shard_index=0, num_shards=2, port=7100))
 
 Run it with ``paramshard serve`` (``server/cli.py``). Modules: ``config`` (flags + env),
-``store`` (variables and verbs, no HTTP), ``dedup`` (which writes each worker had applied),
-``optim`` (optimizer math), ``persistence`` (snapshot files), ``durability`` (restore,
-periodic and final snapshots), ``admission`` (restore/drain phases, bounded work, pauses),
-``app`` (create_app, serving_app, error rendering, headers), ``routes_data`` (msgpack data
-plane), ``direct_routes`` (data-plane requests straight to their endpoints),
-``httptools_protocol`` (uvicorn's httptools protocol without its body copies), ``memory``
-(big buffers reused from the heap),
+``store`` (package: variables, the verbs, applying updates, gradient checks, which writes each
+worker had applied, big buffers reused from the heap; no HTTP), ``optim`` (optimizer math),
+``persistence`` (package: snapshot files, a data dir's snapshots, restoring), ``durability``
+(restore, periodic and final snapshots), ``admission`` (restore/drain phases, bounded work,
+pauses), ``app`` (create_app, serving_app, error rendering, headers), ``routes_data`` (msgpack
+data plane), ``direct_routes`` (data-plane requests straight to their endpoints),
+``httptools_protocol`` (uvicorn's httptools protocol without its body copies),
 ``routes_checkpoint`` (fleet checkpoints), ``routes_inspect`` (JSON for people), ``reshard``
-(offline resharding), ``scan`` (gradients checked finite while their bytes arrive), ``cli``
-(serve | up | demo | status | reshard).
+(offline resharding), ``cli`` (serve | up | demo | status | reshard).
 
 A shard is one event loop and at most a worker thread or two: its BLAS (numpy's dot products,
 the finiteness check) runs on one thread. OpenBLAS would otherwise start a thread per core and

@@ -70,7 +70,7 @@ DRAIN_WRITES = 10.0
 RETRY_AFTER = "1"
 #: After this many seconds with nothing admitted, a shard that admitted at least
 #: :data:`TRIM_FROM` body bytes since it last did gives its free heap back
-#: (:func:`server.memory.trim_heap`).
+#: (:func:`server.store.heap.trim_heap`).
 TRIM_AFTER = 2.0
 TRIM_FROM = 64 << 20
 #: Largest body of a long poll (``/v1/wait``: variable names), and of a control verb.

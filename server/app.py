@@ -44,14 +44,14 @@ from client_sdk import wire
 from . import __version__
 from .admission import AdmissionMiddleware, Gate
 from .config import ShardConfig
-from .dedup import DedupTable
 from .direct_routes import DirectRoutes
 from .durability import Durability
 from .errors import ShardError
 from .headers import header
 from .httptools_protocol import Answerer, Immediate
-from .memory import trim_heap
 from .store import ParameterStore
+from .store.dedup import DedupTable
+from .store.heap import trim_heap
 
 __all__ = [
     "ShardMiddleware",

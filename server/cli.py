@@ -381,8 +381,8 @@ def serve(config: ShardConfig) -> int:
     import uvicorn
 
     from .app import create_app
-    from .memory import keep_big_buffers
     from .readguard import EdgeLimits
+    from .store.heap import keep_big_buffers
     from .upstream import serving
 
     keep_big_buffers()

@@ -195,8 +195,8 @@ class BodyInto:
 
         ``watch``, if given, is called on the event loop with the count of bytes in
         ``buffer`` so far: once at once, then after every piece (e.g. to look at the bytes
-        while they are fresh; :mod:`server.scan`). An exception it raises is logged and it is
-        not called again; the body is read all the same.
+        while they are fresh; :mod:`server.store.checks`). An exception it raises is logged and
+        it is not called again; the body is read all the same.
         """
         if buffer.nbytes != self.size or buffer.readonly or not buffer.c_contiguous:
             raise ValueError(f"receive_into needs a writable buffer of {self.size} bytes")

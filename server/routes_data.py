@@ -25,12 +25,12 @@ from starlette.types import Receive, Scope, Send
 
 from client_sdk import wire
 
-from .dedup import MAX_SEQ
 from .errors import ShardError
 from .headers import header
 from .httptools_protocol import BODY_INTO, Gathered, gathers
-from .scan import SCAN_FROM, FiniteScan, finite_rows
 from .store import COUNTER_KINDS, MAX_WAIT_SECONDS, ParameterStore
+from .store.checks import SCAN_FROM, FiniteScan, finite_rows
+from .store.dedup import MAX_SEQ
 
 __all__ = ["COALESCE_BELOW", "EncodedResponse", "coalesce", "pull_now", "read_body", "router"]
 

@@ -345,7 +345,10 @@ def test_every_copy_source_is_in_the_build_context(dockerfile):
     for package in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
         "packages"
     ]:
-        assert package in sources, f"the package {package} is not copied into the build stage"
+        folder = package.replace(".", "/")
+        assert any(folder == s or folder.startswith(s + "/") for s in sources), (
+            f"the package {package} is not copied into the build stage"
+        )
     # and what must never ship
     for private in (
         ".venv/bin/python",
@@ -354,6 +357,22 @@ def test_every_copy_source_is_in_the_build_context(dockerfile):
         "server/__pycache__/x.pyc",
     ):
         assert not dockerignore_allows(private, patterns), private
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists the packages a wheel (the image's ``pip install /src``) ships, one
+    by one: a sub-package missing from that list would import in a source tree and be missing
+    from an installed paramshard."""
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for top in ("client_sdk", "server")
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
+    assert listed <= found, f"no such packages: {sorted(listed - found)}"
 
 
 # -- docker/k8s/ ----------------------------------------------------------------------------

@@ -29,14 +29,14 @@ from client_sdk import BadTensorError, PSClient, wire
 from client_sdk.optimizers import SGD, Adagrad, Add, from_wire
 from server import httptools_protocol as server_protocol
 from server import optim
-from server import store as store_module
 from server.direct_routes import direct_routes
 from server.errors import ShardError
 from server.headers import header, request_headers
 from server.httptools_protocol import BODY_INTO, GATHER, Gathered, ShardHttpProtocol
 from server.routes_data import coalesce, read_body
-from server.scan import FiniteScan, finite_rows
-from server.store import (
+from server.store import verbs as store_module
+from server.store.checks import FiniteScan, finite_rows
+from server.store.verbs import (
     OFFLOAD_BYTES,
     SMALL_CHECK,
     ParameterStore,

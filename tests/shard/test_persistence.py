@@ -16,8 +16,9 @@ from safetensors.numpy import load_file
 
 from client_sdk.optimizers import SGD, Adagrad
 from server import persistence
-from server.dedup import WINDOW, DedupTable
+from server.persistence import snapshot as snapshot_files
 from server.store import ParameterStore
+from server.store.dedup import WINDOW, DedupTable
 
 
 def make_store() -> ParameterStore:
@@ -127,7 +128,7 @@ def test_format_1_snapshots_keyed_by_name_still_restore(tmp_path, monkeypatch):
     store = awkward_store()
     names = list(store.capture().variables)
     monkeypatch.setattr(
-        persistence,
+        snapshot_files,
         "tensor_key",
         lambda j, slot: names[j] if slot == "value" else f"{names[j]}#{slot}",
     )

@@ -36,9 +36,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from client_sdk.optimizers import SGD, Adagrad, Add, from_wire
 from server import optim, persistence
-from server import store as store_module
 from server.errors import ShardError
 from server.store import ParameterStore
+from server.store import verbs as store_module
 from tests.conftest import examples
 
 SHAPES = [(3,), (2, 2), (5,)]

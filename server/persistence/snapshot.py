@@ -58,9 +58,9 @@ from client_sdk import wire
 from client_sdk.optimizers import from_wire
 from client_sdk.placement import validate_name
 
-from . import optim
-from .dedup import DedupTable
-from .store import Capture, Variable
+from .. import optim
+from ..store import Capture, Variable
+from ..store.dedup import DedupTable
 
 __all__ = [
     "FORMAT",

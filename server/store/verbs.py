@@ -40,7 +40,7 @@ Rules every verb keeps:
 * **Work proportional to the request**, never to the number of variables the shard holds
   (``bytes`` and counts are kept up to date, not recomputed).
 * **Applied once.** A write that carries ``worker_id`` and ``seq`` is checked against the
-  :class:`~server.dedup.DedupTable` after validation: a seq already applied is answered
+  :class:`~server.store.dedup.DedupTable` after validation: a seq already applied is answered
   ``"duplicate"`` and changes nothing (a retried increment gets the value it got the first
   time, while the shard still holds that result: ``dedup.MAX_RESULTS`` per worker); a seq too
   old to tell, or an increment's whose result is no longer held, is refused (409
@@ -69,9 +69,9 @@ import numpy as np
 from client_sdk.optimizers import SGD, Add, Optimizer, from_wire
 from client_sdk.placement import shard_for, validate_name
 
-from . import optim
+from .. import optim
+from ..errors import ShardError
 from .dedup import MAX_RESULTS, DedupTable
-from .errors import ShardError
 
 __all__ = [
     "COUNTER_KINDS",
@@ -760,8 +760,8 @@ class ParameterStore:
 
         Writable gradient arrays (views of a framed request's own buffer, or cast copies) may be
         overwritten as scratch space. ``finite`` maps the gradients the caller has checked for
-        NaN and infinities already (:mod:`server.scan`) to at least their sum of squares; they
-        are not checked again unless they are cast. An update whose result would not be finite
+        NaN and infinities already (:mod:`server.store.checks`) to at least their sum of squares;
+        they are not checked again unless they are cast. An update whose result would not be finite
         (an overflow) is refused whole, 422, and changes nothing (:func:`_bounds_after`). ``block``:
         the gradients, when they are the rows of one array in the order of ``grads`` (a table's,
         ``wire.table_rows(..., with_block=True)``). The event loop calls :meth:`push_async` instead.
@@ -901,7 +901,7 @@ class ParameterStore:
             return self._duplicates(variables)
         # Decided here, on the loop, with no await before the variables are marked: no reader
         # can take hold of a value that is to be written in place. The new buffers are
-        # allocated here too, on the loop's thread (see server/memory.py).
+        # allocated here too, on the loop's thread (see server/store/heap.py).
         outputs = [
             None
             if _in_place_ok(p.var) and not p.var.row_free()
@@ -1310,7 +1310,7 @@ class _PushPlan:
         self.grad = grad
         self.scratch = bool(grad.flags.writeable)
         #: Found finite already, as received, with at least this sum of squares
-        #: (server/scan.py); None: not checked.
+        #: (server/store/checks.py); None: not checked.
         self.checked = checked
         #: The variable's :attr:`~Variable.bound` and ``slot_bound`` after the update, once
         #: known (:func:`_bounds_after`), else None.
