@@ -49,8 +49,7 @@ from .durability import Durability
 from .errors import ShardError
 from .headers import header
 from .httptools_protocol import Answerer, Immediate
-from .store import ParameterStore
-from .store.dedup import DedupTable
+from .store import DedupTable, ParameterStore
 from .store.heap import trim_heap
 
 __all__ = [

@@ -27,8 +27,7 @@ from typing import Any
 from client_sdk.placement import shard_for
 
 from . import persistence
-from .store import Capture
-from .store.dedup import DedupTable
+from .store import Capture, DedupTable
 
 __all__ = ["ReshardError", "ReshardResult", "reshard", "shard_dir"]
 

@@ -28,9 +28,15 @@ from client_sdk import wire
 from .errors import ShardError
 from .headers import header
 from .httptools_protocol import BODY_INTO, Gathered, gathers
-from .store import COUNTER_KINDS, MAX_WAIT_SECONDS, ParameterStore
-from .store.checks import SCAN_FROM, FiniteScan, finite_rows
-from .store.dedup import MAX_SEQ
+from .store import (
+    COUNTER_KINDS,
+    MAX_SEQ,
+    MAX_WAIT_SECONDS,
+    SCAN_FROM,
+    FiniteScan,
+    ParameterStore,
+    finite_rows,
+)
 
 __all__ = ["COALESCE_BELOW", "EncodedResponse", "coalesce", "pull_now", "read_body", "router"]
 

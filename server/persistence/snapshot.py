@@ -59,8 +59,7 @@ from client_sdk.optimizers import from_wire
 from client_sdk.placement import validate_name
 
 from .. import optim
-from ..store import Capture, Variable
-from ..store.dedup import DedupTable
+from ..store import Capture, DedupTable, Variable
 
 __all__ = [
     "FORMAT",

@@ -1,25 +1,49 @@
-"""The store: the variables one shard owns and the verbs that read and change them."""
+"""The store: the variables one shard owns, and the verbs that read and change them.
+
+The routes hold one :class:`ParameterStore` and call its verbs on decoded arguments; refusals are
+:class:`~server.errors.ShardError` with the protocol's codes. Nothing in this package imports
+the web stack (tests/test_import_contracts.py): it is the shard's state, usable without HTTP.
+
+Where each concept lives:
+
+* ``verbs``: :class:`ParameterStore`, the API the routes call: names and ownership, each write
+  run through its steps (check, dedup, build, apply, count), pulls, waits, snapshots' capture
+  and restore.
+* ``operations``: the writes as operations (init, push, assign, increment), each checked whole
+  and built before anything changes; why the steps run in their order.
+* ``apply``: how an operation is written into the live arrays: in place or into fresh memory,
+  a whole slab at once, on the event loop or off it for a big push, with readers and other
+  writers kept away meanwhile.
+* ``checks``: what a gradient or value must be to be applied (dtype, shape, finite), checked
+  by the store, over a table's block at once, or while a push's body arrives.
+* ``bounds``: what an update provably keeps finite, per optimizer.
+* ``variable``: one variable's value and bookkeeping, and whether a reader still holds it.
+* ``slab``: one block of memory for the same-shaped variables of one init.
+* ``heap``: the process's big buffers, reused from the heap.
+* ``dedup``: which writes of each worker were applied, so a retry is applied once.
+
+The optimizers' math is :mod:`server.optim`; snapshot files are :mod:`server.persistence`.
+"""
 
 from __future__ import annotations
 
-from .verbs import (
-    COUNTER_KINDS,
-    DEFAULT_OPTIMIZER,
-    MAX_WAIT_SECONDS,
-    OFFLOAD_BYTES,
-    Capture,
-    ParameterStore,
-    PullRows,
-    Variable,
-)
+from .checks import SCAN_FROM, FiniteScan, finite_rows
+from .dedup import MAX_SEQ, DedupTable
+from .operations import COUNTER_KINDS, DEFAULT_OPTIMIZER
+from .variable import Variable
+from .verbs import MAX_WAIT_SECONDS, Capture, ParameterStore, PullRows
 
 __all__ = [
     "COUNTER_KINDS",
     "DEFAULT_OPTIMIZER",
+    "MAX_SEQ",
     "MAX_WAIT_SECONDS",
-    "OFFLOAD_BYTES",
+    "SCAN_FROM",
     "Capture",
+    "DedupTable",
+    "FiniteScan",
     "ParameterStore",
     "PullRows",
     "Variable",
+    "finite_rows",
 ]

@@ -1,35 +1,222 @@
-"""Checking a push's gradients for NaN and infinities while its body is still arriving.
+"""What a gradient or a value must be before the store applies it, and the checks that say so.
 
-A push is validated whole before any of it is applied, so a finiteness check (one pass over
-every gradient byte) run after the last byte arrived would sit in series with the update, a
-noticeable part of a big push. But the body of a big push is written by the socket straight into one
-buffer (:class:`server.httptools_protocol.BodyInto`), piece by piece, and between pieces the shard
-waits for the network. :class:`FiniteScan` uses those waits: it is called with the count of bytes
-received after each piece, reads the frame's header as soon as it is complete, and checks
+A write is checked whole before any of it is applied (:mod:`server.store.operations`); these
+are the checks of its tensors, and the refusals (422 ``bad_tensor``) they raise:
+
+* **Fit.** A gradient applies to a float variable only, in a float dtype and the variable's
+  shape (:func:`check_dtypes_and_shapes`); it is cast to the variable's dtype
+  (:func:`grad_to_apply`). An assigned value has the variable's shape and survives the cast to
+  its dtype (:func:`cast_checked`).
+* **Finite.** No NaN and no infinity, in the dtype the value is applied in. One streaming pass,
+  no array-sized temporary (:func:`all_finite`), which also yields at least the sum of squares
+  (:func:`finite_squares`): what bounds an update (:mod:`server.store.bounds`).
+* **Finite, sooner.** The same check done before the store sees the push: over a tensor table's
+  same-shaped gradients as one block (:func:`finite_rows`), or over a big push's gradients while
+  its body is still arriving (:class:`FiniteScan`). The route passes what they found to the
+  store (``ParameterStore.push(..., finite=...)``), which skips its own check for those.
+
+**Checking while the body arrives.** A finiteness check (one pass over every gradient byte) run
+after the last byte arrived would sit in series with the update, a noticeable part of a big
+push. But the body of a big push is written by the socket straight into one buffer
+(:class:`server.httptools_protocol.BodyInto`), piece by piece, and between pieces the shard
+waits for the network. :class:`FiniteScan` uses those waits: it is called with the count of
+bytes received after each piece, reads the frame's header as soon as it is complete, and checks
 each float gradient's bytes as they land, while they are still in the CPU's caches. When the
 body is complete, :attr:`FiniteScan.finite` maps the gradients found finite to their sum of
-squares (which bounds what the update can do: ``server.store._bounds_after``); the store skips
-its own check for those (``ParameterStore.push(..., finite=...)``) and checks the rest
-itself.
-
+squares.
 It only ever shortens the work: anything it does not understand (not a framed push, a header
 that does not parse, a dtype it does not scan, an overflow it cannot tell from an infinity)
 leaves those gradients out of :attr:`~FiniteScan.finite`, and the store's exact check decides.
 The handler decodes the same header from the same bytes afterwards, so the names refer to
-the same tensors. Event-loop thread only.
+the same tensors.
+
+Nothing here changes a variable. The BLAS dot products here may warn when they overflow: the
+callers run them under ``np.errstate(all="ignore")``, once per request. Thread-safe functions;
+:class:`FiniteScan` on the event-loop thread only.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from client_sdk import wire
 
-__all__ = ["MIN_SCAN_BYTES", "SCAN_FROM", "FiniteScan", "finite_rows"]
+from ..errors import ShardError
+
+if TYPE_CHECKING:
+    from .variable import Variable
+
+__all__ = [
+    "MIN_SCAN_BYTES",
+    "SCAN_FROM",
+    "SMALL_CHECK",
+    "FiniteScan",
+    "all_finite",
+    "cast_checked",
+    "check_dtypes_and_shapes",
+    "finite_rows",
+    "finite_squares",
+    "grad_to_apply",
+    "native",
+    "tensor_error",
+]
+
+#: f2 arrays up to this many elements are checked with a temporary (cheaper per call than the
+#: sum).
+SMALL_CHECK = 1 << 16
+
+
+def native(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in this machine's byte order (``>f4`` -> ``<f4`` on x86): the order the store
+    keeps values in."""
+    return dtype.newbyteorder("=")
+
+
+def tensor_error(name: str, message: str, **details: Any) -> ShardError:
+    """422 ``bad_tensor`` for variable ``name``."""
+    return ShardError("bad_tensor", f"{name}: {message}", {"variable": name, **details})
+
+
+# -- finite ---------------------------------------------------------------------------------
+
+
+def all_finite(a: np.ndarray) -> bool:
+    """True if ``a`` has no NaN or infinity. One streaming pass, no array-sized temporary in
+    the common case: a reduction that any NaN or infinity carries through is finite exactly
+    when no element is non-finite, unless it overflowed, which the exact fallback settles.
+    For f4 and f8 the reduction is the dot product of ``a`` with itself (BLAS, one thread in a
+    shard: quicker than ``isfinite().all()`` for small arrays and than numpy's pairwise sum
+    for big ones); for f2 (no BLAS) the sum,
+    or for small arrays ``isfinite().all()``. The dot may warn when it overflows: call it
+    under ``np.errstate(all="ignore")`` (the store does, once per request)."""
+    dtype = a.dtype
+    if dtype.kind != "f" or a.size == 0:
+        return True
+    if dtype.itemsize >= 4:  # BLAS raises no floating-point warnings: no errstate needed
+        flat = a if a.ndim == 1 else a.reshape(-1)
+        total = float(np.dot(flat, flat))
+    elif a.size <= SMALL_CHECK:
+        return bool(np.isfinite(a).all())
+    else:
+        with np.errstate(all="ignore"):
+            total = float(np.add.reduce(a, axis=None))
+    if math.isfinite(total):
+        return True
+    return bool(np.isfinite(a).all())
+
+
+def finite_squares(a: np.ndarray) -> float | None:
+    """None if ``a`` has a NaN or an infinity; else at least its sum of squares (exact for f4
+    and f8 up to rounding, the same pass as :func:`all_finite`'s; ``inf`` where it is not
+    known: f2, integers, or an overflow). The dot may warn when it overflows: call it under
+    ``np.errstate(all="ignore")``."""
+    dtype = a.dtype
+    if dtype.kind != "f":
+        return math.inf
+    if a.size == 0:
+        return 0.0
+    if dtype.itemsize >= 4:
+        flat = a if a.ndim == 1 else a.reshape(-1)
+        total = float(np.dot(flat, flat))
+        if math.isfinite(total):
+            return total
+    return math.inf if all_finite(a) else None
+
+
+def _finite_quiet(a: np.ndarray) -> bool:
+    """:func:`all_finite` without its overflow warning, for callers outside a loop that
+    silences floating-point errors once for many arrays (as push does)."""
+    with np.errstate(all="ignore"):
+        return all_finite(a)
+
+
+# -- fit ------------------------------------------------------------------------------------
+
+
+def check_dtypes_and_shapes(variables: Sequence[Variable], grads: Sequence[np.ndarray]) -> None:
+    """Refuse a push (422) unless every variable is a float one and its gradient (``grads``,
+    in order) is of a float dtype and the variable's shape."""
+    for var, grad in zip(variables, grads):
+        if var.value.dtype.kind != "f" or grad.dtype.kind != "f" or grad.shape != var.value.shape:
+            raise _grad_error(var, grad)
+
+
+def _grad_error(var: Variable, grad: np.ndarray) -> ShardError:
+    """Why ``grad`` cannot be applied to ``var`` (dtype kinds, then shape); call only when one
+    of them is wrong."""
+    if var.value.dtype.kind != "f":
+        return tensor_error(
+            var.name,
+            f"variable has integer dtype {var.value.dtype.str}; gradients apply "
+            "to float variables only (use increment or assign to change it)",
+        )
+    if grad.dtype.kind != "f":
+        return tensor_error(
+            var.name, f"gradient dtype {grad.dtype.str} is not a float type: send f2, f4 or f8"
+        )
+    return tensor_error(
+        var.name,
+        f"gradient shape {list(grad.shape)} differs from the variable's {list(var.value.shape)}",
+        shape=list(var.value.shape),
+    )
+
+
+def grad_to_apply(
+    var: Variable, grad: np.ndarray, checked: float | None, squares: list[float]
+) -> np.ndarray:
+    """``grad`` as it is applied to ``var``: cast to its dtype if need be (a fresh, writable
+    copy) and found finite, unless ``checked`` (at least its sum of squares) says it was
+    already and it needed no cast (a cast can overflow: what is applied is checked). At
+    least its sum of squares goes to ``squares``. 422 if it is not finite. Call under
+    ``np.errstate``; after :func:`check_dtypes_and_shapes`."""
+    if grad.dtype != var.value.dtype:
+        grad = grad.astype(var.value.dtype)
+        checked = None
+    if checked is None:
+        checked = finite_squares(grad)
+        if checked is None:
+            raise tensor_error(
+                var.name,
+                f"gradient has NaN or infinite entries (in {var.value.dtype.str}): skip or "
+                "clip this step",
+            )
+    squares.append(checked)
+    return grad
+
+
+def cast_checked(name: str, value: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``value`` as ``dtype``, refusing what would not survive the cast (NaN, inf, overflow)."""
+    if value.dtype == dtype:
+        if not _finite_quiet(value):
+            raise tensor_error(name, "value has NaN or infinite entries")
+        return value
+    if dtype.kind == "f":
+        with np.errstate(all="ignore"):
+            cast = value.astype(dtype)
+        if not _finite_quiet(cast):
+            raise tensor_error(name, f"value has NaN or infinite entries once cast to {dtype.str}")
+        return cast
+    if not _finite_quiet(value):
+        raise tensor_error(name, "value has NaN or infinite entries")
+    if value.size:
+        info = np.iinfo(dtype)
+        lo, hi = value.min(), value.max()
+        if lo < info.min or hi > info.max:
+            raise tensor_error(
+                name,
+                f"values in [{lo}, {hi}] do not fit dtype {dtype.str} "
+                f"(range {info.min}..{info.max})",
+            )
+    return value.astype(dtype)
+
+
+# -- finite, sooner: a table's block in one pass, a big body while it arrives -----------------
 
 #: Push bodies from this size on are scanned as they arrive. Around 4 MB the scan is about
 #: even in time and saves shard CPU; from tens of MB up it shortens the push clearly. Below

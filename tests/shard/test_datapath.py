@@ -2,7 +2,7 @@
 
 Real shard processes (tests/conftest.py), and the store or the protocol in this process where a
 test must hold a thread or a socket at a chosen point. Updates of at least
-``server.store.OFFLOAD_BYTES`` are checked and applied in a worker thread (in place while
+``server.store.apply.OFFLOAD_BYTES`` are checked and applied in a worker thread (in place while
 readers wait, or into fresh buffers while a reader holds the value); these tests check that they
 do the same math as small ones, are never seen half-done, never lose a concurrent update, and
 refuse bad input without a trace.
@@ -34,16 +34,11 @@ from server.errors import ShardError
 from server.headers import header, request_headers
 from server.httptools_protocol import BODY_INTO, GATHER, Gathered, ShardHttpProtocol
 from server.routes_data import coalesce, read_body
-from server.store import verbs as store_module
-from server.store.checks import FiniteScan, finite_rows
-from server.store.verbs import (
-    OFFLOAD_BYTES,
-    SMALL_CHECK,
-    ParameterStore,
-    Variable,
-    _one_update,
-    all_finite,
-)
+from server.store import ParameterStore, Variable
+from server.store import apply as store_apply
+from server.store import slab as store_slab
+from server.store.apply import OFFLOAD_BYTES, one_update
+from server.store.checks import SMALL_CHECK, FiniteScan, all_finite, finite_rows
 from tests.helpers.recorder import Recorder
 
 BIG = OFFLOAD_BYTES // 4 + 1000  # float32 elements: just above the off-loop threshold
@@ -248,7 +243,7 @@ def test_a_push_to_all_of_a_slab_is_one_update_and_the_same_as_one_by_one(monkey
         calls.append(value.shape)
         return apply(opt, value, grad, *args, **kwargs)
 
-    monkeypatch.setattr(store_module.optim, "apply", counted)
+    monkeypatch.setattr(optim, "apply", counted)
     store = ParameterStore(0, 1)
     names = ["a", "b", "c"]
     store.init(
@@ -298,7 +293,7 @@ def test_big_values_get_no_slab_and_an_update_off_the_loop_brings_a_value_home(m
     """Variables of more than SLAB_ROW_BYTES each are made one by one; and a push applied off
     the event loop (a big one) takes a value that is away from its row back there once no
     reader holds the row, as one on the loop does."""
-    monkeypatch.setattr(store_module, "SLAB_ROW_BYTES", 16)
+    monkeypatch.setattr(store_slab, "SLAB_ROW_BYTES", 16)
     store = ParameterStore(0, 1)
     store.init(
         {
@@ -312,7 +307,7 @@ def test_big_values_get_no_slab_and_an_update_off_the_loop_brings_a_value_home(m
     a = store.get("a")
     home = a.value.ctypes.data
     assert a._slab is not None and store.get("b").value.ctypes.data == home + 16
-    monkeypatch.setattr(store_module, "OFFLOAD_BYTES", 1)  # every push off the loop
+    monkeypatch.setattr(store_apply, "OFFLOAD_BYTES", 1)  # every push off the loop
 
     async def run() -> None:
         reply = store.pull_rows(["a", "b"]).whole
@@ -356,7 +351,7 @@ def test_restored_variables_are_laid_out_as_their_init_made_them():
     assert np.frombuffer(whole, np.float32).tolist() == [1.0] * 4 + [2.0] * 4
     del whole
     block = np.ones((2, 4), np.float32)
-    assert _one_update([a, b], list(block), block) is not None
+    assert one_update([a, b], list(block), block) is not None
     store.push("worker", 1, {"a": block[0], "b": block[1]}, block=block)
     assert a.value.tolist() == [0.5] * 4 and b.value.tolist() == [1.5] * 4
 
@@ -428,7 +423,7 @@ def test_readers_wait_while_a_big_update_is_written_in_place():
         assert (await first)["w"]["version"] == 1
         await asyncio.wait_for(reader, 5)
         assert (await asyncio.wait_for(second, 5))["w"]["version"] == 2
-        assert not var.in_place and var.writing is None and store._in_place == 0
+        assert not var.in_place and var.writing is None and store._off_loop.in_place == 0
 
     asyncio.run(scenario())
     assert var.value.ctypes.data == where and (var.value == 2).all()

@@ -280,7 +280,7 @@ def test_a_pull_of_a_variable_being_written_in_place_goes_to_the_app():
             store = app.state.store
             var = store._vars["b"]
             var.in_place, var.writing = True, asyncio.get_running_loop().create_future()
-            store._in_place += 1
+            store._off_loop.in_place += 1
             assert not store.settled_now(["a", "b"]) and store.settled_now(["a", "c", 3])
             conn = Connection(immediate)
             pending = asyncio.ensure_future(conn.send(request()))
@@ -289,7 +289,7 @@ def test_a_pull_of_a_variable_being_written_in_place_goes_to_the_app():
             assert not pending.done() and immediate.calls == 1  # the app waits for the writer
             var.writing.set_result(None)
             var.writing, var.in_place = None, False
-            store._in_place -= 1
+            store._off_loop.in_place -= 1
             _table(await pending)
 
     asyncio.run(run())

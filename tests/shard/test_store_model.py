@@ -37,8 +37,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from client_sdk.optimizers import SGD, Adagrad, Add, from_wire
 from server import optim, persistence
 from server.errors import ShardError
-from server.store import ParameterStore
-from server.store import verbs as store_module
+from server.store import DEFAULT_OPTIMIZER, ParameterStore
+from server.store import apply as store_apply
 from tests.conftest import examples
 
 SHAPES = [(3,), (2, 2), (5,)]
@@ -180,10 +180,8 @@ class StoreMachine(RuleBasedStateMachine):
             result = self.store.init(entries)
             assert result[name] == {"version": before.version[name], "created": False}
             self.model.values[fresh] = np.zeros(3, np.float32)
-            self.model.optimizer[fresh] = store_module.DEFAULT_OPTIMIZER
-            self.model.state[fresh] = optim.init_state(
-                store_module.DEFAULT_OPTIMIZER, self.model.values[fresh]
-            )
+            self.model.optimizer[fresh] = DEFAULT_OPTIMIZER
+            self.model.state[fresh] = optim.init_state(DEFAULT_OPTIMIZER, self.model.values[fresh])
             self.model.version[fresh] = 0
         else:
             with pytest.raises(ShardError) as info:
@@ -268,7 +266,7 @@ class StoreMachine(RuleBasedStateMachine):
                 out[name] = home
             elif home:
                 out[name] = not var.held() and not (
-                    off_loop and type(var.optimizer) not in store_module._CHEAP_IN_PLACE
+                    off_loop and type(var.optimizer) not in store_apply.CHEAP_IN_PLACE
                 )
             else:
                 out[name] = var._gone() is None
@@ -277,12 +275,12 @@ class StoreMachine(RuleBasedStateMachine):
     def push_now(self, worker, seq, grads, rows, off_loop):
         if not off_loop:
             return self.run(self.store.push_async(worker, seq, grads, block=rows))
-        saved = store_module.OFFLOAD_BYTES
-        store_module.OFFLOAD_BYTES = 1
+        saved = store_apply.OFFLOAD_BYTES
+        store_apply.OFFLOAD_BYTES = 1
         try:
             return self.run(self.store.push_async(worker, seq, grads, block=rows))
         finally:
-            store_module.OFFLOAD_BYTES = saved
+            store_apply.OFFLOAD_BYTES = saved
 
     @precondition(lambda self: self.model.values)
     @rule(
@@ -401,13 +399,13 @@ class StoreMachine(RuleBasedStateMachine):
                 self.store.push_async("w1", seq_b, grads_b),
             )
 
-        saved = store_module.OFFLOAD_BYTES
+        saved = store_apply.OFFLOAD_BYTES
         if off_loop:
-            store_module.OFFLOAD_BYTES = 1
+            store_apply.OFFLOAD_BYTES = 1
         try:
             self.run(both())
         finally:
-            store_module.OFFLOAD_BYTES = saved
+            store_apply.OFFLOAD_BYTES = saved
         for name, version, value in seen:
             possible = [s.values[name] for s in (*states, only_b) if s.version[name] == version]
             assert any(np.array_equal(value, p) for p in possible), (

@@ -1,0 +1,91 @@
+"""What an update provably keeps finite: per variable, a bound on its magnitudes, and per
+optimizer, what one gradient can do to it.
+
+A push is refused whole (422) if any of its updates would make a value or an optimizer slot
+NaN or infinite (an overflow), with nothing written. Computing every update into fresh memory
+and checking it first would cost a pass and the memory of a copy per push; instead each variable
+keeps :attr:`~server.store.variable.Variable.bound` (at least the largest magnitude in its value)
+and ``slot_bound`` (the same for its optimizer slots), and from them and a gradient's sum of
+squares (which the finiteness check yields: :func:`server.store.checks.finite_squares`) a few
+float operations tell that the update stays finite and what the bounds are after it
+(:func:`bounds_after`). Only an update they cannot vouch for is computed into fresh memory and
+checked before anything is written (:func:`server.store.apply.checked_update`).
+
+An optimizer the shard learns (server/optim.py) needs its rule in :func:`bounds_for`; until it
+has one, every update of it is computed into fresh memory and checked.
+
+Pure arithmetic on a few floats, plus :func:`bounds_known`'s read-only passes; thread-safe.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from client_sdk.optimizers import SGD, Adagrad, Add, Optimizer
+
+from .variable import Variable
+
+__all__ = ["LIMITS", "bounds_after", "bounds_for", "bounds_known", "magnitude"]
+
+#: Half the largest value of each float dtype, by item size: a bound below it leaves room
+#: for rounding.
+LIMITS = {np.dtype(t).itemsize: float(np.finfo(t).max) / 2 for t in ("f2", "f4", "f8")}
+#: Adagrad's step is at most ``lr`` times this (``|g| / sqrt(acc + g*g)`` is at most 1, up
+#: to rounding).
+_ADAGRAD_STEP = 1.001
+
+
+def bounds_after(var: Variable, squares: float) -> tuple[float, float] | None:
+    """The variable's :attr:`~Variable.bound` and ``slot_bound`` after applying a gradient
+    whose sum of squares is at most ``squares`` (so is the square of its largest magnitude),
+    when they show the update stays finite; else None (the update must be computed into
+    fresh memory and checked). The update's values are not read."""
+    return bounds_for(var.optimizer, var.bound, var.slot_bound, squares, LIMITS[var.value.itemsize])
+
+
+def bounds_for(
+    opt: Optimizer, bound: float, slot_bound: float, squares: float, limit: float
+) -> tuple[float, float] | None:
+    """:func:`bounds_after` of a value and slots bounded by ``bound`` and ``slot_bound``,
+    for ``opt``, against ``limit`` (:data:`LIMITS`)."""
+    kind = type(opt)
+    grad = math.sqrt(squares)
+    if kind is Add:
+        after, slot = bound + grad, 0.0
+    elif kind is SGD:
+        after, slot = abs(1.0 - opt.lr * opt.weight_decay) * bound + opt.lr * grad, 0.0
+    elif kind is Adagrad:  # |g| <= |grad| + wd*|value|; acc grows by g*g; the step is <= lr
+        g = grad + opt.weight_decay * bound
+        slot = slot_bound + g * g
+        after = bound + opt.lr * _ADAGRAD_STEP
+    else:  # no rule for it: computed into fresh memory and checked
+        return None
+    if after <= limit and slot <= limit:  # False for NaN too
+        return after, slot
+    return None
+
+
+def bounds_known(
+    var: Variable, squares: float, bounds: tuple[float, float] | None
+) -> tuple[float, float] | None:
+    """``bounds`` (:func:`bounds_after`'s), or where that is None because the variable's own
+    bounds are not known (after an assign, a restart, a push that was not vouched for), those
+    measured first (two read-only passes over the value and slots) and tried again: such an
+    update need not go to fresh memory."""
+    if bounds is None and (var.bound == math.inf or var.slot_bound == math.inf):
+        var.bound = magnitude(var.value)
+        var.slot_bound = max(map(magnitude, var.state.values())) if var.state else 0.0
+        if math.isfinite(var.bound) and math.isfinite(var.slot_bound):
+            return bounds_after(var, squares)
+        var.bound = var.slot_bound = math.inf
+    return bounds
+
+
+def magnitude(a: np.ndarray) -> float:
+    """The largest magnitude in ``a`` (NaN if it holds one, inf if an infinity); two
+    passes, no temporary."""
+    if not a.size:
+        return 0.0
+    return max(abs(float(a.max())), abs(float(a.min())))
