@@ -34,7 +34,7 @@ from typing import Any
 
 from client_sdk import wire
 
-from .config import LOG_LEVELS, ConfigError, ShardConfig, env_name, flag_name
+from .config import LOG_LEVELS, InvalidSetting, ShardConfig, env_name, flag_name
 from .reshard import ReshardError, reshard, shard_dir
 
 __all__ = ["build_parser", "main", "serve"]
@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _reshard(args)
         if args.command == "health":
             return _health(args)
-    except (ConfigError, UsageError) as exc:
+    except (InvalidSetting, UsageError) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 2
     parser.error(f"unknown command {args.command!r}")

@@ -2,8 +2,8 @@
 
 Every setting has a flag and an environment variable (``--num-shards`` / ``PARAMSHARD_NUM_SHARDS``);
 a flag given on the command line wins. Values are cast explicitly, and a bad one raises
-:class:`ConfigError` naming the flag and the variable it came from and saying what a valid value
-is, so ``paramshard serve`` can exit with status 2 and one line instead of a traceback.
+:class:`InvalidSetting` naming the flag and the variable it came from and saying what a valid
+value is, so ``paramshard serve`` can exit with status 2 and one line instead of a traceback.
 
     config = ShardConfig.from_sources({"shard_index": "1"}, os.environ)
 
@@ -24,7 +24,7 @@ from client_sdk.wire import ENV_PREFIX, MAX_REQUEST_NAMES
 __all__ = [
     "ENV_PREFIX",
     "LOG_LEVELS",
-    "ConfigError",
+    "InvalidSetting",
     "ShardConfig",
     "index_from_hostname",
     "parse_size",
@@ -44,8 +44,9 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-class ConfigError(ValueError):
-    """A setting with a bad value; ``key`` is where it came from (a flag and/or an env var)."""
+class InvalidSetting(ValueError):
+    """A shard setting with a bad value; ``key`` is where it came from (a flag and/or an env
+    var). (A worker's bad settings are the SDK's ``client_sdk.ConfigError``.)"""
 
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key}: {message}")
@@ -235,7 +236,7 @@ class ShardConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard_index < self.num_shards:
-            raise ConfigError(
+            raise InvalidSetting(
                 f"{flag_name('shard_index')} / {env_name('shard_index')}",
                 f"shard index must be in 0..{self.num_shards - 1} for a fleet of "
                 f"{self.num_shards} shard(s) ({flag_name('num_shards')}), got {self.shard_index}",
@@ -245,14 +246,14 @@ class ShardConfig:
                 self, "max_queued_bytes", max(DEFAULT_MAX_QUEUED_BYTES, self.max_request_bytes)
             )
         if self.max_queued_bytes < self.max_request_bytes:
-            raise ConfigError(
+            raise InvalidSetting(
                 f"{flag_name('max_queued_bytes')} / {env_name('max_queued_bytes')}",
                 f"must be at least {flag_name('max_request_bytes')} ({self.max_request_bytes}), "
                 f"or a request of the largest allowed size could never be admitted; got "
                 f"{self.max_queued_bytes}",
             )
         if self.restore is not None and self.data_dir is None:
-            raise ConfigError(
+            raise InvalidSetting(
                 f"{flag_name('restore')} / {env_name('restore')}",
                 f"restoring a checkpoint needs {flag_name('data_dir')} (the "
                 "directory holding its snapshot)",
@@ -269,7 +270,7 @@ class ShardConfig:
     ) -> ShardConfig:
         """Build a config from parsed flags (field name -> value or ``None`` when not given) and
         an environment mapping (``PARAMSHARD_*`` keys). Flags win; fields set nowhere keep their
-        defaults. Raises :class:`ConfigError` naming the offending key.
+        defaults. Raises :class:`InvalidSetting` naming the offending key.
         """
         flags = flags or {}
         environ = environ or {}
@@ -291,7 +292,7 @@ class ShardConfig:
             try:
                 values[f.name] = cast(str(raw))
             except ValueError as exc:
-                raise ConfigError(key, str(exc)) from None
+                raise InvalidSetting(key, str(exc)) from None
         index = values.get("shard_index", 0)
         num = values.get("num_shards", 1)
         if index >= num:
@@ -302,7 +303,7 @@ class ShardConfig:
                 if str(source).strip().lower() == "auto"
                 else ""
             )
-            raise ConfigError(
+            raise InvalidSetting(
                 key,
                 f"shard index must be in 0..{num - 1} for a fleet of {num} shard(s) "
                 f"(set by {keys.get('num_shards', 'the default')}), got {index}{came_from}",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from server.config import ConfigError, ShardConfig
+from server.config import InvalidSetting, ShardConfig
 from tests.conftest import ROOT, free_port, http_json
 
 
@@ -98,7 +98,7 @@ def test_flags_win_over_environment():
     assert (
         ShardConfig.from_sources({"max_request_bytes": "16MiB"}, {}).max_request_bytes == 16 << 20
     )
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(InvalidSetting) as info:
         ShardConfig.from_sources({"port": "x"}, {"PARAMSHARD_PORT": "7100"})
     assert info.value.key == "--port"
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from server import config as config_module
-from server.config import ConfigError, ShardConfig, index_from_hostname
+from server.config import InvalidSetting, ShardConfig, index_from_hostname
 from tests.conftest import ROOT, free_port, http_json
 
 
@@ -43,13 +43,13 @@ def test_auto_index_in_config(monkeypatch):
     assert ShardConfig.from_sources({"shard_index": "1"}, env).shard_index == 1  # flag wins
 
     monkeypatch.setattr(config_module.socket, "gethostname", lambda: "paramshard-4")
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(InvalidSetting) as info:
         ShardConfig.from_sources({}, env)
     assert info.value.key == "PARAMSHARD_SHARD_INDEX"
     assert "0..3" in str(info.value) and "'paramshard-4'" in str(info.value)
 
     monkeypatch.setattr(config_module.socket, "gethostname", lambda: "web")
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(InvalidSetting) as info:
         ShardConfig.from_sources({"shard_index": "auto"}, env)
     assert info.value.key == "--shard-index" and "'web'" in str(info.value)
 

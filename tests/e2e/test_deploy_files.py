@@ -42,7 +42,7 @@ from client_sdk._core import load_settings
 from client_sdk.wire import ENV_SHARDS, ENV_TOKEN, ENV_WORKER_ID
 from server import config as config_module
 from server.cli import build_parser
-from server.config import ConfigError, ShardConfig, env_name
+from server.config import InvalidSetting, ShardConfig, env_name
 from server.demo import find_worker_script, load_worker_module
 from tests.helpers.deploy_files import (
     DOCKERFILE,
@@ -430,7 +430,7 @@ def test_statefulset_shards_take_their_index_from_the_pod_ordinal(k8s, monkeypat
         config = shard_config(env, hostname=f"{name}-{i}", monkeypatch=monkeypatch)
         assert (config.shard_index, config.num_shards) == (i, replicas)
     # one pod too many (kubectl scale without resharding) refuses to start
-    with pytest.raises(ConfigError, match="shard index must be in"):
+    with pytest.raises(InvalidSetting, match="shard index must be in"):
         shard_config(env, hostname=f"{name}-{replicas}", monkeypatch=monkeypatch)
     assert container["args"] == ["serve"]
 
