@@ -31,4 +31,5 @@ CASES: dict[str, str] = {
     "step": "bench.step",
     "workers": "bench.workers",
     "snapshot": "bench.snapshot",
+    "optimizers": "bench.optimizers",
 }

@@ -4,7 +4,9 @@
   TensorFlow's gRPC parameter server's;
 * a 4 KB pull's p50 latency <= 0.5 x TensorFlow's;
 * 100 x 4 KB pulled in one step: >= 10 x TensorFlow's steps/s;
-* 4 workers pushing 4 MB against 2 shards: aggregate >= 1.3 x the same against 1 shard.
+* 4 workers pushing 4 MB against 2 shards: aggregate >= 1.3 x the same against 1 shard;
+* each optimizer's update of a 2.5·10^7-element float32 variable: <= 1.25 x the time of the
+  same formula as a plain in-place numpy sequence.
 
 :func:`evaluate` returns one dict per goal (JSON-ready); :func:`render` prints them. A goal
 whose figures were not measured in this run says what would measure it (``--peers`` for the
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from . import optimizers
 from .peers import PEERS
 from .transfer import RAW, SDK
 
@@ -161,6 +164,21 @@ def evaluate(rows: Sequence[dict]) -> list[dict]:
             "not measured: run the workers case at size 1e6",
         )
     )
+    big = optimizers.DEFAULT_SIZES[0]
+    for op in optimizers.OPS:
+        out.append(
+            _goal(
+                f"{op} update of {big:,}",
+                "plain numpy",
+                "median time",
+                _find(rows, "optimizers", op, big, optimizers.APPLY),
+                _find(rows, "optimizers", op, big, optimizers.NUMPY),
+                "median_s",
+                False,
+                1.25,
+                f"not measured: run the optimizers case at size {big:.2g}",
+            )
+        )
     return out
 
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from bench import goals, scale, timing
+from bench import goals, optimizers, scale, timing
 from bench.transfer import RAW, SDK
 from tests.conftest import ROOT
 
@@ -38,7 +38,7 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
-    for case in ("transfer:", "step:", "workers:", "snapshot:"):
+    for case in ("transfer:", "step:", "workers:", "snapshot:", "optimizers:"):
         assert case in out
     assert "GOALS" in out and "SCALE: not estimated" in out
     (written,) = tmp_path.glob("*.json")
@@ -55,6 +55,8 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
             assert systems[case, op] == {SDK, RAW}
     assert systems["workers", "push"] == {RAW, goals.ONE_SHARD, goals.TWO_SHARDS}
     assert {"paramshard", "raw file"} <= systems["snapshot", "write"]
+    for op in optimizers.OPS:
+        assert systems["optimizers", op] == {optimizers.APPLY, optimizers.NUMPY}
     assert [g["met"] for g in data["meta"]["goals"]] == [None] * len(data["meta"]["goals"])
     assert data["meta"]["scale"] is None
 
