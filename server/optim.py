@@ -184,6 +184,7 @@ def apply(
     state: State,
     *,
     step: int = 1,
+    scale: float = 1.0,
     out: np.ndarray | None = None,
     state_out: State | None = None,
     scratch: bool = False,
@@ -192,24 +193,31 @@ def apply(
     optimizer's new slots to ``state_out`` (default: ``state``, in place).
 
     ``step`` is the number of this update among those the optimizer applied to the variable
-    (1 for the first). ``grad`` must have ``value``'s shape and dtype; ``out``, if given, too
-    (and must not overlap ``value``); ``state_out``, if given, holds an array of the same shape
-    as each slot (see :func:`fresh_state`) and then ``value`` and ``state`` are only read. With
-    ``scratch=True`` the function may overwrite ``grad`` instead of allocating a temporary.
-    Writing to a fresh ``out`` costs no more than updating in place, which is how the store
-    moves a value that a reader still holds to new memory, and how it computes an update off
-    the event loop.
+    (1 for the first). ``scale`` multiplies this update's learning rate (after the schedule;
+    for ``Add``, the pushed delta): the slots advance as for any update. ``grad`` must have
+    ``value``'s shape and dtype; ``out``, if given, too (and must not overlap ``value``);
+    ``state_out``, if given, holds an array of the same shape as each slot (see
+    :func:`fresh_state`) and then ``value`` and ``state`` are only read. With ``scratch=True``
+    the function may overwrite ``grad`` instead of allocating a temporary. Writing to a fresh
+    ``out`` costs no more than updating in place, which is how the store moves a value that a
+    reader still holds to new memory, and how it computes an update off the event loop.
     """
     if out is None:
         out = value
     kind = type(opt)
     if kind is Add:
-        np.add(value, grad, out=out)
+        if scale == 1.0:
+            np.add(value, grad, out=out)
+        else:
+            delta = grad if scratch else np.empty_like(value)
+            np.multiply(grad, scale, out=delta)
+            np.add(value, delta, out=out)
         return
     rule = _RULES.get(kind)
     if rule is None:  # from_wire only builds the ones in _RULES
         raise TypeError(f"no server-side math for optimizer {kind.__name__}")
-    rule(opt, value, grad, state, state if state_out is None else state_out, out, step, scratch)
+    new = state if state_out is None else state_out
+    rule(opt, value, grad, state, new, out, step, learning_rate(opt, step) * scale, scratch)
 
 
 # -- the rules -----------------------------------------------------------------------------------
@@ -275,9 +283,9 @@ def _sgd(
     new: State,
     out: np.ndarray,
     step: int,
+    lr: float,
     scratch: bool,
 ) -> None:
-    lr = learning_rate(opt, step)
     scale = _clip_scale(opt, grad)
     if not opt.momentum:
         # value - lr*(scale*g + wd*value) == value*(1 - lr*wd) - (lr*scale)*g: one temporary
@@ -321,9 +329,9 @@ def _adam(
     new: State,
     out: np.ndarray,
     step: int,
+    lr: float,
     scratch: bool,
 ) -> None:
-    lr = learning_rate(opt, step)
     decoupled = type(opt) is AdamW
     b1, b2 = opt.betas
     g, tmp = _gradient(
@@ -370,9 +378,9 @@ def _rmsprop(
     new: State,
     out: np.ndarray,
     step: int,
+    lr: float,
     scratch: bool,
 ) -> None:
-    lr = learning_rate(opt, step)
     alpha = opt.alpha
     g, tmp = _gradient(value, grad, scratch, _clip_scale(opt, grad), opt.weight_decay)
     v = new["square_avg"]
@@ -413,9 +421,10 @@ def _adagrad(
     new: State,
     out: np.ndarray,
     step: int,
+    lr: float,
     scratch: bool,
 ) -> None:
-    lr = learning_rate(opt, step) / (1.0 + (step - 1) * opt.lr_decay)
+    lr = lr / (1.0 + (step - 1) * opt.lr_decay)
     g, tmp = _gradient(value, grad, scratch, _clip_scale(opt, grad), opt.weight_decay)
     acc = new["accumulator"]
     np.multiply(g, g, out=tmp)
@@ -446,9 +455,9 @@ def _ftrl(
     new: State,
     out: np.ndarray,
     step: int,
+    lr: float,
     scratch: bool,
 ) -> None:
-    lr = learning_rate(opt, step)
     scale = _clip_scale(opt, grad)  # folded in below: no array for the clipped gradient
     power = -opt.learning_rate_power
     acc, linear = new["accumulator"], new["linear"]
@@ -490,7 +499,9 @@ def _ftrl(
         np.divide(linear, now, out=out)
 
 
-_Rule = Callable[[Optimizer, np.ndarray, np.ndarray, State, State, np.ndarray, int, bool], None]
+_Rule = Callable[
+    [Optimizer, np.ndarray, np.ndarray, State, State, np.ndarray, int, float, bool], None
+]
 _RULES: dict[type[Optimizer], _Rule] = {
     SGD: _sgd,
     Adam: _adam,

@@ -12,6 +12,7 @@ same bits.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tracemalloc
 from typing import Any
@@ -544,3 +545,25 @@ def test_in_place_and_into_fresh_buffers_give_the_same_bits(opt, seed, steps):
 @given(opt=_specs)
 def test_every_spec_round_trips_the_wire(opt):
     assert from_wire(opt.to_wire()) == opt
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [o for o in CASES if isinstance(getattr(o, "schedule", Constant()), Constant)],
+    ids=lambda o: type(o).__name__,
+)
+def test_a_scaled_update_is_the_update_at_that_fraction_of_the_learning_rate(opt):
+    """``scale`` (bounded staleness's damping) multiplies the learning rate of one update, and
+    only that: the result is the update of the same optimizer with ``lr * scale``."""
+    w0, grads = _data(7, np.float64)
+    scaled, state = w0.copy(), optim.init_state(opt, w0)
+    for t, g in enumerate(grads[:5], start=1):
+        optim.apply(opt, scaled, g, state, step=t, scale=0.5)
+    if isinstance(opt, Add):
+        np.testing.assert_allclose(scaled, w0 + 0.5 * sum(grads[:5]), rtol=1e-12)
+        return
+    halved = dataclasses.replace(opt, lr=opt.lr * 0.5)
+    want, want_state = run_in_place(halved, w0, grads[:5], scratch=False)
+    np.testing.assert_array_equal(scaled, want)
+    for name, slot in state.items():
+        np.testing.assert_array_equal(slot, want_state[name])

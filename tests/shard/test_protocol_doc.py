@@ -191,10 +191,10 @@ def test_optimizers_follow_the_formulas_and_defaults_of_the_doc(http, url, spec)
         ok(http, url, "push", {"worker_id": fresh("w"), "seq": seq, "grads": {name: g}})
     # The formulas and defaults as docs/PROTOCOL.md states them.
     kind = (spec or {}).get("type", "sgd")
-    lr = 0.01
+    lr = 0.01 if spec is None or kind == "adagrad" else 0.001
     wd = (spec or {}).get("weight_decay", 0.0)
     w = w0.copy()
-    acc = np.full(3, 0.1)
+    acc = np.zeros(3)
     for g in grads:
         if kind == "add":
             w = w + g
@@ -203,16 +203,21 @@ def test_optimizers_follow_the_formulas_and_defaults_of_the_doc(http, url, spec)
         else:
             g = g + wd * w
             acc = acc + g * g
-            w = w - lr * g / (np.sqrt(acc) + 1e-7)
+            w = w - lr * g / (np.sqrt(acc) + 1e-10)
     np.testing.assert_allclose(state(http, url, name)["values"], w, rtol=1e-12)
     shown = state(http, url, name)["optimizer"]
     assert shown["type"] == kind
     if kind == "adagrad":
-        assert (shown["lr"], shown["initial_accumulator_value"], shown["epsilon"]) == (
-            0.01,
-            0.1,
-            1e-7,
-        )
+        assert (
+            shown["lr"],
+            shown["lr_decay"],
+            shown["initial_accumulator_value"],
+            shown["epsilon"],
+            shown["clip_norm"],
+            shown["schedule"],
+        ) == (0.01, 0.0, 0.0, 1e-10, None, {"type": "constant"})
+    if spec is None:
+        assert (shown["lr"], shown["momentum"], shown["nesterov"]) == (0.01, 0.0, False)
 
 
 # -- §3 assign, increment: worker_id and seq come together -----------------------------------

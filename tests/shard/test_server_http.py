@@ -683,7 +683,7 @@ def test_a_pull_in_flight_never_sees_later_pushes(fleet2, http):
 
 def _reference(opt: dict, w: np.ndarray, grads: list[np.ndarray]) -> np.ndarray:
     w = w.astype(np.float64)
-    acc = np.full_like(w, opt.get("initial_accumulator_value", 0.1))
+    acc = np.full_like(w, opt.get("initial_accumulator_value", 0.0))
     for g in grads:
         g = g.astype(np.float64)
         if opt["type"] == "add":
@@ -693,7 +693,7 @@ def _reference(opt: dict, w: np.ndarray, grads: list[np.ndarray]) -> np.ndarray:
         else:
             g = g + opt.get("weight_decay", 0.0) * w
             acc = acc + g * g
-            w = w - opt["lr"] * g / (np.sqrt(acc) + opt.get("epsilon", 1e-7))
+            w = w - opt["lr"] * g / (np.sqrt(acc) + opt.get("epsilon", 1e-10))
     return w
 
 
