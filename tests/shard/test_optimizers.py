@@ -38,6 +38,7 @@ from client_sdk.optimizers import (
     from_wire,
 )
 from server import optim
+from tests.conftest import examples
 
 STEPS = 100
 SHAPE = (8, 16)
@@ -530,7 +531,7 @@ _specs = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(opt=_specs, seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 4))
 def test_in_place_and_into_fresh_buffers_give_the_same_bits(opt, seed, steps):
     w0, grads = _data(seed, np.float32)
@@ -541,7 +542,7 @@ def test_in_place_and_into_fresh_buffers_give_the_same_bits(opt, seed, steps):
         np.testing.assert_array_equal(state[name], again_state[name])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(opt=_specs)
 def test_every_spec_round_trips_the_wire(opt):
     assert from_wire(opt.to_wire()) == opt
