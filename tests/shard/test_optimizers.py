@@ -344,6 +344,42 @@ def test_an_update_allocates_at_most_two_temporaries(opt, scratch):
     assert peak <= (1 if scratch else 2) * w.nbytes + 64 * 1024
 
 
+@pytest.mark.parametrize("opt", CASES, ids=[f"{type(o).__name__}-{i}" for i, o in enumerate(CASES)])
+def test_a_big_variable_updated_a_block_at_a_time_gets_the_same_bits(opt, monkeypatch):
+    """Blocks of 200 bytes (25 float64: 5 blocks and a remainder of 3 for 128 elements) give
+    what the whole arrays at once give, clipping by the whole gradient's norm included."""
+    w0, grads = _data(11, np.float64)
+    whole, whole_state = run_in_place(opt, w0, grads[:20], scratch=False)
+    monkeypatch.setattr(optim, "_BLOCK_BYTES", 200)
+    for blocked, blocked_state in (
+        run_in_place(opt, w0, grads[:20], scratch=False),
+        run_in_place(opt, w0, grads[:20], scratch=True),
+        run_into_fresh(opt, w0, grads[:20]),
+    ):
+        np.testing.assert_array_equal(blocked, whole)
+        for name, slot in whole_state.items():
+            np.testing.assert_array_equal(blocked_state[name], slot)
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [Adam(weight_decay=0.1, clip_norm=1.0, amsgrad=True), Ftrl(l1=0.1)],
+    ids=lambda o: type(o).__name__,
+)
+def test_a_big_variables_temporaries_are_the_size_of_a_block(opt):
+    n = 4 * optim._BLOCK_BYTES // 4  # float32: four blocks
+    w = np.ones(n, np.float32)
+    state = optim.init_state(opt, w)
+    grad = np.full(n, 0.5, np.float32)
+    tracemalloc.start()
+    try:
+        optim.apply(opt, w, grad, state, step=2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= 2 * optim._BLOCK_BYTES + 64 * 1024
+
+
 def test_clipping_uses_the_norm_of_the_whole_gradient_summed_in_float64():
     """Millions of float32 squares summed in float32 at once lose ~1e-5 of the norm (more,
     the more there are); the clip's norm does not."""
