@@ -31,7 +31,8 @@ applied to the variable before it (0 for the first):
 
 Every field has its own range (a learning rate >= 0, betas in [0, 1), booleans are booleans,
 ...): a value outside it, an unknown field, or a combination that cannot work (Nesterov
-without momentum) raises ``ValueError`` naming the field and what is allowed, here at
+without momentum) raises :class:`SpecError` (a ``ValueError`` whose ``field`` is the field's
+path, e.g. ``"schedule.total"``) naming the field and what is allowed, here at
 construction, and on the shard (400, nothing created) at init. The shard also refuses settings
 that would divide by zero in the variable's dtype (an ``epsilon`` that is 0 in float16).
 """
@@ -59,6 +60,7 @@ __all__ = [
     "Optimizer",
     "RMSprop",
     "Schedule",
+    "SpecError",
     "StepDecay",
     "from_wire",
     "schedule_from_wire",
@@ -84,8 +86,17 @@ class _Check:
         return value
 
 
-def _refuse(owner: str, name: str, allowed: str, value: Any) -> ValueError:
-    return ValueError(f"{owner}.{name} must be {allowed}, got {value!r}")
+class SpecError(ValueError):
+    """A spec that cannot be built: ``field`` is the offending field's path in the wire map
+    (``"lr"``, ``"betas[1]"``, ``"schedule.total"``; ``"type"`` for an unknown type)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _refuse(owner: str, name: str, allowed: str, value: Any) -> SpecError:
+    return SpecError(name, f"{owner}.{name} must be {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -158,8 +169,8 @@ class _ScheduleField(_Check):
         if isinstance(value, Mapping):  # from the wire
             try:
                 return schedule_from_wire(value)
-            except ValueError as exc:
-                raise ValueError(f"{owner}.{name}: {exc}") from None
+            except SpecError as exc:
+                raise SpecError(f"{name}.{exc.field}", f"{owner}.{name}: {exc}") from None
         raise _refuse(
             owner, name, "a schedule (Constant(), StepDecay, ExponentialDecay, Cosine)", value
         )
@@ -218,18 +229,20 @@ class Spec:
 
 def _parse(spec: Any, by_type: Mapping[str, type[Spec]], what: str, example: str) -> Spec:
     if not isinstance(spec, Mapping):
-        raise ValueError(f"{what} must be a map like {example}")
+        raise SpecError("type", f"{what} must be a map like {example}")
     kind = spec.get("type")
     cls = by_type.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ValueError(f"unknown {what} type {kind!r}; known: {sorted(by_type)}")
+        raise SpecError("type", f"unknown {what} type {kind!r}; known: {sorted(by_type)}")
     names = {f.name for f in fields(cls)}
     extra = sorted(str(k) for k in set(spec) - names - {"type"})
     if extra:
-        raise ValueError(f"{what} {kind!r} has no field(s) {extra}; fields: {sorted(names)}")
+        raise SpecError(
+            extra[0], f"{what} {kind!r} has no field(s) {extra}; fields: {sorted(names)}"
+        )
     missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in spec]
     if missing:
-        raise ValueError(f"{what} {kind!r} needs the field(s) {missing}")
+        raise SpecError(missing[0], f"{what} {kind!r} needs the field(s) {missing}")
     return cls(**{k: v for k, v in spec.items() if k != "type"})
 
 
@@ -295,9 +308,10 @@ class Cosine(Schedule):
 
     def _check_together(self) -> None:
         if self.warmup > self.total:
-            raise ValueError(
+            raise SpecError(
+                "warmup",
                 f"Cosine.warmup ({self.warmup}) must be at most Cosine.total ({self.total}), "
-                "the updates the whole schedule takes"
+                "the updates the whole schedule takes",
             )
 
     def lr_at(self, lr: float, t: int) -> float:
@@ -334,9 +348,10 @@ class Optimizer(Spec):
         schedule = getattr(self, "schedule", None)
         lr = getattr(self, "lr", None)
         if isinstance(schedule, Cosine) and lr is not None and schedule.min_lr > lr:
-            raise ValueError(
+            raise SpecError(
+                "schedule.min_lr",
                 f"{type(self).__name__}.schedule.min_lr ({schedule.min_lr:g}) must be at most "
-                f"{type(self).__name__}.lr ({lr:g}): the schedule decays from lr to min_lr"
+                f"{type(self).__name__}.lr ({lr:g}): the schedule decays from lr to min_lr",
             )
 
 
@@ -358,9 +373,10 @@ class SGD(Optimizer):
     def _check_together(self) -> None:
         super()._check_together()
         if self.nesterov and (self.momentum == 0 or self.dampening != 0):
-            raise ValueError(
+            raise SpecError(
+                "nesterov",
                 "SGD.nesterov needs SGD.momentum > 0 and SGD.dampening = 0 (got momentum "
-                f"{self.momentum:g}, dampening {self.dampening:g})"
+                f"{self.momentum:g}, dampening {self.dampening:g})",
             )
 
 
@@ -435,9 +451,10 @@ class Adagrad(Optimizer):
     def _check_together(self) -> None:
         super()._check_together()
         if self.epsilon == 0 and self.initial_accumulator_value == 0:
-            raise ValueError(
+            raise SpecError(
+                "epsilon",
                 "Adagrad.epsilon and Adagrad.initial_accumulator_value are both 0: a zero "
-                "gradient would divide 0 by 0; make epsilon > 0 (1e-10 is the default)"
+                "gradient would divide 0 by 0; make epsilon > 0 (1e-10 is the default)",
             )
 
 
@@ -467,13 +484,17 @@ class Ftrl(Optimizer):
             and self.beta == 0
             and self.learning_rate_power < 0
         ):
-            raise ValueError(
+            raise SpecError(
+                "initial_accumulator_value",
                 "Ftrl.initial_accumulator_value, Ftrl.l2 and Ftrl.beta are all 0: a zero "
                 "gradient would divide by 0; make initial_accumulator_value > 0 (0.1 is "
-                "the default)"
+                "the default)",
             )
         if isinstance(self.schedule, Cosine) and self.schedule.min_lr == 0:
-            raise ValueError("Ftrl.schedule.min_lr must be > 0: FTRL divides by the learning rate")
+            raise SpecError(
+                "schedule.min_lr",
+                "Ftrl.schedule.min_lr must be > 0: FTRL divides by the learning rate",
+            )
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from client_sdk.optimizers import (
     Ftrl,
     Optimizer,
     RMSprop,
+    SpecError,
     StepDecay,
     from_wire,
 )
@@ -470,6 +471,32 @@ def test_a_changed_hyperparameter_of_the_same_optimizer_keeps_its_slots():
 def test_a_bad_field_is_refused_naming_it(spec, field):
     with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
         from_wire(spec)
+
+
+@pytest.mark.parametrize(
+    "spec, path",
+    [
+        ({"type": "adam", "betas": [0.9, 1.0]}, "betas[1]"),
+        ({"type": "sgd", "momentun": 0.9}, "momentun"),
+        ({"type": "sgd", "nesterov": True}, "nesterov"),
+        ({"type": "adamax"}, "type"),
+        ({"type": "sgd", "schedule": {"type": "cosine"}}, "schedule.total"),
+        (
+            {"type": "sgd", "schedule": {"type": "cosine", "total": 5, "warmup": 6}},
+            "schedule.warmup",
+        ),
+        (
+            {"type": "sgd", "lr": 0.01, "schedule": {"type": "cosine", "total": 9, "min_lr": 1}},
+            "schedule.min_lr",
+        ),
+        ({"type": "ftrl", "l2": -1}, "l2"),
+    ],
+)
+def test_a_refusal_says_the_fields_path(spec, path):
+    """For the shard's 400 (``details.field``) and for code that fixes a spec."""
+    with pytest.raises(SpecError) as refused:
+        from_wire(spec)
+    assert refused.value.field == path
 
 
 @pytest.mark.parametrize("opt", CASES, ids=_id)
