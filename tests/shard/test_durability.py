@@ -60,10 +60,10 @@ def post(url: str, verb: str, msg: dict) -> tuple[int, dict, dict]:
 
 
 def adagrad_reference(w0: np.ndarray, grads: list[np.ndarray], lr: float) -> np.ndarray:
-    w, acc = w0.astype(np.float64), np.full(w0.shape, 0.1)
+    w, acc = w0.astype(np.float64), np.zeros(w0.shape)
     for g in grads:
         acc = acc + g * g
-        w = w - lr * g / (np.sqrt(acc) + 1e-7)
+        w = w - lr * g / (np.sqrt(acc) + 1e-10)
     return w
 
 
