@@ -16,7 +16,7 @@ The ops (default size 2.5·10^7 elements, 100 MB per array):
 with ``out=`` into temporaries allocated once, updating the same value and slots in place:
 what a careful hand-written numpy update costs, with nothing to check or dispatch. The shard's
 ``apply`` allocates its temporaries per call, as on the shard; the case runs in a process of
-its own which sets the shard's allocator policy (``server.memory.keep_big_buffers``), so they
+its own which sets the shard's allocator policy (``server.store.heap.keep_big_buffers``), so they
 come back from the heap as they do on a shard's event loop.
 
 Goal: each ``apply`` within 1.25x the reference's median time at 2.5·10^7 elements.
@@ -237,9 +237,9 @@ def _setups(n: int) -> dict[str, Callable[[], tuple[Update, Update]]]:
 
 
 def _child(n: int, reps: int, warmup: int) -> dict[str, dict[str, list[float]]]:
-    from server import memory
+    from server.store.heap import keep_big_buffers
 
-    memory.keep_big_buffers()
+    keep_big_buffers()
     out: dict[str, dict[str, list[float]]] = {}
     for op, setup in _setups(n).items():
         mine, ref = setup()
