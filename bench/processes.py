@@ -1,15 +1,15 @@
-"""The processes a benchmark talks to: paramshard shards, the raw-socket reference server, and
-whatever a peer adapter needs (:func:`spawn`).
+"""The processes a benchmark talks to: paramshard shards (started by the fleet launcher,
+:mod:`server.launcher`), the raw-socket reference server, and whatever a peer adapter needs
+(:func:`spawn`).
 
-Each is a child process in its own session, started on a free loopback port and stopped
-(SIGTERM, then SIGKILL of its whole process group after a grace period) when its context
-exits, whatever happened inside. Output goes to a log file whose tail is shown if one fails.
+Each is a child process in its own session, on a loopback port, stopped (SIGTERM, then SIGKILL
+of its whole process group after a grace period) when its context exits, whatever happened
+inside. Output goes to a log file whose tail is shown if one fails.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import selectors
 import signal
@@ -17,10 +17,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
+
+from server import launcher
 
 __all__ = [
     "ROOT",
@@ -149,52 +150,21 @@ def _group(pgid: int) -> list[int]:
     return members
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/healthz", timeout=1.0) as r:
-            return json.loads(r.read()).get("status") == "ok"
-    except (OSError, ValueError):
-        return False
-
-
 @contextlib.contextmanager
 def shards(n: int, logdir: Path, *extra_args: str) -> Iterator[Fleet]:
-    """Start ``n`` shards (``python -m server.cli serve``) and yield their URLs and pids in
-    index order, once every ``/healthz`` answers. Blocks while starting; stops them on exit."""
-    ports = [free_port() for _ in range(n)]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    procs: list[subprocess.Popen] = []
-    logs = [logdir / f"shard{i}.log" for i in range(n)]
+    """Start ``n`` shards through the fleet launcher (:mod:`server.launcher`: each on a port it
+    picks and reports) and yield their URLs and pids in index order, once every ``/healthz``
+    answers. Blocks while starting; stops them on exit (SIGTERM, then SIGKILL of the process
+    group after :data:`server.launcher.STOP_GRACE` seconds)."""
+    fleet = launcher.Fleet(n, extra_args=extra_args, logdir=logdir)
     try:
-        for i, port in enumerate(ports):
-            cmd = [
-                sys.executable,
-                "-m",
-                "server.cli",
-                "serve",
-                "--shard-index",
-                str(i),
-                "--num-shards",
-                str(n),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                *extra_args,
-            ]
-            procs.append(spawn(cmd, logs[i]))
-        deadline = time.monotonic() + _START_TIMEOUT
-        for i, url in enumerate(urls):
-            while not _healthy(url):
-                if procs[i].poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"shard {i} did not start (exit {procs[i].poll()}):\n{tail(logs[i])}"
-                    )
-                time.sleep(0.05)
-        yield Fleet(urls, [p.pid for p in procs])
+        try:
+            fleet.start_all()
+        except launcher.LaunchError as exc:
+            raise RuntimeError(str(exc)) from None
+        yield Fleet(fleet.urls, fleet.pids)
     finally:
-        for proc in procs:
-            stop(proc)
+        fleet.close()
 
 
 class LineReader:

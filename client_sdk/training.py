@@ -10,7 +10,8 @@
 This is the bookkeeping of Downpour SGD (Dean et al., 2012) and nothing more: between pushes the
 gradients are summed (or averaged, ``average=True``) in local float buffers; a push goes out
 with :meth:`PSClient.push_async <client_sdk.PSClient.push_async>`, so the next gradient is
-computed while it travels. ``examples/digits_worker.py`` writes the same loop out by hand.
+computed while it travels. ``server/demo/digits_worker.py`` (the demo's worker) writes the
+same loop out by hand.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     from server.config import ShardConfig
     app = create_app(ShardConfig(shard_index=0, num_shards=2, port=7100))
 
-Run it with ``paramshard serve`` (``server/cli.py``). Modules: ``config`` (flags + env),
+Run it with ``paramshard serve`` (``server/serve.py``). Modules: ``config`` (flags + env),
 ``store`` (package: variables, the verbs, applying updates, gradient checks, which writes each
 worker had applied, big buffers reused from the heap; no HTTP), ``optim`` (optimizer math),
 ``persistence`` (package: snapshot files, a data dir's snapshots, restoring), ``durability``
@@ -13,7 +13,10 @@ pauses), ``app`` (create_app, serving_app, error rendering, headers), ``routes_d
 data plane), ``direct_routes`` (data-plane requests straight to their endpoints),
 ``httptools_protocol`` (uvicorn's httptools protocol without its body copies),
 ``routes_checkpoint`` (fleet checkpoints), ``routes_inspect`` (JSON for people), ``reshard``
-(offline resharding), ``cli`` (serve | up | demo | status | reshard).
+(offline resharding). The command line: ``cli`` (flags and commands: serve | up | demo |
+status | reshard | health), ``serve`` (one shard on uvicorn), ``launcher`` (shards as local
+processes), ``supervisor`` (``up``: a fleet kept running), ``probes`` (``status``/``health``'s
+HTTP clients), ``demo`` (package: the demo and its worker).
 
 A shard is one event loop and at most a worker thread or two: its BLAS (numpy's dot products,
 the finiteness check) runs on one thread. OpenBLAS would otherwise start a thread per core and

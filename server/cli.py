@@ -7,44 +7,53 @@
     paramshard reshard --from d0 d1 --to fleet3 --shards 3         # rewrite a checkpoint, offline
     paramshard health [--ready]                                    # probe this host's shard
 
+This module owns the command line: the flags (argparse), their checks, and what each command
+prints. The work is elsewhere: ``serve`` in :mod:`server.serve`, ``up`` in
+:mod:`server.supervisor` (over :mod:`server.launcher`), ``status`` and ``health`` through
+:mod:`server.probes`, ``reshard`` in :mod:`server.reshard`, ``demo`` in :mod:`server.demo`.
+Nothing here imports the web stack; ``serve`` imports it when it runs.
+
 ``serve`` settings come from flags or ``PARAMSHARD_*`` environment variables (flags win); a bad
-value exits with status 2 and one line naming the flag or variable. ``serve`` and ``up`` stop
-cleanly on SIGTERM or SIGINT (Ctrl-C): requests in flight finish, a shard with ``--data-dir``
-writes a final snapshot, and they exit 0 (1 if that snapshot could not be written).
+value exits with status 2 and one line naming the flag or variable. ``serve`` stops cleanly on
+SIGTERM or SIGINT (Ctrl-C): requests in flight finish, a shard with ``--data-dir`` writes a
+final snapshot, and it exits 0 (1 if that snapshot could not be written). ``up`` restarts a
+shard that exits on its own and stops the fleet on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import importlib.util
 import logging
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from client_sdk import wire
 
 from .config import LOG_LEVELS, InvalidSetting, ShardConfig, env_name, flag_name
-from .reshard import ReshardError, reshard, shard_dir
+from .launcher import client_host
+from .probes import check, probe_fleet
+from .reshard import ReshardError, reshard
+from .supervisor import DEFAULT_RESTART_LIMIT
 
-__all__ = ["build_parser", "main", "serve"]
+__all__ = ["build_parser", "main"]
 
 PROG = "paramshard"
-_STARTUP_TIMEOUT = 60.0
 
 
 class UsageError(Exception):
     """A bad argument to a subcommand: printed as one line, exit status 2."""
+
+
+def _int_in(text: str, flag: str, lo: int = 1, hi: int = 65535) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"{flag} must be an integer in {lo}..{hi}, got {text!r}") from None
+    if not lo <= value <= hi:
+        raise UsageError(f"{flag} must be in {lo}..{hi}, got {value}")
+    return value
 
 
 # -- parser ---------------------------------------------------------------------------------
@@ -68,7 +77,17 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
             help=f"shards in the fleet [{env_name('num_shards')}, default 1]",
         )
         p.add_argument("--host", help=f"address to bind [{env_name('host')}, default 127.0.0.1]")
-        p.add_argument("--port", help=f"port to bind [{env_name('port')}, default 7100]")
+        p.add_argument(
+            "--port",
+            help=f"port to bind, 0 for one the system picks [{env_name('port')}, default 7100]",
+        )
+        p.add_argument(
+            "--port-file",
+            dest="port_file",
+            metavar="FILE",
+            help=f"once the port is bound, write its number to FILE (how a launcher learns the "
+            f"port of a shard started with --port 0) [{env_name('port_file')}]",
+        )
     p.add_argument(
         "--max-request-bytes",
         dest="max_request_bytes",
@@ -225,8 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "up",
         help="run a local fleet of N shards in the foreground",
-        description="Start N shards on consecutive ports, print their URLs, and "
-        "stop them all on Ctrl-C or SIGTERM.",
+        description="Start N shards on consecutive ports and print their URLs. A shard "
+        "that exits on its own is started again on the same port with the same "
+        "data dir; Ctrl-C or SIGTERM stops them all.",
     )
     p.add_argument("--shards", required=True, metavar="N", help="number of shards")
     p.add_argument(
@@ -234,7 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
         dest="base_port",
         default="7100",
         metavar="P",
-        help="shard i listens on P+i (default 7100)",
+        help="shard i listens on P+i; 0 for ports the shards pick (default 7100)",
+    )
+    p.add_argument(
+        "--restart-limit",
+        dest="restart_limit",
+        default=str(DEFAULT_RESTART_LIMIT),
+        metavar="K",
+        help="give up (stop the fleet, exit 1) when a shard failed more than K times in a "
+        "row, each within 30 s of its start; 0: never restart a shard (default "
+        f"{DEFAULT_RESTART_LIMIT})",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     _add_shard_options(p, fleet=False)
@@ -323,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         if args.command == "serve":
+            from .serve import serve  # the web stack, for this command only
+
             return serve(_config_from(args))
         if args.command == "up":
             return _up(args)
@@ -342,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _config_from(args: argparse.Namespace) -> ShardConfig:
     flags = {
         k: getattr(args, k, None)
-        for k in ("shard_index", "num_shards", "host", "port", *_PASSED_ON, "data_dir")
+        for k in ("shard_index", "num_shards", "host", "port", "port_file", *_PASSED_ON, "data_dir")
     }
     return ShardConfig.from_sources(flags, os.environ)
 
@@ -369,163 +400,15 @@ _PASSED_ON = (
 )
 
 
-# -- serve ----------------------------------------------------------------------------------
-
-
-def serve(config: ShardConfig) -> int:
-    """Run one shard with uvicorn until SIGTERM/SIGINT; blocks; returns 0 after a clean stop.
-
-    Uses uvloop when installed, and the HTTP path :func:`server.upstream.serving` chooses
-    (``config.http``). Returns 1 if the shard cannot start (e.g. its port is taken).
-    """
-    import uvicorn
-
-    from .app import create_app
-    from .readguard import EdgeLimits
-    from .store.heap import keep_big_buffers
-    from .upstream import serving
-
-    keep_big_buffers()
-    limits = EdgeLimits(
-        max_head_bytes=config.max_head_bytes,
-        head_timeout=config.head_timeout,
-        body_timeout=config.body_timeout,
-        min_body_rate=config.min_body_rate,
-    )
-
-    logging.basicConfig(
-        level=logging.DEBUG
-        if config.log_level == "trace"
-        else getattr(logging, config.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    app = create_app(config)
-    served = serving(app, limits, config.http)
-    uv_config = uvicorn.Config(
-        served.app,
-        host=config.host,
-        port=config.port,
-        loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        http=served.protocol,
-        h11_max_incomplete_event_size=limits.max_head_bytes,  # the head bound, on h11
-        log_level=config.log_level,
-        access_log=config.access_log,
-        server_header=False,
-        proxy_headers=False,  # X-Forwarded-* would only rename the client in logs; per-request work
-        timeout_graceful_shutdown=10,
-    )
-    server = _draining_server(uv_config, app.state.gate)
-    app.state.durability.on_fatal = lambda reason: setattr(server, "should_exit", True)
-
-    def stop(signum: int, frame: Any) -> None:
-        # Before uvicorn installs its handlers (startup) and after it restores these ones: uvicorn
-        # re-raises the signal that stopped it, which must not turn a clean stop into a kill.
-        server.should_exit = True
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, stop)
-    try:
-        server.run()
-    except SystemExit as exc:  # uvicorn exits with 3 when it cannot start (e.g. port taken)
-        if exc.code in (None, 0):
-            return 0
-        print(
-            f"{PROG} serve: error: shard {config.fleet} could not start on "
-            f"{config.host}:{config.port} (see the log above)",
-            file=sys.stderr,
-        )
-        return 1
-    failure = app.state.durability.failed or app.state.shutdown_error
-    if failure:
-        print(f"{PROG} serve: error: shard {config.fleet}: {failure}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _draining_server(config: Any, gate: Any) -> Any:
-    """A uvicorn server for ``config`` that also drains ``gate`` on SIGTERM/SIGINT."""
-    import uvicorn
-
-    class DrainingServer(uvicorn.Server):
-        """uvicorn's server, which also turns the shard's gate to ``draining`` on SIGTERM or
-        SIGINT, so ``/readyz`` says 503 and new data-plane requests are refused while the
-        requests in flight finish."""
-
-        def __init__(self, config: Any, gate: Any) -> None:
-            super().__init__(config)
-            self.gate = gate
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            super().handle_exit(sig, frame)
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                return
-            loop.call_soon_threadsafe(self._drain)
-
-        def _drain(self) -> None:
-            if self.gate.phase in ("ready", "restoring"):
-                self.gate.set_phase("draining", "shutting down")
-
-    return DrainingServer(config, gate)
-
-
 # -- up -------------------------------------------------------------------------------------
 
 
-def _positive_int(text: str, flag: str, lo: int = 1, hi: int = 65535) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"{flag} must be an integer in {lo}..{hi}, got {text!r}") from None
-    if not lo <= value <= hi:
-        raise UsageError(f"{flag} must be in {lo}..{hi}, got {value}")
-    return value
-
-
-def _port_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def client_host(host: str) -> str:
-    """The host part of a URL that reaches a server bound to ``host``."""
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
-
-
-def healthy(url: str, timeout: float = 1.0) -> bool:
-    """True if ``url``/healthz answers 200 (never through a proxy)."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(url + "/healthz", timeout=timeout) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-class _Stop:
-    """Set by SIGINT/SIGTERM while ``up`` runs."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        self.signal = signum
-
-
 def _up(args: argparse.Namespace) -> int:
-    n = _positive_int(args.shards, "--shards", 1, 1024)
-    base = _positive_int(args.base_port, "--base-port", 1, 65535 - n + 1)
+    from .supervisor import run_fleet
+
+    n = _int_in(args.shards, "--shards", 1, 1024)
+    base = _int_in(args.base_port, "--base-port", 0, 65535 - n + 1)
+    restart_limit = _int_in(args.restart_limit, "--restart-limit", 0, 1000)
     host = args.host
     # validate pass-through flags here, so a bad one is one message rather than N dead children
     passed = {k: getattr(args, k) for k in _PASSED_ON}
@@ -540,119 +423,21 @@ def _up(args: argparse.Namespace) -> int:
             extra.append(flag_name(key) if value else "--no-" + flag_name(key)[2:])
         else:
             extra += [flag_name(key), str(value)]
-
-    ports = [base + i for i in range(n)]
-    taken = [(i, p) for i, p in enumerate(ports) if not _port_free(host, p)]
-    if taken:
-        which = ", ".join(f"{p} (shard {i})" for i, p in taken)
-        print(
-            f"{PROG} up: error: port(s) {which} on {host} already in use: stop what uses them "
-            f"or pick another --base-port",
-            file=sys.stderr,
-        )
-        return 1
-
-    stop = _Stop()
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    urls = [f"http://{client_host(host)}:{p}" for p in ports]
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    for key in [k for k in env if k.startswith(wire.ENV_PREFIX) and k != wire.ENV_SHARDS]:
-        del env[key]  # the flags below say everything; stray settings must not override them
-    procs: list[subprocess.Popen] = []
-    try:
-        for i, port in enumerate(ports):
-            cmd = [
-                sys.executable,
-                "-m",
-                "server.cli",
-                "serve",
-                "--shard-index",
-                str(i),
-                "--num-shards",
-                str(n),
-                "--host",
-                host,
-                "--port",
-                str(port),
-                *extra,
-            ]
-            if args.data_dir is not None:
-                cmd += ["--data-dir", str(shard_dir(Path(args.data_dir), i))]
-            procs.append(subprocess.Popen(cmd, env=env))
-        failed = _wait_until_up(procs, urls, stop)
-        if failed is None and stop.signal is None:
-            print(f"{PROG}: {n} shard(s) up", flush=True)
-            for i, (url, proc) in enumerate(zip(urls, procs)):
-                print(f"  shard {i}/{n}  {url}  (pid {proc.pid})", flush=True)
-            print(f"export {wire.ENV_SHARDS}={','.join(urls)}", flush=True)
-            print("Press Ctrl-C to stop.", flush=True)
-            failed = _watch(procs, stop)
-        if failed is not None:
-            i, code = failed
-            print(
-                f"{PROG} up: error: shard {i} ({urls[i]}) exited with status {code}; "
-                "stopping the other shards",
-                file=sys.stderr,
-                flush=True,
-            )
-        _stop_all(procs)
-        if failed is not None:
-            return 1
-        print(f"{PROG}: all shards stopped", flush=True)
-        return 0
-    finally:
-        _stop_all(procs, kill=True)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _wait_until_up(
-    procs: list[subprocess.Popen], urls: list[str], stop: _Stop
-) -> tuple[int, int] | None:
-    deadline = time.monotonic() + _STARTUP_TIMEOUT
-    pending = set(range(len(procs)))
-    while pending and stop.signal is None:
-        for i in sorted(pending):
-            code = procs[i].poll()
-            if code is not None:
-                return i, code
-            if healthy(urls[i], timeout=0.5):
-                pending.discard(i)
-        if time.monotonic() > deadline:
-            i = min(pending)
-            print(
-                f"{PROG} up: error: shard {i} ({urls[i]}) not healthy after {_STARTUP_TIMEOUT:g}s",
-                file=sys.stderr,
-            )
-            return i, -1
-        if pending:
-            time.sleep(0.1)
-    return None
-
-
-def _watch(procs: list[subprocess.Popen], stop: _Stop) -> tuple[int, int] | None:
-    while stop.signal is None:
-        for i, proc in enumerate(procs):
-            code = proc.poll()
-            if code is not None:
-                return i, code
-        time.sleep(0.2)
-    return None
-
-
-def _stop_all(procs: list[subprocess.Popen], kill: bool = False, timeout: float = 15.0) -> None:
-    running = [p for p in procs if p.poll() is None]
-    for p in running:
-        p.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for p in running:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    # the flags say everything; stray settings must not override them
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(wire.ENV_PREFIX) or k == wire.ENV_SHARDS
+    }
+    return run_fleet(
+        n,
+        host=host,
+        base_port=base,
+        data_dir=Path(args.data_dir) if args.data_dir is not None else None,
+        extra_args=extra,
+        env=env,
+        restart_limit=restart_limit,
+    )
 
 
 # -- status ---------------------------------------------------------------------------------
@@ -667,18 +452,6 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _probe(url: str, timeout: float) -> dict[str, Any]:
-    import httpx2
-
-    try:
-        with httpx2.Client(timeout=timeout) as client:
-            info = client.get(url + "/v1/cluster").raise_for_status().json()
-            healthy = client.get(url + "/healthz").status_code == 200
-        return {"info": info, "healthy": healthy}
-    except (httpx2.HTTPError, ValueError) as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
 def _status(args: argparse.Namespace) -> int:
     raw = args.shards if args.shards is not None else os.environ.get(wire.ENV_SHARDS)
     if not raw:
@@ -690,8 +463,7 @@ def _status(args: argparse.Namespace) -> int:
         timeout = float(args.timeout)
     except ValueError:
         raise UsageError(f"--timeout must be a number of seconds, got {args.timeout!r}") from None
-    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
-        results = list(pool.map(lambda u: _probe(u, timeout), urls))
+    results = probe_fleet(urls, timeout)
     rows = [("URL", "SHARD", "INCARNATION", "VARIABLES", "BYTES", "HEALTHY")]
     ok = True
     for i, (url, res) in enumerate(zip(urls, results)):
@@ -728,7 +500,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _reshard(args: argparse.Namespace) -> int:
-    m = _positive_int(args.shards, "--shards", 1, 65536)
+    m = _int_in(args.shards, "--shards", 1, 65536)
     logging.basicConfig(level=logging.WARNING, format=f"{PROG} reshard: %(levelname)s: %(message)s")
     try:
         result = reshard(
@@ -770,15 +542,9 @@ def _health(args: argparse.Namespace) -> int:
         raise UsageError(f"--timeout must be a number of seconds, got {args.timeout!r}") from None
     path = "/readyz" if args.ready else "/healthz"
     url = f"http://{client_host(config.host)}:{config.port}{path}"
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(url, timeout=timeout) as r:
-            r.read()
-    except urllib.error.HTTPError as exc:
-        print(f"{PROG} health: {url} answered {exc.code}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"{PROG} health: {url} did not answer: {exc}", file=sys.stderr)
+    problem = check(url, timeout)
+    if problem is not None:
+        print(f"{PROG} health: {url} {problem}", file=sys.stderr)
         return 1
     print(f"{url} ok")
     return 0
@@ -788,17 +554,8 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _demo(argv: list[str]) -> int:
-    try:
-        from .demo import run_demo
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("server.demo", __package__ + ".demo"):
-            raise
-        print(
-            f"{PROG} demo: the demo is not available in this installation (server/demo.py is "
-            "missing); run a fleet with `paramshard up` and the examples/ scripts instead",
-            file=sys.stderr,
-        )
-        return 1
+    from .demo.run import run_demo
+
     return run_demo(argv)
 
 

@@ -178,6 +178,12 @@ def _path(text: str) -> str:
     return text
 
 
+def _file(text: str) -> str:
+    if not text.strip():
+        raise ValueError("expected a file path, got an empty string")
+    return text
+
+
 def _checkpoint(text: str) -> str:
     text = text.strip()
     if not _CHECKPOINT_RE.fullmatch(text):
@@ -204,7 +210,10 @@ class ShardConfig:
     shard_index: int = 0
     num_shards: int = 1
     host: str = "127.0.0.1"
+    #: 0: a port the system picks (written to ``port_file``, and logged).
     port: int = 7100
+    #: Where the shard writes the port it bound, once bound (how a launcher learns it).
+    port_file: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     log_level: str = "info"
     access_log: bool = False
@@ -315,7 +324,8 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "shard_index": _shard_index,
     "num_shards": _int(1, 65536),
     "host": _host,
-    "port": _int(1, 65535),
+    "port": _int(0, 65535),
+    "port_file": _file,
     "max_request_bytes": _size,
     "log_level": _log_level,
     "access_log": _bool,

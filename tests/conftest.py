@@ -1,7 +1,8 @@
-"""One way to run real shards in tests: separate processes on free loopback ports.
+"""One way to run real shards in tests: separate processes on loopback ports they pick.
 
-``fleet_factory(n, *extra_args)`` starts ``paramshard serve`` n times (``python -m server.cli``),
-waits until every ``/healthz`` answers, and returns a :class:`Fleet`. With ``data=True`` shard i
+``fleet_factory(n, *extra_args)`` starts ``paramshard serve`` n times through the fleet launcher
+(:mod:`server.launcher`: each shard binds port 0 and reports the port it got), waits until
+every ``/healthz`` answers, and returns a :class:`Fleet`. With ``data=True`` shard i
 gets ``--data-dir <workdir>/data/shard-i`` (``Fleet.data_dirs``) and the factory waits until every
 ``/readyz`` answers (its snapshot is restored). Every process a test started is stopped when the
 test ends, killed if it does not stop in time.
@@ -18,15 +19,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from server import launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,8 +65,9 @@ def http_json(url: str, timeout: float = 2.0):
         return json.loads(r.read())
 
 
-class Fleet:
-    """n shard processes; ``urls[i]`` is shard i. Restart a shard with ``start(i)``."""
+class Fleet(launcher.Fleet):
+    """n shard processes (:class:`server.launcher.Fleet`); ``urls[i]`` is shard i, its output in
+    ``workdir/shard<i>.log``. Restart a shard with ``start(i)`` (same port, same data dir)."""
 
     def __init__(
         self,
@@ -77,131 +78,44 @@ class Fleet:
         data: bool = False,
         prelude: str = "",
     ) -> None:
-        self.n = n
         self.workdir = workdir
-        self.extra_args = tuple(extra_args)
-        self.env = env or {}
         self.prelude = prelude
-        self.ports = [free_port() for _ in range(n)]
-        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
-        self.procs: list[subprocess.Popen | None] = [None] * n
-        self.logs = [workdir / f"shard{i}.log" for i in range(n)]
-        self.data_dirs = [workdir / "data" / f"shard-{i}" for i in range(n)] if data else None
-        for i in range(n):
-            self.start(i, wait=False)
-        for i in range(n):
-            self.wait_ready(i) if data else self.wait_healthy(i)
+        super().__init__(
+            n,
+            data_dirs=[workdir / "data" / f"shard-{i}" for i in range(n)] if data else None,
+            extra_args=extra_args,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+            logdir=workdir,
+            start_timeout=30.0,
+        )
+        try:
+            self.start_all(ready=data)
+        except BaseException:
+            self.close()
+            raise
 
     def command(self, i: int) -> list[str]:
-        data = ["--data-dir", str(self.data_dirs[i])] if self.data_dirs else []
-        start = (
-            ["-m", "server.cli"]
-            if not self.prelude
-            else [
-                "-c",
-                self.prelude + "\nimport sys\nfrom server.cli import main\n"
-                "sys.exit(main(sys.argv[1:]))",
-            ]
+        if not self.prelude:
+            return super().command(i)
+        run = (
+            self.prelude + "\nimport sys\nfrom server.cli import main\nsys.exit(main(sys.argv[1:]))"
         )
-        return [
-            sys.executable,
-            *start,
-            "serve",
-            "--shard-index",
-            str(i),
-            "--num-shards",
-            str(self.n),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.ports[i]),
-            *data,
-            *self.extra_args,
-        ]
+        return [sys.executable, "-c", run, "serve", *self.serve_args(i)]
+
+    def start(self, i: int, wait: bool = True, ready: bool | None = None) -> None:
+        """Start shard i; with ``wait``, until it answers ``/readyz`` if it has a data dir (its
+        state is restored), else ``/healthz``."""
+        super().start(i, wait=wait, ready=self.data_dirs is not None if ready is None else ready)
 
     def wait_ready(self, i: int, timeout: float = 30.0) -> None:
         """Wait until shard i answers ``/readyz`` with 200 (its state is restored)."""
-        self.wait_healthy(i, timeout)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                http_json(self.urls[i] + "/readyz", timeout=1.0)
-                return
-            except OSError:
-                proc = self.procs[i]
-                if proc is not None and proc.poll() is not None:
-                    raise RuntimeError(
-                        f"shard {i} exited with {proc.returncode}:\n{self.log_tail(i)}"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"shard {i} not ready after {timeout}s:\n{self.log_tail(i)}"
-                    ) from None
-                time.sleep(0.05)
-
-    def start(self, i: int, wait: bool = True) -> None:
-        assert self.procs[i] is None or self.procs[i].poll() is not None, f"shard {i} is running"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
-        log = open(self.logs[i], "ab")
-        self.procs[i] = subprocess.Popen(
-            self.command(i),
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
-        if wait:
-            self.wait_ready(i) if self.data_dirs else self.wait_healthy(i)
+        self.wait(i, ready=True, timeout=timeout)
 
     def wait_healthy(self, i: int, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            proc = self.procs[i]
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"shard {i} exited with {proc.returncode}:\n{self.log_tail(i)}")
-            try:
-                http_json(self.urls[i] + "/healthz", timeout=1.0)
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"shard {i} not healthy after {timeout}s:\n{self.log_tail(i)}")
+        self.wait(i, timeout=timeout)
 
     def log_tail(self, i: int, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.logs[i].read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self, i: int, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
-        proc = self.procs[i]
-        if proc is None or proc.poll() is not None:
-            return proc.returncode if proc else None
-        proc.send_signal(sig)
-        try:
-            return proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-
-    def kill(self, i: int) -> None:
-        self.stop(i, signal.SIGKILL)
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            if proc is None:
-                continue
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        return self.tail(i, lines)
 
 
 @pytest.fixture

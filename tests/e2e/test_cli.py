@@ -14,11 +14,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from client_sdk import PSClient
+from client_sdk.optimizers import Add
+from client_sdk.placement import shard_for
 from server.config import InvalidSetting, ShardConfig
 from tests.conftest import ROOT, free_port, http_json
 
@@ -200,7 +204,7 @@ def start_up(tmp_path) -> Iterator:
         u.close()
 
 
-def _pids(lines: list[str]) -> list[int]:
+def _pids(lines: Iterable[str]) -> list[int]:
     return [int(line.rsplit("(pid ", 1)[1].rstrip(")")) for line in lines if "(pid " in line]
 
 
@@ -271,13 +275,80 @@ def test_up_sigterm_stops_cleanly(start_up, tmp_path):
     assert all(_gone(pid) for pid in pids)
 
 
-def test_up_reports_a_dead_shard_and_stops_the_rest(start_up):
-    up = start_up("--shards", "2", "--base-port", str(free_run(2)))
+def test_up_with_restart_limit_0_reports_a_dead_shard_and_stops_the_rest(start_up):
+    up = start_up("--shards", "2", "--base-port", "0", "--restart-limit", "0")
     up.read_until("export PARAMSHARD_SHARDS=")
     pids = _pids(up.seen)
     os.kill(pids[1], signal.SIGKILL)
-    assert up.proc.wait(30) != 0
-    assert "shard 1" in up.stderr()
+    assert up.proc.wait(30) == 1
+    assert "shard 1" in up.stderr() and "SIGKILL" in up.stderr()
+    assert _gone(pids[0])
+
+
+def name_on(shard: int, prefix: str, n: int = 2) -> str:
+    return next(f"{prefix}{k}" for k in range(10_000) if shard_for(f"{prefix}{k}", n) == shard)
+
+
+def test_up_restarts_a_shard_that_dies_on_its_port_with_its_data(start_up, tmp_path):
+    """kill -9 of one shard, then SIGINT to the other: each comes back on its port with what it
+    held (the newest snapshot: a checkpoint's, then its own final one), and the fleet serves
+    all along; only a signal to `up` itself stops the fleet."""
+    up = start_up(
+        "--shards", "2", "--base-port", "0", "--data-dir", str(tmp_path / "fleet"),
+        "--snapshot-interval", "0",
+    )  # fmt: skip
+    urls = up.read_until("export PARAMSHARD_SHARDS=").split("=", 1)[1].split(",")
+    pids = _pids(up.seen)
+    a, b = name_on(0, "a"), name_on(1, "b")
+    with PSClient(urls, worker_id="t", retry_deadline=60) as ps:
+        ps.init({a: np.zeros(4, np.float32), b: np.zeros(4, np.float32)}, optimizer=Add())
+        ps.push({a: np.ones(4, np.float32), b: np.ones(4, np.float32)})
+        ps.checkpoint()  # on disk: a kill -9 loses nothing before this
+        incarnation = http_json(urls[1] + "/v1/cluster")["incarnation"]
+
+        os.kill(pids[1], signal.SIGKILL)
+        np.testing.assert_array_equal(ps.pull([a])[a], np.ones(4))  # shard 0 serves meanwhile
+        back = up.read_until("paramshard up: shard 1 is back")
+        assert urls[1] in back and _pids([back]) != [pids[1]]
+        assert "shard 1" in up.stderr() and "was killed by SIGKILL" in up.stderr()
+        assert "restarting it on the same port and data dir" in up.stderr()
+        assert http_json(urls[1] + "/v1/cluster")["incarnation"] != incarnation
+        np.testing.assert_array_equal(ps.pull([b])[b], np.ones(4))  # restored, same URL
+
+        ps.push({a: np.ones(4, np.float32)})  # after the checkpoint: in the final snapshot only
+        os.kill(pids[0], signal.SIGINT)  # to the shard alone, not to `up`
+        up.read_until("paramshard up: shard 0 is back")
+        np.testing.assert_array_equal(ps.pull([a])[a], np.full(4, 2.0))
+        ps.push({a: np.ones(4, np.float32), b: np.ones(4, np.float32)})  # both serve
+    new_pids = _pids(line for line in up.seen if "is back" in line)
+    assert len(new_pids) == 2 and not set(new_pids) & set(pids)
+    assert up.proc.poll() is None  # still up
+
+    up.proc.send_signal(signal.SIGINT)
+    assert up.proc.wait(30) == 0, up.stderr()
+    assert all(_gone(pid) for pid in pids + new_pids)
+
+
+def test_up_gives_up_on_a_shard_that_keeps_failing(start_up, tmp_path):
+    """A shard whose restarts fail at once (its only snapshot torn) is restarted with a pause
+    between tries, then given up on: `up` says so, stops the other shard and exits 1."""
+    data = tmp_path / "fleet"
+    up = start_up(
+        "--shards", "2", "--base-port", "0", "--data-dir", str(data), "--snapshot-interval", "0",
+        "--restart-limit", "2",
+    )  # fmt: skip
+    urls = up.read_until("export PARAMSHARD_SHARDS=").split("=", 1)[1].split(",")
+    pids = _pids(up.seen)
+    with PSClient(urls, worker_id="t") as ps:
+        ps.init({name_on(1, "b"): np.zeros(4, np.float32)})
+        ps.checkpoint()
+    for values in (data / "shard-1").glob("*.safetensors"):
+        values.write_bytes(values.read_bytes()[:-100])  # a shard refuses to start from it
+    os.kill(pids[1], signal.SIGKILL)
+    assert up.proc.wait(90) == 1, up.stderr()
+    err = up.stderr()
+    assert err.count("restarting it on the same port and data dir") == 2, err
+    assert "failed 3 times in a row" in err and "giving up" in err and "--restart-limit 2" in err
     assert _gone(pids[0])
 
 

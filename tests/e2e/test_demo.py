@@ -1,8 +1,8 @@
 """``paramshard demo`` end to end: it trains, prints both accuracies, and leaves nothing running.
 
-The demo is run as users run it, ``python -m server.cli demo``, in a subprocess. Whether its
-children are gone is checked in ``/proc`` by their command lines (the shards' ports), since
-they run in their own sessions.
+The demo is run as users run it, ``python -m server.cli demo``, in a subprocess, and once from
+a wheel installed in a fresh virtualenv. Whether its children are gone is checked in ``/proc``
+by their command lines (the shards' ports), since they run in their own sessions.
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -200,3 +202,60 @@ def test_demo_stops_everything_on_ctrl_c(tmp_path):
             proc.kill()
             proc.communicate()
         kill_leftovers(ports_in("".join(lines)))
+
+
+@pytest.mark.slow
+def test_demo_runs_from_an_installed_wheel(tmp_path):
+    """The wheel carries everything the demo runs (its worker too): built from the sources,
+    installed in a fresh virtualenv, run from a directory outside the checkout."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for package in ("client_sdk", "server"):  # a copy: building writes build/ next to them
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", str(src), "-w", str(tmp_path)]
+    subprocess.run(build, check=True, timeout=120)
+    (wheel,) = tmp_path.glob("paramshard-*.whl")
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([*pip, "--python", str(python), "install", "--no-deps", str(wheel)], check=True)
+    # Its dependencies are this environment's (not its source tree: a path listed in a .pth
+    # file is searched, but the .pth files in it, which hold this checkout's editable install,
+    # are not run), and they come after the venv's own site-packages, where the wheel went.
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    (Path(site) / "dependencies.pth").write_text("\n".join(sorted(ours)) + "\n")
+
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    env = {k: v for k, v in demo_env(tmp_path).items() if k != "PYTHONPATH"}
+    where = subprocess.run(
+        [str(python), "-c", "import server.demo.digits_worker as m; print(m.__file__)"],
+        cwd=away, env=env, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert where.startswith(site), where  # the wheel's, not the checkout's
+    proc = subprocess.run(
+        [str(venv / "bin" / "paramshard"), "demo", "--steps", "50", "--no-wait"],
+        cwd=away,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    ports = ports_in(out)
+    try:
+        assert proc.returncode == 0, out
+        assert "[w3] step 50/50 loss" in out, out
+        assert 50 < accuracy("parameter server, 4 async workers", out) <= 100, out
+        assert processes_using(ports) == []
+    finally:
+        kill_leftovers(ports)

@@ -43,7 +43,7 @@ from client_sdk.wire import ENV_SHARDS, ENV_TOKEN, ENV_WORKER_ID
 from server import config as config_module
 from server.cli import build_parser
 from server.config import InvalidSetting, ShardConfig, env_name
-from server.demo import find_worker_script, load_worker_module
+from server.demo import digits_worker as digits
 from tests.helpers.deploy_files import (
     DOCKERFILE,
     K8S_DIR,
@@ -66,8 +66,6 @@ SHARD_ENV = {env_name(f.name) for f in fields(ShardConfig)}
 SDK_ENV = {ENV_SHARDS, ENV_TOKEN, ENV_WORKER_ID}
 #: Kubernetes versions the manifests must validate against (oldest supported, newest known).
 K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
-
-digits = load_worker_module(find_worker_script())
 
 
 def shard_config(
@@ -94,7 +92,7 @@ def check_worker_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> No
     for key in env:
         if key.startswith("DIGITS_"):
             assert hasattr(args, key[len("DIGITS_") :].lower()), (
-                f"{key} is not a setting of examples/digits_worker.py"
+                f"{key} is not a setting of server/demo/digits_worker.py"
             )
     load_settings(environ=env)
 

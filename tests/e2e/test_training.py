@@ -1,8 +1,9 @@
 """Downpour SGD across processes: asynchronous workers reach what one process reaches.
 
-The workers are ``examples/digits_worker.py`` itself, run as separate processes against a real
-fleet; the reference is the same model and optimizer trained in this process
-(``server.demo.train_one_process``, which uses the shard's own optimizer code).
+The workers are the demo's own (``server.demo.digits_worker``, which ``examples/digits_worker.py``
+runs), run as separate processes against a real fleet; the reference is the same model and
+optimizer trained in this process (``server.demo.reference``, with the shard's own optimizer
+code).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import pytest
 from client_sdk import ConfigError, PSClient
 from client_sdk.optimizers import Add
 from client_sdk.training import DownpourLoop
-from server.demo import find_worker_script, load_worker_module, train_one_process
+from server.demo import digits_worker as digits
+from server.demo.reference import train_one_process
 from tests.conftest import ROOT
 
-SCRIPT = find_worker_script()
-digits = load_worker_module(SCRIPT)
+#: The worker as users run it from a checkout: a thin entry that runs server.demo.digits_worker.
+EXAMPLE = ROOT / "examples" / "digits_worker.py"
 
 
 def worker_env() -> dict[str, str]:
@@ -38,7 +40,8 @@ def run_workers(
         subprocess.Popen(
             [
                 sys.executable,
-                str(SCRIPT),
+                "-m",
+                "server.demo.digits_worker",
                 "--shards",
                 ",".join(urls),
                 "--worker-index",
@@ -98,7 +101,7 @@ def test_async_workers_match_one_process(fleet_factory):
 
     data = digits.load_data(seed)
     acc_ps = digits.accuracy(params, data.X_test, data.y_test)
-    ref = train_one_process(digits, data, steps=total, batch_size=batch, lr=lr, seed=seed)
+    ref = train_one_process(data, steps=total, batch_size=batch, lr=lr, seed=seed)
     acc_ref = digits.accuracy(ref, data.X_test, data.y_test)
     assert acc_ref > 0.9, acc_ref
     assert acc_ps >= acc_ref - 0.02, (acc_ps, acc_ref)
@@ -107,8 +110,8 @@ def test_async_workers_match_one_process(fleet_factory):
 def test_one_process_reference_learns_and_is_deterministic():
     data = digits.load_data(0)
     untrained = digits.accuracy(digits.init_params(0), data.X_test, data.y_test)
-    a = train_one_process(digits, data, steps=300, batch_size=32, lr=0.05, seed=0)
-    b = train_one_process(digits, data, steps=300, batch_size=32, lr=0.05, seed=0)
+    a = train_one_process(data, steps=300, batch_size=32, lr=0.05, seed=0)
+    b = train_one_process(data, steps=300, batch_size=32, lr=0.05, seed=0)
     for name in digits.PARAM_NAMES:
         np.testing.assert_array_equal(a[name], b[name])
     assert untrained < 0.3
@@ -163,7 +166,7 @@ def test_worker_rejects_bad_arguments():
             key, _, value = args.pop().partition("=")
             env[key] = value
         proc = subprocess.run(
-            [sys.executable, str(SCRIPT), "--shards", "http://127.0.0.1:9", *args],
+            [sys.executable, str(EXAMPLE), "--shards", "http://127.0.0.1:9", *args],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -186,7 +189,7 @@ def test_auto_indexed_replicas_claim_distinct_indices(fleet_factory):
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT)],
+            [sys.executable, "-m", "server.demo.digits_worker"],
             cwd=ROOT,
             env=env,
             text=True,

@@ -64,6 +64,20 @@ CONTRACTS = (
         WEB_STACK,
     ),
     Contract(
+        "the launcher, the supervisor, the probes and the demo never import the web stack",
+        "they start shards as processes and talk to them over HTTP like any client: `paramshard "
+        "up`, `status` and `demo` start fast, and bench and tests start shards through them",
+        ("server.launcher", "server.supervisor", "server.probes", "server.demo.*"),
+        WEB_STACK,
+    ),
+    Contract(
+        "the demo's worker is a worker",
+        "it imports the SDK and nothing else of paramshard: it is the example users copy, and "
+        "it runs with the SDK's dependencies alone (and scikit-learn)",
+        ("server.demo.digits_worker",),
+        ("server", "fastapi", "starlette", "uvicorn"),
+    ),
+    Contract(
         "tests never import bench",
         "bench is a measuring tool, free to change; the suite tests the product",
         ("tests.*",),

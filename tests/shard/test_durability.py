@@ -26,12 +26,10 @@ from client_sdk import AsyncPSClient, ConflictError, OverloadedError, PSClient, 
 from client_sdk.optimizers import SGD, Adagrad, Add
 from client_sdk.placement import shard_for
 from server import persistence
-from server.demo import find_worker_script, load_worker_module, train_one_process
+from server.demo import digits_worker as digits
+from server.demo.reference import train_one_process
 from tests.conftest import ROOT, http_json
 from tests.helpers.dropproxy import DroppingProxy
-
-SCRIPT = find_worker_script()
-digits = load_worker_module(SCRIPT)
 
 
 def names_on(shard: int, n: int, count: int, prefix: str = "v") -> list[str]:
@@ -187,7 +185,7 @@ def test_a_data_dir_of_another_shard_is_refused_with_exit_1(fleet_factory):
     fleet.stop(0)
     fleet.stop(1)
     fleet.data_dirs[0], fleet.data_dirs[1] = fleet.data_dirs[1], fleet.data_dirs[0]
-    with pytest.raises(RuntimeError, match="exited with 1"):
+    with pytest.raises(RuntimeError, match="exited with status 1"):
         fleet.start(0)
     assert "holds shard 1 of a 2-shard fleet" in fleet.log_tail(0)
 
@@ -357,7 +355,8 @@ def test_kill_9_mid_training_and_restart_reaches_the_demos_accuracy(fleet_factor
         subprocess.Popen(
             [
                 sys.executable,
-                str(SCRIPT),
+                "-m",
+                "server.demo.digits_worker",
                 "--shards",
                 ",".join(fleet.urls),
                 "--worker-index",
@@ -413,7 +412,7 @@ def test_kill_9_mid_training_and_restart_reaches_the_demos_accuracy(fleet_factor
         params = ps.pull(list(digits.PARAM_NAMES))
     data = digits.load_data(seed)
     acc_ps = digits.accuracy(params, data.X_test, data.y_test)
-    ref = train_one_process(digits, data, steps=workers * steps, batch_size=batch, lr=lr, seed=seed)
+    ref = train_one_process(data, steps=workers * steps, batch_size=batch, lr=lr, seed=seed)
     acc_ref = digits.accuracy(ref, data.X_test, data.y_test)
     assert acc_ref > 0.9, acc_ref
     assert acc_ps >= acc_ref - 0.02, (acc_ps, acc_ref)

@@ -1,0 +1,49 @@
+"""The small HTTP clients the command line looks at shards with, from outside: a shard's
+``/v1/cluster`` and ``/healthz`` for ``paramshard status`` (:func:`probe_fleet`), and one probe
+of ``/healthz`` or ``/readyz`` for ``paramshard health`` (:func:`check`).
+
+They read the JSON meant for people, never the data plane.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+__all__ = ["check", "probe_fleet", "probe_shard"]
+
+
+def probe_shard(url: str, timeout: float) -> dict[str, Any]:
+    """``{"info": <its /v1/cluster>, "healthy": bool}``, or ``{"error": "..."}`` when the
+    shard does not answer. Blocks up to about twice ``timeout``."""
+    import httpx2
+
+    try:
+        with httpx2.Client(timeout=timeout) as client:
+            info = client.get(url + "/v1/cluster").raise_for_status().json()
+            healthy = client.get(url + "/healthz").status_code == 200
+        return {"info": info, "healthy": healthy}
+    except (httpx2.HTTPError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def probe_fleet(urls: list[str], timeout: float) -> list[dict[str, Any]]:
+    """:func:`probe_shard` of every URL, at once; the results in the order of ``urls``."""
+    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
+        return list(pool.map(lambda u: probe_shard(u, timeout), urls))
+
+
+def check(url: str, timeout: float) -> str | None:
+    """``None`` if a GET of ``url`` answers 200 within ``timeout`` seconds, else why not. Never
+    through a proxy: the shard probed is on this host."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as r:
+            r.read()
+    except urllib.error.HTTPError as exc:
+        return f"answered {exc.code}"
+    except OSError as exc:
+        return f"did not answer: {exc}"
+    return None
