@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -120,11 +121,17 @@ def test_serve_exits_1_when_its_port_is_taken():
 
 
 def free_run(n: int) -> int:
-    """A base port with n free consecutive ports after it (best effort, rechecked by ``up``)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n > 65535:
-            continue
+    """A base port with n free consecutive ports after it, below the kernel's ephemeral port
+    range, so that no outgoing connection (another test's client) is handed one of them before
+    ``up`` binds it (best effort: ``up`` checks again)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(max(1024, ephemeral - 12000), ephemeral - n)
         socks = []
         try:
             for p in range(base, base + n):
@@ -173,7 +180,8 @@ class Up:
                 raise AssertionError(f"no line starting {prefix!r}; got {self.seen}") from None
             if line is None:
                 raise AssertionError(
-                    f"up exited ({self.proc.wait()}) before {prefix!r}; stdout {self.seen}"
+                    f"up exited ({self.proc.wait()}) before {prefix!r}; stdout {self.seen}; "
+                    f"stderr:\n{self.stderr()}"
                 )
             self.seen.append(line)
             if line.startswith(prefix):
