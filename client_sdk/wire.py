@@ -53,6 +53,7 @@ __all__ = [
     "ERROR_STATUS",
     "FEATURE_COUNTER_KIND",
     "FEATURE_PACKED",
+    "FEATURE_POLL",
     "FEATURE_TABLES",
     "FRAME",
     "FRAME_MAGIC",
@@ -116,6 +117,8 @@ FEATURE_PACKED = "packed"
 #: A shard's increment takes ``kind`` (``"int"`` or ``"float"``), the counter's kind stated
 #: instead of read from the msgpack type of ``delta``.
 FEATURE_COUNTER_KIND = "counter_kind"
+#: A shard has ``POST /v1/poll``: a pull that waits for newer versions (§3).
+FEATURE_POLL = "poll"
 
 FRAME_MAGIC = b"PSF1"
 #: A framed body's prefix: :data:`FRAME_MAGIC` and the header's length, a little-endian uint32.

@@ -13,8 +13,8 @@
   most :data:`ADMIT_WAIT` seconds; then, or when :data:`MAX_WAITING` already wait, they get 429
   ``overloaded`` with ``Retry-After``. A body without ``Content-Length`` (chunked) counts as it
   arrives: it holds no room before its bytes come, and a piece for which there is no room is
-  answered 429. Long polls (``/v1/wait``) count their body's bytes, until they answer, but take
-  no request slot (a long poll waits, it does not work), and their body is at most
+  answered 429. Long polls (``/v1/wait``, ``/v1/poll``) count their body's bytes, until they
+  answer, but take no request slot (a long poll waits, it does not work), and their body is at most
   :data:`MAX_WAIT_BODY` bytes (413 past it). Control verbs are not counted; their body is at
   most :data:`MAX_CONTROL_BODY` bytes, checked as it arrives. A body whose sender stalls is
   cut off by the HTTP layer (:mod:`server.readguard`), which releases what it held.
@@ -73,14 +73,14 @@ RETRY_AFTER = "1"
 #: (:func:`server.store.heap.trim_heap`).
 TRIM_AFTER = 2.0
 TRIM_FROM = 64 << 20
-#: Largest body of a long poll (``/v1/wait``: variable names), and of a control verb.
+#: Largest body of a long poll (``/v1/wait``, ``/v1/poll``: variable names), and of a control verb.
 MAX_WAIT_BODY = 16 << 20
 MAX_CONTROL_BODY = 64 << 10
 
 WRITES = frozenset({"init", "push", "assign", "increment"})
 READS = frozenset({"pull"})
 CONTROL = frozenset({"pause", "snapshot", "resume"})
-LONG = frozenset({"wait"})
+LONG = frozenset({"wait", "poll"})
 
 Render = Callable[..., Response]
 
@@ -98,6 +98,8 @@ class Gate:
         self.paused_for: str | None = None
         #: Why the shard cannot write snapshots now (writes are refused meanwhile), or ``None``.
         self.persist_error: str | None = None
+        #: Called when the shard starts shutting down (e.g. to answer long polls now).
+        self.on_drain: list[Callable[[], None]] = []
         self._persist_retry = RETRY_AFTER
         self.requests = 0
         self.bytes = 0
@@ -125,9 +127,13 @@ class Gate:
 
     def set_phase(self, phase: str, reason: str = "") -> None:
         """Enter ``phase``. Leaving ``ready`` answers the requests waiting for room (503);
-        ``draining`` also ends a checkpoint's pause, so the writes in flight can finish."""
+        ``draining`` also ends a checkpoint's pause, so the writes in flight can finish, and
+        calls :attr:`on_drain`."""
         self.phase = phase
         self.reason = reason
+        if phase == "draining":
+            for drain in self.on_drain:
+                drain()
         if phase == "draining" and self.paused_for is not None:
             logger.warning("shutting down: ending the pause for checkpoint %s", self.paused_for)
             self.resume(self.paused_for)
@@ -450,7 +456,9 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)  # inspection, unknown paths
             return
         gate = self.gate
-        refusal = None if verb in LONG else gate.refusal()
+        # A wait answers while the shard restores (the names appear); a poll reads, so it
+        # waits for the state like a pull.
+        refusal = None if verb == "wait" else gate.refusal()
         if refusal is None and verb in WRITES:
             refusal = gate.write_refusal()
         if refusal is None and verb in WRITES and gate.paused_for is not None:

@@ -78,6 +78,7 @@ DATA_PLANE_VERBS = (
     "assign",
     "increment",
     "wait",
+    "poll",
     "pause",
     "snapshot",
     "resume",
@@ -339,6 +340,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     )
     gate = Gate(config.max_queued_bytes, config.max_queued_requests)
     gate.trim = trim_heap
+    gate.on_drain.append(store.waiters.close)  # waiting polls answer when shutting down
     app.state.config = config
     app.state.store = store
     app.state.gate = gate

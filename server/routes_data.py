@@ -1,4 +1,4 @@
-"""The data plane: ``POST /v1/{init,pull,push,assign,increment,wait}`` (docs/PROTOCOL.md §3).
+"""The data plane: ``POST /v1/{init,pull,push,assign,increment,wait,poll}`` (docs/PROTOCOL.md §3).
 
 Each handler reads the body once into one buffer (:func:`read_body`), decodes the message
 (tensors become views of that buffer, never copied out), checks the verb's fields, calls the
@@ -14,6 +14,7 @@ can be (:func:`server.app.immediate_routes`), with the same code and bytes.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ from .headers import header
 from .httptools_protocol import BODY_INTO, Gathered, gathers
 from .store import (
     COUNTER_KINDS,
+    MAX_POLL_SECONDS,
     MAX_SEQ,
     MAX_WAIT_SECONDS,
     SCAN_FROM,
@@ -321,14 +323,14 @@ def _versions(msg: Mapping[str, Any], verb: str) -> dict[str, int] | None:
     return versions
 
 
-def _held_list(msg: Mapping[str, Any], names: list[str]) -> list[int | None]:
+def _held_list(msg: Mapping[str, Any], names: list[str], verb: str = "pull") -> list[int | None]:
     """A table pull's ``versions`` given as a list parallel to ``names``, checked."""
     versions = msg["versions"]
     if len(versions) != len(names):
-        raise _bad_field("pull", "versions", f"a list as long as 'names' ({len(names)})", versions)
+        raise _bad_field(verb, "versions", f"a list as long as 'names' ({len(names)})", versions)
     for v in versions:
         if v is not None and (type(v) is not int or not 0 <= v <= MAX_VERSION):
-            raise _bad_field("pull", "versions", "a list of ints in 0..2**63-1 or nils", versions)
+            raise _bad_field(verb, "versions", "a list of ints in 0..2**63-1 or nils", versions)
     return versions
 
 
@@ -429,22 +431,22 @@ def _flag(msg: Mapping[str, Any], key: str, verb: str) -> bool:
 
 
 def _pull_args(
-    msg: Mapping[str, Any], frame: bool
+    msg: Mapping[str, Any], frame: bool, verb: str = "pull"
 ) -> tuple[list[str], Mapping[str, int] | list[int | None] | None, bool, tuple[bool, bool]]:
-    """A pull's ``(names, versions held, whether to answer with a table, (whether the client
-    reads a table's ``uniform`` map, whether it reads one of packed rows))``, checked;
-    ``frame``: whether the client accepts a framed reply."""
-    names = _name_list(msg, "names", "pull")
-    layout = _layout(msg, "pull")
-    uniform, packed = _flag(msg, "uniform", "pull"), _flag(msg, "packed", "pull")
+    """A pull's (or poll's) ``(names, versions held, whether to answer with a table,
+    (whether the client reads a table's ``uniform`` map, whether it reads one of packed
+    rows))``, checked; ``frame``: whether the client accepts a framed reply."""
+    names = _name_list(msg, "names", verb)
+    layout = _layout(msg, verb)
+    uniform, packed = _flag(msg, "uniform", verb), _flag(msg, "packed", verb)
     table = layout == "table" and frame
     versions: Mapping[str, int] | list[int | None] | None
     if layout == "table" and type(msg.get("versions")) is list:
-        versions = _held_list(msg, names)
+        versions = _held_list(msg, names, verb)
         if not table:  # answered in the map layout after all
             versions = {n: v for n, v in zip(names, versions) if v is not None}
     else:
-        versions = _versions(msg, "pull")
+        versions = _versions(msg, verb)
     return names, versions, table, (uniform, uniform and packed)
 
 
@@ -454,14 +456,17 @@ def _pull_table(
     versions: Mapping[str, int] | list[int | None] | None,
     layout: tuple[bool, bool],
     gather: bool,
+    ready: bool | None = None,
 ) -> wire.Encoded:
+    """The pull reply in the table layout; with ``ready``, a poll's (its ``ready`` beside)."""
     rows = store.pull_rows(names, versions)
     # No "names" column: the rows are the requested names, in request order.
     table = {"versions": rows.versions}
+    msg: dict[str, Any] = {"table": table} if ready is None else {"ready": ready, "table": table}
     # Served by the shard's own protocol, the body goes out in one vectored write of its
     # pieces (EncodedResponse, on the same condition), which may then be the arrays.
     return wire.encode_table(
-        {"table": table},
+        msg,
         table,
         rows.values,
         rows.dtypes,
@@ -603,15 +608,50 @@ async def wait(request: Request) -> Response:
     """Long-poll until variables exist: `{"names", "timeout"?}` -> `{"ready", "missing"}`."""
     msg, _ = await _message(request)
     names = _name_list(msg, "names", "wait")
+    timeout = _timeout(msg, "wait", MAX_WAIT_SECONDS)
+    return _reply(request, await _store(request).wait(names, timeout))
+
+
+def _timeout(msg: Mapping[str, Any], verb: str, most: float) -> float:
+    """A long poll's optional ``timeout`` (default 10 s), checked to be in 0..``most``."""
     timeout = msg.get("timeout", 10.0)
     if timeout is None:
         timeout = 10.0
     if (
         isinstance(timeout, bool)
         or not isinstance(timeout, (int, float))
-        or not 0 <= timeout <= MAX_WAIT_SECONDS
+        or not 0 <= timeout <= most
     ):
-        raise _bad_field(
-            "wait", "timeout", f"a number of seconds in 0..{MAX_WAIT_SECONDS:g}", timeout
+        raise _bad_field(verb, "timeout", f"a number of seconds in 0..{most:g}", timeout)
+    return float(timeout)
+
+
+@router.post("/poll", openapi_extra=_BODY_DOC)
+async def poll(request: Request) -> Response:
+    """Long-poll, then pull: `{"names", "versions"?, "min_version"?, "timeout"?, "layout"?}` ->
+    a pull's reply plus `"ready"`. Answers once a named variable's version differs from
+    `versions` (or, with `min_version`, once every one reached it), or at the timeout."""
+    msg, _ = await _message(request)
+    names, versions, table, layout = _pull_args(msg, _accepts_frame(request), "poll")
+    min_version = msg.get("min_version")
+    if min_version is not None and (not _int(min_version) or not 0 <= min_version <= MAX_VERSION):
+        raise _bad_field("poll", "min_version", "an int in 0..2**63-1 (or absent)", min_version)
+    timeout = _timeout(msg, "poll", MAX_POLL_SECONDS)
+    store = _store(request)
+    ready = await store.poll(names, versions, min_version, timeout, _disconnected(request))
+    await store.readable(names)
+    if table:
+        return EncodedResponse(
+            _pull_table(store, names, versions, layout, gathers(request.scope), ready)
         )
-    return _reply(request, await _store(request).wait(names, timeout))
+    return _reply(request, {"ready": ready, "variables": store.pull(names, versions)}, tensors=True)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection (its body has been read: the server's
+    next message for this request is ``http.disconnect``); never, if the server keeps
+    sending other messages instead."""
+    for _ in range(3):  # at most the end-of-body message the server may still hold
+        if (await request.receive())["type"] == "http.disconnect":
+            return
+    await asyncio.Event().wait()

@@ -82,7 +82,12 @@ async def cluster(request: Request) -> dict[str, Any]:
         "num_shards": state.config.num_shards,
         "incarnation": state.incarnation,
         "protocol_version": wire.PROTOCOL_VERSION,
-        "features": [wire.FEATURE_TABLES, wire.FEATURE_PACKED, wire.FEATURE_COUNTER_KIND],
+        "features": [
+            wire.FEATURE_TABLES,
+            wire.FEATURE_PACKED,
+            wire.FEATURE_COUNTER_KIND,
+            wire.FEATURE_POLL,
+        ],
         "version": __version__,
         "started_at": state.started_at,
         "variables": len(store),
@@ -90,6 +95,7 @@ async def cluster(request: Request) -> dict[str, Any]:
         "max_request_bytes": state.config.max_request_bytes,
         "max_request_names": state.config.max_request_names,
         "state_version": store.state_version,
+        "polls_waiting": store.waiters.polls,
         "data_dir": state.config.data_dir is not None,  # where it is: the shard's log only
         "restored": state.durability.restored,
         "last_snapshot": state.durability.last,

@@ -21,6 +21,8 @@ Where each concept lives:
 * ``slab``: one block of memory for the same-shaped variables of one init.
 * ``heap``: the process's big buffers, reused from the heap.
 * ``dedup``: which writes of each worker were applied, so a retry is applied once.
+* ``waiters``: the polls waiting for variables' versions (``POST /v1/poll``), woken by the
+  writes that change them.
 
 The optimizers' math is :mod:`server.optim`; snapshot files are :mod:`server.persistence`.
 """
@@ -32,10 +34,12 @@ from .dedup import MAX_SEQ, DedupTable
 from .operations import COUNTER_KINDS, DEFAULT_OPTIMIZER
 from .variable import Variable
 from .verbs import MAX_WAIT_SECONDS, Capture, ParameterStore, PullRows
+from .waiters import MAX_POLL_SECONDS
 
 __all__ = [
     "COUNTER_KINDS",
     "DEFAULT_OPTIMIZER",
+    "MAX_POLL_SECONDS",
     "MAX_SEQ",
     "MAX_WAIT_SECONDS",
     "SCAN_FROM",

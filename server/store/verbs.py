@@ -1,21 +1,22 @@
 """The shard's API to its routes: :class:`ParameterStore`, the variables one shard owns and the
 verbs that read and change them. No HTTP in here.
 
-:class:`ParameterStore` implements ``init``, ``pull``, ``push``, ``assign``, ``increment`` and
-``wait`` (docs/PROTOCOL.md §3) as plain methods on decoded arguments, plus what the shard
-around it needs: ``capture`` and ``restore`` (snapshots), ``readable`` and ``settled`` (the waits
-a route awaits before a read or a write while a big push is applied off the loop). Refusals are
-:class:`~server.errors.ShardError` with the protocol's codes.
+:class:`ParameterStore` implements ``init``, ``pull``, ``push``, ``assign``, ``increment``,
+``wait`` and ``poll`` (docs/PROTOCOL.md §3) as plain methods on decoded arguments, plus what the
+shard around it needs: ``capture`` and ``restore`` (snapshots), ``readable`` and ``settled``
+(the waits a route awaits before a read or a write while a big push is applied off the loop).
+Refusals are :class:`~server.errors.ShardError` with the protocol's codes.
 
 Every write runs the same steps (:mod:`server.store.operations` says why in this order): check
-the request (names, ownership, fields, tensors), ask the dedup table whether its
-``(worker_id, seq)`` was applied already (a retry is answered ``"duplicate"``), build the
-operation, apply it (:mod:`server.store.apply`), then count it: versions, the shard's state
-version, the dedup table. So a refused request leaves no trace, and a write carrying
-``worker_id`` and ``seq`` is applied once: a seq already applied is answered ``"duplicate"`` and
-changes nothing (a retried increment gets the value it got the first time, while the shard
-still holds that result: ``dedup.MAX_RESULTS`` per worker); a seq too old to tell, or an
-increment's whose result is no longer held, is refused (409 ``seq_expired``).
+the request (names, ownership, fields, tensors), ask the dedup table whether its ``(worker_id,
+seq)`` was applied already (a retry is answered ``"duplicate"``), build the operation, apply it
+(:mod:`server.store.apply`), then count it: versions, the shard's state version, the dedup
+table, and wake the polls waiting on what changed
+(:class:`~server.store.waiters.VersionWaiters`). So a refused request leaves no trace, and a
+write carrying ``worker_id`` and ``seq`` is applied once: a seq already applied is answered
+``"duplicate"`` and changes nothing (a retried increment gets the value it got the first time,
+while the shard still holds that result: ``dedup.MAX_RESULTS`` per worker); a seq too old to
+tell, or an increment's whose result is no longer held, is refused (409 ``seq_expired``).
 
 Reads hand out read-only views of the live values, no copy (:meth:`Variable.export
 <server.store.variable.Variable.export>`): ``pull`` answers a pull as columns of a tensor table
@@ -32,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import operator
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -42,10 +43,11 @@ import numpy as np
 from client_sdk.placement import shard_for, validate_name
 
 from ..errors import ShardError
-from . import apply, operations
+from . import apply, operations, waiters
 from .dedup import MAX_RESULTS, DedupTable
 from .slab import into_slabs
 from .variable import Variable
+from .waiters import VersionWaiters
 
 __all__ = ["MAX_WAIT_SECONDS", "Capture", "ParameterStore", "PullRows"]
 
@@ -112,6 +114,8 @@ class ParameterStore:
         self._vars: dict[str, Variable] = {}
         self._nbytes = 0
         self._waiters: dict[str, set[asyncio.Event]] = {}
+        #: Polls waiting for versions (POST /v1/poll): woken by every change of a version.
+        self.waiters = VersionWaiters()
         self.dedup = DedupTable() if dedup is None else dedup
         self._state_version = 0
         self._off_loop = apply.OffLoop(self._vars)
@@ -455,6 +459,19 @@ class ParameterStore:
 
     # -- waits around a big push applied off the loop ---------------------------------------
 
+    async def poll(
+        self,
+        names: list[str],
+        versions: Mapping[str, int] | list[int | None] | None,
+        min_version: int | None,
+        timeout: float,
+        gone: Awaitable[Any] | None = None,
+    ) -> bool:
+        """Wait until a poll's condition holds (:func:`server.store.waiters.poll`): one of
+        ``names``' versions differs from ``versions``, or (with ``min_version``) all reached
+        it. Returns whether it did; coroutine."""
+        return await waiters.poll(self, names, versions, min_version, timeout, gone)
+
     async def settled(self, names: Iterable[str]) -> None:
         """Return once no push computing off the loop writes a variable in ``names`` (unknown
         names are ignored). The loop awaits this before a synchronous :meth:`assign` or
@@ -505,6 +522,7 @@ class ParameterStore:
         dedup.bound(self.dedup.max_workers, self.dedup.idle_seconds)
         self.dedup = dedup
         self._state_version = sum(v.version for v in self._vars.values())
+        self.waiters.wake_all()
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -519,6 +537,8 @@ class ParameterStore:
         var.touch(writer)
         self._state_version += 1
         self.mutations += 1
+        if self.waiters.waiting:
+            self.waiters.wake([var.name])
 
     def _applied(self, op: operations.Push) -> dict[str, dict[str, Any]]:
         """The bookkeeping of a push whose new values are in place: each version and update
@@ -542,6 +562,8 @@ class ParameterStore:
         self._state_version += len(variables)
         self.mutations += len(variables)
         self.dedup.record(worker_id, op.seq)
+        if self.waiters.waiting:
+            self.waiters.wake([var.name for var in variables])
         return out
 
     @staticmethod

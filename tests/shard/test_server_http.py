@@ -536,6 +536,7 @@ def test_push_with_a_gradient_table(fleet2, http):
         wire.FEATURE_TABLES,
         wire.FEATURE_PACKED,
         wire.FEATURE_COUNTER_KIND,
+        wire.FEATURE_POLL,
     ]
 
 
