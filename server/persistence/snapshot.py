@@ -1,36 +1,28 @@
-"""Snapshots of one shard on disk: written atomically, the newest K kept, the newest valid one
-restored.
+"""One snapshot of a shard: its two files' format, written atomically, read back checked.
 
-A data dir belongs to one shard and holds numbered snapshots, each two files::
+A snapshot is a values file and a manifest, named and kept in a data dir as
+:mod:`server.persistence.datadir` says.
 
-    snapshot-00000012.safetensors            values and optimizer slots (safetensors format)
-    snapshot-00000012.json                   the manifest
-    snapshot-00000013-<checkpoint>.json      (and .safetensors) part of fleet checkpoint <id>
+The **values file** is safetensors: each variable's value and optimizer slots, under keys made
+from positions (:func:`tensor_key`), never from names, so any name round-trips; snapshots whose
+keys are names (as older ones are) read the same way, through the manifest.
 
-The **manifest** says, per variable, its dtype, shape, version, update count, optimizer spec,
-bookkeeping and the safetensors key and CRC-32 of its value and of each optimizer slot; plus the
-dedup table, the shard's index, fleet size and incarnation, its state version, and when it was
-written. It carries a CRC-32 of its own canonical JSON form (``checksum``). Safetensors keys are
-made from positions (:func:`tensor_key`), never from names, so any name round-trips; snapshots
-whose keys are names (as older ones are) read the same way, through the manifest.
-
-**Keeping** (:func:`prune`): the newest K plain snapshots (periodic, shutdown, requested); a
-fleet checkpoint's snapshot is a user's and stays until deleted (:func:`remove`), unless the
-shard is told to keep only the newest N.
+The **manifest** (JSON) says, per variable, its dtype, shape, version, update count, optimizer
+spec, bookkeeping and the safetensors key and CRC-32 of its value and of each optimizer slot;
+plus the dedup table, the shard's index, fleet size and incarnation, its state version, and
+when it was written. It carries a CRC-32 of its own canonical JSON form (``checksum``).
 
 **Writing** (:func:`write_snapshot`): the values go to a temporary file (safetensors' writer
 reads the arrays' own memory: no copy), which is fsynced and renamed; then the manifest the
 same way; then the directory is fsynced. The manifest is renamed last, so a snapshot exists
 exactly when its manifest does: a crash at any point leaves the earlier snapshots intact and at
-worst a temporary file (ours, or the safetensors writer's own: :func:`is_temporary`) or an
-orphan values file, which :func:`clean` removes at the next start.
+worst a temporary file or an orphan values file (:func:`server.persistence.datadir.clean`).
 
-**Reading** (:func:`read_manifest`, :func:`read_arrays`) checks everything it can: the
-manifest's checksum and structure, the safetensors header against the manifest, the file's
-length, and every array's CRC-32; a failure is a :class:`SnapshotError` saying what is wrong.
-Arrays are read with ``readinto`` into fresh memory (one copy, without holding the GIL) or, for
-resharding, memory-mapped. :func:`find_restorable` walks the snapshots newest first, logs a
-warning for each one that does not validate, and returns the first that does.
+**Reading** (:func:`read_manifest`, :func:`read_arrays`, :func:`to_variables`) checks everything
+it can: the manifest's checksum and structure, the safetensors header against the manifest, the
+file's length, every array's CRC-32, and the optimizer specs and slots; a failure is a
+:class:`SnapshotError` saying what is wrong. Arrays are read with ``readinto`` into fresh memory
+(one copy, without holding the GIL) or, for resharding, memory-mapped.
 
 All functions block on file I/O; run them off the event loop. None shares state between calls.
 """
@@ -39,7 +31,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import math
 import os
 import re
@@ -59,39 +50,23 @@ from client_sdk.optimizers import from_wire
 from client_sdk.placement import validate_name
 
 from .. import optim
-from ..store import Capture, DedupTable, Variable
+from ..store import Capture, Variable
+from .datadir import fsync_dir, fsync_path, manifest_name, stem, temporary
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
-    "Restorable",
     "Snapshot",
     "SnapshotError",
-    "SnapshotMismatch",
-    "checkpoint_id_error",
-    "clean",
-    "find_restorable",
-    "is_temporary",
-    "list_snapshots",
-    "next_number",
-    "prune",
     "read_arrays",
     "read_manifest",
-    "remove",
     "tensor_key",
     "to_variables",
     "write_snapshot",
 ]
 
-logger = logging.getLogger("paramshard.server")
-
 FORMAT = "paramshard-snapshot"
 FORMAT_VERSION = 1
-_NAME_RE = re.compile(r"snapshot-(\d{8,})(?:-([A-Za-z0-9_-]{1,64}))?\.json")
-_CHECKPOINT_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_TMP_PREFIX = ".tmp-"
-#: The temporary files of safetensors' writer (Rust's ``tempfile``: ``.tmp`` + 6 characters).
-_FOREIGN_TMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 #: numpy dtype kind+size -> safetensors dtype name.
 _ST_DTYPES = {
     "f2": "F16",
@@ -114,18 +89,6 @@ _READ_BLOCK = 8 << 20
 
 class SnapshotError(ValueError):
     """A snapshot that does not validate (torn, truncated, corrupt); the message says how."""
-
-
-class SnapshotMismatch(Exception):
-    """Valid snapshots of another shard or fleet size: starting on them would misplace
-    variables. The message says what to do."""
-
-
-def checkpoint_id_error(checkpoint: Any) -> str | None:
-    """Why ``checkpoint`` is not a usable checkpoint id, or ``None`` if it is."""
-    if not isinstance(checkpoint, str) or not _CHECKPOINT_RE.fullmatch(checkpoint):
-        return "a checkpoint id is 1-64 characters from A-Z a-z 0-9 _ -"
-    return None
 
 
 @dataclass(frozen=True)
@@ -167,101 +130,6 @@ class Snapshot:
         }
 
 
-# -- listing ----------------------------------------------------------------------------------
-
-
-def list_snapshots(data_dir: Path) -> list[tuple[int, str | None, Path]]:
-    """``(number, checkpoint, manifest path)`` of every manifest in ``data_dir``, oldest first
-    (by name only: nothing is read)."""
-    out = []
-    try:
-        entries = list(os.scandir(data_dir))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        m = _NAME_RE.fullmatch(entry.name)
-        if m:
-            out.append((int(m.group(1)), m.group(2), Path(entry.path)))
-    return sorted(out)
-
-
-def next_number(data_dir: Path) -> int:
-    """One more than the highest snapshot number in ``data_dir`` (manifests or values)."""
-    highest = 0
-    for entry in _entries(data_dir):
-        m = re.match(r"(?:\.tmp-)?snapshot-(\d{8,})", entry)
-        if m:
-            highest = max(highest, int(m.group(1)))
-    return highest + 1
-
-
-def _entries(data_dir: Path) -> list[str]:
-    try:
-        return os.listdir(data_dir)
-    except FileNotFoundError:
-        return []
-
-
-def is_temporary(name: str) -> bool:
-    """Whether ``name`` is a temporary file a snapshot write makes in its data dir: ours
-    (``.tmp-snapshot-*``) or the safetensors writer's own (``.tmp`` and 6 letters or digits,
-    which it renames onto ours when it is done)."""
-    return name.startswith(_TMP_PREFIX + "snapshot-") or _FOREIGN_TMP_RE.fullmatch(name) is not None
-
-
-def clean(data_dir: Path) -> list[str]:
-    """Remove leftovers of interrupted writes: temporary files (:func:`is_temporary`), and
-    values files whose manifest never appeared. Call it only while no snapshot is being
-    written to ``data_dir``. Returns the names removed."""
-    names = set(_entries(data_dir))
-    stems = {n[: -len(".json")] for n in names if _NAME_RE.fullmatch(n)}
-    removed = []
-    for name in sorted(names):
-        orphan = (
-            name.endswith(".safetensors")
-            and name.startswith("snapshot-")
-            and name[: -len(".safetensors")] not in stems
-        )
-        if is_temporary(name) or orphan:
-            try:
-                os.unlink(data_dir / name)
-                removed.append(name)
-            except FileNotFoundError:
-                pass
-    if removed:
-        _fsync_dir(data_dir)
-    return removed
-
-
-def prune(data_dir: Path, keep: int, keep_checkpoints: int = 0) -> list[str]:
-    """Keep the newest ``keep`` plain snapshots (periodic, shutdown, requested) and delete the
-    older ones; fleet checkpoints are kept apart: every one with ``keep_checkpoints=0``, else
-    the newest ``keep_checkpoints``. Returns the names removed."""
-    snapshots = list_snapshots(data_dir)
-    plain = [p for _, c, p in snapshots if c is None]
-    ckpts = [p for _, c, p in snapshots if c is not None]
-    doomed = plain[:-keep] if keep > 0 else plain
-    if keep_checkpoints > 0:
-        doomed += ckpts[:-keep_checkpoints]
-    return remove(data_dir, doomed)
-
-
-def remove(data_dir: Path, manifests: list[Path]) -> list[str]:
-    """Delete these snapshots of ``data_dir`` (each manifest first, then its values, so none
-    is ever left half there). Returns the names removed."""
-    removed = []
-    for manifest in manifests:
-        for path in (manifest, manifest.with_suffix(".safetensors")):
-            try:
-                os.unlink(path)
-                removed.append(path.name)
-            except FileNotFoundError:
-                pass
-    if removed:
-        _fsync_dir(data_dir)
-    return removed
-
-
 # -- writing ----------------------------------------------------------------------------------
 
 
@@ -275,21 +143,6 @@ def _crc(a: np.ndarray) -> int:
     if a.nbytes == 0:
         return 0
     return zlib.crc32(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        _fsync_path(path)
-    except OSError:  # some filesystems cannot fsync a directory; the renames still happened
-        pass
 
 
 def tensor_key(index: int, slot: str) -> str:
@@ -317,7 +170,7 @@ def write_snapshot(
     from safetensors.numpy import save_file
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"snapshot-{number:08d}" + (f"-{checkpoint}" if checkpoint else "")
+    base = stem(number, checkpoint)
     tensors: dict[str, np.ndarray] = {}
     entries: list[dict[str, Any]] = []  # the manifest's entry of each tensor, in order
     variables: dict[str, Any] = {}
@@ -329,10 +182,10 @@ def write_snapshot(
             slots[slot] = {"key": key, "crc32": 0}  # filled in below
             entries.append(slots[slot])
         variables[name] = {**meta, "tensors": slots}
-    values_name = stem + ".safetensors"
-    tmp_values = data_dir / (_TMP_PREFIX + values_name)
+    values_name = base + ".safetensors"
+    tmp_values = data_dir / temporary(values_name)
     renamed: Path | None = None  # the values file, once renamed: removed if the manifest fails
-    tmp_manifest = data_dir / (_TMP_PREFIX + stem + ".json")
+    tmp_manifest = data_dir / temporary(base + ".json")
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="paramshard-crc") as pool:
             crcs = pool.map(_crc, tensors.values())  # alongside the write: both read the arrays
@@ -344,7 +197,7 @@ def write_snapshot(
                 raise _os_error(exc) from exc
             for entry, crc in zip(entries, crcs):
                 entry["crc32"] = crc
-        _fsync_path(tmp_values)
+        fsync_path(tmp_values)
         values_bytes = tmp_values.stat().st_size
         os.replace(tmp_values, data_dir / values_name)
         renamed = data_dir / values_name
@@ -369,10 +222,10 @@ def write_snapshot(
             json.dump(manifest, f, sort_keys=True, indent=1, ensure_ascii=True, allow_nan=False)
             f.flush()
             os.fsync(f.fileno())
-        manifest_path = data_dir / (stem + ".json")
+        manifest_path = data_dir / (base + ".json")
         os.replace(tmp_manifest, manifest_path)
         renamed = None  # the snapshot is whole now
-        _fsync_dir(data_dir)
+        fsync_dir(data_dir)
     except BaseException:
         for path in (tmp_values, tmp_manifest, renamed):
             if path is None:
@@ -430,12 +283,11 @@ def read_manifest(path: Path) -> Snapshot:
         actual = None
     _need(checksum == actual, path, "checksum mismatch (corrupt)")
     manifest["checksum"] = checksum
-    m = _NAME_RE.fullmatch(path.name)
+    named = manifest_name(path.name)
     _need(
-        m is not None
+        named is not None
         and _is_int(manifest.get("snapshot"), 1)
-        and int(m.group(1)) == manifest["snapshot"]
-        and m.group(2) == manifest.get("checkpoint"),
+        and named == (manifest["snapshot"], manifest.get("checkpoint")),
         path,
         "file name and contents disagree",
     )
@@ -664,66 +516,3 @@ def to_variables(snap: Snapshot, arrays: Mapping[str, Mapping[str, np.ndarray]])
             )
         )
     return out
-
-
-@dataclass
-class Restorable:
-    """A snapshot read in full: what the store restores."""
-
-    snapshot: Snapshot
-    variables: list[Variable]
-    dedup: DedupTable
-    skipped: list[str]
-    seconds: float
-
-
-def find_restorable(
-    data_dir: Path, shard_index: int, num_shards: int, checkpoint: str | None = None
-) -> Restorable | None:
-    """The newest snapshot in ``data_dir`` that validates, read in full; ``None`` if there is
-    no snapshot at all. Each one skipped is logged as a warning (and listed in ``skipped``).
-
-    With ``checkpoint``, only that fleet checkpoint's snapshot is considered. Raises
-    :class:`SnapshotMismatch` when the snapshots are another shard's or fleet size's, or when
-    snapshots exist but none validates (starting empty would silently drop the state).
-    """
-    started = time.perf_counter()
-    candidates = [
-        (n, c, p) for n, c, p in list_snapshots(data_dir) if checkpoint is None or c == checkpoint
-    ]
-    if not candidates:
-        if checkpoint is not None:
-            raise SnapshotMismatch(
-                f"{data_dir} has no snapshot of checkpoint {checkpoint!r}: check the id "
-                "(ps.checkpoint() returned it), or start without --restore to use the newest "
-                "snapshot"
-            )
-        return None
-    skipped = []
-    for _, _, manifest_path in reversed(candidates):
-        try:
-            snap = read_manifest(manifest_path)
-            m = snap.manifest
-            if (m["shard_index"], m["num_shards"]) != (shard_index, num_shards):
-                raise SnapshotMismatch(
-                    f"{manifest_path} holds shard {m['shard_index']} of a {m['num_shards']}-"
-                    f"shard fleet, but this is shard {shard_index} of {num_shards}: start it "
-                    f"with --shard-index {m['shard_index']} --num-shards {m['num_shards']}, "
-                    "give it another --data-dir, or reshard the checkpoint (paramshard reshard)"
-                )
-            arrays = read_arrays(snap)
-            variables = to_variables(snap, arrays)
-            try:
-                dedup = DedupTable.load(m["dedup"])
-            except ValueError as exc:
-                raise SnapshotError(f"{manifest_path.name}: {exc}") from None
-        except SnapshotError as exc:
-            logger.warning("skipping snapshot %s: %s", manifest_path, exc)
-            skipped.append(f"{manifest_path.name}: {exc}")
-            continue
-        return Restorable(snap, variables, dedup, skipped, time.perf_counter() - started)
-    raise SnapshotMismatch(
-        f"none of the {len(candidates)} snapshot(s) in {data_dir} validates ({'; '.join(skipped)})"
-        ": move the damaged files away to start from an older copy, or move them all away to "
-        "start empty"
-    )
