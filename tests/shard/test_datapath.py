@@ -29,11 +29,11 @@ from client_sdk import BadTensorError, PSClient, wire
 from client_sdk.optimizers import SGD, Adagrad, Add, from_wire
 from server import httptools_protocol as server_protocol
 from server import optim
+from server.bodies import coalesce, read_body
 from server.direct_routes import direct_routes
 from server.errors import ShardError
 from server.headers import header, request_headers
 from server.httptools_protocol import BODY_INTO, GATHER, Gathered, ShardHttpProtocol
-from server.routes_data import coalesce, read_body
 from server.store import ParameterStore, Variable
 from server.store import apply as store_apply
 from server.store import slab as store_slab
@@ -718,7 +718,7 @@ def test_requests_after_a_big_body_on_the_same_connection(fleet_factory):
 
 
 class _BodyEcho:
-    """An ASGI app that reads each body the way routes_data does when the server offers
+    """An ASGI app that reads each body the way server/bodies.py does when the server offers
     ``BODY_INTO`` and answers ``b"direct "`` or ``b"pieces "`` and the body's SHA-256."""
 
     def __init__(self) -> None:
@@ -1203,7 +1203,7 @@ def test_head_requests_interim_responses_and_failures_are_written_as_before():
     assert t.calls == [] and t.closed
 
 
-# -- reading a small body (routes_data.read_body, the piece by piece path) ----------------------
+# -- reading a small body (bodies.read_body, the piece by piece path) ----------------------
 
 
 @pytest.mark.parametrize(
