@@ -28,6 +28,9 @@
   already past that point has answered. A write that arrives during a checkpoint's pause waits
   up to :data:`PAUSE_WAIT` seconds, then gets 503 with ``Retry-After``.
 
+The state (:class:`Gate`, which ``server/durability.py`` and the checkpoint routes drive too)
+and the middleware that applies it to requests are one module (under 600 lines): each rule
+above is a state and the point where a request meets it, and the two change together.
 Everything runs on the event loop; nothing here is thread-safe.
 """
 
