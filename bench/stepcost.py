@@ -213,7 +213,7 @@ def run(count: int, size: int, reps: int, out: Callable[[str], None] = print) ->
             ps.push(grads)
             ps.pull(names)
             ps._send_all = lambda batch: canned  # type: ignore[method-assign]
-            cache = ps._core._cache
+            cache = ps._core.cache.entries
 
             def sdk_only() -> None:
                 cache.clear()  # every value arrives fresh, as after a push

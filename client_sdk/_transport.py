@@ -1,6 +1,6 @@
 """Where HTTP meets the SDK: sending one request, retrying it, mapping transport errors.
 
-Both shells send a :class:`~client_sdk._core.ShardRequest` through :func:`send` (sync) or
+Both shells send a :class:`~client_sdk._flow.ShardRequest` through :func:`send` (sync) or
 :func:`asend` (async), each with a *sender* that performs one HTTP exchange:
 
 * :class:`NativeSender` / :class:`AsyncNativeSender`, the default when every shard is an
@@ -26,10 +26,10 @@ gives each connection's reads and writes only what is left of the deadline (``_D
 for the transports it can reach) and checks the deadline between the pieces of a reply, and
 the async one cancels the exchange at its deadline. Every reply body is bounded by
 the request's ``max_reply`` (what the SDK knows its reply can need, see
-:meth:`~client_sdk._core.Core._pull_bound`) before a byte of it is allocated; a bigger one is
+:func:`client_sdk._verbs.pull._reply_bound`) before a byte of it is allocated; a bigger one is
 a :class:`~client_sdk.ProtocolError` at once, not retried, and its connection is closed.
 
-:func:`send`, :func:`send_all` and :func:`asend` return a :class:`~client_sdk._core.Reply` or
+:func:`send`, :func:`send_all` and :func:`asend` return a :class:`~client_sdk._flow.Reply` or
 the ``PSError`` that prevented one, and never raise transport errors: both senders fail with
 httpx2's exception classes, and every one is translated here, where it enters (``raise ... from
 exc``), to the most specific class of the SDK's tree. Which of them mean "the request never left"
@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
+import random
 import sys
 import threading
 import time
@@ -51,10 +53,12 @@ import numpy as np
 
 from . import _http11
 from ._apool import AsyncHTTPPool
-from ._core import Core, Reply, Settings, ShardRequest
+from ._core import Core
 from ._exceptions import ConfigError, ProtocolError, PSError, ShardUnavailableError
 from ._fanout import Exchange, exchange_all
+from ._flow import Reply, ShardRequest
 from ._pool import HTTPPool
+from ._settings import Settings
 from .wire import Encoded
 
 if TYPE_CHECKING:
@@ -68,6 +72,7 @@ __all__ = [
     "asend",
     "async_sender",
     "limits",
+    "retry_delay",
     "send",
     "send_all",
     "sync_sender",
@@ -674,7 +679,7 @@ def _translate(
 
 
 def send(sender: Sender, core: Core, req: ShardRequest) -> Result:
-    """Send one request, retrying as :meth:`Core.retry_delay` allows. Blocks; thread-safe."""
+    """Send one request, retrying as :func:`retry_delay` allows. Blocks; thread-safe."""
     return _retry(sender, core, req, time.monotonic(), 0, None)
 
 
@@ -737,11 +742,11 @@ def _judge(
     if isinstance(outcome, _http11.ReplyTooLarge):  # the same request would get it again
         return _chain(_translate(outcome, core, req, attempt, started), outcome)
     if isinstance(outcome, Reply):
-        delay = core.retry_delay(
+        delay = retry_delay(
             req, attempt - 1, status=outcome.status, retry_after=outcome.headers.get("retry-after")
         )
         return outcome if delay is None else delay
-    delay = core.retry_delay(req, attempt - 1, unsent=isinstance(outcome, _UNSENT))
+    delay = retry_delay(req, attempt - 1, unsent=isinstance(outcome, _UNSENT))
     if delay is None:
         return _chain(_translate(outcome, core, req, attempt, started), outcome)
     return delay
@@ -761,6 +766,49 @@ async def asend(sender: AsyncSender, core: Core, req: ShardRequest) -> Result:
         if isinstance(verdict, _SETTLED):
             return verdict
         await asyncio.sleep(verdict)
+
+
+def retry_delay(
+    request: ShardRequest,
+    attempt: int,
+    *,
+    unsent: bool = False,
+    status: int | None = None,
+    retry_after: str | None = None,
+) -> float | None:
+    """Seconds to wait before retrying ``request``, or ``None`` to give up.
+
+    A reply with status 429/503 is always retryable (the shard changed nothing). A transport
+    failure (connection refused or lost, timeout) is retryable for read-only and retry-safe
+    requests, and for other mutating ones only when ``unsent`` (the request certainly never
+    reached the shard). Backoff is exponential with jitter and ``Retry-After`` is honoured;
+    a retry that could not start before the request's deadline is not made (an attempt may
+    not run past it: :func:`attempt_deadline`).
+    """
+    if status is not None:
+        if status not in (429, 503):
+            return None
+    elif request.mutating and not request.retry_safe and not unsent:
+        return None
+    remaining = request.deadline - time.monotonic()
+    if remaining <= 0:
+        return None
+    backoff = min(1.0, 0.05 * (2 ** min(attempt, 10)))
+    delay = backoff / 2 + random.uniform(0, backoff / 2)
+    hinted = _parse_retry_after(retry_after)
+    if hinted is not None:
+        delay = max(delay, hinted)
+    return delay if delay < remaining else None
+
+
+def _parse_retry_after(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None  # the HTTP-date form: fall back to our own backoff
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def _chain(err: PSError, cause: BaseException) -> PSError:

@@ -1,8 +1,9 @@
 """``PSClient`` (threads) and ``AsyncPSClient`` (asyncio): the worker's view of a fleet.
 
 Both are thin shells over one sans-I/O :class:`~client_sdk._core.Core` and differ only by
-``await``: the core builds each shard's request and interprets the replies; a shell sends a
-batch (one request per shard, all shards concurrently) and hands the results back.
+``await``: each verb is a flow over the core (``_verbs/``) that builds each shard's request and
+interprets the replies; a shell sends a batch (one request per shard, all shards concurrently)
+and hands the results back.
 
     with PSClient(["http://127.0.0.1:7100", "http://127.0.0.1:7101"], worker_id="w0") as ps:
         ps.init({"w": w0}, optimizer=Adagrad(lr=0.1))
@@ -26,10 +27,13 @@ from typing import Any, Literal, TypeVar
 import httpx2
 import numpy as np
 
-from . import _transport
-from ._core import DEFAULT_MAX_REPLY_BYTES, Core, Flow, PushJob, Result, ShardRequest, load_settings
+from . import _transport, _verbs
+from ._core import Core
 from ._exceptions import PSError
+from ._flow import Flow, Result, ShardRequest
 from ._pusher import AsyncPusher, Pusher, closed_error
+from ._settings import DEFAULT_MAX_REPLY_BYTES, load_settings
+from ._verbs import PushJob
 from .optimizers import Optimizer
 
 __all__ = ["AsyncPSClient", "PSClient"]
@@ -107,7 +111,7 @@ class PSClient:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, (n - 1) * (max_inflight + 2)), thread_name_prefix="paramshard-shard"
         )
-        self._pusher = Pusher(max_inflight, self._push_job, self._core.merge_push)
+        self._pusher = Pusher(max_inflight, self._push_job, _verbs.merge_push)
         self._close_lock = threading.Lock()
         self._closed = False
 
@@ -151,7 +155,7 @@ class PSClient:
         variable exists with another shape or dtype (that shard then created nothing),
         :class:`BadTensorError` for values the protocol cannot carry or non-finite floats.
         """
-        return self._drive(self._core.init(values, optimizer))
+        return self._drive(_verbs.init(self._core, values, optimizer))
 
     def wait_ready(self, names: Sequence[str], timeout: float | None = 60.0) -> None:
         """Block until every named variable exists (some worker called :meth:`init`).
@@ -161,7 +165,7 @@ class PSClient:
         that never appeared (and whose message names unreachable shards), and
         :class:`FleetMismatchError` if a shard disagrees with the shard list.
         """
-        return self._drive(self._core.wait(names, timeout))
+        return self._drive(_verbs.wait(self._core, names, timeout))
 
     def pull(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         """Fetch the current values of ``names``: a dict name -> ndarray. Blocks.
@@ -172,7 +176,7 @@ class PSClient:
         changing it in place. Each value is consistent (never half-updated). Raises
         :class:`UnknownVariableError` if a name does not exist.
         """
-        return self._drive(self._core.pull(names))
+        return self._drive(_verbs.pull(self._core, names))
 
     def push(
         self, grads: Mapping[str, Any], versions: Mapping[str, int] | None = None
@@ -189,7 +193,9 @@ class PSClient:
         says on which shards the push was applied. Retried (same seq) after any connection
         failure, timeout, 429 or 503 until ``retry_deadline``: applied at most once.
         """
-        return self._drive(self._core.push(self._core.prepare_push(grads, versions)))
+        return self._drive(
+            _verbs.push(self._core, _verbs.prepare_push(self._core, grads, versions))
+        )
 
     def push_async(
         self,
@@ -214,12 +220,12 @@ class PSClient:
         """
         if self._closed:
             raise closed_error()
-        job = self._core.prepare_push(grads, versions, copy=True)
-        self._core.check_push(job)
+        job = _verbs.prepare_push(self._core, grads, versions, copy=True)
+        _verbs.check_push(self._core, job)
         return self._pusher.submit(job, coalesce=coalesce)
 
     def _push_job(self, job: PushJob) -> dict[str, dict[str, Any]]:
-        return self._drive(self._core.push(job))
+        return self._drive(_verbs.push(self._core, job))
 
     def flush(self) -> None:
         """Block until every :meth:`push_async` so far has finished; raise
@@ -239,7 +245,7 @@ class PSClient:
         value: use it for ``global_step``. Retried like a push: a retry of an increment already
         applied gets the value the first attempt got.
         """
-        return self._drive(self._core.increment(name, delta, kind))
+        return self._drive(_verbs.increment(self._core, name, delta, kind))
 
     def assign(self, values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """Overwrite existing variables (same shape; cast to the variable's dtype). Blocks.
@@ -247,12 +253,12 @@ class PSClient:
         Optimizer state is kept. Returns name -> ``{"version"}``. Raises
         :class:`UnknownVariableError` for a variable that does not exist.
         """
-        return self._drive(self._core.assign(values))
+        return self._drive(_verbs.assign(self._core, values))
 
     def variables(self) -> list[dict[str, Any]]:
         """Summaries of every variable on every shard (``GET /v1/variables``), sorted by name,
         each with the index of its ``shard``. Blocks."""
-        return self._drive(self._core.variables())
+        return self._drive(_verbs.variables(self._core))
 
     def checkpoint(self, timeout: float = 300.0) -> str:
         """Snapshot the whole fleet at one instant and return the checkpoint's id. Blocks.
@@ -264,7 +270,7 @@ class PSClient:
         checkpoint (seconds). Raises :class:`ConflictError` if a shard has no ``--data-dir``;
         after any failure the shards are resumed.
         """
-        return self._drive(self._core.checkpoint(timeout))
+        return self._drive(_verbs.checkpoint(self._core, timeout))
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -333,7 +339,7 @@ class AsyncPSClient:
         )
         self._core = Core(settings)
         self._sender = _transport.async_sender(settings, transport)
-        self._pusher = AsyncPusher(max_inflight, self._push_job, self._core.merge_push)
+        self._pusher = AsyncPusher(max_inflight, self._push_job, _verbs.merge_push)
         self._closed = False
 
     @property
@@ -366,21 +372,23 @@ class AsyncPSClient:
         self, values: Mapping[str, Any], optimizer: OptimizerArg = None
     ) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.init`."""
-        return await self._drive(self._core.init(values, optimizer))
+        return await self._drive(_verbs.init(self._core, values, optimizer))
 
     async def wait_ready(self, names: Sequence[str], timeout: float | None = 60.0) -> None:
         """See :meth:`PSClient.wait_ready`."""
-        return await self._drive(self._core.wait(names, timeout))
+        return await self._drive(_verbs.wait(self._core, names, timeout))
 
     async def pull(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         """See :meth:`PSClient.pull` (returned arrays are read-only)."""
-        return await self._drive(self._core.pull(names))
+        return await self._drive(_verbs.pull(self._core, names))
 
     async def push(
         self, grads: Mapping[str, Any], versions: Mapping[str, int] | None = None
     ) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.push`."""
-        return await self._drive(self._core.push(self._core.prepare_push(grads, versions)))
+        return await self._drive(
+            _verbs.push(self._core, _verbs.prepare_push(self._core, grads, versions))
+        )
 
     async def push_async(
         self,
@@ -395,12 +403,12 @@ class AsyncPSClient:
         :meth:`PSClient.push_async`)."""
         if self._closed:
             raise closed_error()
-        job = self._core.prepare_push(grads, versions, copy=True)
-        self._core.check_push(job)
+        job = _verbs.prepare_push(self._core, grads, versions, copy=True)
+        _verbs.check_push(self._core, job)
         return await self._pusher.submit(job, coalesce=coalesce)
 
     async def _push_job(self, job: PushJob) -> dict[str, dict[str, Any]]:
-        return await self._drive(self._core.push(job))
+        return await self._drive(_verbs.push(self._core, job))
 
     async def flush(self) -> None:
         """See :meth:`PSClient.flush`."""
@@ -410,19 +418,19 @@ class AsyncPSClient:
         self, name: str, delta: int | float = 1, kind: Literal["int", "float"] | None = None
     ) -> int | float:
         """See :meth:`PSClient.increment`."""
-        return await self._drive(self._core.increment(name, delta, kind))
+        return await self._drive(_verbs.increment(self._core, name, delta, kind))
 
     async def assign(self, values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.assign`."""
-        return await self._drive(self._core.assign(values))
+        return await self._drive(_verbs.assign(self._core, values))
 
     async def variables(self) -> list[dict[str, Any]]:
         """See :meth:`PSClient.variables`."""
-        return await self._drive(self._core.variables())
+        return await self._drive(_verbs.variables(self._core))
 
     async def checkpoint(self, timeout: float = 300.0) -> str:
         """See :meth:`PSClient.checkpoint`."""
-        return await self._drive(self._core.checkpoint(timeout))
+        return await self._drive(_verbs.checkpoint(self._core, timeout))
 
     async def close(self) -> None:
         """Wait for background pushes, then close connections; raises :class:`PushError` for

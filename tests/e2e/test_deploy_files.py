@@ -38,7 +38,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: check-jsonschema brings tomli there
     import tomli as tomllib
 
-from client_sdk._core import load_settings
+from client_sdk._settings import load_settings
 from client_sdk.wire import ENV_SHARDS, ENV_TOKEN, ENV_WORKER_ID
 from server import config as config_module
 from server.cli import build_parser

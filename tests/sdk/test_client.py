@@ -29,6 +29,7 @@ from client_sdk import (
     UnknownVariableError,
     wire,
 )
+from client_sdk._verbs.pull import plan as pull_plan
 from client_sdk.optimizers import SGD, Adagrad
 from client_sdk.placement import shard_for
 from tests.conftest import HTTP_MODES, free_port, start_fleet2
@@ -339,24 +340,24 @@ def test_a_pull_never_caches_over_a_newer_value(fleet2, changed):
     with PSClient(fleet2.urls) as ps:
         ps.init({n: np.zeros(8, np.float32) for n in names}, optimizer=SGD(lr=1.0))
         before = ps.pull(names)
-        core = ps._core
-        cache = core._cache
+        versions = ps._core.cache
+        cache = versions.entries
         newer = (cache[names[0]][0], cache[names[0]][1] + 5, np.full(8, 9.0))
-        read = core._cached
+        read = versions.held
 
-        def read_then_another_pull_caches(shard, group):
-            held = read(shard, group)
+        def read_then_another_pull_caches(group, incarnation):
+            held = read(group, incarnation)
             if names[0] in group:  # the other pull's reply is cached first
-                core._remember([names[0]], [newer])
+                versions.store([names[0]], [newer[1]], [newer[2]], newer[0])
             return held
 
-        core._cached = read_then_another_pull_caches
+        versions.held = read_then_another_pull_caches
         ps.push({n: np.ones(8, np.float32) for n in pushed})
         pulled = ps.pull(names)
-        core._cached = read
+        del versions.held
         for n in names:
             np.testing.assert_array_equal(pulled[n], -np.ones(8) if n in pushed else 0)
-        assert cache[names[0]] is newer
+        assert cache[names[0]] == newer
         for n in names[1:]:
             assert cache[n][2] is pulled[n]
             assert n in pushed or pulled[n] is before[n]
@@ -864,7 +865,7 @@ def test_a_pull_plan_is_kept_per_list_of_names(fleet2):
     names = two_shard_names("plan", 4)
     with PSClient(fleet2.urls) as ps:
         ps.init({n: np.full(2, i, np.float32) for i, n in enumerate(names)})
-        plans = ps._core._plans
+        plans = ps._core.pull_plans
         first = ps.pull(names)
         assert list(first) == names and len(plans) == 1
         assert ps.pull(tuple(names)).keys() == first.keys() and len(plans) == 1  # same key
@@ -879,5 +880,5 @@ def test_a_pull_plan_is_kept_per_list_of_names(fleet2):
                 with pytest.raises(BadRequestError):
                     ps.pull(bad)
         for k in range(200):
-            ps._core._pull_plan([names[k % 4], names[(k + 1) % 4], f"plan-extra-{k}"])
+            pull_plan(ps._core, [names[k % 4], names[(k + 1) % 4], f"plan-extra-{k}"])
         assert 0 < len(plans) <= 64
