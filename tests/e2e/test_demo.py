@@ -220,15 +220,18 @@ def test_demo_runs_from_an_installed_wheel(tmp_path):
     (wheel,) = tmp_path.glob("paramshard-*.whl")
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60
+    )
     python = venv / "bin" / "python"
-    subprocess.run([*pip, "--python", str(python), "install", "--no-deps", str(wheel)], check=True)
+    install = [*pip, "--python", str(python), "install", "--no-deps", str(wheel)]
+    subprocess.run(install, check=True, timeout=120)
     # Its dependencies are this environment's (not its source tree: a path listed in a .pth
     # file is searched, but the .pth files in it, which hold this checkout's editable install,
     # are not run), and they come after the venv's own site-packages, where the wheel went.
     site = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=True, timeout=60,
     ).stdout.strip()  # fmt: skip
     ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     (Path(site) / "dependencies.pth").write_text("\n".join(sorted(ours)) + "\n")
@@ -238,7 +241,7 @@ def test_demo_runs_from_an_installed_wheel(tmp_path):
     env = {k: v for k, v in demo_env(tmp_path).items() if k != "PYTHONPATH"}
     where = subprocess.run(
         [str(python), "-c", "import server.demo.digits_worker as m; print(m.__file__)"],
-        cwd=away, env=env, capture_output=True, text=True, check=True,
+        cwd=away, env=env, capture_output=True, text=True, check=True, timeout=60,
     ).stdout  # fmt: skip
     assert where.startswith(site), where  # the wheel's, not the checkout's
     proc = subprocess.run(
