@@ -24,6 +24,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import httpx2
 import pytest
 
 from server import launcher
@@ -156,3 +157,41 @@ def fleet2(tmp_path_factory):
     f = start_fleet2(tmp_path_factory)
     yield f
     f.close()
+
+
+# -- fleets and clients shared by a module ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def module_fleet_factory(tmp_path_factory):
+    """:func:`fleet_factory` for a whole module: the fleets it starts serve every test of the
+    module (tests that only add uniquely named variables) and stop after the last one."""
+    fleets: list[Fleet] = []
+
+    def make(
+        n: int,
+        *extra_args: str,
+        env: dict[str, str] | None = None,
+        data: bool = False,
+        prelude: str = "",
+    ) -> Fleet:
+        f = Fleet(n, tmp_path_factory.mktemp(f"fleet{n}-"), extra_args, env, data, prelude)
+        fleets.append(f)
+        return f
+
+    yield make
+    for f in fleets:
+        f.close()
+
+
+@pytest.fixture(scope="module")
+def fleet1(module_fleet_factory) -> Fleet:
+    """A 1-shard fleet shared by a module (a fleet of one owns every name)."""
+    return module_fleet_factory(1)
+
+
+@pytest.fixture(scope="module")
+def http():
+    """An httpx2 client for raw requests (the protocol as sent by hand, not by the SDK)."""
+    with httpx2.Client(timeout=60.0) as client:
+        yield client

@@ -13,11 +13,11 @@ promise is that worker code catches ``PSError`` and nothing else.
 
 from __future__ import annotations
 
-import queue
 import re
 import struct
 import threading
 import uuid
+from dataclasses import dataclass
 
 import httpx2
 import msgpack
@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 
 from client_sdk import AsyncPSClient, PSClient, PSError, wire
 from tests.conftest import OnLoop, examples
+from tests.helpers.damage import BytesDamage, HeaderDamage, bytes_damages, header_damages
 from tests.helpers.dropproxy import DroppingProxy
-from tests.shard.test_fuzz_requests import damage, damage_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
 
@@ -48,16 +48,11 @@ _HEAD = struct.Struct("<4sI")
 
 
 @pytest.fixture(scope="module")
-def proxy(tmp_path_factory):
-    from tests.conftest import Fleet
-
-    fleet = Fleet(1, tmp_path_factory.mktemp("replies"))
-    port = fleet.ports[0]
-    with PSClient(fleet.urls) as ps:
+def proxy(fleet1):
+    with PSClient(fleet1.urls) as ps:
         ps.init({n: np.zeros(SIZE, np.float32) for n in NAMES})
-    with DroppingProxy(("127.0.0.1", port)) as relay:
+    with DroppingProxy(("127.0.0.1", fleet1.ports[0])) as relay:
         yield relay
-    fleet.close()
 
 
 def split(reply: bytes) -> tuple[bytes, list[tuple[bytes, bytes]], bytes]:
@@ -72,90 +67,101 @@ def join(status: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> byte
     return status + b"\r\n" + b"".join(k + b":" + v + b"\r\n" for k, v in headers) + b"\r\n" + body
 
 
-def damage_body(data, body: bytes, content_type: bytes) -> bytes:
-    """A near miss in the msgpack header (of a msgpack or framed body), or damaged bytes."""
-    how = data.draw(st.sampled_from(["header", "bytes"]))
-    framed = content_type.strip().startswith(wire.FRAME.encode())
-    if how == "header":
-        try:
-            if framed:
-                _, size = _HEAD.unpack_from(body)
-                header, rest = msgpack.unpackb(body[8 : 8 + size], raw=False), body[8 + size :]
-            else:
-                header, rest = msgpack.unpackb(body, raw=False), b""
-        except Exception:  # a JSON body: damage its bytes instead
-            how = "bytes"
+STATUSES = [
+    b"200 OK",
+    b"201 Created",
+    b"204 No Content",
+    b"400 Bad Request",
+    b"404 Not Found",
+    b"409 Conflict",
+    b"421 Misdirected Request",
+    b"422 Unprocessable",
+    b"429 Too Many Requests",
+    b"500 Internal Server Error",
+    b"503 Service Unavailable",
+    b"418 I'm a teapot",
+]
+HEADERS = [
+    b"content-type",
+    wire.HEADER_SHARD.encode(),
+    wire.HEADER_INCARNATION.encode(),
+    wire.HEADER_PROTOCOL.encode(),
+    wire.HEADER_STATE_VERSION.encode(),
+    b"retry-after",
+]
+HEADER_VALUES = [
+    b"",
+    b"0/1",
+    b"1/1",
+    b"0/2",
+    b"x",
+    b"-1",
+    b"2",
+    b"0",
+    b"99999999999999999999",
+    wire.MSGPACK.encode(),
+    wire.FRAME.encode(),
+    wire.JSON.encode(),
+    b"text/html",
+    b"deadbeef",
+    b"1e9",
+    b"nan",
+]
+
+
+@dataclass(frozen=True)
+class ReplyDamage:
+    """What to do to one reply, drawn before the reply exists (tests/helpers/damage.py says
+    why): its status line, one header, or its body (a value of the msgpack header of a msgpack
+    or framed body, or the body's bytes; a JSON body's bytes either way)."""
+
+    what: str  # "status", "header" or "body"
+    status: bytes
+    header: bytes
+    value: bytes
+    in_message: bool  # damage the body's msgpack header rather than its bytes
+    message: HeaderDamage
+    bytes: BytesDamage
+
+    def apply(self, reply: bytes) -> bytes:
+        status, headers, body = split(reply)
+        if self.what == "status":
+            status = b"HTTP/1.1 " + self.status
+        elif self.what == "header":
+            headers = [(k, v) for k, v in headers if k.strip().lower() != self.header]
+            headers.append((self.header, b" " + self.value))
         else:
-            header = data.draw(damage(header))
-            head = msgpack.packb(header, use_bin_type=True)
-            return _HEAD.pack(wire.FRAME_MAGIC, len(head)) + head + rest if framed else head
-    return damage_bytes(data, body)
+            ctype = next((v for k, v in headers if k.strip().lower() == b"content-type"), b"")
+            body = self.damage_body(body, ctype)
+        return join(status, headers, body)
+
+    def damage_body(self, body: bytes, content_type: bytes) -> bytes:
+        if self.in_message:
+            framed = content_type.strip().startswith(wire.FRAME.encode())
+            try:
+                if framed:
+                    _, size = _HEAD.unpack_from(body)
+                    header, rest = msgpack.unpackb(body[8 : 8 + size], raw=False), body[8 + size :]
+                else:
+                    header, rest = msgpack.unpackb(body, raw=False), b""
+            except Exception:  # a JSON body: damage its bytes instead
+                pass
+            else:
+                head = msgpack.packb(self.message.apply(header), use_bin_type=True)
+                return _HEAD.pack(wire.FRAME_MAGIC, len(head)) + head + rest if framed else head
+        return self.bytes.apply(body)
 
 
-def damage_reply(data, reply: bytes) -> bytes:
-    status, headers, body = split(reply)
-    what = data.draw(st.sampled_from(["status", "header", "body", "body", "body"]))
-    if what == "status":
-        code = data.draw(
-            st.sampled_from(
-                [
-                    b"200 OK",
-                    b"201 Created",
-                    b"204 No Content",
-                    b"400 Bad Request",
-                    b"404 Not Found",
-                    b"409 Conflict",
-                    b"421 Misdirected Request",
-                    b"422 Unprocessable",
-                    b"429 Too Many Requests",
-                    b"500 Internal Server Error",
-                    b"503 Service Unavailable",
-                    b"418 I'm a teapot",
-                ]
-            )
-        )
-        status = b"HTTP/1.1 " + code
-    elif what == "header":
-        name = data.draw(
-            st.sampled_from(
-                [
-                    b"content-type",
-                    wire.HEADER_SHARD.encode(),
-                    wire.HEADER_INCARNATION.encode(),
-                    wire.HEADER_PROTOCOL.encode(),
-                    wire.HEADER_STATE_VERSION.encode(),
-                    b"retry-after",
-                ]
-            )
-        )
-        value = data.draw(
-            st.sampled_from(
-                [
-                    b"",
-                    b"0/1",
-                    b"1/1",
-                    b"0/2",
-                    b"x",
-                    b"-1",
-                    b"2",
-                    b"0",
-                    b"99999999999999999999",
-                    wire.MSGPACK.encode(),
-                    wire.FRAME.encode(),
-                    wire.JSON.encode(),
-                    b"text/html",
-                    b"deadbeef",
-                    b"1e9",
-                    b"nan",
-                ]
-            )
-        )
-        headers = [(k, v) for k, v in headers if k.strip().lower() != name]
-        headers.append((name, b" " + value))
-    else:
-        ctype = next((v for k, v in headers if k.strip().lower() == b"content-type"), b"")
-        body = damage_body(data, body, ctype)
-    return join(status, headers, body)
+REPLY_DAMAGES = st.builds(
+    ReplyDamage,
+    what=st.sampled_from(["status", "header", "body", "body", "body"]),
+    status=st.sampled_from(STATUSES),
+    header=st.sampled_from(HEADERS),
+    value=st.sampled_from(HEADER_VALUES),
+    in_message=st.booleans(),
+    message=header_damages(),
+    bytes=bytes_damages(),
+)
 
 
 def calls(ps) -> list:
@@ -187,23 +193,24 @@ def client(kind: str, url: str):
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(data=st.data(), path=st.sampled_from(PATHS))
-def test_a_damaged_reply_is_a_ps_error_or_a_result(proxy, kind, data, path):
-    """The worker's calls run in a thread of their own; the proxy hands the first reply to
-    ``path`` to this thread, which damages it (Hypothesis draws only here) and hands it back."""
-    to_test, to_proxy = queue.Queue(), queue.Queue()
+@given(damage=REPLY_DAMAGES, path=st.sampled_from(PATHS))
+def test_a_damaged_reply_is_a_ps_error_or_a_result(proxy, kind, damage, path):
+    """The worker's calls run in a thread of their own; the proxy damages the first reply to
+    ``path`` as ``damage`` says, whatever that reply is (it depends on what earlier examples
+    left on the shard, so nothing is drawn after it is seen)."""
     taken, lock, listening = [], threading.Lock(), [True]
+    failures: list[BaseException] = []
 
     def alter(method: str, at: str, reply: bytes) -> bytes:
         with lock:
-            if taken or not listening or not re.fullmatch(re.escape(path) + r"(\?.*)?", at):
+            if taken or not listening[0] or not re.fullmatch(re.escape(path) + r"(\?.*)?", at):
                 return reply
             taken.append(at)
-        to_test.put(reply)
-        damaged = to_proxy.get(timeout=30)
-        return reply if damaged is None else damaged  # None: the worker was done by then
-
-    failures: list[BaseException] = []
+        try:
+            return damage.apply(reply)
+        except BaseException as exc:  # the test's own bug: fail with it, not with a hang
+            failures.append(exc)
+            return reply
 
     def worker() -> None:
         ps = client(kind, proxy.url)
@@ -227,17 +234,11 @@ def test_a_damaged_reply_is_a_ps_error_or_a_result(proxy, kind, data, path):
     thread = threading.Thread(target=worker)
     thread.start()
     try:
-        while thread.is_alive():
-            try:
-                reply = to_test.get(timeout=0.01)
-            except queue.Empty:
-                continue
-            to_proxy.put(damage_reply(data, reply))
-        thread.join()
+        thread.join(120)
+        assert not thread.is_alive(), f"the worker's calls did not end (damage: {damage})"
     finally:
         with lock:
-            listening[0] = False
-        to_proxy.put(None)  # a reply the worker no longer waited for (a wait it gave up on)
+            listening[0] = False  # a reply the worker no longer waits for goes by as it is
         proxy.alter = None
     assert taken or path in ("/v1/variables",), f"no reply to {path} went by"
     if failures:

@@ -52,17 +52,13 @@ SENT_AT_MOST = 320 << 20
 
 
 @pytest.fixture(scope="module")
-def proxies(tmp_path_factory):
-    from tests.conftest import Fleet
-
-    fleet = Fleet(2, tmp_path_factory.mktemp("hostile"))
-    with PSClient(fleet.urls) as ps:
+def proxies(fleet2):
+    with PSClient(fleet2.urls) as ps:
         ps.init({n: np.zeros(SIZE, np.float32) for n in NAMES})
-    relays = [DroppingProxy(("127.0.0.1", port)) for port in fleet.ports]
+    relays = [DroppingProxy(("127.0.0.1", port)) for port in fleet2.ports]
     yield relays
     for relay in relays:
         relay.close()
-    fleet.close()
 
 
 def hostile(relays, pulls):

@@ -18,7 +18,6 @@ import struct
 import uuid
 from typing import Any
 
-import httpx2
 import msgpack
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from hypothesis import strategies as st
 from client_sdk import wire
 from client_sdk.optimizers import SGD
 from tests.conftest import examples
+from tests.helpers.damage import bytes_damages, header_damages
 
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
 
@@ -36,30 +36,20 @@ _HEAD = struct.Struct("<4sI")
 
 
 @pytest.fixture(scope="module")
-def shard(fleet_module):
-    url = fleet_module.urls[0]
+def shard(module_fleet_factory, http):
+    url = module_fleet_factory(1, data=True).urls[0]  # checkpoints need a disk
     names = [f"fuzz-{uuid.uuid4().hex[:8]}-{i}" for i in range(ROWS)]
-    with httpx2.Client(timeout=30.0) as http:
-        body = wire.encode(
-            {
-                "variables": {
-                    n: {"value": np.full(SIZE, i, np.float32), "optimizer": SGD(lr=0.5).to_wire()}
-                    for i, n in enumerate(names)
-                }
+    body = wire.encode(
+        {
+            "variables": {
+                n: {"value": np.full(SIZE, i, np.float32), "optimizer": SGD(lr=0.5).to_wire()}
+                for i, n in enumerate(names)
             }
-        ).join()
-        r = http.post(f"{url}/v1/init", content=body, headers={"content-type": wire.MSGPACK})
-        assert r.status_code == 200, r.text
-        yield url, names, http
-
-
-@pytest.fixture(scope="module")
-def fleet_module(tmp_path_factory):
-    from tests.conftest import Fleet
-
-    fleet = Fleet(1, tmp_path_factory.mktemp("fuzz"), data=True)  # checkpoints need a disk
-    yield fleet
-    fleet.close()
+        }
+    ).join()
+    r = http.post(f"{url}/v1/init", content=body, headers={"content-type": wire.MSGPACK})
+    assert r.status_code == 200, r.text
+    return url, names, http
 
 
 def _grads(names: list[str]) -> list[np.ndarray]:
@@ -154,127 +144,6 @@ def reframe(header: Any, body: bytes) -> bytes:
     return _HEAD.pack(wire.FRAME_MAGIC, len(head)) + head + bytes(at - 8 - len(head)) + body[start:]
 
 
-def paths(obj: Any, here: tuple = ()) -> list[tuple]:
-    """Every place in a decoded header: map keys and list indices, nested."""
-    out = [here]
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out += paths(v, (*here, k))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out += paths(v, (*here, i))
-    return out
-
-
-ANYTHING = st.recursive(
-    st.one_of(
-        st.none(),
-        st.booleans(),
-        st.integers(-(2**63), 2**64 - 1),
-        st.floats(allow_nan=True, allow_infinity=True),
-        st.text(max_size=8),
-        st.binary(max_size=16),
-    ),
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
-    max_leaves=6,
-)
-#: Dtype strings: valid ones of other sizes and byte orders, and ones a shard must refuse.
-DTYPE_STRINGS = [
-    "<f4",
-    ">f4",
-    "<f8",
-    ">f8",
-    "<f2",
-    "|u1",
-    "<i4",
-    ">i8",
-    "<u8",
-    "<c8",
-    "|b1",
-    "f4",
-    "<f3",
-    "<f16",
-    "|f4",
-    "",
-    "<",
-]
-#: Ints at the edges: of sizes, offsets, counts and seqs.
-EDGE_INTS = [
-    -(2**63),
-    -1,
-    0,
-    1,
-    3,
-    63,
-    64,
-    65,
-    2**31 - 1,
-    2**31,
-    2**32,
-    2**40,
-    2**62,
-    2**63 - 1,
-    2**64 - 1,
-]
-
-
-def near(value: Any) -> st.SearchStrategy:
-    """Values a careless or hostile sender might put in place of ``value``: near misses of
-    its own type first, anything at all now and then."""
-    if isinstance(value, bool):
-        options = st.sampled_from([not value, 0, 1, None, "true"])
-    elif isinstance(value, int):
-        options = st.sampled_from([value - 1, value + 1, -value, *EDGE_INTS]) | st.floats(
-            allow_nan=True, allow_infinity=True
-        )
-    elif isinstance(value, float):
-        options = st.sampled_from([-value, 0.0, float("nan"), float("inf"), 1e308]) | st.integers(
-            -2, 2
-        )
-    elif isinstance(value, str):
-        options = st.sampled_from(
-            [*DTYPE_STRINGS, value + "x", value[:-1], value.upper(), "table", "uniform"]
-        ) | st.text(max_size=6)
-    elif isinstance(value, bytes):
-        options = st.sampled_from([value[:-1], value + b"\0", b"", value * 2])
-    elif isinstance(value, list):
-        options = st.sampled_from(
-            [value[:-1], value + value[:1], [], [value], value[::-1], [*value, *value]]
-        ) | st.lists(st.sampled_from(EDGE_INTS), max_size=4)
-    elif isinstance(value, dict):
-        options = st.sampled_from([{}, dict(list(value.items())[:1]), [value]])
-    else:
-        options = st.nothing()
-    return st.one_of(options, options, options, ANYTHING)
-
-
-@st.composite
-def damage(draw, header: Any):
-    """A copy of ``header`` with one thing changed."""
-    header = msgpack.unpackb(
-        msgpack.packb(header, use_bin_type=True), raw=False, strict_map_key=False
-    )
-    places = paths(header)  # (by index: a reply's structure may vary between runs)
-    where = places[draw(st.integers(0, 1 << 16)) % len(places)]
-    if not where:
-        return draw(near(header))
-    parent = header
-    for key in where[:-1]:
-        parent = parent[key]
-    key = where[-1]
-    how = draw(st.sampled_from(["replace", "replace", "replace", "drop"]))
-    if how == "drop":
-        if isinstance(parent, dict):
-            del parent[key]
-        else:
-            parent.pop(key)
-    else:
-        parent[key] = draw(near(parent[key]))
-    return header
-
-
 def state(shard) -> list[tuple[str, int, int]]:
     """Every variable on the shard: name, version, updates."""
     url, _, http = shard
@@ -323,21 +192,6 @@ FUZZ = settings(
 )
 
 
-def damage_bytes(data, body: bytes) -> bytes:
-    """``body`` cut short, overwritten somewhere or extended (positions as fractions of its
-    length, so that a body whose length varies between runs replays the same way)."""
-    if not body:
-        return data.draw(st.binary(min_size=1, max_size=16))
-    what = data.draw(st.sampled_from(["cut", "overwrite", "extend"]))
-    at = min(data.draw(st.integers(0, 1 << 16)) * len(body) >> 16, len(body) - 1)
-    if what == "cut":
-        return body[:at]
-    if what == "overwrite":
-        junk = data.draw(st.binary(min_size=1, max_size=8))
-        return body[:at] + junk + body[at + len(junk) :]
-    return body + data.draw(st.binary(min_size=1, max_size=100))
-
-
 HTTP_VALUES = st.sampled_from(
     [
         "0/2",
@@ -374,7 +228,7 @@ def test_a_damaged_request_is_refused_whole_or_taken_whole(shard, case, part, da
     header, body, content_type = encode(msg, arrays, how)
     extra = None
     if part == "message":
-        damaged = data.draw(damage(header))
+        damaged = data.draw(header_damages()).apply(header)
         body = (
             msgpack.packb(damaged, use_bin_type=True)
             if content_type == wire.MSGPACK
@@ -385,7 +239,7 @@ def test_a_damaged_request_is_refused_whole_or_taken_whole(shard, case, part, da
             size = data.draw(st.sampled_from([0, 1, 7, 2**31, 2**32 - 1]) | st.integers(0, 400))
             body = _HEAD.pack(wire.FRAME_MAGIC, size) + body[8:]
         else:
-            body = damage_bytes(data, body)
+            body = data.draw(bytes_damages()).apply(body)
     else:
         extra = {
             data.draw(st.sampled_from(["x-paramshard-fleet", "content-type", "accept"])): data.draw(

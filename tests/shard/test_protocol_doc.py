@@ -11,28 +11,19 @@ import struct
 import uuid
 from typing import Any
 
-import httpx2
 import msgpack
 import numpy as np
 import pytest
 
 from client_sdk import wire
-from tests.conftest import Fleet, OnLoop
+from tests.conftest import OnLoop
 
 ACCEPT_FRAME = f"{wire.FRAME}, {wire.MSGPACK}"
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    fleet = Fleet(1, tmp_path_factory.mktemp("protocol"))
-    yield fleet.urls[0]
-    fleet.close()
-
-
-@pytest.fixture(scope="module")
-def http():
-    with httpx2.Client(timeout=30.0) as client:
-        yield client
+def url(fleet1):
+    return fleet1.urls[0]
 
 
 def fresh(prefix: str = "v") -> str:
