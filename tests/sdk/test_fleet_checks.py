@@ -4,7 +4,6 @@ list that disagrees with the fleet (order, size, a fleet restarted in another or
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import httpx2
@@ -14,6 +13,7 @@ import pytest
 from client_sdk import FleetMismatchError, NotReadyError, PSClient, wire
 from client_sdk.placement import shard_for
 from tests.conftest import free_port
+from tests.helpers.eventually import eventually
 
 
 def name_on(shard: int, n: int = 2, prefix: str = "v") -> str:
@@ -21,6 +21,12 @@ def name_on(shard: int, n: int = 2, prefix: str = "v") -> str:
         name = f"{prefix}_{uuid.uuid4().hex[:8]}"
         if shard_for(name, n) == shard:
             return name
+
+
+def long_poll_bytes(url: str) -> int:
+    """The bytes of requests in flight on a shard: a long poll counts its body until it answers
+    (docs/PROTOCOL.md: ``/v1/cluster``'s ``admission``)."""
+    return httpx2.get(url + "/v1/cluster").json()["admission"]["bytes_in_flight"]
 
 
 class Waiter(threading.Thread):
@@ -51,14 +57,20 @@ def test_wait_ready_returns_once_another_worker_inits(fleet2):
         PSClient(fleet2.urls, worker_id="waiter") as waiting,
         PSClient(fleet2.urls, worker_id="chief") as chief,
     ):
+        idle = [long_poll_bytes(url) for url in fleet2.urls]
         waiter = Waiter(waiting, names, timeout=60)
         waiter.start()
-        waiter.calling.wait(10)
-        time.sleep(0.3)  # let the long poll reach the shards
+        eventually(
+            lambda: all(long_poll_bytes(u) > b for u, b in zip(fleet2.urls, idle)),
+            "the waiter's long polls are in on both shards",
+        )
         assert waiter.is_alive() and not waiter.returned  # nothing exists yet
         chief.init({names[0]: np.zeros(3)})
-        time.sleep(0.1)
-        assert not waiter.returned  # half of what it waits for
+        eventually(
+            lambda: long_poll_bytes(fleet2.urls[0]) == idle[0], "shard 0 answers its long poll"
+        )
+        assert long_poll_bytes(fleet2.urls[1]) > idle[1]  # shard 1's goes on
+        assert waiter.is_alive() and not waiter.returned  # half of what it waits for
         chief.init({names[1]: np.ones(3)})
         waiter.join(30)
         assert waiter.error is None and waiter.returned
@@ -74,10 +86,13 @@ def test_wait_ready_before_the_shards_are_started(fleet_factory):
     waiter = Waiter(client, names, timeout=60)
     waiter.start()
     waiter.calling.wait(10)
-    time.sleep(0.3)
-    assert waiter.is_alive()
     for i in range(2):
-        fleet.start(i)
+        fleet.start(i)  # each takes a while: the waiter meets closed ports first
+    eventually(
+        lambda: all(long_poll_bytes(url) for url in fleet.urls),
+        "the waiter's long polls are in on both shards, once they are up",
+    )
+    assert waiter.is_alive() and waiter.error is None
     with PSClient(fleet.urls) as chief:
         chief.init({n: np.zeros(2) for n in names})
     waiter.join(60)

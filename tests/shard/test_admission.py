@@ -15,6 +15,7 @@ import numpy as np
 from client_sdk import wire
 from server.app import create_app
 from server.config import ShardConfig
+from tests.helpers.eventually import eventually_async
 
 
 async def post(client: httpx2.AsyncClient, verb: str, msg: dict) -> httpx2.Response:
@@ -77,7 +78,7 @@ def test_requests_waiting_for_room_are_served_in_turn_or_refused(tmp_path):
             await post(c, "init", {"variables": {"w": {"value": np.zeros(2)}}})
             assert await gate.admit(0)  # one request in flight: the limit
             waiting = asyncio.ensure_future(post(c, "pull", {"names": ["w"]}))
-            await asyncio.sleep(0.1)
+            await eventually_async(lambda: gate.stats()["waiting"], "the pull waits for room")
             assert gate.stats()["waiting"] == 1 and not waiting.done()
             gate.release(0)  # room: the waiting pull goes in
             assert (await waiting).status_code == 200

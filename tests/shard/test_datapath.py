@@ -39,6 +39,7 @@ from server.store import apply as store_apply
 from server.store import slab as store_slab
 from server.store.apply import OFFLOAD_BYTES, one_update
 from server.store.checks import SMALL_CHECK, FiniteScan, all_finite, finite_rows
+from tests.helpers.eventually import eventually
 from tests.helpers.recorder import Recorder
 
 BIG = OFFLOAD_BYTES // 4 + 1000  # float32 elements: just above the off-loop threshold
@@ -382,6 +383,13 @@ def test_a_big_update_goes_in_place_only_when_cheap_and_no_reader_holds_the_valu
     assert var.version == 2
 
 
+async def _settle() -> None:
+    """Let every task on the loop run until it waits. The worker threads are held at gates, so
+    nothing else can move: a task still not done after this waits for a gate."""
+    for _ in range(100):
+        await asyncio.sleep(0)
+
+
 def test_readers_wait_while_a_big_update_is_written_in_place():
     """push_async, in this process, with its worker thread held at a gate: while a big Add
     update is written in place off the loop, readers of that variable wait (readable) and
@@ -417,7 +425,7 @@ def test_readers_wait_while_a_big_update_is_written_in_place():
         await asyncio.wait_for(store.readable(["v", "unknown"]), 1)  # others: no wait
         reader = asyncio.create_task(store.readable(["v", "w"]))
         second = asyncio.create_task(store.push_async("worker", 1, {"w": np.ones(BIG, np.float32)}))
-        await asyncio.sleep(0.05)
+        await _settle()
         assert not reader.done() and not second.done()
         gate.set()
         assert (await first)["w"]["version"] == 1
@@ -475,13 +483,13 @@ def test_a_reader_waits_for_every_in_place_write_of_its_names_begun_while_it_wai
         first = asyncio.create_task(store.push_async("a", 0, {"x": one.copy()}))
         await _until(gates.started[0])
         reader = asyncio.create_task(store.readable(["x", "y"]))
-        await asyncio.sleep(0.01)
+        await _settle()  # the reader waits for x
         second = asyncio.create_task(store.push_async("b", 0, {"y": one.copy()}))
         await _until(gates.started[1])
         assert store.get("y").in_place  # nobody waited for y when it began
         gates.gates[0].set()
         await first
-        await asyncio.sleep(0.05)
+        await _settle()
         assert not reader.done()  # y is still being written
         gates.gates[1].set()
         await asyncio.wait_for(reader, 5)
@@ -517,9 +525,9 @@ def test_a_push_after_a_waited_for_write_goes_to_fresh_memory_so_readers_wait_on
         first = asyncio.create_task(store.push_async("a", 0, {"x": one.copy()}))
         await _until(gates.started[0])
         second = asyncio.create_task(store.push_async("b", 0, {"x": one.copy()}))
-        await asyncio.sleep(0.01)  # second waits for first, as writers of x do
+        await _settle()  # second waits for first, as writers of x do
         task = asyncio.create_task(reader())
-        await asyncio.sleep(0.01)
+        await _settle()
         assert var.readers_waiting == 1
         gates.gates[0].set()
         await first
@@ -786,8 +794,8 @@ def test_a_big_body_is_written_straight_into_the_apps_buffer(loop):
     thread = threading.Thread(target=server.run)
     thread.start()
     try:
-        while not server.started:
-            time.sleep(0.01)
+        eventually(lambda: server.started or not thread.is_alive(), "the server starts")
+        assert server.started, "the server did not start"
         port = server.servers[0].sockets[0].getsockname()[1]
         rng = np.random.default_rng(2)
         big = rng.bytes(3 << 20)
@@ -813,14 +821,12 @@ def test_a_big_body_is_written_straight_into_the_apps_buffer(loop):
                 expect(b"direct", big),
             ]
         with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(request(big)[: 2 << 20])  # and goes away
-            time.sleep(0.1)
+            sock.sendall(request(big)[: 2 << 20])  # and goes away, once the app reads it
+            eventually(lambda: app.bodies == 4, "the app starts reading the fourth body")
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(request(big))
             assert read_responses(sock, 1) == [expect(b"direct", big)]
-        deadline = time.monotonic() + 5
-        while not app.disconnects and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(lambda: app.disconnects, "the app hears of the client leaving")
         assert app.disconnects == 1
     finally:
         server.should_exit = True

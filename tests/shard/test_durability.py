@@ -30,6 +30,7 @@ from server.demo import digits_worker as digits
 from server.demo.reference import train_one_process
 from tests.conftest import ROOT, http_json
 from tests.helpers.dropproxy import DroppingProxy
+from tests.helpers.eventually import eventually
 
 
 def names_on(shard: int, n: int, count: int, prefix: str = "v") -> list[str]:
@@ -144,8 +145,10 @@ def test_sigterm_finishes_the_request_in_flight_then_snapshots_it(fleet_factory)
         )
         wait_in_flight(fleet.urls[0], 1)
         fleet.procs[0].send_signal(signal.SIGTERM)  # the push is half sent
-        time.sleep(0.3)
-        assert fleet.procs[0].poll() is None  # waiting for the request in flight
+        # the shard took the signal (it stopped accepting connections) and stays up, waiting
+        # for the request in flight
+        eventually(lambda: not accepts(fleet.ports[0]), "the shard stops accepting")
+        assert fleet.procs[0].poll() is None
         s.sendall(body[10:])
         reply = s.recv(65536)
     assert reply.startswith(b"HTTP/1.1 200")
@@ -153,6 +156,14 @@ def test_sigterm_finishes_the_request_in_flight_then_snapshots_it(fleet_factory)
     fleet.start(0)
     with PSClient(fleet.urls, worker_id="t") as ps:
         np.testing.assert_array_equal(ps.pull(["w"])["w"], np.ones(4, np.float32))
+
+
+def accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        return True
+    except ConnectionRefusedError:
+        return False
 
 
 def test_a_damaged_newest_snapshot_is_skipped_on_restart(fleet_factory):
@@ -421,15 +432,14 @@ def test_kill_9_mid_training_and_restart_reaches_the_demos_accuracy(fleet_factor
 # -- bounded work -------------------------------------------------------------------------------
 
 
-def in_flight(url: str) -> int:
-    return http_json(url + "/v1/cluster")["admission"]["requests_in_flight"]
+def admission(url: str) -> dict:
+    return http_json(url + "/v1/cluster")["admission"]
 
 
 def wait_in_flight(url: str, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while in_flight(url) < n:
-        assert time.monotonic() < deadline, "the shard never admitted the request"
-        time.sleep(0.02)
+    eventually(
+        lambda: admission(url)["requests_in_flight"] >= n, f"{n} requests admitted (in flight)"
+    )
 
 
 def hold_a_request(url: str, port: int, path: str = "/v1/push") -> socket.socket:
@@ -460,8 +470,16 @@ def test_past_its_bound_a_shard_answers_429_with_retry_after(fleet_factory):
                 with pytest.raises(OverloadedError, match="was not applied"):
                     quick.push({"w": np.ones(4)})
             http_json(url + "/healthz")  # inspection is not held up
-            later = threading.Timer(1.5, held.close)
-            later.start()
+            refused = admission(url)["refused_overloaded"]
+
+            def make_room_once_refused() -> None:
+                eventually(
+                    lambda: admission(url)["refused_overloaded"] > refused,
+                    "the push is refused for want of room",
+                )
+                held.close()
+
+            threading.Thread(target=make_room_once_refused, daemon=True).start()
             assert ps.push({"w": np.ones(4)})["w"]["status"] == "applied"  # retried until room
         finally:
             held.close()
@@ -470,7 +488,7 @@ def test_past_its_bound_a_shard_answers_429_with_retry_after(fleet_factory):
 
 
 def test_paused_writes_wait_and_coalesced_pushes_add_up(fleet_factory):
-    fleet = fleet_factory(1, data=True)
+    fleet = fleet_factory(1, "--access-log", data=True)
     url = fleet.urls[0]
     with PSClient([url], worker_id="t", max_inflight=1) as ps:
         ps.init({"w": np.zeros(3)}, optimizer=Add())
@@ -481,8 +499,13 @@ def test_paused_writes_wait_and_coalesced_pushes_add_up(fleet_factory):
         f2 = ps.push_async({"w": np.full(3, 2.0)}, coalesce=True)  # waits in the SDK...
         f3 = ps.push_async({"w": np.full(3, 4.0)}, coalesce=True)  # ...and this joins it
         assert f3 is f2 and not first.done()
-        time.sleep(1.5)
-        assert not first.done()  # refused with 503 while paused, and retried
+        # the first waits at the shard, is refused (503) when the pause outlasts its wait, is
+        # retried and refused again: two 503s in the shard's access log
+        eventually(
+            lambda: fleet.logs[0].read_text().count('"POST /v1/push HTTP/1.1" 503') >= 2,
+            "the push refused twice while paused",
+        )
+        assert not first.done()
         assert post(url, "resume", {"checkpoint": "manual"})[1] == {
             "checkpoint": "manual",
             "resumed": True,

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from client_sdk import wire
+from tests.helpers.eventually import eventually
 
 # -- helpers --------------------------------------------------------------------------------
 
@@ -231,7 +232,14 @@ def test_idle_senders_do_not_lock_out_other_clients(edge_shard):
         s = socket.create_connection(("127.0.0.1", port))
         s.sendall(head)
         socks.append(s)
-    time.sleep(0.3)  # the heads are in
+
+    # the three heads are in, and the two with a Content-Length hold all of --max-queued-bytes
+    # (until --body-timeout cuts them off)
+    def held() -> tuple[int, int]:
+        state = admission(url)
+        return state["requests_in_flight"], state["bytes_in_flight"]
+
+    eventually(lambda: held() == (3, 2 * (64 << 20)), "the idle heads are in and hold the room")
     with PSClient([url], worker_id="w-edge", retry_deadline=15.0) as ps:
         ps.init({"w": np.zeros(4, np.float32)})
         ps.push({"w": np.ones(4, np.float32)})

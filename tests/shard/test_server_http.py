@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import struct
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ import pytest
 from client_sdk import wire
 from client_sdk.placement import shard_for
 from tests.conftest import HTTP_MODES, start_fleet2
+from tests.helpers.eventually import eventually
 
 
 @pytest.fixture(scope="module", params=HTTP_MODES)
@@ -51,12 +51,6 @@ class Reply:
     @property
     def code(self) -> str:
         return self.msg["error"]["code"]
-
-
-@pytest.fixture(scope="module")
-def http():
-    with httpx2.Client(timeout=30.0) as client:
-        yield client
 
 
 def worker() -> str:
@@ -607,11 +601,19 @@ def test_wait_returns_missing_at_timeout_and_ready_on_init(fleet2, http):
         with httpx2.Client(timeout=60.0) as c:
             box["rep"] = post(c, url, "wait", {"names": [present, later], "timeout": 30})
 
+    def long_poll_bytes() -> int:
+        return http.get(url + "/v1/cluster").json()["admission"]["bytes_in_flight"]
+
+    idle = long_poll_bytes()
     t = threading.Thread(target=waiter)
     t.start()
-    time.sleep(0.2)  # likely (not necessarily) lets the long poll start first; passes either way
+    # a long poll counts its body in bytes_in_flight until it answers: it waits for `later`
+    eventually(lambda: long_poll_bytes() > idle, "the long poll is in (bytes_in_flight)")
+    assert t.is_alive()
     init(http, url, later, np.zeros(1, np.float32))
-    t.join()
+    # woken by the init (an answer at the poll's 30 s timeout would also say "ready")
+    t.join(20)
+    assert not t.is_alive(), "the long poll was not woken by the init"
     assert box["rep"].msg == {"ready": [present, later], "missing": []}
 
 

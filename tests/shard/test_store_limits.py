@@ -17,21 +17,12 @@ import numpy as np
 import pytest
 
 from client_sdk import wire
-from tests.conftest import Fleet
 
 
 @pytest.fixture(scope="module")
-def shard(tmp_path_factory):
+def shard(fleet1):
     """One shard (it owns every name), shared by the tests that only add unique names."""
-    f = Fleet(1, tmp_path_factory.mktemp("limits"))
-    yield f.urls[0]
-    f.close()
-
-
-@pytest.fixture(scope="module")
-def http():
-    with httpx2.Client(timeout=60.0) as client:
-        yield client
+    return fleet1.urls[0]
 
 
 def fresh(prefix: str = "v") -> str:
@@ -216,7 +207,7 @@ def test_idle_workers_are_forgotten(fleet_factory, http):
     url = fleet.urls[0]
     name, old, new = fresh("c"), fresh("w"), fresh("w")
     assert increment(http, url, name, old, 5)[0] == 200
-    time.sleep(1.5)
+    time.sleep(1.5)  # idle for longer than --dedup-idle-seconds: the scenario, not a wait
     assert increment(http, url, name, new, 5)[0] == 200
     assert set(workers(http, url)) == {new}
     # the forgotten worker's next write starts a new record
@@ -453,7 +444,9 @@ def test_requests_too_big_to_process_are_refused_and_health_answers(fleet_factor
     finally:
         done.set()
         poller.join()
-    assert slowest < 2.0, slowest  # the issue's requests held it for 6-17 s
+    # a bound against a blocked event loop (these requests held it for 6-17 s when decoded on
+    # it), with room for a loaded machine; not a speed goal
+    assert slowest < 5.0, slowest
     assert _rss(pid) - before < 200 << 20  # the maps alone decoded to ~320 MiB
     assert_healthy(http, url)
 
