@@ -26,6 +26,7 @@ from client_sdk.optimizers import Add
 from client_sdk.placement import shard_for
 from server.config import InvalidSetting, ShardConfig
 from tests.conftest import ROOT, free_port, http_json
+from tests.helpers.ports import refused_port
 
 
 def run_cli(
@@ -248,8 +249,9 @@ def test_up_starts_shards_status_prints_them_and_sigint_stops_all(start_up):
         assert row[2] == http_json(url + "/v1/cluster")["incarnation"]
 
     # PARAMSHARD_SHARDS works too; a dead shard shows as down and makes the exit status 1
-    dead = f"http://127.0.0.1:{free_port()}"
-    done = run_cli("status", env={"PARAMSHARD_SHARDS": ",".join([*urls, dead])})
+    with refused_port() as port:
+        dead = f"http://127.0.0.1:{port}"
+        done = run_cli("status", env={"PARAMSHARD_SHARDS": ",".join([*urls, dead])})
     assert done.returncode == 1
     assert any(
         line.startswith(dead) and line.split()[-1] == "down" for line in done.stdout.splitlines()

@@ -14,6 +14,7 @@ import pytest
 from server import config as config_module
 from server.config import InvalidSetting, ShardConfig, index_from_hostname
 from tests.conftest import ROOT, free_port, http_json
+from tests.helpers.ports import refused_port
 
 
 @pytest.mark.parametrize(
@@ -149,8 +150,9 @@ def test_health_of_a_running_shard(fleet2):
 
 
 def test_health_without_a_shard_fails_and_says_why():
-    port = str(free_port())
-    done = health(env={"PARAMSHARD_PORT": port})
+    with refused_port() as bound:
+        port = str(bound)
+        done = health(env={"PARAMSHARD_PORT": port})
     assert done.returncode == 1
     assert f"127.0.0.1:{port}/healthz did not answer" in done.stderr
 

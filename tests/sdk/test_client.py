@@ -32,7 +32,8 @@ from client_sdk import (
 from client_sdk._verbs.pull import plan as pull_plan
 from client_sdk.optimizers import SGD, Adagrad
 from client_sdk.placement import shard_for
-from tests.conftest import HTTP_MODES, free_port, start_fleet2
+from tests.conftest import HTTP_MODES, start_fleet2
+from tests.helpers.ports import refused_port
 
 
 @pytest.fixture(scope="module", params=HTTP_MODES)
@@ -644,10 +645,11 @@ def test_bad_arguments_are_refused_before_sending(fleet2):
 
 
 def test_unreachable_shard_is_reported_after_the_retry_deadline():
-    url = f"http://127.0.0.1:{free_port()}"
-    with PSClient([url], retry_deadline=0.5) as ps:
-        with pytest.raises(ShardUnavailableError, match="cannot connect") as info:
-            ps.pull(["w"])
+    with refused_port() as port:
+        url = f"http://127.0.0.1:{port}"
+        with PSClient([url], retry_deadline=0.5) as ps:
+            with pytest.raises(ShardUnavailableError, match="cannot connect") as info:
+                ps.pull(["w"])
     assert info.value.shard == url
 
 

@@ -12,8 +12,8 @@ import pytest
 
 from client_sdk import FleetMismatchError, NotReadyError, PSClient, wire
 from client_sdk.placement import shard_for
-from tests.conftest import free_port
 from tests.helpers.eventually import eventually
+from tests.helpers.ports import refused_port
 
 
 def name_on(shard: int, n: int = 2, prefix: str = "v") -> str:
@@ -112,10 +112,11 @@ def test_not_ready_error_lists_what_is_missing(fleet2):
 
 
 def test_not_ready_error_when_a_shard_never_comes_up():
-    url = f"http://127.0.0.1:{free_port()}"
-    with PSClient([url]) as ps:
-        with pytest.raises(NotReadyError, match="not reachable") as info:
-            ps.wait_ready(["w"], timeout=1.0)
+    with refused_port() as port:
+        url = f"http://127.0.0.1:{port}"
+        with PSClient([url]) as ps:
+            with pytest.raises(NotReadyError, match="not reachable") as info:
+                ps.wait_ready(["w"], timeout=1.0)
     assert info.value.missing == ["w"] and url in str(info.value)
 
 
@@ -160,8 +161,10 @@ def test_shard_list_of_the_wrong_length_is_refused(fleet2):
     with PSClient(fleet2.urls[:1]) as ps:
         with pytest.raises(FleetMismatchError, match="fleet of 2 shards but 1 are listed"):
             ps.pull(["w"])
-    extra = f"http://127.0.0.1:{free_port()}"
-    with PSClient([*fleet2.urls, extra], retry_deadline=1.0) as ps:
+    with (
+        refused_port() as port,
+        PSClient([*fleet2.urls, f"http://127.0.0.1:{port}"], retry_deadline=1.0) as ps,
+    ):
         with pytest.raises(FleetMismatchError, match="fleet of 2 shards but 3 are listed"):
             ps.increment("steps")
 
