@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 import urllib.request
 from pathlib import Path
@@ -53,12 +52,6 @@ def examples(n: int) -> int:
     """``n`` Hypothesis examples, times ``PARAMSHARD_TEST_SCALE`` (default 1): raise it for a
     long hunt with the randomized tests (``PARAMSHARD_TEST_SCALE=20 make test``)."""
     return max(1, round(n * float(os.environ.get("PARAMSHARD_TEST_SCALE", "1"))))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_json(url: str, timeout: float = 2.0):

@@ -25,7 +25,7 @@ from client_sdk import PSClient
 from client_sdk.optimizers import Add
 from client_sdk.placement import shard_for
 from server.config import InvalidSetting, ShardConfig
-from tests.conftest import ROOT, free_port, http_json
+from tests.conftest import ROOT, http_json
 from tests.helpers.ports import refused_port
 
 

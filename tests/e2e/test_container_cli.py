@@ -7,13 +7,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from server import config as config_module
 from server.config import InvalidSetting, ShardConfig, index_from_hostname
-from tests.conftest import ROOT, free_port, http_json
+from tests.conftest import ROOT, http_json
+from tests.helpers.eventually import eventually
 from tests.helpers.ports import refused_port
 
 
@@ -88,26 +88,28 @@ def serve_as(hostname: str, *args: str, env: dict[str, str] | None = None) -> su
 
 
 @needs_uts
-def test_statefulset_pod_serves_the_shard_of_its_ordinal():
-    port = free_port()
+def test_statefulset_pod_serves_the_shard_of_its_ordinal(tmp_path):
+    port_file = tmp_path / "port"
     proc = serve_as(
         "paramshard-1",
         "--num-shards",
         "3",
         "--port",
-        str(port),
+        "0",
+        "--port-file",
+        str(port_file),
         env={"PARAMSHARD_SHARD_INDEX": "auto"},
     )
     try:
-        deadline = time.monotonic() + 30
-        while True:
+
+        def cluster() -> dict | None:
             assert proc.poll() is None, proc.communicate()
             try:
-                info = http_json(f"http://127.0.0.1:{port}/v1/cluster")
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the shard did not come up"
-                time.sleep(0.1)
+                return http_json(f"http://127.0.0.1:{int(port_file.read_text())}/v1/cluster")
+            except (OSError, ValueError):  # no port yet, or not answering yet
+                return None
+
+        info = eventually(cluster, "the shard reports its port and answers")
         assert (info["shard_index"], info["num_shards"]) == (1, 3)
     finally:
         proc.send_signal(signal.SIGTERM)
