@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from . import _replies, wire
+from ._abort import Abort
 from ._cache import VersionCache
 from ._exceptions import (
     BadTensorError,
@@ -125,13 +126,15 @@ class Core:
         table: dict[str, Any] | None = None,
         arrays: list[np.ndarray] | None = None,
         max_reply: int | None = None,
+        abort: Abort | None = None,
     ) -> ShardRequest:
         """A POST of ``msg`` to ``/v1/<verb>``; ``tensors`` if ``msg`` holds ndarrays (else
         it is packed as it is, without looking for any). With ``table`` (a map inside
         ``msg``) and ``arrays``, encoded as a framed body whose tensor table ``table`` holds
         ``arrays`` (where the shard takes it, arrays of one dtype and shape as a packed
         uniform table: docs/PROTOCOL.md §2). Its reply is bounded by ``max_reply``, by
-        default: the headroom and the room for its names (a reply without tensors)."""
+        default: the headroom and the room for its names (a reply without tensors). ``abort``
+        makes it one request of a race (:class:`~client_sdk._flow.ShardRequest`)."""
         try:
             if table is not None:
                 assert arrays is not None, "a table comes with its arrays"
@@ -161,6 +164,7 @@ class Core:
             timeout,
             retry_safe,
             max_reply,
+            abort,
         )
 
     def get(self, shard: int, path: str, deadline: float, verb: str) -> ShardRequest:

@@ -50,6 +50,8 @@ class Fleet:
         #: and uniform ones with packed rows.
         self.tables = [False] * n
         self.packed = [False] * n
+        #: Per shard: it has ``POST /v1/poll`` (``features``).
+        self.polls = [False] * n
         #: Entries one request to each shard may hold (its ``max_request_names``).
         self.max_names = [wire.MAX_REQUEST_NAMES] * n
         self._incarnation: list[str | None] = [None] * n
@@ -168,6 +170,7 @@ class Fleet:
             features = []
         self.tables[shard] = wire.FEATURE_TABLES in features
         self.packed[shard] = self.tables[shard] and wire.FEATURE_PACKED in features
+        self.polls[shard] = wire.FEATURE_POLL in features
         limit = info.get("max_request_names")
         if type(limit) is int and limit > 0:
             self.max_names[shard] = limit

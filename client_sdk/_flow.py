@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from . import wire
+from ._abort import Abort
 from ._exceptions import PSError
 
 __all__ = ["Body", "Flow", "Reply", "Result", "ShardRequest"]
@@ -35,7 +36,9 @@ class ShardRequest:
     starts or runs past it. ``timeout`` replaces the client's ``timeout`` for each attempt
     (long polls, checkpoints: they plan their own time, and their attempts may end past
     ``deadline``). ``max_reply`` bounds the reply's body (bytes; :meth:`Core.post
-    <client_sdk._core.Core.post>` sets it, a pull from what it knows of the values).
+    <client_sdk._core.Core.post>` sets it, a pull from what it knows of the values). A batch
+    whose requests carry an ``abort`` is a race: its flow is sent back the first settled
+    result, ``None`` for the others.
     """
 
     shard: int
@@ -50,6 +53,10 @@ class ShardRequest:
     timeout: float | None = None
     retry_safe: bool = False
     max_reply: int | None = None
+    #: Set on each request of a race (a ``newer_than`` pull of several shards,
+    #: ``_verbs/poll.py``): the shells return once one of them is settled and abandon the
+    #: others through it.
+    abort: Abort | None = None
 
 
 @dataclass

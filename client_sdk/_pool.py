@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 
 import httpx2
 
+from ._abort import Abort
 from ._http11 import (
     HEAD_BUFFER,
     IDLE_EXPIRY,
@@ -175,15 +176,21 @@ class HTTPPool:
         *,
         deadline: float | None = None,
         max_reply: int | None = None,
+        abort: Abort | None = None,
     ) -> Response:
         """Send ``method target`` (see :func:`~client_sdk._http11.request_head`) and the
         ``body`` buffers in order; return the whole response (not for ``HEAD``), all by
         ``deadline`` (``time.monotonic()`` seconds; default: the pool's timeout from now), its
-        body at most ``max_reply`` bytes (default: the pool's)."""
+        body at most ``max_reply`` bytes (default: the pool's). ``abort``, when fired from
+        another thread, shuts the connection's socket down: the exchange fails at once."""
         if deadline is None:
             deadline = time.monotonic() + self.timeout
         head = request_head(origin, method, target, headers)
         conn = self.take_idle(origin) or self.connect(origin, deadline)
+        key = id(conn)
+        if abort is not None:
+            sock = conn.sock
+            abort.hold(key, lambda: sock.shutdown(socket.SHUT_RDWR))
         try:
             conn.send(head, body, deadline)
             response, reusable = conn.receive(
@@ -192,6 +199,9 @@ class HTTPPool:
         except BaseException:
             conn.close()
             raise
+        finally:
+            if abort is not None:
+                abort.drop(key)
         self.release(origin, conn, reusable)
         return response
 

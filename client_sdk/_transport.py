@@ -42,6 +42,7 @@ import asyncio
 import concurrent.futures
 import math
 import random
+import socket
 import sys
 import threading
 import time
@@ -52,6 +53,7 @@ import httpx2
 import numpy as np
 
 from . import _http11
+from ._abort import Abort
 from ._apool import AsyncHTTPPool
 from ._core import Core
 from ._exceptions import ConfigError, ProtocolError, PSError, ShardUnavailableError
@@ -69,9 +71,11 @@ __all__ = [
     "AsyncNativeSender",
     "HTTPXSender",
     "NativeSender",
+    "arace",
     "asend",
     "async_sender",
     "limits",
+    "race",
     "retry_delay",
     "send",
     "send_all",
@@ -232,6 +236,7 @@ class NativeSender:
             chunks,
             deadline=attempt_deadline(core, req),
             max_reply=req.max_reply,
+            abort=req.abort,
         )
         return _native_reply(core, req, r)
 
@@ -389,8 +394,15 @@ class _Deadlines:
         return True
 
     @classmethod
-    def set(cls, deadline: float | None) -> None:
+    def set(cls, deadline: float | None, abort: Abort | None = None) -> None:
         cls._local.deadline = deadline
+        cls._local.abort = abort
+
+    @classmethod
+    def abort(cls) -> Abort | None:
+        """The :class:`~client_sdk._abort.Abort` of the exchange under way on this thread."""
+        abort: Abort | None = getattr(cls._local, "abort", None)
+        return abort
 
     @classmethod
     def left(cls, limit: float | None, phase: str) -> float | None:
@@ -419,10 +431,30 @@ class _DeadlineStream:
         self._inner = inner
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._inner.read(max_bytes, _Deadlines.left(timeout, "read"))
+        abort = _Deadlines.abort()
+        if abort is None:
+            return self._inner.read(max_bytes, _Deadlines.left(timeout, "read"))
+        abort.hold(id(self), self._cut)
+        try:
+            return self._inner.read(max_bytes, _Deadlines.left(timeout, "read"))
+        finally:
+            abort.drop(id(self))
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._inner.write(buffer, _Deadlines.left(timeout, "write"))
+        abort = _Deadlines.abort()
+        if abort is None:
+            self._inner.write(buffer, _Deadlines.left(timeout, "write"))
+            return
+        abort.hold(id(self), self._cut)
+        try:
+            self._inner.write(buffer, _Deadlines.left(timeout, "write"))
+        finally:
+            abort.drop(id(self))
+
+    def _cut(self) -> None:
+        sock = self._inner.get_extra_info("socket")
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self._inner.close()
@@ -529,7 +561,7 @@ class HTTPXSender:
 
     def once(self, core: Core, req: ShardRequest) -> Reply:
         deadline = attempt_deadline(core, req)
-        _Deadlines.set(deadline)
+        _Deadlines.set(deadline, req.abort)
         try:
             return self._exchange(core, req, deadline)
         finally:
@@ -694,6 +726,8 @@ def send_all(
     """
     if len(reqs) == 1:
         return [send(sender, core, reqs[0])]
+    if reqs[0].abort is not None:
+        return race(sender, core, reqs, submit)  # type: ignore[return-value]
     if not isinstance(sender, NativeSender):
         futures = [submit(send, sender, core, r) for r in reqs[1:]]
         first = send(sender, core, reqs[0])
@@ -713,14 +747,59 @@ def send_all(
     return results  # type: ignore[return-value]
 
 
+def race(
+    sender: Sender, core: Core, reqs: Sequence[ShardRequest], submit: Submit
+) -> list[Result | None]:
+    """:func:`send` each request (each with its :class:`~client_sdk._abort.Abort`) on a thread
+    of ``submit``, all at once; return as soon as one is settled. The others are abandoned:
+    fired (their sockets shut down, their retries stopped), waited for, and ``None`` in the
+    results. Blocks; thread-safe."""
+    futures = [submit(send, sender, core, r) for r in reqs]
+    done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+    for req, future in zip(reqs, futures):
+        if future not in done and req.abort is not None:
+            req.abort.fire()
+    concurrent.futures.wait(futures)
+    return [f.result() if f in done else None for f in futures]
+
+
+async def arace(
+    sender: AsyncSender, core: Core, reqs: Sequence[ShardRequest]
+) -> list[Result | None]:
+    """The async twin of :func:`race`: the abandoned requests are cancelled (their
+    connections closed)."""
+    tasks = [asyncio.ensure_future(asend(sender, core, r)) for r in reqs]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return [t.result() if t in done else None for t in tasks]
+
+
+def _abandoned(core: Core, req: ShardRequest) -> PSError:
+    return ShardUnavailableError(
+        f"{req.verb} to shard {core.url(req.shard)} abandoned: another shard answered first",
+        shard=core.url(req.shard),
+    )
+
+
 def _retry(
     sender: Sender, core: Core, req: ShardRequest, started: float, attempt: int, delay: float | None
 ) -> Result:
     """Attempts after the ``attempt``-th (made at ``started``), the first after ``delay``
-    seconds, until one settles the request."""
+    seconds, until one settles the request (or its abort is fired)."""
+    abort = req.abort
     while True:
         if delay is not None:
-            time.sleep(delay)
+            if abort is None:
+                time.sleep(delay)
+            elif abort.fired.wait(delay):
+                return _abandoned(core, req)
+        if abort is not None and abort.fired.is_set():
+            return _abandoned(core, req)
         attempt += 1
         try:
             outcome: Reply | Exception = sender.once(core, req)

@@ -167,7 +167,14 @@ class PSClient:
         """
         return self._drive(_verbs.wait(self._core, names, timeout))
 
-    def pull(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+    def pull(
+        self,
+        names: Sequence[str],
+        *,
+        newer_than: Literal["cached"] | Mapping[str, int] | None = None,
+        min_version: int | None = None,
+        timeout: float | None = 60.0,
+    ) -> dict[str, np.ndarray]:
         """Fetch the current values of ``names``: a dict name -> ndarray. Blocks.
 
         The client keeps the last value and version it pulled of each variable and tells the
@@ -175,8 +182,28 @@ class PSClient:
         is returned. Returned arrays are therefore **read-only**: ``.copy()`` one before
         changing it in place. Each value is consistent (never half-updated). Raises
         :class:`UnknownVariableError` if a name does not exist.
+
+        Two ways to wait for new values instead (``POST /v1/poll``: the shards hold the
+        request and answer when a write makes one; a waiting pull costs them no CPU):
+
+        * ``newer_than="cached"`` (the versions this client last pulled) or a dict name ->
+          version: returns as soon as any of ``names`` has another version, with **only the
+          variables that changed** (a name this client holds no value of counts as changed);
+          ``{}`` if none changed within ``timeout`` seconds. Across several shards it returns
+          with what the first shard to see a change sends. For processes that act with a
+          learner's newest weights: ``w.update(ps.pull(names, newer_than="cached"))``.
+        * ``min_version=v``: returns every one of ``names`` (as a plain pull) once each has
+          version ``v`` or more; raises :class:`NotReadyError` (``missing``: those below) if
+          they have not within ``timeout`` seconds. ``v`` more than 1,000,000 above a
+          variable's version raises :class:`BadRequestError`. For sync training: the
+          parameters of the next round.
+
+        ``timeout`` is in seconds (``None``: no limit; a shard holds one request at most 30 s,
+        the client asks again as needed); a plain pull does not wait and ignores it.
         """
-        return self._drive(_verbs.pull(self._core, names))
+        if newer_than is None and min_version is None:
+            return self._drive(_verbs.pull(self._core, names))
+        return self._drive(_verbs.poll(self._core, names, newer_than, min_version, timeout))
 
     def push(
         self, grads: Mapping[str, Any], versions: Mapping[str, int] | None = None
@@ -364,6 +391,8 @@ class AsyncPSClient:
     async def _send_all(self, batch: list[ShardRequest]) -> list[Result]:
         if len(batch) == 1:
             return [await _transport.asend(self._sender, self._core, batch[0])]
+        if batch[0].abort is not None:  # a race (_verbs/poll.py): the first settled one wins
+            return await _transport.arace(self._sender, self._core, batch)  # type: ignore[return-value]
         return list(
             await asyncio.gather(*(_transport.asend(self._sender, self._core, r) for r in batch))
         )
@@ -378,9 +407,19 @@ class AsyncPSClient:
         """See :meth:`PSClient.wait_ready`."""
         return await self._drive(_verbs.wait(self._core, names, timeout))
 
-    async def pull(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        """See :meth:`PSClient.pull` (returned arrays are read-only)."""
-        return await self._drive(_verbs.pull(self._core, names))
+    async def pull(
+        self,
+        names: Sequence[str],
+        *,
+        newer_than: Literal["cached"] | Mapping[str, int] | None = None,
+        min_version: int | None = None,
+        timeout: float | None = 60.0,
+    ) -> dict[str, np.ndarray]:
+        """See :meth:`PSClient.pull` (returned arrays are read-only); with ``newer_than`` or
+        ``min_version`` it waits without blocking the event loop."""
+        if newer_than is None and min_version is None:
+            return await self._drive(_verbs.pull(self._core, names))
+        return await self._drive(_verbs.poll(self._core, names, newer_than, min_version, timeout))
 
     async def push(
         self, grads: Mapping[str, Any], versions: Mapping[str, int] | None = None

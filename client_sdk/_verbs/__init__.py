@@ -18,6 +18,7 @@ from .assign import assign
 from .checkpoint import checkpoint
 from .increment import increment
 from .init import init
+from .poll import poll
 from .pull import pull
 from .push import PushJob, check_push, merge_push, prepare_push, push
 from .variables import variables
@@ -31,6 +32,7 @@ __all__ = [
     "increment",
     "init",
     "merge_push",
+    "poll",
     "prepare_push",
     "pull",
     "push",

@@ -29,7 +29,7 @@ from .._exceptions import ProtocolError
 from .._flow import Body, Flow, ShardRequest
 from .._replies import Message
 
-__all__ = ["plan", "pull"]
+__all__ = ["plan", "pull", "reply_bound", "take"]
 
 #: Lists of names whose pull plans are kept (all dropped when full).
 MAX_PLANS = 64
@@ -68,13 +68,13 @@ def pull(core: Core, names: Any) -> Flow[dict[str, np.ndarray]]:
                     deadline,
                     mutating=False,
                     names=group,
-                    max_reply=_reply_bound(core, group),
+                    max_reply=reply_bound(core, group),
                 )
             )
         replies = core.collect(batch, (yield batch))
         todo: list[str] = []
         for i, (request, reply) in enumerate(zip(batch, replies)):
-            todo += _take(core, request, reply, held[i] if held else NOT_HELD, out)
+            todo += take(core, request, reply, held[i] if held else NOT_HELD, out)
         if not todo:
             break
         groups = fleet.split(todo)
@@ -107,7 +107,7 @@ def plan(core: Core, names: Any) -> tuple[list[str], dict[int, list[str]]]:
     return plan
 
 
-def _reply_bound(core: Core, names: list[str]) -> int:
+def reply_bound(core: Core, names: list[str]) -> int:
     """The most bytes a pull reply for ``names`` (one shard's) can take: the headroom, the
     size of each value this client knows (from its cache, or its init) and the room per name;
     plus ``max_reply_bytes`` once for all those of unknown size."""
@@ -116,7 +116,7 @@ def _reply_bound(core: Core, names: list[str]) -> int:
     return bound + core.settings.max_reply_bytes if unknown else bound
 
 
-def _take(
+def take(
     core: Core, request: ShardRequest, reply: Message, held: Held, out: dict[str, np.ndarray]
 ) -> list[str]:
     """Decode one shard's pull reply into ``out`` and cache its values; return names to pull
@@ -140,7 +140,7 @@ def _take_table(
     held: Held,
     out: dict[str, np.ndarray],
 ) -> list[str]:
-    """:func:`_take` for a reply in the table layout (docs/PROTOCOL.md, pull)."""
+    """:func:`take` for a reply in the table layout (docs/PROTOCOL.md, pull)."""
     url = core.url(request.shard)
     asked = list(request.names)
     try:
@@ -172,7 +172,7 @@ def _take_table(
                 raise ProtocolError(
                     f"shard {url} sent no version for {name!r} in a pull reply", shard=url
                 )
-    # Views of a read-only body (see _take) are read-only already.
+    # Views of a read-only body (see take) are read-only already.
     return _rows(
         core, request, names, versions, values, table["dtype"].count(None), reply, held, out
     )
@@ -212,7 +212,7 @@ def _take_map(
     held: Held,
     out: dict[str, np.ndarray],
 ) -> list[str]:
-    """:func:`_take` for a reply that maps each name to ``{version, value}``."""
+    """:func:`take` for a reply that maps each name to ``{version, value}``."""
     url = core.url(request.shard)
     variables = reply.msg.get("variables")
     if not isinstance(variables, Mapping):
