@@ -32,4 +32,5 @@ CASES: dict[str, str] = {
     "workers": "bench.workers",
     "snapshot": "bench.snapshot",
     "optimizers": "bench.optimizers",
+    "broadcast": "bench.broadcast",
 }

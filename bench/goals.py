@@ -6,7 +6,9 @@
 * 100 x 4 KB pulled in one step: >= 10 x TensorFlow's steps/s;
 * 4 workers pushing 4 MB against 2 shards: aggregate >= 1.3 x the same against 1 shard;
 * each optimizer's update of a 2.5·10^7-element float32 variable: <= 1.25 x the time of the
-  same formula as a plain in-place numpy sequence.
+  same formula as a plain in-place numpy sequence;
+* broadcast of a 1 MB model to 8 waiting actors: p50 <= 3 ms from the push's reply until every
+  actor holds it, and <= 0.5 x the same pattern on Ray's object store.
 
 :func:`evaluate` returns one dict per goal (JSON-ready); :func:`render` prints them. A goal
 whose figures were not measured in this run says what would measure it (``--peers`` for the
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import optimizers
+from . import broadcast, optimizers
 from .peers import PEERS
 from .transfer import RAW, SDK
 
@@ -179,7 +181,42 @@ def evaluate(rows: Sequence[dict]) -> list[dict]:
                 f"not measured: run the optimizers case at size {big:.2g}",
             )
         )
+    out += _broadcast_goals(rows)
     return out
+
+
+#: The broadcast goal's bound on the p50, in ms (a pseudo-row to compare with).
+BROADCAST_P50_MS = 3.0
+
+
+def _broadcast_goals(rows: Sequence[dict]) -> list[dict]:
+    n = broadcast.DEFAULT_SIZES[0]
+    mine = _find(rows, "broadcast", "broadcast", n, broadcast.SDK)
+    not_run = "not measured: run the broadcast case at its default size"
+    return [
+        _goal(
+            "broadcast 1 MB to 8 actors",
+            f"{BROADCAST_P50_MS:g} ms",
+            "p50",
+            mine,
+            {"p50_ms": BROADCAST_P50_MS},
+            "p50_ms",
+            False,
+            1.0,
+            not_run,
+        ),
+        _goal(
+            "broadcast 1 MB to 8 actors",
+            broadcast.RAY,
+            "p50",
+            mine,
+            _find(rows, "broadcast", "broadcast", n, broadcast.RAY),
+            "p50_ms",
+            False,
+            0.5,
+            "needs --peers with ray" if mine else not_run,
+        ),
+    ]
 
 
 def render(goals: Sequence[dict]) -> str:
