@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+import httpx2
 import numpy as np
 import pytest
 
@@ -50,11 +51,15 @@ def until(predicate: Callable[[], bool], what: str, seconds: float = 20.0) -> No
         time.sleep(0.02)
 
 
-@pytest.fixture(params=["sync", "async"])
+@pytest.fixture(params=["sync", "sync-httpx2", "async"])
 def client(request, fleet2):
-    """A client of the 2-shard fleet: ``PSClient``, or ``AsyncPSClient`` driven on a loop."""
+    """A client of the 2-shard fleet: ``PSClient`` (over its own HTTP pool, or over httpx2's
+    transport, whose streams a race cuts short differently), or ``AsyncPSClient`` driven on a
+    loop."""
     if request.param == "sync":
         ps = PSClient(fleet2.urls, worker_id=fresh("actor"))
+    elif request.param == "sync-httpx2":
+        ps = PSClient(fleet2.urls, worker_id=fresh("actor"), transport=httpx2.HTTPTransport())
     else:
         ps = OnLoop(AsyncPSClient(fleet2.urls, worker_id=fresh("actor")))
     yield ps
