@@ -3,7 +3,8 @@
 The app holds one :class:`~server.store.ParameterStore` and serves the msgpack data plane
 (``server/routes_data.py``), the fleet-checkpoint verbs (``server/routes_checkpoint.py``) and the
 JSON inspection endpoints (``server/routes_inspect.py``). Its lifespan runs
-:class:`~server.durability.Durability` (restore, periodic and final snapshots), and
+:class:`~server.durability.Durability` (restore, periodic and final snapshots) and the task
+that closes the sync rounds that time out (:func:`server.store.rounds.close_when_due`), and
 :class:`~server.admission.AdmissionMiddleware` decides what gets in (restore, drain, pauses,
 bounded work).
 
@@ -23,6 +24,7 @@ when nothing stands in its way (:func:`immediate_routes`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -51,6 +53,7 @@ from .headers import header
 from .httptools_protocol import Answerer, Immediate
 from .store import DedupTable, ParameterStore
 from .store.heap import trim_heap
+from .store.rounds import close_when_due
 
 __all__ = [
     "ShardMiddleware",
@@ -299,10 +302,25 @@ def _install_error_handlers(app: FastAPI) -> None:
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     durability: Durability = app.state.durability
+    store: ParameterStore = app.state.store
+    gate: Gate = app.state.gate
     await durability.start()
+    # Sync rounds that time out close from here, while the shard takes writes (not while it
+    # restores, is paused for a checkpoint, cannot persist, or drains).
+    rounds = asyncio.create_task(
+        close_when_due(
+            store.deadlines,
+            store.close_due_rounds,
+            lambda: gate.ready and gate.paused_for is None and gate.persist_error is None,
+        ),
+        name="paramshard-sync-rounds",
+    )
     try:
         yield
     finally:
+        rounds.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await rounds
         try:
             await durability.stop()
         except Exception as exc:

@@ -172,15 +172,20 @@ def _tensor_map(
 # -- verbs ----------------------------------------------------------------------------------
 
 
+#: The fields of an init entry that state the variable's training mode (docs/PROTOCOL.md §3).
+_MODE_FIELDS = ("sync", "max_staleness", "staleness_policy")
+
+
 @router.post("/init", openapi_extra=_BODY_DOC)
 async def init(request: Request) -> Response:
     """Create variables that do not exist yet: `{"variables": {name: {"value": tensor,
-    "optimizer": {...}}}}` -> `{"variables": {name: {"version", "created"}}}`."""
+    "optimizer"?: {...}, "sync"?: {"replicas", "timeout"}, "max_staleness"?,
+    "staleness_policy"?}}}` -> `{"variables": {name: {"version", "created"}}}`."""
     msg, body = await _message(request, tensors=True)
     entries = _required(msg, "variables", "init")
     if not isinstance(entries, dict):
         raise _bad_field("init", "variables", "a map of name -> {value, optimizer}", entries)
-    values, specs = {}, {}
+    values, specs, modes = {}, {}, {}
     for name, entry in entries.items():
         if not isinstance(entry, dict) or "value" not in entry:
             raise ShardError(
@@ -191,8 +196,9 @@ async def init(request: Request) -> Response:
             )
         values[name] = entry["value"]
         specs[name] = entry.get("optimizer")
+        modes[name] = {k: entry[k] for k in _MODE_FIELDS if entry.get(k) is not None}
     decoded = wire.tensors_of(values, body, "variables", whole=True)
-    result = _store(request).init({n: (decoded[n], specs[n]) for n in decoded})
+    result = _store(request).init({n: (decoded[n], specs[n], modes[n]) for n in decoded})
     return _reply(request, {"variables": result})
 
 
@@ -367,7 +373,8 @@ def _table_map(
 @router.post("/push", openapi_extra=_BODY_DOC)
 async def push(request: Request) -> Response:
     """Apply gradients once per (worker_id, seq): `{"worker_id", "seq", "grads": {name:
-    tensor}, "versions"?}` -> `{"variables": {name: {"status", "version", "staleness"}}}`.
+    tensor}, "versions"?}` -> `{"variables": {name: {"status", "version", "staleness", ...}}}`
+    (status `applied`, `accepted` into a sync round, `dropped` with a `reason`, `duplicate`).
     With `"layout": "table"` (framed bodies), `grads` is one tensor table."""
     msg, body = await _message(request, scan=True, tensors=True)
     worker_id, seq = _writer(msg, "push", required=True)

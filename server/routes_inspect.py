@@ -107,7 +107,8 @@ async def cluster(request: Request) -> dict[str, Any]:
 @router.get("/v1/workers")
 async def workers(request: Request) -> dict[str, Any]:
     """Every worker that wrote with a seq: when last seen, writes applied, duplicates (retries
-    of writes already applied, answered without applying them again), highest seq."""
+    of writes already applied, answered without applying them again), highest seq; what
+    became of its gradients and their staleness percentiles."""
     return {"workers": _store(request).dedup.summaries()}
 
 
@@ -142,7 +143,7 @@ async def variable(
             media_type="application/octet-stream",
             headers={"content-disposition": f'attachment; filename="{filename}"'},
         )
-    summary = {**var.summary(), **value_stats(var.value)}
+    summary = {**var.summary(), **value_stats(var.value), **var.training_summary()}
     if values:
         if var.value.size > MAX_JSON_VALUES:
             raise ShardError(

@@ -51,6 +51,7 @@ from client_sdk.placement import validate_name
 
 from .. import optim
 from ..store import Capture, Variable
+from ..store.modes import restored as restored_mode
 from .datadir import fsync_dir, fsync_path, manifest_name, stem, temporary
 
 __all__ = [
@@ -145,8 +146,13 @@ def _crc(a: np.ndarray) -> int:
     return zlib.crc32(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
 
 
+#: The arrays of a variable that are not optimizer slots: its value, and an open sync round's
+#: sum (docs/PROTOCOL.md §5).
+_NOT_SLOTS = ("value", "round")
+
+
 def tensor_key(index: int, slot: str) -> str:
-    """The safetensors key of slot ``slot`` (``"value"`` or an optimizer slot) of the
+    """The safetensors key of slot ``slot`` (``"value"``, an optimizer slot, or ``"round"``) of the
     ``index``-th variable of a snapshot. Keys are made from positions, never from names, so
     that no variable name can collide with another key or with safetensors' own
     ``__metadata__``; the manifest maps each name to its keys."""
@@ -484,7 +490,7 @@ def to_variables(snap: Snapshot, arrays: Mapping[str, Mapping[str, np.ndarray]])
         except (ValueError, TypeError, KeyError) as exc:
             raise SnapshotError(f"{path.name}: {name!r}: bad optimizer ({exc})") from None
         value = arrays[name]["value"]
-        state = {k: a for k, a in arrays[name].items() if k != "value"}
+        state = {k: a for k, a in arrays[name].items() if k not in _NOT_SLOTS}
         expected = optim.init_state(opt, np.zeros((1,), value.dtype))
         _need(
             set(state) == set(expected),
@@ -501,18 +507,21 @@ def to_variables(snap: Snapshot, arrays: Mapping[str, Mapping[str, np.ndarray]])
         created = meta.get("created_at")
         last = meta.get("last_update")
         writer = meta.get("last_writer")
-        out.append(
-            Variable(
-                name=name,
-                value=value,
-                optimizer=opt,
-                state=dict(state),
-                kind=meta["kind"],
-                version=meta["version"],
-                updates=meta["updates"],
-                created_at=float(created) if isinstance(created, (int, float)) else time.time(),
-                last_update=float(last) if isinstance(last, (int, float)) else None,
-                last_writer=writer if isinstance(writer, str) else None,
-            )
+        var = Variable(
+            name=name,
+            value=value,
+            optimizer=opt,
+            state=dict(state),
+            kind=meta["kind"],
+            version=meta["version"],
+            updates=meta["updates"],
+            created_at=float(created) if isinstance(created, (int, float)) else time.time(),
+            last_update=float(last) if isinstance(last, (int, float)) else None,
+            last_writer=writer if isinstance(writer, str) else None,
         )
+        try:
+            restored_mode(var, meta, arrays[name])
+        except (ValueError, KeyError) as exc:
+            raise SnapshotError(f"{path.name}: {name!r}: {exc}") from None
+        out.append(var)
     return out

@@ -23,6 +23,11 @@ Where each concept lives:
 * ``dedup``: which writes of each worker were applied, so a retry is applied once.
 * ``waiters``: the polls waiting for variables' versions (``POST /v1/poll``), woken by the
   writes that change them.
+* ``modes``: what a push's gradients become by their variable's training mode (applied,
+  scaled, joined to a sync round, dropped), and the close of a round that timed out.
+* ``rounds``: sync rounds: a variable's open round (its sum, contributors, timeout), its
+  closed rounds, and the task that closes the rounds due.
+* ``staleness``: the latest stalenesses per variable and per worker, for their percentiles.
 
 The optimizers' math is :mod:`server.optim`; snapshot files are :mod:`server.persistence`.
 """

@@ -171,10 +171,14 @@ def checked_update(
     grad: np.ndarray,
     value: np.ndarray | None = None,
     state: dict[str, np.ndarray] | None = None,
+    *,
+    scale: float = 1.0,
 ) -> tuple[np.ndarray, dict[str, np.ndarray] | None, tuple[float, float]]:
     """Apply ``grad`` to ``var`` into fresh memory (``value`` and ``state`` if given, else
     new), and the new value and slots with their exact bounds; 422 ``bad_tensor`` if a result
-    is not finite (the live arrays are untouched). Call under ``np.errstate``."""
+    is not finite (the live arrays are untouched). ``scale`` multiplies the update's learning
+    rate (a staleness policy's damping, :func:`server.optim.apply`). Call under
+    ``np.errstate``."""
     if value is None:
         value = np.empty_like(var.value)
     if state is None:
@@ -184,6 +188,7 @@ def checked_update(
         var.value,
         grad,
         var.state,
+        scale=scale,
         out=value,
         state_out=state,
         scratch=bool(grad.flags.writeable),

@@ -40,6 +40,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from .staleness import EMPTY, Window
+
 __all__ = ["IDLE_SECONDS", "MAX_SEQ", "MAX_WORKERS", "WINDOW", "DedupTable", "WorkerRecord"]
 
 logger = logging.getLogger("paramshard.server")
@@ -81,6 +83,11 @@ class WorkerRecord:
     last_seen: float = 0.0
     low: int = -1
     low_bits: int = 0
+    #: Its gradients (one per variable and push) applied, accepted into a sync round, dropped
+    #: by a variable's mode, applied with a scaled step; and the staleness of its latest
+    #: pushes (each with its largest). Shown by ``GET /v1/workers``, not kept in snapshots.
+    gradients: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    staleness: Window | None = None
 
     def status(self, seq: int) -> str:
         if seq > self.high:
@@ -138,6 +145,8 @@ class WorkerRecord:
             "duplicates": self.duplicates,
             "expired": self.expired,
             "high_seq": self.high,
+            "gradients": dict(zip(("applied", "accepted", "dropped", "scaled"), self.gradients)),
+            "staleness": dict(EMPTY) if self.staleness is None else self.staleness.summary(),
         }
 
 
@@ -175,6 +184,32 @@ class DedupTable:
             record.results[seq] = result
             if len(record.results) > MAX_RESULTS:
                 del record.results[min(record.results)]
+
+    def gradients(
+        self,
+        worker_id: str,
+        applied: int,
+        accepted: int,
+        dropped: int,
+        scaled: int,
+        staleness: int | None,
+    ) -> None:
+        """Count what became of the gradients of a push :meth:`record` just recorded, and its
+        largest staleness (None: it said no version)."""
+        record = self._workers.get(worker_id)
+        if record is None:
+            return
+        counts = record.gradients
+        counts[0] += applied
+        if accepted or dropped or scaled:
+            counts[1] += accepted
+            counts[2] += dropped
+            counts[3] += scaled
+        if staleness is not None:
+            window = record.staleness
+            if window is None:
+                window = record.staleness = Window()
+            window.add(staleness)
 
     def count(self, worker_id: str, outcome: str) -> None:
         """Count a refused retry (``"duplicate"`` or ``"expired"``) against the worker."""

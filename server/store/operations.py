@@ -48,6 +48,8 @@ from typing import Any
 
 import numpy as np
 
+from client_sdk import modes
+from client_sdk.modes import ASYNC, Mode
 from client_sdk.optimizers import SGD, Optimizer, from_wire
 
 from .. import optim
@@ -88,31 +90,57 @@ COUNTER_KINDS = ("int", "float")
 @dataclass(eq=False)
 class Init:
     """Create the variables of ``new`` (name, value as sent, optimizer), in the order named;
-    ``bounds`` holds each one's largest magnitude, in the same order. ``names`` is every name
-    of the request: those not in ``new`` exist already with the requested shape and dtype, and
-    are left alone."""
+    ``bounds`` holds each one's largest magnitude and ``modes`` its training mode, in the same
+    order. ``names`` is every name of the request: those not in ``new`` exist already with the
+    requested shape, dtype and stated mode, and are left alone."""
 
     names: list[str]
     new: list[tuple[str, np.ndarray, Optimizer]]
     bounds: list[float]
+    modes: list[Mode]
 
 
-def init(entries: Mapping[str, tuple[np.ndarray, Any]], existing: Mapping[str, Variable]) -> Init:
-    """An init of ``entries`` (name -> (value, optimizer wire spec or ``None``)), names checked
-    already. 422 for a value with NaN or infinities, 400 for a bad optimizer, 409 for a name
-    that exists with another shape or dtype."""
+def _mode(name: str, fields: Mapping[str, Any] | None) -> Mode:
+    """The training mode an init entry's ``fields`` state (400 naming the field)."""
+    if not fields:
+        return ASYNC
+    try:
+        return modes.from_wire(fields)
+    except modes.ModeError as exc:
+        raise ShardError(
+            "bad_request", f"init: {name}: {exc}", {"field": exc.field, "variable": name}
+        ) from None
+
+
+def init(
+    entries: Mapping[str, tuple[np.ndarray, Any] | tuple[np.ndarray, Any, Any]],
+    existing: Mapping[str, Variable],
+) -> Init:
+    """An init of ``entries`` (name -> (value, optimizer wire spec or ``None``[, the entry's
+    training mode fields: ``sync``, ``max_staleness``, ``staleness_policy``, or ``None``])),
+    names checked already. 422 for a value with NaN or infinities, 400 for a bad optimizer or
+    mode, 409 for a name that exists with another shape or dtype, or another mode than the
+    entry states."""
     plans: list[tuple[str, np.ndarray, Optimizer]] = []
     optimizers: dict[Optimizer, Optimizer] = {}
     bounds: list[float] = []
-    conflicts = {}
-    for name, (value, spec) in entries.items():
+    made_modes: list[Mode] = []
+    conflicts: dict[str, dict[str, Any]] = {}
+    for name, (value, spec, *rest) in entries.items():
         dtype = native(value.dtype)
+        fields = rest[0] if rest else None
+        mode = _mode(name, fields)
         have = existing.get(name)
         if have is not None:
             if have.value.shape != value.shape or have.value.dtype != dtype:
                 conflicts[name] = {
                     "existing": {"shape": list(have.value.shape), "dtype": have.value.dtype.str},
                     "requested": {"shape": list(value.shape), "dtype": dtype.str},
+                }
+            elif fields and (differ := have.mode.conflicts(fields)):
+                conflicts[name] = {
+                    "existing": {k: d["existing"] for k, d in differ.items()},
+                    "requested": {k: d["requested"] for k, d in differ.items()},
                 }
             continue
         with np.errstate(all="ignore"):
@@ -130,9 +158,18 @@ def init(entries: Mapping[str, tuple[np.ndarray, Any]], existing: Mapping[str, V
         # to all of a slab's members tells that they share one by identity.
         plans.append((name, value, optimizers.setdefault(opt, opt)))
         bounds.append(math.sqrt(squares))
+        made_modes.append(mode)
     if conflicts:
         first = next(iter(conflicts))
         c = conflicts[first]
+        if "shape" not in c["existing"]:
+            raise ShardError(
+                "conflict",
+                f"{first!r} already exists with {c['existing']}, not {c['requested']}: a "
+                "variable's training mode is fixed when it is made; use another name, delete "
+                "it first, or init without stating a mode",
+                {"conflicts": conflicts, "field": next(iter(c["existing"]))},
+            )
         raise ShardError(
             "conflict",
             f"{first!r} already exists with shape {c['existing']['shape']} and dtype "
@@ -140,7 +177,7 @@ def init(entries: Mapping[str, tuple[np.ndarray, Any]], existing: Mapping[str, V
             ": use another name, or init with the existing shape and dtype",
             {"conflicts": conflicts},
         )
-    return Init(list(entries), plans, bounds)
+    return Init(list(entries), plans, bounds, made_modes)
 
 
 # -- push -------------------------------------------------------------------------------------

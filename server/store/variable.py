@@ -37,10 +37,13 @@ from typing import Any
 
 import numpy as np
 
+from client_sdk.modes import ASYNC, Mode
 from client_sdk.optimizers import Optimizer
 
 from .. import optim
+from .rounds import Round, RoundStats
 from .slab import Slab
+from .staleness import EMPTY, Window
 
 __all__ = ["REFCOUNTS", "Variable"]
 
@@ -64,6 +67,27 @@ def _refs_of_attribute() -> int:
 
 
 _HELD_ONCE = _refs_of_attribute() if REFCOUNTS else 0
+
+
+@dataclass(eq=False, slots=True)
+class Training:
+    """A variable's training mode and what the mode keeps (:mod:`server.store.modes`)."""
+
+    mode: Mode = ASYNC
+    #: A sync variable's open round, or None; and its closed rounds (None for a variable of
+    #: another mode).
+    round: Round | None = None
+    rounds: RoundStats | None = None
+    #: Gradients dropped by the mode, applied with a scaled step, accepted into a round, and
+    #: retries answered ``"duplicate"`` (applied ones: the variable's ``updates``, or a sync
+    #: variable's ``rounds.gradients``).
+    dropped: int = 0
+    scaled: int = 0
+    accepted: int = 0
+    duplicates: int = 0
+    #: A sync or bounded variable's staleness of its latest gradients that had one (made at
+    #: the first; an async variable keeps none: its pushes' bookkeeping is the hot path).
+    staleness: Window | None = None
 
 
 @dataclass(eq=False)
@@ -113,6 +137,29 @@ class Variable:
     #: While the value is away from its row: a weak reference to the row's last value (dead
     #: once no reader holds it, and the row is free again).
     _gone: weakref.ref | None = field(default=None, repr=False)
+    #: Its training mode and what the mode keeps (:class:`Training`): one attribute, so that
+    #: a variable's instance dict stays small enough for CPython's fast attribute access,
+    #: which the push's hot path reads a dozen times per variable.
+    training: Training = field(default_factory=lambda: Training(), repr=False)
+
+    @property
+    def mode(self) -> Mode:
+        """How the variable takes gradients (docs/PROTOCOL.md §3, Training modes): async, sync
+        rounds or bounded staleness; fixed at init (:mod:`server.store.modes`)."""
+        return self.training.mode
+
+    @mode.setter
+    def mode(self, mode: Mode) -> None:
+        self.training.mode = mode
+
+    @property
+    def round(self) -> Round | None:
+        """A sync variable's open round (:class:`~server.store.rounds.Round`), or None."""
+        return self.training.round
+
+    @round.setter
+    def round(self, value: Round | None) -> None:
+        self.training.round = value
 
     @property
     def nbytes(self) -> int:
@@ -201,16 +248,43 @@ class Variable:
         return self.state
 
     def frozen(self) -> dict[str, np.ndarray]:
-        """Read-only views of the value (key ``"value"``) and the optimizer slots, which no
-        later update touches while they are held (the value's next updates go to fresh memory
-        while they are; the slots are copied at the next update)."""
+        """Read-only views of the value (key ``"value"``), the optimizer slots and an open sync
+        round's sum (key ``"round"``), which no later update touches while they are held (the
+        value's next updates go to fresh memory while they are; the slots are copied at the
+        next update, the sum added into fresh memory)."""
         out = {"value": self.export()}
         for slot, a in self.state.items():
             view = a.view()
             view.flags.writeable = False
             out[slot] = view
         self.state_shared = bool(self.state)
+        if self.round is not None:
+            out["round"] = self.round.frozen()
         return out
+
+    def training_summary(self) -> dict[str, Any]:
+        """What ``GET /v1/variables/{name}`` shows of its gradients (docs/PROTOCOL.md §4):
+        ``counts``; for a sync or bounded variable ``staleness`` percentiles; for a sync one
+        ``round`` and ``rounds``."""
+        out: dict[str, Any] = {"counts": self.counts()}
+        t = self.training
+        if t.mode is not ASYNC:
+            out["staleness"] = dict(EMPTY) if t.staleness is None else t.staleness.summary()
+        if t.mode.sync is not None:
+            out["round"] = None if t.round is None else t.round.summary(time.monotonic())
+            out["rounds"] = (t.rounds or RoundStats()).summary()
+        return out
+
+    def counts(self) -> dict[str, int]:
+        """What became of its gradients (docs/PROTOCOL.md §4)."""
+        t = self.training
+        return {
+            "applied": self.updates if t.rounds is None else t.rounds.gradients,
+            "accepted": t.accepted,
+            "dropped": t.dropped,
+            "scaled": t.scaled,
+            "duplicate": t.duplicates,
+        }
 
     def meta(self) -> dict[str, Any]:
         """The bookkeeping a snapshot keeps besides the arrays."""
@@ -224,7 +298,22 @@ class Variable:
             "created_at": self.created_at,
             "last_update": self.last_update,
             "last_writer": self.last_writer,
+            **self._mode_meta(),
         }
+
+    def _mode_meta(self) -> dict[str, Any]:
+        """A snapshot's fields of the training mode (docs/PROTOCOL.md §5): none for an async
+        variable that no mode counted anything of."""
+        out: dict[str, Any] = self.mode.to_wire()
+        counts = self.counts()
+        del counts["applied"]
+        if out or any(counts.values()):
+            out["counts"] = counts
+        if self.training.rounds is not None:
+            out["rounds"] = self.training.rounds.summary()
+        if self.round is not None:
+            out["round"] = self.round.meta()
+        return out
 
     def touch(self, writer: str | None = None) -> None:
         self.version += 1
@@ -245,4 +334,5 @@ class Variable:
             "last_update": self.last_update,
             "last_writer": self.last_writer,
             "nbytes": self.value.nbytes,
+            **self.mode.summary(),
         }

@@ -40,18 +40,23 @@ from typing import Any
 
 import numpy as np
 
+from client_sdk.modes import ASYNC
 from client_sdk.placement import shard_for, validate_name
 
 from ..errors import ShardError
-from . import apply, operations, waiters
+from . import apply, modes, operations, waiters
 from .dedup import MAX_RESULTS, DedupTable
+from .rounds import Deadlines, RoundStats
 from .slab import into_slabs
+from .staleness import Window
 from .variable import Variable
 from .waiters import VersionWaiters
 
 __all__ = ["MAX_WAIT_SECONDS", "Capture", "ParameterStore", "PullRows"]
 
 MAX_WAIT_SECONDS = 30.0
+#: Below any staleness (a version is at most 2**63 - 1).
+_NO_STALENESS = -(1 << 64)
 #: No gradient checked already (:meth:`ParameterStore.push`'s ``finite``).
 _NONE: Mapping[str, float] = MappingProxyType({})
 
@@ -121,6 +126,10 @@ class ParameterStore:
         self._off_loop = apply.OffLoop(self._vars)
         #: Changes of any kind (init included); a snapshot is due when it moved.
         self.mutations = 0
+        #: How many variables are sync or bounded (a push to none of them costs one int
+        #: check here), and when each open sync round times out (:meth:`close_due_rounds`).
+        self._moded = 0
+        self.deadlines = Deadlines()
 
     # -- names ------------------------------------------------------------------------------
 
@@ -217,13 +226,18 @@ class ParameterStore:
     def init(self, entries: Mapping[str, tuple[np.ndarray, Any]]) -> dict[str, dict[str, Any]]:
         """Create each variable that does not exist yet (version 0), atomically per request.
 
-        ``entries`` maps name -> (value, optimizer wire spec or ``None``). An existing variable
-        with the same shape and dtype is left alone (``created: False``); another shape or dtype
-        is 409 and nothing is created.
+        ``entries`` maps name -> (value, optimizer wire spec or ``None``[, training mode fields
+        or ``None``]). An existing variable with the same shape and dtype is left alone
+        (``created: False``); another shape or dtype, or another mode than the entry states, is
+        409 and nothing is created.
         """
         self.check_names(entries)
         op = operations.init(entries, self._vars)
-        for var in apply.init(op):
+        for var, mode in zip(apply.init(op), op.modes):
+            if mode is not ASYNC:
+                var.training.mode = mode
+                if mode.sync is not None:
+                    var.training.rounds = RoundStats()
             self._add(var)
         created = {name for name, _, _ in op.new}
         return {
@@ -256,15 +270,26 @@ class ParameterStore:
         variables = self._checked(grads)
         apply.not_being_written(variables)
         op = operations.push(variables, worker_id, seq, grads, versions, finite, block)
-        return self._push_now(op)
+        return self._push_now(op, bool(self._moded) and modes.check_request(op))
 
-    def _push_now(self, op: operations.Push) -> dict[str, dict[str, Any]]:
-        """:meth:`push` of a push built already, all of it on this thread."""
+    def _push_now(self, op: operations.Push, moded: bool = False) -> dict[str, dict[str, Any]]:
+        """:meth:`push` of a push built already, all of it on this thread; ``moded``: it names
+        a sync or bounded variable (:func:`server.store.modes.check_request`)."""
         operations.check_values(op)
         if self._seen("push", op.worker_id, op.seq):
             return self._duplicates(op.variables)
+        if moded:
+            return self._push_moded(op)
         apply.push(op)
         return self._applied(op)
+
+    def _push_moded(self, op: operations.Push) -> dict[str, dict[str, Any]]:
+        """Step 3 and 4 of a push to sync or bounded variables (:mod:`server.store.modes`)."""
+        moded = modes.plan(op)
+        if moded.now is not None:
+            apply.push(moded.now)  # 422 with nothing written if an update would overflow
+        modes.apply(moded, time.monotonic())
+        return self._moded_applied(moded)
 
     async def push_async(
         self,
@@ -290,8 +315,9 @@ class ParameterStore:
         variables = self._checked(grads)
         await self._off_loop.settled(variables)
         op = operations.push(variables, worker_id, seq, grads, versions, finite, block)
-        if op.nbytes < apply.OFFLOAD_BYTES:
-            return self._push_now(op)
+        moded = bool(self._moded) and modes.check_request(op)
+        if moded or op.nbytes < apply.OFFLOAD_BYTES:  # a moded push: on the loop, whole
+            return self._push_now(op, moded)
         if self._seen("push", worker_id, seq):
             return self._duplicates(variables)
         await self._off_loop.push(op)
@@ -311,6 +337,9 @@ class ParameterStore:
             return {var.name: {"status": "duplicate", "version": var.version} for var in variables}
         apply.assign(op)
         for var in variables:
+            if var.round is not None:  # its gradients were computed on the value replaced
+                modes.discard(var)
+                self.deadlines.remove(var.name)
             self._touch(var, worker_id)
         if keyed:
             self.dedup.record(worker_id, seq)
@@ -346,6 +375,9 @@ class ParameterStore:
         counter = apply.increment(op)
         if var is None:
             self._add(counter)
+        elif var.round is not None:  # a sync scalar: its round was on the value replaced
+            modes.discard(var)
+            self.deadlines.remove(var.name)
         self._touch(counter, worker_id)
         if keyed:
             self.dedup.record(worker_id, seq, [op.value.item(), counter.version])
@@ -517,8 +549,14 @@ class ParameterStore:
         self._nbytes = 0
         variables = list(variables)
         into_slabs(variables)
+        self._moded = 0
+        self.deadlines.clear()
+        started = time.monotonic()
         for var in variables:
             self._add(var)
+            if var.round is not None:  # its timeout starts again now
+                var.round.opened = started
+                self.deadlines.add(var.name, var.version, var.round.deadline)
         dedup.bound(self.dedup.max_workers, self.dedup.idle_seconds)
         self.dedup = dedup
         self._state_version = sum(v.version for v in self._vars.values())
@@ -530,6 +568,8 @@ class ParameterStore:
         self._vars[var.name] = var
         self._nbytes += var.nbytes
         self.mutations += 1
+        if var.mode is not ASYNC:
+            self._moded += 1
         for event in self._waiters.pop(var.name, ()):
             event.set()
 
@@ -547,6 +587,7 @@ class ParameterStore:
         held = op.versions or {}
         now = time.time()
         out = {}
+        worst = _NO_STALENESS  # the push's largest staleness, for the worker's window
         for var in variables:
             before = var.version
             var.version = version = before + 1
@@ -554,24 +595,100 @@ class ParameterStore:
             var.last_update = now
             var.last_writer = worker_id
             seen = held.get(var.name)
-            out[var.name] = {
-                "status": "applied",
-                "version": version,
-                "staleness": None if seen is None else before - seen,
-            }
+            if seen is None:
+                staleness = None
+            else:
+                staleness = before - seen
+                if staleness > worst:
+                    worst = staleness
+            out[var.name] = {"status": "applied", "version": version, "staleness": staleness}
         self._state_version += len(variables)
         self.mutations += len(variables)
         self.dedup.record(worker_id, op.seq)
+        self.dedup.gradients(
+            worker_id, len(variables), 0, 0, 0, None if worst == _NO_STALENESS else worst
+        )
         if self.waiters.waiting:
             self.waiters.wake([var.name for var in variables])
         return out
 
+    def _moded_applied(self, moded: modes.ModedPush) -> dict[str, dict[str, Any]]:
+        """The bookkeeping of a push to sync or bounded variables once written: the versions
+        of those applied up by one, the rounds opened timed, the counts, the windows, the seq
+        recorded; the push's result, in request order."""
+        op = moded.op
+        worker_id = op.worker_id
+        now = time.time()
+        bumped = ([] if moded.now is None else moded.now.variables) + [s.var for s in moded.scaled]
+        for var in bumped:
+            var.version += 1
+            var.updates += 1
+            var.last_update = now
+            var.last_writer = worker_id
+        for j in moded.joins:
+            var = j.var
+            var.training.accepted += 1
+            if var.round is not None and var.round.count == 1:  # opened by this push
+                self.deadlines.add(var.name, var.version, var.round.deadline)
+        for f in moded.fills:
+            self.deadlines.remove(f.var.name)
+        for var in moded.dropped:
+            var.training.dropped += 1
+        for s in moded.scaled:
+            s.var.training.scaled += 1
+        variables = self._vars
+        for name, staleness in moded.staleness.items():
+            var = variables[name]
+            window = var.training.staleness
+            if window is None:
+                window = var.training.staleness = Window()
+            window.add(staleness)
+        out = {}
+        for var in op.variables:
+            entry = moded.results[var.name]
+            out[var.name] = {"status": entry.pop("status"), "version": var.version, **entry}
+        self._state_version += len(bumped)
+        self.mutations += len(bumped) + len(moded.joins) + 1
+        self.dedup.record(worker_id, op.seq)
+        if bumped and self.waiters.waiting:
+            self.waiters.wake([var.name for var in bumped])
+        self.dedup.gradients(
+            worker_id,
+            len(bumped),
+            len(moded.joins),
+            len(moded.dropped),
+            len(moded.scaled),
+            max(moded.staleness.values(), default=None),
+        )
+        return out
+
+    def close_due_rounds(self, now: float) -> int:
+        """Close every sync round whose timeout passed by ``now`` (``time.monotonic()``):
+        apply the mean of what it had, or discard it when that would not be finite; either
+        way the variable's version goes up by one. Returns how many closed. Called by
+        :func:`server.store.rounds.close_when_due` (the shard's app runs it) while the shard
+        takes writes."""
+        closed = 0
+        for name, version in self.deadlines.due(now):
+            var = self._vars.get(name)
+            if var is None:
+                continue
+            close = modes.close_timed_out(var, version)
+            if close is None:
+                continue
+            if modes.apply_close(close) == "timed_out":
+                var.updates += 1
+            self._touch(var, None)
+            closed += 1
+        return closed
+
     @staticmethod
     def _duplicates(variables: Iterable[Variable]) -> dict[str, dict[str, Any]]:
-        return {
-            var.name: {"status": "duplicate", "version": var.version, "staleness": None}
-            for var in variables
-        }
+        out = {}
+        for var in variables:
+            var.training.duplicates += 1
+            out[var.name] = {"status": "duplicate", "version": var.version, "staleness": None}
+        return out
 
     def _seen(self, verb: str, worker_id: str, seq: int) -> bool:
         """True if ``seq`` was applied already (counted as a duplicate); raises

@@ -106,6 +106,33 @@ def requests(names: list[str]) -> dict[str, tuple[str, dict, list[np.ndarray] | 
             None,
             "msgpack",
         ),
+        "init-sync": (
+            "init",
+            {
+                "variables": {
+                    names[2] + "-sync": {
+                        "value": np.zeros(SIZE, np.float32),
+                        "sync": {"replicas": 2, "timeout": 5.0},
+                    }
+                }
+            },
+            None,
+            "msgpack",
+        ),
+        "init-bounded": (
+            "init",
+            {
+                "variables": {
+                    names[2] + "-bounded": {
+                        "value": np.zeros(SIZE, np.float32),
+                        "max_staleness": 3,
+                        "staleness_policy": "scale",
+                    }
+                }
+            },
+            None,
+            "msgpack",
+        ),
         "increment": (
             "increment",
             {**push, "name": names[0] + "-steps", "delta": 2},
