@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from typing import Any
 
@@ -24,6 +23,7 @@ import pytest
 from client_sdk import PSClient, wire
 from client_sdk.placement import shard_for
 from tests.conftest import ROOT, Fleet
+from tests.helpers.eventually import eventually
 
 
 @pytest.fixture(scope="module")
@@ -96,18 +96,6 @@ HALF = {"type": "sgd", "lr": 0.5}  # w -= g / 2: exact in float64 for small inte
 
 def sync(replicas: int, timeout: float = 60.0) -> dict:
     return {"sync": {"replicas": replicas, "timeout": timeout}}
-
-
-def until(check, what: str, timeout: float = 30.0):
-    """``check()``'s first truthy result, polled; fails after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
 
 
 # -- sync rounds ------------------------------------------------------------------------------
@@ -194,7 +182,9 @@ def test_a_round_that_does_not_fill_applies_what_it_has_at_its_timeout(http, url
     init(http, url, name, [0.0], HALF, **sync(3, timeout=0.3))
     push(http, url, fresh("w"), 1, {name: [2.0]}, {name: 0})
     push(http, url, fresh("w"), 1, {name: [4.0]}, {name: 0})
-    s = until(lambda: (s := state(http, url, name))["version"] == 1 and s, "the round timed out")
+    s = eventually(
+        lambda: (s := state(http, url, name))["version"] == 1 and s, "the round timed out"
+    )
     assert s["values"] == [-1.5]  # the mean of the two it had
     assert s["rounds"]["timed_out"] == 1 and s["rounds"]["filled"] == 0
     assert s["rounds"]["last"] == {**s["rounds"]["last"], "contributors": 2, "closed": "timed_out"}
@@ -233,7 +223,6 @@ def test_an_increment_of_a_sync_scalar_discards_the_open_round(http, url):
     init(http, url, name, 0.0, HALF, **sync(2, timeout=0.2))
     push(http, url, fresh("w"), 1, {name: 2.0}, {name: 0})
     assert ok(http, url, "increment", {"name": name, "delta": 1.0})["version"] == 1
-    time.sleep(0.5)  # past the discarded round's timeout: nothing more happens
     s = state(http, url, name)
     assert s["round"] is None and s["rounds"]["discarded"] == 1
     assert (s["values"], s["version"]) == (1.0, 1)
@@ -265,11 +254,15 @@ def test_a_round_due_while_the_shard_is_paused_closes_when_the_pause_ends(fleet_
         init(http, url, name, [0.0], HALF, **sync(2, timeout=0.2))
         push(http, url, fresh("w"), 1, {name: [2.0]}, {name: 0})
         ok(http, url, "pause", {"checkpoint": "rounds", "lease": 60})
-        time.sleep(1.0)  # well past the round's timeout
-        s = state(http, url, name)
-        assert s["round"] is not None and s["version"] == 0  # a paused shard changes nothing
+        s = eventually(
+            lambda: (s := state(http, url, name))["round"]["age"] > 0.5 and s,
+            "the round is past its timeout",
+        )
+        assert s["version"] == 0  # a paused shard changes nothing
         ok(http, url, "resume", {"checkpoint": "rounds"})
-        s = until(lambda: (s := state(http, url, name))["version"] == 1 and s, "the round closed")
+        s = eventually(
+            lambda: (s := state(http, url, name))["version"] == 1 and s, "the round closed"
+        )
         assert s["values"] == [-1.0] and s["rounds"]["timed_out"] == 1
 
 
