@@ -33,4 +33,5 @@ CASES: dict[str, str] = {
     "snapshot": "bench.snapshot",
     "optimizers": "bench.optimizers",
     "broadcast": "bench.broadcast",
+    "syncround": "bench.syncround",
 }

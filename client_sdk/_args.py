@@ -1,9 +1,9 @@
 """Argument coercion: what a caller passes to a verb, checked and made into what the wire
 carries, before anything is sent.
 
-Variable names (:func:`valid_name`, :func:`names`), ``{name: array-like}`` maps
-(:func:`arrays`, each value by :func:`as_array`: a C-contiguous ndarray of a dtype the protocol
-has a name for) and optimizer specs (:func:`optimizer_specs`). A bad argument is a
+Variable names (:func:`valid_name`, :func:`names`), ``{name: array-like}`` maps (:func:`arrays`,
+each value by :func:`as_array`: a C-contiguous ndarray of a dtype the protocol has a name for),
+optimizer specs (:func:`optimizer_specs`) and training modes (:func:`mode`). A bad argument is a
 :class:`BadRequestError` or :class:`BadTensorError` that says what to pass instead. Names are
 placed on their shard as they are checked (:meth:`Fleet.place <client_sdk._fleet.Fleet.place>`
 remembers both, so a name used every step is checked once).
@@ -20,13 +20,14 @@ import numpy as np
 
 from . import wire
 from ._exceptions import BadRequestError, BadTensorError
+from .modes import Mode, ModeError
 from .optimizers import Optimizer
 from .placement import validate_name
 
 if TYPE_CHECKING:
     from ._fleet import Fleet
 
-__all__ = ["arrays", "as_array", "names", "optimizer_specs", "valid_name"]
+__all__ = ["arrays", "as_array", "mode", "names", "optimizer_specs", "valid_name"]
 
 
 def valid_name(name: Any) -> str:
@@ -143,3 +144,12 @@ def optimizer_specs(
         "init: optimizer must be a spec from client_sdk.optimizers (e.g. "
         f"Adagrad(lr=0.1)) or a dict name -> spec; got {optimizer!r}"
     )
+
+
+def mode(sync: Any, max_staleness: Any, staleness_policy: Any) -> Mode:
+    """The training mode an ``init`` asks for (:mod:`client_sdk.modes`);
+    :class:`BadRequestError` naming the argument when it is out of range or contradictory."""
+    try:
+        return Mode(sync, max_staleness, staleness_policy)
+    except ModeError as exc:
+        raise BadRequestError(f"init: {exc}", details={"field": exc.field}) from None

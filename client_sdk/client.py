@@ -27,13 +27,14 @@ from typing import Any, Literal, TypeVar
 import httpx2
 import numpy as np
 
-from . import _transport, _verbs
+from . import _args, _transport, _verbs
 from ._core import Core
 from ._exceptions import PSError
 from ._flow import Flow, Result, ShardRequest
 from ._pusher import AsyncPusher, Pusher, closed_error
 from ._settings import DEFAULT_MAX_REPLY_BYTES, load_settings
 from ._verbs import PushJob
+from .modes import Sync
 from .optimizers import Optimizer
 
 __all__ = ["AsyncPSClient", "PSClient"]
@@ -143,19 +144,32 @@ class PSClient:
     # -- verbs ------------------------------------------------------------------------------
 
     def init(
-        self, values: Mapping[str, Any], optimizer: OptimizerArg = None
+        self,
+        values: Mapping[str, Any],
+        optimizer: OptimizerArg = None,
+        *,
+        sync: Sync | None = None,
+        max_staleness: int | None = None,
+        staleness_policy: Literal["drop", "scale"] | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Create each variable unless it exists: the first value wins; no chief is needed.
 
         ``values`` maps names to array-likes; ``optimizer`` is one spec from
         :mod:`client_sdk.optimizers` for all of them, or a dict name -> spec (default: the
-        shard's ``SGD(lr=0.01)``). Returns name -> ``{"version", "created"}``; a variable that
-        existed with the same shape and dtype keeps its value and optimizer (``created`` is
-        False). Blocks until every owning shard answered. Raises :class:`ConflictError` if a
-        variable exists with another shape or dtype (that shard then created nothing),
-        :class:`BadTensorError` for values the protocol cannot carry or non-finite floats.
+        shard's ``SGD(lr=0.01)``). Their training mode (:mod:`client_sdk.modes`; default
+        async): ``sync=Sync(replicas=k, timeout=s)`` for sync rounds of ``k`` gradients, or
+        ``max_staleness=s`` (with ``staleness_policy`` ``"drop"``, the default, or
+        ``"scale"``) to bound how stale an applied gradient may be. Returns name ->
+        ``{"version", "created"}``; a variable that existed with the same shape and dtype
+        keeps its value, optimizer and mode (``created`` is False). Blocks until every owning
+        shard answered. Raises :class:`BadRequestError` for mode settings out of range or
+        contradictory (before sending), :class:`ConflictError` if a variable exists with
+        another shape or dtype, or another mode than one stated here (that shard then created
+        nothing), :class:`BadTensorError` for values the protocol cannot carry or non-finite
+        floats.
         """
-        return self._drive(_verbs.init(self._core, values, optimizer))
+        mode = _args.mode(sync, max_staleness, staleness_policy)
+        return self._drive(_verbs.init(self._core, values, optimizer, mode))
 
     def wait_ready(self, names: Sequence[str], timeout: float | None = 60.0) -> None:
         """Block until every named variable exists (some worker called :meth:`init`).
@@ -205,6 +219,12 @@ class PSClient:
             return self._drive(_verbs.pull(self._core, names))
         return self._drive(_verbs.poll(self._core, names, newer_than, min_version, timeout))
 
+    def versions(self, names: Sequence[str]) -> dict[str, int]:
+        """The version of each of ``names`` whose value this client holds from its last
+        :meth:`pull` (what :meth:`push` sends as ``versions`` by default); names it holds no
+        value of are left out. No I/O; thread-safe."""
+        return self._core.cache.versions(_args.names(names, "versions", self._core.fleet))
+
     def push(
         self, grads: Mapping[str, Any], versions: Mapping[str, int] | None = None
     ) -> dict[str, dict[str, Any]]:
@@ -213,8 +233,12 @@ class PSClient:
         Each shard validates its whole part before applying any of it, then runs the
         variable's optimizer. ``versions`` (name -> version the gradient was computed on)
         defaults to the versions this client last pulled, so the shard measures staleness.
-        Returns name -> ``{"status", "version", "staleness"}``; ``status`` is ``"applied"``, or
-        ``"duplicate"`` when a retry found the push already applied (its reply had been lost).
+        Returns name -> ``{"status", "version", "staleness"}``; ``status`` is ``"applied"``,
+        ``"duplicate"`` when a retry found the push already applied (its reply had been lost),
+        and for variables with a training mode (:mod:`client_sdk.modes`) ``"accepted"`` (it
+        joined a sync round, applied when the round closes) or ``"dropped"`` (too stale: the
+        entry's ``reason`` and ``message`` say why; nothing was changed); a gradient applied
+        with a scaled step has its factor as ``"scale"``. Dropped gradients are not an error.
         Raises :class:`BadTensorError` for a wrong shape/dtype or non-finite values,
         :class:`UnknownVariableError` for a missing variable; if shards disagree, the error
         says on which shards the push was applied. Retried (same seq) after any connection
@@ -398,10 +422,21 @@ class AsyncPSClient:
         )
 
     async def init(
-        self, values: Mapping[str, Any], optimizer: OptimizerArg = None
+        self,
+        values: Mapping[str, Any],
+        optimizer: OptimizerArg = None,
+        *,
+        sync: Sync | None = None,
+        max_staleness: int | None = None,
+        staleness_policy: Literal["drop", "scale"] | None = None,
     ) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.init`."""
-        return await self._drive(_verbs.init(self._core, values, optimizer))
+        mode = _args.mode(sync, max_staleness, staleness_policy)
+        return await self._drive(_verbs.init(self._core, values, optimizer, mode))
+
+    def versions(self, names: Sequence[str]) -> dict[str, int]:
+        """See :meth:`PSClient.versions` (no I/O: not a coroutine)."""
+        return self._core.cache.versions(_args.names(names, "versions", self._core.fleet))
 
     async def wait_ready(self, names: Sequence[str], timeout: float | None = 60.0) -> None:
         """See :meth:`PSClient.wait_ready`."""

@@ -1,14 +1,15 @@
 """How a variable takes gradients: its training mode, given at ``init`` and kept for its life.
 
-    Mode(sync=Sync(replicas=4, timeout=30.0)).to_wire()   # {"sync": {"replicas": 4, ...}}
-    Mode(max_staleness=4, staleness_policy="scale")       # async, staleness bounded
-    Mode()                                                # async (Downpour)
+    ps.init(params, sync=Sync(replicas=4, timeout=30.0))          # sync rounds of 4 workers
+    ps.init(params, max_staleness=4, staleness_policy="scale")    # async, staleness bounded
+    ps.init(params)                                               # async (Downpour)
 
 * **async** (the default): every gradient is applied when it arrives.
 * **sync**: for each version ``v`` the shard collects the first ``replicas`` gradients computed
   on ``v``, applies their mean once (``v + 1`` follows) and drops gradients computed on older
   versions; a round that has not filled ``timeout`` seconds after its first gradient applies
-  what it has, so a dead worker never hangs the others.
+  what it has, so a dead worker never hangs the others. :class:`~client_sdk.training.SyncLoop`
+  runs a worker's side of it.
 * **bounded staleness**: a gradient computed more than ``max_staleness`` versions ago is
   dropped (``staleness_policy="drop"``) or applied with its step scaled by
   ``1 / (1 + staleness)`` (``"scale"``).
@@ -16,9 +17,8 @@
 A push's result says per variable what became of each gradient (``"applied"``,
 ``"accepted"``, ``"dropped"`` with a ``reason``, ``"duplicate"``). The rules, limits and wire
 form are docs/PROTOCOL.md §3, "Training modes"; on the wire a mode is fields of a variable's
-init entry (:meth:`Mode.to_wire`, :func:`from_wire`), which an init request carries per
-variable. This module is shared with the shard, which parses init entries with
-:func:`from_wire`; it imports nothing but the standard library.
+init entry (:meth:`Mode.to_wire`, :func:`from_wire`). This module is shared with the shard,
+which parses init entries with :func:`from_wire`; it imports nothing but the standard library.
 """
 
 from __future__ import annotations

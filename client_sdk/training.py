@@ -1,4 +1,4 @@
-"""A Downpour SGD loop helper: pull every ``n_fetch`` steps, push every ``n_push`` steps.
+"""The training loops a worker runs: Downpour (async) and sync rounds, each pull/compute/push.
 
     loop = DownpourLoop(ps, ["layer1/kernel", "layer1/bias"], n_fetch=2, n_push=2)
     for _ in range(steps):
@@ -7,24 +7,42 @@
         loop.step(grads)                            # accumulates; push_async when due
     loop.finish()                                   # pushes what is left, then flush()
 
-This is the bookkeeping of Downpour SGD (Dean et al., 2012) and nothing more: between pushes the
-gradients are summed (or averaged, ``average=True``) in local float buffers; a push goes out
-with :meth:`PSClient.push_async <client_sdk.PSClient.push_async>`, so the next gradient is
-computed while it travels. ``server/demo/digits_worker.py`` (the demo's worker) writes the
-same loop out by hand.
+:class:`DownpourLoop` is the bookkeeping of Downpour SGD (Dean et al., 2012) and nothing more:
+between pushes the gradients are summed (or averaged, ``average=True``) in local float buffers;
+a push goes out with :meth:`PSClient.push_async <client_sdk.PSClient.push_async>`, so the next
+gradient is computed while it travels. ``server/demo/digits_worker.py`` (the demo's worker)
+writes the same loop out by hand.
+
+:class:`SyncLoop` is a worker's side of sync training, for variables made with
+``init(..., sync=Sync(replicas=k))`` (:mod:`client_sdk.modes`): each step computes on the
+parameters of one version, pushes the gradient into that version's round, and the next
+:meth:`~SyncLoop.params` waits until the round has closed (its mean applied) before it pulls::
+
+    loop = SyncLoop(ps, ["layer1/kernel", "layer1/bias"])
+    for _ in range(steps):
+        params = loop.params()          # the parameters after the last round this worker joined
+        loop.step(grads_of(params))     # joins the round on loop.versions
+    loop.finish()                       # waits for the last round
+
+Both count what became of their gradients (``applied``, ``accepted`` into a round,
+``dropped`` as too stale, ``scaled``), from the push results (docs/PROTOCOL.md §3, Training
+modes).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ._exceptions import ConfigError
+from ._exceptions import ConfigError, NotReadyError
 from .client import PSClient
+from .modes import MAX_ROUND_TIMEOUT
 
-__all__ = ["DownpourLoop"]
+__all__ = ["DownpourLoop", "SyncLoop"]
 
 
 class DownpourLoop:
@@ -35,6 +53,10 @@ class DownpourLoop:
     ``average``: push the mean of the accumulated gradients instead of their sum.
     ``counter``: a counter to :meth:`~client_sdk.PSClient.increment` once per step (e.g.
     ``"global_step"``), or ``None``.
+
+    ``applied``, ``dropped`` and ``scaled`` count the gradients (one per variable and push)
+    the shards applied, dropped as staler than their ``max_staleness``, and applied with a
+    scaled step, as the pushes' results come in; all of them once :meth:`finish` returned.
 
     Blocking: :meth:`params` blocks while it pulls; :meth:`step` blocks only when it increments
     the counter or when the client already has ``max_inflight`` pushes in flight;
@@ -72,6 +94,13 @@ class DownpourLoop:
         self._fetched_at = 0
         self._acc: dict[str, np.ndarray] = {}
         self._accumulated = 0
+        #: gradients applied (scaled ones included), dropped, and applied with a scaled step;
+        #: and accepted into a sync round (a sync variable's; SyncLoop is its loop)
+        self.applied = 0
+        self.dropped = 0
+        self.scaled = 0
+        self.accepted = 0
+        self._pending: list[concurrent.futures.Future[dict[str, dict[str, Any]]]] = []
 
     def params(self) -> dict[str, np.ndarray]:
         """The values to compute this step's gradient on: pulled if ``n_fetch`` steps have
@@ -119,7 +148,21 @@ class DownpourLoop:
         (``flush``); raises :class:`~client_sdk.PushError` if one failed."""
         if self._accumulated:
             self._push()
-        self.ps.flush()
+        try:
+            self.ps.flush()
+        finally:
+            self._tally(wait=True)
+
+    def _tally(self, wait: bool = False) -> None:
+        """Count the results of the pushes that finished (``wait``: of all, once finished)."""
+        still = []
+        for future in self._pending:
+            if not (wait or future.done()):
+                still.append(future)
+                continue
+            if future.exception() is None:
+                _count(self, future.result())
+        self._pending = still
 
     def _push(self) -> None:
         acc, n = self._acc, self._accumulated
@@ -128,4 +171,125 @@ class DownpourLoop:
             for g in acc.values():
                 g /= n
         if acc:
-            self.ps.push_async(acc)
+            self._pending.append(self.ps.push_async(acc))
+            self._tally()
+
+
+def _count(loop: DownpourLoop | SyncLoop, results: Mapping[str, Mapping[str, Any]]) -> None:
+    """Add a push's per-variable results to ``loop``'s counts."""
+    for result in results.values():
+        status = result.get("status")
+        if status == "applied":
+            loop.applied += 1
+            if result.get("scale") is not None:
+                loop.scaled += 1
+        elif status == "accepted":
+            loop.accepted += 1
+        elif status == "dropped":
+            loop.dropped += 1
+
+
+class SyncLoop:
+    """One worker's side of sync training over ``names`` on ``ps`` (variables made with
+    ``init(..., sync=Sync(...))``; see the module docstring).
+
+    :meth:`params` returns the parameters of one version (``versions`` says which), waiting
+    first until every round this worker's last :meth:`step` joined has closed; :meth:`step`
+    pushes the step's gradients, computed on those parameters, into their rounds and returns
+    the push's per-variable results. A gradient dropped as stale (its round closed without it,
+    e.g. a backup worker's) is counted in ``dropped``, and the next :meth:`params` returns the
+    newer parameters without waiting.
+
+    ``timeout``: the longest one :meth:`params` waits for rounds to close, in seconds (default:
+    a round's longest timeout, :data:`~client_sdk.modes.MAX_ROUND_TIMEOUT`, plus a minute). A
+    round closes at most its own ``timeout`` after its first gradient, however many workers
+    died; past this wait :class:`~client_sdk.NotReadyError` is raised (``missing``: the names
+    whose round did not close).
+
+    ``applied`` counts the gradients that closed a round, ``accepted`` those that joined one
+    still open (applied when it closed), ``dropped`` those dropped; ``steps`` the calls to
+    :meth:`step`. Blocking: :meth:`params` and :meth:`step` block (a pull, a push). Not
+    thread-safe: one loop per training thread. Errors are the client's
+    :class:`~client_sdk.PSError` subclasses.
+    """
+
+    def __init__(self, ps: PSClient, names: Sequence[str], *, timeout: float | None = None) -> None:
+        if isinstance(names, str) or not names:
+            raise ConfigError(f"names must be a non-empty list of variable names, got {names!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+        ):
+            raise ConfigError(f"timeout must be a number of seconds above 0, got {timeout!r}")
+        self.ps = ps
+        self.names = list(names)
+        self.timeout = MAX_ROUND_TIMEOUT + 60.0 if timeout is None else float(timeout)
+        #: the version of each parameter :meth:`params` last returned
+        self.versions: dict[str, int] = {}
+        self.steps = 0
+        self.applied = 0
+        self.accepted = 0
+        self.dropped = 0
+        self.scaled = 0
+        self._params: dict[str, np.ndarray] | None = None
+        #: name -> the version to wait for: one past the round the last step joined
+        self._targets: dict[str, int] = {}
+
+    def params(self) -> dict[str, np.ndarray]:
+        """The parameters to compute the next step on (read-only arrays): pulled once every
+        round the last :meth:`step` joined has closed, so every worker of a round computes on
+        the same version."""
+        if self._params is None or self._targets:
+            self._params = self._wait_and_pull()
+        return self._params
+
+    def step(self, grads: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """Push one step's gradients (name -> array-like, a subset of ``names``), computed on
+        the parameters :meth:`params` returned, into the rounds on ``versions``; returns the
+        per-variable results (``"accepted"``, ``"applied"`` for the one that closed a round,
+        ``"dropped"``)."""
+        unknown = set(grads) - set(self.names)
+        if unknown:
+            raise ConfigError(
+                f"gradients for {sorted(unknown)}, which this loop does not "
+                f"train; its names are {self.names}"
+            )
+        if self._params is None or self._targets:
+            raise ConfigError("call params() first: a step's gradients are computed on them")
+        versions = {name: self.versions[name] for name in grads}
+        results = self.ps.push(grads, versions)
+        self.steps += 1
+        _count(self, results)
+        self._targets = {name: v + 1 for name, v in versions.items()}
+        return results
+
+    def finish(self) -> None:
+        """Wait until every round the last :meth:`step` joined has closed (its mean is
+        applied); then ``versions`` and :meth:`params` are the result."""
+        if self._targets:
+            self._params = self._wait_and_pull()
+
+    def _wait_and_pull(self) -> dict[str, np.ndarray]:
+        """Pull ``names`` until each has reached its target version (a round it joined
+        closed), then note their versions."""
+        deadline = time.monotonic() + self.timeout
+        pause = 0.002
+        while True:
+            params = self.ps.pull(self.names)
+            versions = self.ps.versions(self.names)
+            # Below the version it pushed on, a variable came back from an older snapshot (its
+            # shard restarted after a crash): the round is gone, the next step starts anew.
+            late = [n for n, t in self._targets.items() if t - 1 <= versions.get(n, -1) < t]
+            if not late:
+                break
+            if time.monotonic() + pause > deadline:
+                raise NotReadyError(
+                    f"the sync round(s) of {late[:10]} did not close within {self.timeout:g} s "
+                    "of this worker's gradient: check the shards (paramshard status) and the "
+                    "variables' sync timeout",
+                    missing=late,
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        self._targets = {}
+        self.versions = versions
+        return params

@@ -1,10 +1,11 @@
 """``init``: create each variable unless it exists; the first value wins.
 
 Each shard's part is one request (or one per run of ``max_request_names`` variables) mapping
-names to ``{value, optimizer}``. A variable that exists with the same shape and dtype keeps its
-value (``created`` false); another shape or dtype is a 409 and that shard creates nothing.
-Once the shards hold the variables, the cache learns their layouts (``_cache.py``): a pull of
-them is then bounded exactly, and a push of the wrong shape is refused before it is sent.
+names to ``{value, optimizer}`` and the training mode's fields, if any
+(:mod:`client_sdk.modes`). A variable that exists with the same shape and dtype keeps its value
+(``created`` false); another shape or dtype is a 409 and that shard creates nothing. Once the
+shards hold the variables, the cache learns their layouts (``_cache.py``): a pull of them is
+then bounded exactly, and a push of the wrong shape is refused before it is sent.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ from typing import Any
 from .. import _args, _replies
 from .._core import Core
 from .._flow import Flow
+from ..modes import ASYNC, Mode
 
 __all__ = ["init"]
 
 
-def init(core: Core, values: Any, optimizer: Any = None) -> Flow[dict[str, dict[str, Any]]]:
+def init(
+    core: Core, values: Any, optimizer: Any = None, mode: Mode = ASYNC
+) -> Flow[dict[str, dict[str, Any]]]:
     arrays = _args.arrays(values, "init", core.fleet)
     specs = _args.optimizer_specs(optimizer, arrays)
+    fields = mode.to_wire()
     if not arrays:
         return {}
     deadline = core.deadline()
@@ -29,7 +34,7 @@ def init(core: Core, values: Any, optimizer: Any = None) -> Flow[dict[str, dict[
     for shard, names in core.fleet.chunks(core.fleet.split(arrays)):
         variables = {}
         for name in names:
-            entry: dict[str, Any] = {"value": arrays[name]}
+            entry: dict[str, Any] = {"value": arrays[name], **fields}
             if specs.get(name) is not None:
                 entry["optimizer"] = specs[name]
             variables[name] = entry

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from bench import broadcast, goals, optimizers, scale, timing
+from bench import broadcast, goals, optimizers, scale, syncround, timing
 from bench.transfer import RAW, SDK
 from tests.conftest import ROOT
 
@@ -38,7 +38,15 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
-    for case in ("transfer:", "step:", "workers:", "snapshot:", "optimizers:", "broadcast:"):
+    for case in (
+        "transfer:",
+        "step:",
+        "workers:",
+        "snapshot:",
+        "optimizers:",
+        "broadcast:",
+        "syncround:",
+    ):
         assert case in out
     assert "GOALS" in out and "SCALE: not estimated" in out
     (written,) = tmp_path.glob("*.json")
@@ -59,6 +67,7 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
     for op in optimizers.OPS:
         assert systems["optimizers", op] == {optimizers.APPLY, optimizers.NUMPY}
     assert systems["broadcast", "broadcast"] == {broadcast.SDK}  # Ray's row needs --peers
+    assert systems["syncround", "step"] == {syncround.SYNC, syncround.ASYNC}
     assert [g["met"] for g in data["meta"]["goals"]] == [None] * len(data["meta"]["goals"])
     assert data["meta"]["scale"] is None
 
@@ -117,6 +126,16 @@ def test_goals_are_ratios_of_rows_of_the_same_run():
     assert step["met"] is False and step["note"] == "missed: needs 1.25x the steps/s it has"
     workers = by["4 workers, 4 MB pushes, 2 shards", "1 shard"]
     assert workers["met"] is None and "workers case" in workers["note"]
+    rounds = goals.evaluate(
+        [
+            _row("syncround", "step", 10**5, syncround.SYNC, median_s=0.06),
+            _row("syncround", "step", 10**5, syncround.ASYNC, median_s=0.05),
+            _row("syncround", "step", 1000, syncround.SYNC, median_s=0.5),  # too small to count
+            _row("syncround", "step", 1000, syncround.ASYNC, median_s=0.01),
+        ]
+    )
+    (sync_goal,) = [g for g in rounds if g["goal"].startswith("sync round")]
+    assert sync_goal["met"] and sync_goal["ratio"] == pytest.approx(1.2)
     assert "MISSED" in goals.render(list(by.values()))
 
 

@@ -20,7 +20,9 @@ import httpx2
 import numpy as np
 import pytest
 
-from client_sdk import PSClient, wire
+from client_sdk import BadRequestError, PSClient, wire
+from client_sdk.modes import ModeError, Sync
+from client_sdk.optimizers import SGD, Add
 from client_sdk.placement import shard_for
 from tests.conftest import ROOT, Fleet
 from tests.helpers.eventually import eventually
@@ -447,3 +449,41 @@ def test_bad_mode_settings_are_refused_naming_the_field(http, url, mode, field):
     err = refused(http, url, "init", msg, 400, "bad_request")
     assert err["details"]["field"] == field and err["details"]["variable"] == bad
     assert not exists(http, url, good) and not exists(http, url, bad)
+
+
+def test_the_sdk_refuses_bad_modes_before_sending(url):
+    with pytest.raises(ModeError) as caught:
+        Sync(replicas=0)
+    assert caught.value.field == "sync.replicas" and isinstance(caught.value, ValueError)
+    with pytest.raises(ValueError, match="timeout"):
+        Sync(replicas=2, timeout=0)
+    name = fresh()
+    with PSClient([url], worker_id=fresh("w")) as ps:
+        with pytest.raises(BadRequestError, match="max_staleness"):
+            ps.init({name: np.zeros(2)}, max_staleness=-1)
+        with pytest.raises(BadRequestError, match="sync"):
+            ps.init({name: np.zeros(2)}, sync=Sync(2), max_staleness=1)
+        with pytest.raises(BadRequestError, match="staleness_policy"):
+            ps.init({name: np.zeros(2)}, max_staleness=1, staleness_policy="later")
+        assert name not in {v["name"] for v in ps.variables()}
+
+
+# -- through the SDK ---------------------------------------------------------------------------
+
+
+def test_the_sdk_inits_modes_and_returns_each_gradients_fate(url):
+    rounds, bounded = fresh(), fresh()
+    with PSClient([url], worker_id=fresh("w")) as a, PSClient([url], worker_id=fresh("w")) as b:
+        a.init({rounds: np.zeros(2)}, optimizer=SGD(lr=0.5), sync=Sync(replicas=2, timeout=30))
+        a.init({bounded: np.zeros(2)}, optimizer=Add(), max_staleness=0)
+        for ps in (a, b):
+            ps.pull([rounds, bounded])
+        first = a.push({rounds: np.ones(2), bounded: np.ones(2)})
+        assert first[rounds]["status"] == "accepted" and first[bounded]["status"] == "applied"
+        second = b.push({rounds: np.ones(2) * 3, bounded: np.ones(2)})  # b pulled version 0
+        assert second[rounds]["status"] == "applied" and second[rounds]["version"] == 1
+        assert second[bounded]["status"] == "dropped" and second[bounded]["reason"] == "stale"
+        np.testing.assert_array_equal(a.pull([rounds])[rounds], [-1.0, -1.0])
+        shown = {v["name"]: v for v in a.variables()}
+        assert shown[rounds]["sync"] == {"replicas": 2, "timeout": 30.0}
+        assert shown[bounded]["max_staleness"] == 0
