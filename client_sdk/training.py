@@ -44,6 +44,10 @@ from .modes import MAX_ROUND_TIMEOUT
 
 __all__ = ["DownpourLoop", "SyncLoop"]
 
+#: The longest one wait for a round SyncLoop asks the shards for (they hold a poll 30 s at most);
+#: between two it checks whether a shard came back from an older snapshot.
+_WAIT = 30.0
+
 
 class DownpourLoop:
     """One worker's Downpour schedule over ``names`` on ``ps``.
@@ -269,27 +273,42 @@ class SyncLoop:
             self._params = self._wait_and_pull()
 
     def _wait_and_pull(self) -> dict[str, np.ndarray]:
-        """Pull ``names`` until each has reached its target version (a round it joined
-        closed), then note their versions."""
+        """Wait until each name has reached its target version (a round it joined closed:
+        ``pull(..., min_version=...)``, which the shards answer when the round's mean is
+        applied), then pull ``names`` and note their versions."""
         deadline = time.monotonic() + self.timeout
-        pause = 0.002
-        while True:
+        params: dict[str, np.ndarray] | None = None
+        while self._targets:
+            groups: dict[int, list[str]] = {}
+            for name, target in self._targets.items():
+                groups.setdefault(target, []).append(name)
+            for target, group in groups.items():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NotReadyError(
+                        f"the sync round(s) of {sorted(self._targets)[:10]} did not close within "
+                        f"{self.timeout:g} s of this worker's gradient: check the shards "
+                        "(paramshard status) and the variables' sync timeout",
+                        missing=sorted(self._targets),
+                    )
+                try:
+                    got = self.ps.pull(group, min_version=target, timeout=min(left, _WAIT))
+                except NotReadyError:
+                    continue
+                for name in group:
+                    del self._targets[name]
+                if len(group) == len(self.names):  # one round for all: these are the params
+                    params = got
+            if self._targets:
+                # A variable below the version it pushed on came back from an older snapshot
+                # (its shard restarted after a crash): its round is gone, the next step starts
+                # anew; a plain pull says so.
+                self.ps.pull(list(self._targets))
+                held = self.ps.versions(list(self._targets))
+                for name, target in list(self._targets.items()):
+                    if not target - 1 <= held.get(name, -1) < target:
+                        del self._targets[name]
+        if params is None:
             params = self.ps.pull(self.names)
-            versions = self.ps.versions(self.names)
-            # Below the version it pushed on, a variable came back from an older snapshot (its
-            # shard restarted after a crash): the round is gone, the next step starts anew.
-            late = [n for n, t in self._targets.items() if t - 1 <= versions.get(n, -1) < t]
-            if not late:
-                break
-            if time.monotonic() + pause > deadline:
-                raise NotReadyError(
-                    f"the sync round(s) of {late[:10]} did not close within {self.timeout:g} s "
-                    "of this worker's gradient: check the shards (paramshard status) and the "
-                    "variables' sync timeout",
-                    missing=late,
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-        self._targets = {}
-        self.versions = versions
+        self.versions = self.ps.versions(self.names)
         return params
