@@ -75,6 +75,11 @@ minimum pace for a body (:class:`~server.readguard.EdgeLimits`, bound to the cla
 :func:`protocol_class`); here the head is measured in ``data_received`` and
 ``on_headers_complete``, and uvicorn's plain-text answer to a parser error
 (``send_400_response``) is the protocol's error format instead.
+
+It is one file, longer than the others, because those changes override the same few methods
+of one uvicorn class (``data_received``, the parser callbacks, the cycle's transport) and
+share its per-connection state; split by feature, a reader would have to put that one class
+back together from several modules to see what a request goes through.
 """
 
 from __future__ import annotations
