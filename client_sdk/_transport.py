@@ -52,14 +52,14 @@ from typing import TYPE_CHECKING, Any
 import httpx2
 import numpy as np
 
-from . import _http11
 from ._abort import Abort
-from ._apool import AsyncHTTPPool
 from ._core import Core
 from ._exceptions import ConfigError, ProtocolError, PSError, ShardUnavailableError
-from ._fanout import Exchange, exchange_all
 from ._flow import Reply, ShardRequest
-from ._pool import HTTPPool
+from ._http import http11 as _http11
+from ._http.asyncpool import AsyncHTTPPool
+from ._http.fanout import Exchange, exchange_all
+from ._http.pool import HTTPPool
 from ._settings import Settings
 from .wire import Encoded
 

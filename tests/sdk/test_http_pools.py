@@ -23,11 +23,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client_sdk import AsyncPSClient, PSClient, ShardUnavailableError, _pool
-from client_sdk._apool import AsyncHTTPPool
-from client_sdk._fanout import Exchange, exchange_all
-from client_sdk._http11 import MAX_IOV, SEND_SLICE, Origin, advance, next_send
-from client_sdk._pool import HTTPPool
+from client_sdk import AsyncPSClient, PSClient, ShardUnavailableError
+from client_sdk._http import pool as _pool
+from client_sdk._http.asyncpool import AsyncHTTPPool
+from client_sdk._http.fanout import Exchange, exchange_all
+from client_sdk._http.http11 import MAX_IOV, SEND_SLICE, Origin, advance, next_send
+from client_sdk._http.pool import HTTPPool
 from client_sdk.placement import shard_for
 
 

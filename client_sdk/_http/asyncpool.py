@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import httpx2
 
-from ._http11 import (
+from .http11 import (
     HEAD_BUFFER,
     IDLE_EXPIRY,
     Buffer,

@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 
 import httpx2
 
-from ._abort import Abort
-from ._http11 import (
+from .._abort import Abort
+from .http11 import (
     HEAD_BUFFER,
     IDLE_EXPIRY,
     Buffer,

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import httpx2
 
-from ._http11 import (
+from .http11 import (
     Buffer,
     Origin,
     Reading,
@@ -41,7 +41,7 @@ from ._http11 import (
     read_response,
     request_head,
 )
-from ._pool import Connection, HTTPPool
+from .pool import Connection, HTTPPool
 
 __all__ = ["Exchange", "Outcome", "exchange_all"]
 
