@@ -19,7 +19,7 @@ from . import wire
 from ._abort import Abort
 from ._exceptions import PSError
 
-__all__ = ["Body", "Flow", "Reply", "Result", "ShardRequest"]
+__all__ = ["Body", "Flow", "Reply", "Result", "ShardRequest", "request_headers"]
 
 T = TypeVar("T")
 #: A whole reply body: bytes, or a view of the buffer it was read into.
@@ -57,6 +57,17 @@ class ShardRequest:
     #: ``_verbs/poll.py``): the shells return once one of them is settled and abandon the
     #: others through it.
     abort: Abort | None = None
+
+
+def request_headers(req: ShardRequest) -> Mapping[str, str]:
+    """The headers ``req`` is sent with: its own, and its body's type and length."""
+    if req.body is None:
+        return req.headers
+    return {
+        **req.headers,
+        "content-type": req.body.content_type,
+        "content-length": str(req.body.nbytes),
+    }
 
 
 @dataclass

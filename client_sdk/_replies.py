@@ -7,6 +7,10 @@ says what happened and what to do (:func:`error`). :func:`collect` does that for
 request per shard): the first failure is raised, saying on which shards a write was applied
 nevertheless. :func:`per_variable` merges the per-variable results of a batch's replies.
 
+Before any of that, a sender refuses a reply it must not read on: a body bigger than the
+request's reply can need (:func:`too_large`, before a byte of it is allocated) or one encoded
+(compressed) although the SDK asked for identity (:func:`refuse_encoded`).
+
 Which shard answered (its protocol version, index and incarnation) is the fleet's to check
 (``_fleet.py``); :meth:`Core.accept <client_sdk._core.Core.accept>` does both, reply by reply.
 """
@@ -28,7 +32,15 @@ from ._exceptions import (
 )
 from ._flow import Body, Reply, Result, ShardRequest
 
-__all__ = ["Message", "collect", "decode", "error", "per_variable"]
+__all__ = [
+    "Message",
+    "collect",
+    "decode",
+    "error",
+    "per_variable",
+    "refuse_encoded",
+    "too_large",
+]
 
 
 @dataclass
@@ -177,3 +189,30 @@ def per_variable(
                 )
             out[name] = dict(entry)
     return out
+
+
+def refuse_encoded(headers: Mapping[str, str], status: int, url: str) -> None:
+    """Refuse a reply whose body is encoded (compressed): the SDK asks for identity, and a
+    compressed body could expand past what the call can need before anything checked it."""
+    encoding = headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise ProtocolError(
+            f"shard {url} sent a body with Content-Encoding {encoding!r} "
+            "although the SDK asked for identity: is it behind a proxy "
+            "that compresses?",
+            shard=url,
+            status=status,
+        )
+
+
+def too_large(size: int, limit: int, declared: bool, url: str) -> ProtocolError:
+    """The error for a reply body of ``size`` bytes (``declared`` in its Content-Length, or
+    received so far) where at most ``limit`` were expected."""
+    what = "declared a reply body of" if declared else "sent a reply body of more than"
+    return ProtocolError(
+        f"shard {url} {what} {size} bytes where at most {limit} were expected: refused before "
+        "reading it, and the connection closed. Something that is not a shard answered, or a "
+        "variable is bigger than this client knows (then raise max_reply_bytes=...)",
+        shard=url,
+        details={"size": size, "limit": limit},
+    )

@@ -6,11 +6,12 @@ future waited on: several voluntary context switches per call, on top of the HTT
 :func:`exchange_all` instead drives all of them
 from the caller's thread over non-blocking sockets and one :mod:`selectors` selector: each
 request's head and body buffers go out with ``sendmsg`` as its socket takes bytes, and each
-reply is read (by :func:`client_sdk._http11.read_response`, as in the blocking pool) into its
-connection's buffer, or a big body into its own preallocated buffer, as it arrives.
+reply is read into its connection's buffer, or a big body into its own preallocated buffer, as
+it arrives (the connections' own sending and receiving, ``connection.py``, resumed whenever
+the selector says their socket is ready).
 
-The rules are the blocking pool's (``_pool.py``): each exchange holds its connection alone,
-taken idle from the :class:`~client_sdk._pool.HTTPPool` or opened anew (new connections are
+The rules are the blocking pool's (``pool.py``): each exchange holds its connection alone,
+taken idle from the :class:`~client_sdk._http.pool.HTTPPool` or opened anew (new connections are
 opened concurrently, on the threads ``submit`` gives, since connecting blocks), and hands it
 back if the reply allows reuse or closes it if the exchange failed. Each exchange has a deadline
 for the whole of it (connecting, sending, the whole reply) and a bound on its reply's body; one
@@ -27,122 +28,62 @@ from __future__ import annotations
 import concurrent.futures
 import selectors
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
 
 import httpx2
 
-from .http11 import (
-    Buffer,
-    Origin,
-    Reading,
-    Response,
-    advance,
-    next_send,
-    read_response,
-    request_head,
-)
-from .pool import Connection, HTTPPool
+from .http11 import Exchange, Response
+from .pool import BlockingConnection, HTTPPool
 
-__all__ = ["Exchange", "Outcome", "exchange_all"]
+__all__ = ["Outcome", "exchange_all"]
 
 #: An exchange's result: the response, or the transport failure that ended it.
 Outcome = Response | httpx2.HTTPError
-Submit = Callable[..., "concurrent.futures.Future[Connection]"]
+Submit = Callable[..., "concurrent.futures.Future[BlockingConnection]"]
 
 _Selector = getattr(selectors, "PollSelector", selectors.SelectSelector)
 
 
-class Exchange:
-    """One request to send: what :meth:`HTTPPool.request <client_sdk._pool.HTTPPool.request>`
-    takes, as a value (``deadline``, ``max_reply``: ``None`` for the pool's)."""
+class _Flight:
+    """One exchange under way on its connection: sending, then receiving."""
 
-    __slots__ = ("origin", "method", "target", "headers", "body", "deadline", "max_reply")
+    __slots__ = ("index", "origin", "conn", "steps", "receiving", "deadline", "max_reply")
 
     def __init__(
         self,
-        origin: Origin,
-        method: str,
-        target: str,
-        headers: Mapping[str, str] | None,
-        body: Sequence[Buffer] = (),
-        *,
-        deadline: float | None = None,
-        max_reply: int | None = None,
-    ) -> None:
-        self.origin = origin
-        self.method = method
-        self.target = target
-        self.headers = headers
-        self.body = body
-        self.deadline = deadline
-        self.max_reply = max_reply
-
-
-class _Flight:
-    """One exchange under way on its connection: sending, then reading."""
-
-    __slots__ = (
-        "index",
-        "origin",
-        "conn",
-        "views",
-        "first",
-        "reading",
-        "into",
-        "deadline",
-        "max_reply",
-    )
-
-    def __init__(
-        self, index: int, exchange: Exchange, conn: Connection, deadline: float, max_reply: int
+        index: int,
+        exchange: Exchange,
+        conn: BlockingConnection,
+        deadline: float,
+        max_reply: int,
     ) -> None:
         self.index = index
         self.origin = exchange.origin
         self.conn = conn
-        head = request_head(exchange.origin, exchange.method, exchange.target, exchange.headers)
-        self.views: list[Buffer] = [head, *exchange.body]
-        self.first = 0
-        self.reading: Reading | None = None
-        self.into: memoryview | None = None
+        self.steps: Generator[None, None, Any] | None = conn.sending(exchange.views())
+        self.receiving = False
         self.deadline = deadline  # for the whole exchange
         self.max_reply = max_reply
 
-    def send_some(self) -> bool:
-        """Send what the socket takes now; whether the whole request is out."""
-        views, sendmsg = self.views, self.conn.sock.sendmsg
-        first = self.first
+    def step(self) -> tuple[Response, bool] | None:
+        """Send, or receive, what the socket takes or has now (it said it is ready); once the
+        response is whole, it and whether the connection may be reused, else ``None``
+        (:attr:`receiving` then says whether to wait for the socket to be readable)."""
+        if self.steps is None:  # the request is out and the socket readable: receive
+            self.steps = self.conn.receiving(self.max_reply)
         try:
-            while first < len(views):
-                first = advance(views, first, sendmsg(next_send(views, first)))
-        except (BlockingIOError, InterruptedError):
-            self.first = first
-            return False
-        except OSError as exc:
-            raise httpx2.WriteError(str(exc) or type(exc).__name__) from exc
-        self.first = first
-        self.reading = read_response(self.conn.buf, self.max_reply)
-        self.into = next(self.reading)
-        return True
-
-    def receive_some(self) -> tuple[Response, bool] | None:
-        """Receive what has arrived; the response and whether the connection may be reused
-        once it is whole, else ``None``."""
-        assert self.reading is not None and self.into is not None
-        try:
-            n = self.conn.sock.recv_into(self.into)
-        except (BlockingIOError, InterruptedError):
-            return None
-        except OSError as exc:
-            raise httpx2.ReadError(str(exc) or type(exc).__name__) from exc
-        try:
-            self.into = self.reading.send(n)
+            next(self.steps)
         except StopIteration as done:
-            result: tuple[Response, bool] = done.value
-            return result
+            if self.receiving:
+                result: tuple[Response, bool] = done.value
+                return result
+            self.receiving = True  # the whole request is out: wait until there is a reply
+            self.steps = None
         return None
 
     def timed_out(self) -> httpx2.TimeoutException:
-        if self.reading is None:
+        if not self.receiving:
             return httpx2.WriteTimeout("timed out sending the request")
         return httpx2.ReadTimeout("timed out waiting for the whole response")
 
@@ -171,8 +112,8 @@ def _take_off(
 ) -> list[_Flight]:
     """A connection for every exchange that can have one: idle ones first, then new ones
     opened concurrently. An exchange that gets none has its failure in ``outcomes``."""
-    conns: list[Connection | None] = []
-    opening: dict[int, concurrent.futures.Future[Connection]] = {}
+    conns: list[BlockingConnection | None] = []
+    opening: dict[int, concurrent.futures.Future[BlockingConnection]] = {}
     now = time.monotonic()
     deadlines = [now + pool.timeout if e.deadline is None else e.deadline for e in exchanges]
     try:
@@ -204,7 +145,7 @@ def _take_off(
     ]
 
 
-def _close_opened(future: concurrent.futures.Future[Connection]) -> None:
+def _close_opened(future: concurrent.futures.Future[BlockingConnection]) -> None:
     if not future.cancelled() and future.exception() is None:
         future.result().close()
 
@@ -214,12 +155,14 @@ def _fly(pool: HTTPPool, flights: list[_Flight], outcomes: list[Outcome | None])
     with _Selector() as selector:
         for flight in flights:
             try:
-                sent = flight.send_some()
+                flight.step()
             except httpx2.HTTPError as exc:
                 _fail(flight, exc, outcomes)
                 continue
             selector.register(
-                flight.conn.sock, selectors.EVENT_READ if sent else selectors.EVENT_WRITE, flight
+                flight.conn.sock,
+                selectors.EVENT_READ if flight.receiving else selectors.EVENT_WRITE,
+                flight,
             )
         pending = selector.get_map()
         while pending:
@@ -228,12 +171,13 @@ def _fly(pool: HTTPPool, flights: list[_Flight], outcomes: list[Outcome | None])
             now = time.monotonic()
             for key, _ in ready:
                 flight = key.data
+                sending = not flight.receiving
                 try:
-                    if flight.reading is None:
-                        if flight.send_some():
+                    result = flight.step()
+                    if sending:
+                        if flight.receiving:
                             selector.modify(key.fileobj, selectors.EVENT_READ, flight)
                         continue
-                    result = flight.receive_some()
                 except httpx2.HTTPError as exc:
                     selector.unregister(key.fileobj)
                     _fail(flight, exc, outcomes)

@@ -1,25 +1,28 @@
-"""HTTP/1.1 for the SDK's own connection pools, without I/O: request heads and response parsing.
+"""HTTP/1.1 for the SDK's own connections, without I/O: requests as values, and response parsing.
 
-The SDK reaches ``http://`` shards through two small keep-alive pools, ``_pool.py`` (blocking
-sockets, for :class:`~client_sdk.PSClient`) and ``_apool.py`` (non-blocking sockets on the
-running event loop, for :class:`~client_sdk.AsyncPSClient`). Both speak the subset of
-HTTP/1.1 the data plane needs, with as little Python per request as they can, and share
-everything but the waiting, which lives here:
+The SDK reaches ``http://`` shards over its own keep-alive connections (``connection.py``),
+driven by a blocking pool (``pool.py``, for :class:`~client_sdk.PSClient`), an asyncio one
+(``asyncpool.py``, for :class:`~client_sdk.AsyncPSClient`) and a fan-out that drives all of a
+call's exchanges from one thread (``fanout.py``). All of them speak the subset of HTTP/1.1 the
+data plane needs, with as little Python per request as they can, and share everything but the
+waiting, which lives here and in ``connection.py``:
 
-* :func:`request_head` writes a request head; the pools then send it and the body's own buffers
-  (the msgpack header and memoryviews of the arrays' memory) in one ``sendmsg``, never joined;
+* :class:`Exchange` is one request as a value (origin, method, target, headers, the body's
+  buffers, its deadline and the bound on its reply); :meth:`Exchange.views` is what goes on the
+  wire: the head (:func:`request_head`) and the body's own buffers (the msgpack header and
+  memoryviews of the arrays' memory), sent in one ``sendmsg``, never joined;
 * :func:`read_response` is a generator that parses one response out of a connection's receive
-  buffer. It yields the memoryview to receive into next and is sent the byte count; a pool
-  does the receiving. A ``Content-Length`` body that is not already in the receive buffer is
-  received straight into one ``np.empty`` buffer of that size (framed tensors become views into
-  it, with no further copy; ``np.empty`` rather than ``bytearray``, which would zero-fill it
-  first). Chunked bodies and bodies delimited by the end of the connection are read too, for
-  servers that are not shards. A body larger than the caller says its reply could need
-  (``max_size``) is refused before anything is allocated for it (:class:`ReplyTooLarge`): a
+  buffer. It yields the memoryview to receive into next and is sent the byte count; the
+  connection does the receiving. A ``Content-Length`` body that is not already in the receive
+  buffer is received straight into one ``np.empty`` buffer of that size (framed tensors become
+  views into it, with no further copy; ``np.empty`` rather than ``bytearray``, which would
+  zero-fill it first). Chunked bodies and bodies delimited by the end of the connection are
+  read too, for servers that are not shards. A body larger than the caller says its reply could
+  need (``max_size``) is refused before anything is allocated for it (:class:`ReplyTooLarge`): a
   declared ``Content-Length`` at once, a chunked or close-delimited body as soon as what came
   passes the bound.
 
-Failures are httpx2's exception classes (the pools add the connect/read/write ones), so
+Failures are httpx2's exception classes (the connections add the connect/read/write ones), so
 ``_transport.py`` translates them and the retry policy tells "never sent" from "may have
 arrived" exactly as it does for httpx2 itself: :class:`httpx2.ConnectError` and
 :class:`httpx2.ConnectTimeout` before a byte of the request left; :class:`httpx2.WriteError`,
@@ -29,16 +32,19 @@ arrived" exactly as it does for httpx2 itself: :class:`httpx2.ConnectError` and
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 
 import httpx2
 import numpy as np
+
+from .._abort import Abort
 
 __all__ = [
     "HEAD_BUFFER",
     "IDLE_EXPIRY",
     "MAX_IOV",
     "SEND_SLICE",
+    "Exchange",
     "Origin",
     "ReplyTooLarge",
     "Response",
@@ -113,6 +119,44 @@ class Response:
         self.status = status
         self.headers = headers
         self.content = content
+
+
+class Exchange:
+    """One request to send, as a value: ``method target`` (the path after the origin's prefix)
+    to ``origin`` with ``headers`` (give ``content-length`` for a body) and the ``body``
+    buffers in order (bytes, or flat byte memoryviews as ``wire`` makes them), all of it and
+    the whole response by ``deadline`` (``time.monotonic()`` seconds; ``None``: the pool's
+    timeout from when it starts), the response's body at most ``max_reply`` bytes (``None``:
+    the pool's bound). ``abort``, fired from another thread, cuts the exchange short (the
+    blocking pool shuts its socket down: it fails at once)."""
+
+    __slots__ = ("origin", "method", "target", "headers", "body", "deadline", "max_reply", "abort")
+
+    def __init__(
+        self,
+        origin: Origin,
+        method: str,
+        target: str,
+        headers: Mapping[str, str] | None,
+        body: Sequence[Buffer] = (),
+        *,
+        deadline: float | None = None,
+        max_reply: int | None = None,
+        abort: Abort | None = None,
+    ) -> None:
+        self.origin = origin
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
+        self.deadline = deadline
+        self.max_reply = max_reply
+        self.abort = abort
+
+    def views(self) -> list[Buffer]:
+        """What goes on the wire, in order: the head, then the body's buffers (a new list:
+        sending consumes it)."""
+        return [request_head(self.origin, self.method, self.target, self.headers), *self.body]
 
 
 def request_head(

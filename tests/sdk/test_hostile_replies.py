@@ -4,9 +4,9 @@ time, a reply declaring (or streaming) gigabytes.
 A real 2-shard fleet behind proxies (tests/helpers/dropproxy.py) whose ``deliver`` sends the
 replies to pulls in the hostile way and every other reply as the shard wrote it, so the fleet
 check and init go through and the pull meets the hostile reply. Each client kind is tried: the
-native pools (one shard: ``_pool.py``; both shards in one call: ``_fanout.py``), httpx2 (an
-injected transport), asyncio (``_apool.py``) and asyncio over httpx2 (an injected async
-transport).
+native connections (one shard: ``_http/pool.py``; both shards in one call:
+``_http/fanout.py``), httpx2 (an injected transport), asyncio (``_http/asyncpool.py``) and
+asyncio over httpx2 (an injected async transport).
 
 * ``timeout`` bounds a whole exchange and ``retry_deadline`` a whole call: a pull whose reply
   comes at one byte per second (its head included) ends with ShardUnavailableError soon after

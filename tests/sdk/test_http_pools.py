@@ -1,4 +1,5 @@
-"""The SDK's own HTTP/1.1 pools (``_pool.py``, ``_apool.py``, ``_fanout.py``) and how their
+"""The SDK's own HTTP/1.1 connections (``client_sdk/_http/``: ``pool.py``, ``asyncpool.py``,
+``fanout.py`` over ``connection.py``) and how their
 failures surface.
 
 Well-behaved exchanges are covered by every test that talks to a real shard. Here a scripted
@@ -24,10 +25,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from client_sdk import AsyncPSClient, PSClient, ShardUnavailableError
-from client_sdk._http import pool as _pool
+from client_sdk._http import connection
 from client_sdk._http.asyncpool import AsyncHTTPPool
-from client_sdk._http.fanout import Exchange, exchange_all
-from client_sdk._http.http11 import MAX_IOV, SEND_SLICE, Origin, advance, next_send
+from client_sdk._http.fanout import exchange_all
+from client_sdk._http.http11 import MAX_IOV, SEND_SLICE, Exchange, Origin, advance, next_send
 from client_sdk._http.pool import HTTPPool
 from client_sdk.placement import shard_for
 
@@ -196,7 +197,7 @@ def test_a_connection_the_server_closed_while_idle_is_not_reused(scripted):
 
 
 def test_idle_connections_expire(scripted, monkeypatch):
-    monkeypatch.setattr(_pool, "IDLE_EXPIRY", -1.0)
+    monkeypatch.setattr(connection, "IDLE_EXPIRY", -1.0)
     server = scripted(ok)
     p, origin = pool(), Origin(server.url)
     p.request(origin, "GET", "/x", None)
@@ -327,7 +328,7 @@ def test_async_client_failures_are_translated_alike(scripted):
     assert server.requests.count(("POST", "/v1/pull")) > 1
 
 
-# -- several exchanges from one thread (_fanout.py) --------------------------------------------
+# -- several exchanges from one thread (fanout.py) -----------------------------------------------
 
 
 def submit(fn, *args):

@@ -139,8 +139,8 @@ def test_constraints_lowest_pins_every_dependency_to_its_lower_bound():
 @pytest.mark.parametrize("name", ["uvicorn", "fastapi", "starlette", "httpx2"])
 def test_the_web_stack_is_bounded_above(name):
     """uvicorn, FastAPI and starlette, whose internals the shard uses (server/upstream.py), and
-    httpx2, whose network backend the SDK wraps (client_sdk/_transport.py), are bounded below
-    the next minor release after the newest the suite ran on."""
+    httpx2, whose network backend the SDK wraps (client_sdk/_http/httpx_deadline.py), are
+    bounded below the next minor release after the newest the suite ran on."""
     spec = _requirements()[name]
     assert re.search(r"<\s*\d+\.\d+(,|$)", spec), f"{name} has no upper bound ({spec!r})"
 

@@ -1,0 +1,153 @@
+"""One keep-alive HTTP/1.1 connection on a non-blocking socket, and the idle ones kept for
+reuse, whoever waits for them.
+
+The SDK's three drivers of exchanges share all of this and differ only in how they wait for a
+socket: the blocking pool (``pool.py``: ``poll``), the asyncio pool (``asyncpool.py``: the event
+loop) and the fan-out (``fanout.py``: one selector for all of a call's exchanges).
+
+* :class:`Connection` holds the socket and its receive buffer. :meth:`Connection.sending` and
+  :meth:`Connection.receiving` are generators that do the I/O and *yield* whenever the socket
+  is not ready: the driver waits until it is writable (sending) or readable (receiving), then
+  resumes them. A request's head and body buffers go out with ``sendmsg`` in slices
+  (:func:`~client_sdk._http.http11.next_send`); a response is received with ``recv_into`` and
+  parsed as it comes by :func:`~client_sdk._http.http11.read_response`. A failure of the
+  socket is httpx2's ``WriteError`` or ``ReadError``, which ``_transport.py`` translates.
+* :meth:`Connection.reusable` is the rule for taking an idle connection again: not idle for
+  :data:`~client_sdk._http.http11.IDLE_EXPIRY` seconds or more, and nothing to read (readable
+  while idle means the server closed it, or sent what nobody asked).
+* :class:`IdleConnections` keeps them per origin, most recently used first, at most
+  ``max_idle`` each.
+
+Not thread-safe: a connection serves one exchange at a time, and the blocking pool guards its
+idle connections with its lock.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+from collections.abc import Callable, Generator
+from typing import Generic, TypeVar
+
+import httpx2
+
+from .http11 import HEAD_BUFFER, IDLE_EXPIRY, Buffer, Origin, Response, advance, next_send
+from .http11 import read_response as parse_response
+
+__all__ = ["CONNECT_TIMEOUT", "Connection", "IdleConnections", "idle_per_shard"]
+
+#: Connect attempts fail fast so that retries (and wait_ready) notice a shard coming up.
+CONNECT_TIMEOUT = 5.0
+
+C = TypeVar("C", bound="Connection")
+
+
+def idle_per_shard(max_inflight: int) -> int:
+    """Connections a client keeps idle per shard: enough for a call, ``max_inflight``
+    background pushes and a long poll at the same time."""
+    return max_inflight + 2
+
+
+class Connection:
+    """One keep-alive TCP connection, made non-blocking here. Used by one exchange at a time."""
+
+    __slots__ = ("sock", "buf", "poller", "idle_since")
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        self.sock = sock
+        self.buf = bytearray(HEAD_BUFFER)
+        self.idle_since = 0.0
+        self.poller = None
+        if hasattr(select, "poll"):
+            self.poller = select.poll()
+            self.poller.register(sock, select.POLLIN)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def reusable(self, now: float) -> bool:
+        """Whether this idle connection may carry a request (see the module's docstring)."""
+        if now - self.idle_since > IDLE_EXPIRY:
+            return False
+        if self.poller is not None:
+            return not self.poller.poll(0)
+        return not select.select([self.sock], [], [], 0)[0]
+
+    def sending(self, views: list[Buffer]) -> Generator[None, None, None]:
+        """Send ``views`` (see :meth:`Exchange.views <client_sdk._http.http11.Exchange.views>`;
+        consumed) with as few ``sendmsg`` calls as the socket allows; yields whenever the
+        socket takes no more for now (resume it once it is writable)."""
+        sendmsg = self.sock.sendmsg
+        first = 0
+        try:
+            while first < len(views):
+                try:
+                    first = advance(views, first, sendmsg(next_send(views, first)))
+                except (BlockingIOError, InterruptedError):
+                    yield
+        except OSError as exc:
+            raise httpx2.WriteError(str(exc) or type(exc).__name__) from exc
+
+    def receiving(self, max_size: int) -> Generator[None, None, tuple[Response, bool]]:
+        """Receive one response, its body at most ``max_size`` bytes; yields whenever nothing
+        is there to read (resume it once the socket is readable). Returns the response and
+        whether the connection may carry another request."""
+        reading = parse_response(self.buf, max_size)
+        recv_into = self.sock.recv_into
+        try:
+            target = next(reading)
+            while True:
+                try:
+                    n = recv_into(target)
+                except (BlockingIOError, InterruptedError):
+                    yield
+                    continue
+                target = reading.send(n)
+        except StopIteration as done:
+            result: tuple[Response, bool] = done.value
+            return result
+        except OSError as exc:
+            raise httpx2.ReadError(str(exc) or type(exc).__name__) from exc
+
+
+class IdleConnections(Generic[C]):
+    """Idle connections per origin, most recently used first, at most ``max_idle`` each."""
+
+    def __init__(self, max_idle: int) -> None:
+        self.max_idle = max_idle
+        self._idle: dict[tuple[str, int], list[C]] = {}
+
+    def take(
+        self, origin: Origin, now: float, fits: Callable[[C], bool] | None = None
+    ) -> tuple[C | None, list[C]]:
+        """An idle connection to ``origin`` fit for reuse (:meth:`Connection.reusable`, and
+        ``fits``), now the caller's, or ``None``; and the stale ones passed over, to close."""
+        idle = self._idle.get(origin.key)
+        stale: list[C] = []
+        while idle:
+            conn = idle.pop()
+            if conn.reusable(now) and (fits is None or fits(conn)):
+                return conn, stale
+            stale.append(conn)
+        return None, stale
+
+    def put(self, origin: Origin, conn: C, now: float) -> bool:
+        """Keep ``conn`` (its exchange ended and left it reusable) if there is room; whether
+        it was kept (else close it)."""
+        idle = self._idle.setdefault(origin.key, [])
+        if len(idle) >= self.max_idle:
+            return False
+        conn.idle_since = now
+        idle.append(conn)
+        return True
+
+    def count(self, origin: Origin) -> int:
+        """Connections to ``origin`` kept alive and waiting for a request."""
+        return len(self._idle.get(origin.key, ()))
+
+    def drain(self) -> list[C]:
+        """Every idle connection, now the caller's (to close)."""
+        idle, self._idle = self._idle, {}
+        return [conn for conns in idle.values() for conn in conns]

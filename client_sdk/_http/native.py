@@ -1,0 +1,116 @@
+"""The senders over the SDK's own HTTP/1.1 connections: :class:`NativeSender` (the blocking
+pool and the fan-out, for ``PSClient``) and :class:`AsyncNativeSender` (the asyncio pool).
+
+``_transport.py`` uses them when every shard is an ``http://`` URL and no transport is injected.
+They write the body's own buffers with ``sendmsg`` and read a reply body straight into one
+buffer: a fraction of httpx2's per-request Python, and a big reply copied once, from the socket
+into its final buffer. A ``PSClient`` call to several shards sends their requests from the
+caller's thread, all at once (``fanout.py``), rather than one thread per shard.
+
+A sender performs one exchange per call, by the deadline it is given; ``_transport.py`` decides
+the deadlines and the retries. Failures are httpx2's exception classes, and
+:class:`~client_sdk.ProtocolError` for a reply refused before it is decoded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import _replies
+from .._exceptions import PSError
+from .._flow import Reply, ShardRequest, request_headers
+from .._settings import Settings
+from .asyncpool import AsyncHTTPPool
+from .connection import CONNECT_TIMEOUT, idle_per_shard
+from .fanout import exchange_all
+from .http11 import Exchange, Origin, Response
+from .pool import HTTPPool
+
+__all__ = ["AsyncNativeSender", "NativeSender"]
+
+#: Runs a blocking call on another thread (an executor's ``submit``).
+Submit = Callable[..., concurrent.futures.Future[Any]]
+
+
+def _pool_args(settings: Settings) -> dict[str, Any]:
+    return {
+        "max_idle": idle_per_shard(settings.max_inflight),
+        "connect_timeout": min(settings.timeout, CONNECT_TIMEOUT),
+        "timeout": settings.timeout,
+        "max_reply": settings.max_reply_bytes,
+    }
+
+
+class _Native:
+    """What the two native senders share: the shards' origins, and a request made into an
+    :class:`~client_sdk._http.http11.Exchange` and a response into a :class:`Reply`."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.urls = settings.shards
+        self.origins = [Origin(url) for url in settings.shards]
+
+    def exchange(self, req: ShardRequest, deadline: float) -> Exchange:
+        return Exchange(
+            self.origins[req.shard],
+            req.method,
+            req.path,
+            request_headers(req),
+            req.body.chunks if req.body is not None else (),
+            deadline=deadline,
+            max_reply=req.max_reply,
+            abort=req.abort,
+        )
+
+    def reply(self, req: ShardRequest, r: Response) -> Reply:
+        _replies.refuse_encoded(r.headers, r.status, self.urls[req.shard])
+        return Reply(r.status, r.headers, r.content)
+
+
+class NativeSender(_Native):
+    """One exchange over :class:`~client_sdk._http.pool.HTTPPool`: a connection per
+    concurrent request to a shard, ``max_inflight + 2`` kept idle per shard. Thread-safe."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.pool = HTTPPool(**_pool_args(settings))
+
+    def once(self, req: ShardRequest, deadline: float) -> Reply:
+        return self.reply(req, self.pool.exchange(self.exchange(req, deadline)))
+
+    def once_all(
+        self, reqs: Sequence[ShardRequest], deadlines: Sequence[float], submit: Submit
+    ) -> list[Reply | Exception]:
+        """One exchange per request, all at once from this thread (``fanout.py``; ``submit``
+        opens new connections); each a :class:`Reply` or the exception :meth:`once` would have
+        raised instead."""
+        exchanges = [self.exchange(req, deadline) for req, deadline in zip(reqs, deadlines)]
+        replies: list[Reply | Exception] = []
+        for req, outcome in zip(reqs, exchange_all(self.pool, exchanges, submit)):
+            if isinstance(outcome, Response):
+                try:
+                    replies.append(self.reply(req, outcome))
+                except PSError as exc:
+                    replies.append(exc)
+            else:
+                replies.append(outcome)
+        return replies
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class AsyncNativeSender(_Native):
+    """The async twin of :class:`NativeSender`, over
+    :class:`~client_sdk._http.asyncpool.AsyncHTTPPool`."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.pool = AsyncHTTPPool(**_pool_args(settings))
+
+    async def once(self, req: ShardRequest, deadline: float) -> Reply:
+        return self.reply(req, await self.pool.exchange(self.exchange(req, deadline)))
+
+    async def close(self) -> None:
+        await self.pool.close()
