@@ -45,6 +45,7 @@ from client_sdk.optimizers import (
     Ftrl,
     Optimizer,
     RMSprop,
+    SpecError,
 )
 
 __all__ = [
@@ -55,6 +56,8 @@ __all__ = [
     "init_state",
     "learning_rate",
     "state_nbytes",
+    "stateless",
+    "uniform",
 ]
 
 State = dict[str, np.ndarray]
@@ -95,54 +98,58 @@ def init_bound(opt: Optimizer) -> float:
 
 
 def check_settings(opt: Optimizer, dtype: np.dtype) -> None:
-    """``ValueError`` for settings that would divide by zero on a variable of ``dtype``: an
-    Adam, AdamW or RMSprop ``epsilon`` that is 0 in that dtype (e.g. 1e-8 in float16), an
-    Adagrad whose ``epsilon`` and ``initial_accumulator_value`` are both 0 in it, an FTRL whose
-    ``1 / lr`` is not finite in it or whose accumulator starts at 0 in it with no l2 or beta;
-    then for what the store does not apply yet (:func:`_applied_by_the_store`). The specs
-    check their own ranges (``client_sdk/optimizers.py``)."""
+    """:class:`~client_sdk.optimizers.SpecError` for settings that would divide by zero on a
+    variable of ``dtype``: an Adam, AdamW or RMSprop ``epsilon`` that is 0 in that dtype (e.g.
+    1e-8 in float16), an Adagrad whose ``epsilon`` and ``initial_accumulator_value`` are both 0
+    in it, an FTRL whose ``1 / lr`` is not finite in it or whose accumulator starts at 0 in it
+    with no l2 or beta. The specs check their own ranges (``client_sdk/optimizers.py``)."""
     if dtype.kind == "f":
         _check_dtype(opt, dtype)
-    if not _applied_by_the_store(opt):
-        raise ValueError(
-            f"{type(opt).__name__} with these settings is not applied by this shard version; "
-            "use SGD without momentum, Adagrad without lr_decay (both with a constant "
-            "schedule), or Add"
-        )
 
 
-def _applied_by_the_store(opt: Optimizer) -> bool:
-    """Whether the store applies ``opt``: it knows the slots, the step count and the bounds of
-    SGD without momentum, Adagrad without lr_decay (both with a constant schedule) and Add."""
+def stateless(opt: Optimizer) -> bool:
+    """Whether ``opt`` keeps no slots (``Add``, SGD without momentum)."""
+    return not _slots(opt)
+
+
+def uniform(opt: Optimizer) -> bool:
+    """Whether ``opt``'s update is one elementwise function of value and gradient, the same for
+    every variable and every step: no slots, no schedule, no clipping (``Add``; SGD without
+    momentum, clip_norm or schedule). Such an update of many same-shaped variables may be one
+    update of the array that holds them all, whatever each one's step count."""
     if type(opt) is Add:
         return True
-    if type(opt) is SGD:
-        return not opt.momentum and type(opt.schedule) is Constant
-    if type(opt) is Adagrad:
-        return not opt.lr_decay and type(opt.schedule) is Constant
-    return False
+    return (
+        type(opt) is SGD
+        and not opt.momentum
+        and opt.clip_norm is None
+        and type(opt.schedule) is Constant
+    )
 
 
 def _check_dtype(opt: Optimizer, dtype: np.dtype) -> None:
     zero = _zero_in(dtype)
     tiny = float(np.finfo(dtype).tiny)
     if isinstance(opt, (Adam, AdamW, RMSprop)) and zero(opt.epsilon):
-        raise ValueError(
+        raise SpecError(
+            "epsilon",
             f"{type(opt).__name__} epsilon {opt.epsilon!r} is 0 in {dtype.str}: a zero gradient "
-            f"would divide 0 by 0; make epsilon at least {tiny:g}"
+            f"would divide 0 by 0; make epsilon at least {tiny:g}",
         )
     if isinstance(opt, Adagrad) and zero(opt.epsilon) and zero(opt.initial_accumulator_value):
-        raise ValueError(
+        raise SpecError(
+            "epsilon",
             f"Adagrad epsilon {opt.epsilon!r} and initial_accumulator_value "
             f"{opt.initial_accumulator_value!r} are both 0 in {dtype.str}: a zero gradient would "
-            f"divide 0 by 0; make epsilon at least {tiny:g}"
+            f"divide 0 by 0; make epsilon at least {tiny:g}",
         )
     if isinstance(opt, Ftrl):
         biggest = float(np.finfo(dtype).max)
         if 1.0 / opt.lr > biggest:
-            raise ValueError(
+            raise SpecError(
+                "lr",
                 f"Ftrl lr {opt.lr!r} is too small for {dtype.str}: FTRL divides by it; make "
-                f"it at least {1.0 / biggest:g}"
+                f"it at least {1.0 / biggest:g}",
             )
         if (
             zero(opt.initial_accumulator_value)
@@ -150,10 +157,11 @@ def _check_dtype(opt: Optimizer, dtype: np.dtype) -> None:
             and not opt.beta
             and opt.learning_rate_power < 0
         ):
-            raise ValueError(
+            raise SpecError(
+                "initial_accumulator_value",
                 f"Ftrl initial_accumulator_value {opt.initial_accumulator_value!r} is 0 in "
                 f"{dtype.str} and l2 and beta are 0: a zero gradient would divide by 0; make "
-                f"initial_accumulator_value at least {tiny:g}"
+                f"initial_accumulator_value at least {tiny:g}",
             )
 
 
@@ -185,7 +193,7 @@ def apply(
     grad: np.ndarray,
     state: State,
     *,
-    step: int = 1,
+    step: int,
     scale: float = 1.0,
     out: np.ndarray | None = None,
     state_out: State | None = None,

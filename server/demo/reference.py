@@ -29,9 +29,9 @@ def train_one_process(
     state = {name: optim.init_state(opt, value) for name, value in params.items()}
     rng = np.random.default_rng([seed, 1 << 20])
     n = len(data.y_train)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         batch = rng.choice(n, size=batch_size, replace=n < batch_size)
         _, grads = digits_worker.loss_and_grads(params, data.X_train[batch], data.y_train[batch])
         for name, grad in grads.items():
-            optim.apply(opt, params[name], grad, state[name], scratch=True)
+            optim.apply(opt, params[name], grad, state[name], step=step, scratch=True)
     return params

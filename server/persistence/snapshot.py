@@ -329,9 +329,11 @@ def _check_variable(path: Path, name: str, meta: Any) -> None:
         f"{where}: bad shape",
     )
     _need(
-        _is_int(meta.get("version")) and _is_int(meta.get("updates")),
+        _is_int(meta.get("version"))
+        and _is_int(meta.get("updates"))
+        and _is_int(meta.get("steps", 0)),
         path,
-        f"{where}: bad version or update count",
+        f"{where}: bad version, update count or step count",
     )
     tensors = meta.get("tensors")
     _need(
@@ -515,6 +517,9 @@ def to_variables(snap: Snapshot, arrays: Mapping[str, Mapping[str, np.ndarray]])
             kind=meta["kind"],
             version=meta["version"],
             updates=meta["updates"],
+            # a snapshot written before the step count was kept: its optimizers (SGD
+            # without momentum, Adagrad without lr_decay, Add) do not read it
+            steps=meta.get("steps", 0),
             created_at=float(created) if isinstance(created, (int, float)) else time.time(),
             last_update=float(last) if isinstance(last, (int, float)) else None,
             last_writer=writer if isinstance(writer, str) else None,

@@ -11,8 +11,11 @@ table; this module writes it, keeping these rules:
   :meth:`Variable.target <server.store.variable.Variable.target>` says: the value's own buffer,
   or fresh memory (or the variable's slab row) while a reader holds the current value.
 * **One update for a whole slab.** A push of every member of a slab, in its order, as one block
-  (a tensor table's same-shaped rows), with one optimizer that keeps no slots and no reader
-  holding a value, is one numpy operation on the slab (:func:`one_update`).
+  (a tensor table's same-shaped rows), with one optimizer whose update is the same elementwise
+  function for every variable (:func:`server.optim.uniform`) and no reader holding a value, is
+  one numpy operation on the slab (:func:`one_update`).
+* **Each update is the optimizer's next step.** :func:`server.optim.apply` gets the variable's
+  ``steps + 1`` (Adam's bias correction, schedules); the caller counts it with the version.
 * **No torn reads, no lost updates.** On the event loop (:func:`push`, :func:`assign`,
   :func:`increment`, :func:`init`) there is no ``await`` between the first write and the last,
   so no other request observes a half-applied write. A push of at least :data:`OFFLOAD_BYTES`
@@ -35,7 +38,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from client_sdk.optimizers import SGD, Add, Optimizer
+from client_sdk.optimizers import Add, Optimizer
 
 from .. import optim
 from .bounds import LIMITS, bounds_after, bounds_for, bounds_known, magnitude
@@ -45,11 +48,11 @@ from .slab import homes
 from .variable import Variable
 
 __all__ = [
-    "CHEAP_IN_PLACE",
     "OFFLOAD_BYTES",
     "OffLoop",
     "assign",
     "checked_update",
+    "in_place_ok",
     "increment",
     "init",
     "not_being_written",
@@ -62,10 +65,6 @@ __all__ = [
 #: it: for them the hand-off and the fresh buffers cost more than the loop gains by not doing
 #: the arithmetic, both for one push and for a shard serving several workers.
 OFFLOAD_BYTES = 16 << 20
-#: Optimizers whose update is at most two passes over the value: a big push updates these in
-#: place (readers waiting) when no reader holds the value, and a whole slab's push is one
-#: update of them.
-CHEAP_IN_PLACE = (Add, SGD)
 
 
 # -- on the event loop ----------------------------------------------------------------------
@@ -95,7 +94,8 @@ def push(op: Push) -> None:
     with np.errstate(all="ignore"):
         if whole is not None:
             rows, opt = whole
-            optim.apply(opt, rows, block, {}, out=rows, scratch=block.flags.writeable)
+            # uniform: the same function whatever each member's step
+            optim.apply(opt, rows, block, {}, step=1, out=rows, scratch=block.flags.writeable)
             bound = after[0]
             for var in variables:
                 var.bound = bound
@@ -119,6 +119,7 @@ def push(op: Push) -> None:
                         value,
                         grad,
                         var.own_state(),
+                        step=var.steps + 1,
                         out=target,
                         scratch=grad.flags.writeable,
                     )
@@ -138,7 +139,8 @@ def one_update(
 ) -> tuple[np.ndarray, Optimizer] | None:
     """For a push whose gradients ``grads`` are the rows of ``block``, in order: when the
     variables are every member of one slab, in its order, all home, none held by a reader,
-    all with one optimizer that keeps no slots, and the block has their dtype and shape, the
+    all with one uniform optimizer (:func:`server.optim.uniform`), and the block has their
+    dtype and shape, the
     slab's rows as one array and that optimizer (one update for all: 100 x 1,000 float32 in
     one ``np.add`` instead of a hundred); else None."""
     if block is None or not variables:
@@ -149,7 +151,7 @@ def one_update(
     if (
         slab is None
         or slab.away
-        or type(opt) not in CHEAP_IN_PLACE
+        or not optim.uniform(opt)
         or block.dtype != dtype
         or block.shape[1:] != shape
         or len(block) != len(grads)
@@ -188,6 +190,7 @@ def checked_update(
         var.value,
         grad,
         var.state,
+        step=var.steps + 1,
         scale=scale,
         out=value,
         state_out=state,
@@ -328,10 +331,12 @@ class _PushPlan:
         self.bounds = bounds_known(self.var, squares[0], bounds_after(self.var, squares[0]))
 
 
-def _in_place_ok(var: Variable) -> bool:
-    """Whether a big push may update ``var`` in place (off the loop, readers waiting): not
-    while a reader holds the value, nor while readers wait for the write before."""
-    return type(var.optimizer) in CHEAP_IN_PLACE and not var.readers_waiting and not var.held()
+def in_place_ok(var: Variable) -> bool:
+    """Whether a big push may update ``var`` in place (off the loop, readers waiting): only
+    for an optimizer that keeps no slots (``Add``, SGD without momentum: at most two passes
+    over the value, and no slot a snapshot might still read), and not while a reader holds
+    the value, nor while readers wait for the write before."""
+    return optim.stateless(var.optimizer) and not var.readers_waiting and not var.held()
 
 
 def _compute_off_loop(
@@ -358,7 +363,14 @@ def _compute_off_loop(
                 continue
             var = plan.var
             if computed is None:
-                optim.apply(var.optimizer, var.value, plan.grad, var.state, scratch=plan.scratch)
+                optim.apply(
+                    var.optimizer,
+                    var.value,
+                    plan.grad,
+                    var.state,
+                    step=var.steps + 1,
+                    scratch=plan.scratch,
+                )
                 continue
             value, state = computed
             optim.apply(
@@ -366,6 +378,7 @@ def _compute_off_loop(
                 var.value,
                 plan.grad,
                 var.state,
+                step=var.steps + 1,
                 out=value,
                 state_out=state,
                 scratch=plan.scratch,
@@ -387,13 +400,14 @@ class OffLoop:
         """Check and apply a big push (past the dedup table; after :meth:`settled` for its
         variables, with no ``await`` in between), each variable where it costs least:
 
-        * a variable whose optimizer is one or two passes over the value (``Add``, ``SGD``)
-          and whose value no reader holds (:meth:`Variable.held`) is updated in place: half
-          the memory traffic of writing to fresh memory. From the moment that is decided (on
+        * a variable whose optimizer keeps no slots (``Add``, SGD without momentum: one or
+          two passes over the value, :func:`in_place_ok`) and whose value no reader holds
+          (:meth:`Variable.held`) is updated in place: half the memory traffic of writing to
+          fresh memory. From the moment that is decided (on
           the loop) until the thread is done, readers of the variable wait for it
           (:meth:`readable`), so none sees it half-done and no new one can hold it;
-        * any other (a reader holds the value or waits for the write before, or ``Adagrad``'s
-          many passes) is computed into fresh buffers for the value and slots, which replace
+        * any other (a reader holds the value or waits for the write before, or an optimizer
+          with slots) is computed into fresh buffers for the value and slots, which replace
           the old ones back on the loop; its readers meanwhile read the value before the push.
 
         Every gradient is checked before any variable is written, and so is every update that
@@ -407,7 +421,7 @@ class OffLoop:
         # allocated here too, on the loop's thread (see server/store/heap.py).
         outputs = [
             None
-            if _in_place_ok(p.var) and not p.var.row_free()
+            if in_place_ok(p.var) and not p.var.row_free()
             else (p.var.elsewhere(), optim.fresh_state(p.var.state) or None)
             for p in plans
         ]

@@ -12,7 +12,14 @@ float operations tell that the update stays finite and what the bounds are after
 checked before anything is written (:func:`server.store.apply.checked_update`).
 
 An optimizer the shard learns (server/optim.py) needs its rule in :func:`bounds_for`; until it
-has one, every update of it is computed into fresh memory and checked.
+has one, every update of it is computed into fresh memory and checked. FTRL has none: its value
+is a closed form that divides by the learning rate, which a schedule or a staleness scale can
+make as small as it likes, so each FTRL update is checked that way.
+
+The rules use what holds for every update: the schedule's learning rate is at most ``lr`` (and
+a staleness scale at most 1); a clipped gradient's entries are at most ``clip_norm``; an
+exponential average is at most the larger of its old value and its new input; a step divided
+by ``sqrt(v) + epsilon`` is at most the numerator over ``epsilon``.
 
 Pure arithmetic on a few floats, plus :func:`bounds_known`'s read-only passes; thread-safe.
 """
@@ -20,10 +27,12 @@ Pure arithmetic on a few floats, plus :func:`bounds_known`'s read-only passes; t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from client_sdk.optimizers import SGD, Adagrad, Add, Optimizer
+from client_sdk.optimizers import SGD, Adagrad, Adam, AdamW, Add, Optimizer, RMSprop
 
 from .variable import Variable
 
@@ -54,17 +63,62 @@ def bounds_for(
     grad = math.sqrt(squares)
     if kind is Add:
         after, slot = bound + grad, 0.0
-    elif kind is SGD:
-        after, slot = abs(1.0 - opt.lr * opt.weight_decay) * bound + opt.lr * grad, 0.0
-    elif kind is Adagrad:  # |g| <= |grad| + wd*|value|; acc grows by g*g; the step is <= lr
-        g = grad + opt.weight_decay * bound
-        slot = slot_bound + g * g
-        after = bound + opt.lr * _ADAGRAD_STEP
-    else:  # no rule for it: computed into fresh memory and checked
+    elif kind not in _RULES:  # no rule for it: computed into fresh memory and checked
         return None
+    else:
+        clip = opt.clip_norm
+        after, slot = _RULES[kind](
+            opt, bound, slot_bound, grad if clip is None else min(grad, clip)
+        )
     if after <= limit and slot <= limit:  # False for NaN too
         return after, slot
     return None
+
+
+def _sgd(opt: SGD, bound: float, slot_bound: float, grad: float) -> tuple[float, float]:
+    lr, wd = opt.lr, opt.weight_decay
+    if not opt.momentum:  # w * (1 - lr*wd) - lr*g, the learning rate anywhere in 0..lr
+        return max(1.0, abs(1.0 - lr * wd)) * bound + lr * grad, 0.0
+    d = grad + wd * bound  # |g + wd*w|
+    buf = opt.momentum * slot_bound + d  # the first buffer is d itself
+    step = d + opt.momentum * buf if opt.nesterov else buf
+    return bound + lr * step, buf
+
+
+def _adagrad(opt: Adagrad, bound: float, slot_bound: float, grad: float) -> tuple[float, float]:
+    # |g| <= |grad| + wd*|value|; acc grows by g*g; the step is <= lr (lr_decay only lowers it)
+    g = grad + opt.weight_decay * bound
+    return bound + opt.lr * _ADAGRAD_STEP, slot_bound + g * g
+
+
+def _adam(opt: Adam | AdamW, bound: float, slot_bound: float, grad: float) -> tuple[float, float]:
+    lr, wd, (b1, _) = opt.lr, opt.weight_decay, opt.betas
+    if type(opt) is AdamW:
+        g, base = grad, max(1.0, abs(1.0 - lr * wd)) * bound
+    else:
+        g, base = grad + wd * bound, bound
+    slot = max(slot_bound, g, g * g)  # m, v and max(v) are averages of g and g*g
+    # |m / (1 - b1^k)| / (sqrt(v_hat) + eps) <= |m| / ((1 - b1) * eps) for every k >= 1
+    return base + lr * slot / ((1.0 - b1) * opt.epsilon), slot
+
+
+def _rmsprop(opt: RMSprop, bound: float, slot_bound: float, grad: float) -> tuple[float, float]:
+    g = grad + opt.weight_decay * bound
+    d = g / opt.epsilon  # |g| / (sqrt(v) + eps)
+    slot = max(slot_bound, g, g * g)  # square_avg and grad_avg: averages of g*g and g
+    if opt.momentum:
+        d = opt.momentum * slot_bound + d
+        slot = max(slot, d)
+    return bound + opt.lr * d, slot
+
+
+_RULES: dict[type, Callable[[Any, float, float, float], tuple[float, float]]] = {
+    SGD: _sgd,
+    Adagrad: _adagrad,
+    Adam: _adam,
+    AdamW: _adam,
+    RMSprop: _rmsprop,
+}
 
 
 def bounds_known(

@@ -50,7 +50,7 @@ import numpy as np
 
 from client_sdk import modes
 from client_sdk.modes import ASYNC, Mode
-from client_sdk.optimizers import SGD, Optimizer, from_wire
+from client_sdk.optimizers import SGD, Optimizer, SpecError, from_wire
 
 from .. import optim
 from ..errors import ShardError
@@ -151,8 +151,11 @@ def init(
             opt = DEFAULT_OPTIMIZER if spec is None else from_wire(spec)
             optim.check_settings(opt, dtype)
         except (ValueError, TypeError) as exc:
+            where = f"optimizer.{exc.field}" if isinstance(exc, SpecError) else "optimizer"
             raise ShardError(
-                "bad_request", f"{name}: bad optimizer: {exc}", {"variable": name}
+                "bad_request",
+                f"{name}: bad optimizer: {exc}",
+                {"variable": name, "field": where},
             ) from None
         # One object per distinct optimizer of the request (they are immutable): a push
         # to all of a slab's members tells that they share one by identity.

@@ -95,8 +95,10 @@ class Variable:
     """One variable: its value (native byte order, C-contiguous) and bookkeeping.
 
     ``version`` goes up by one per applied change (push, assign, increment); ``updates`` counts
-    applied gradients only. ``kind`` is ``"tensor"`` (made by init) or ``"counter"`` (made by
-    increment).
+    applied gradients only; ``steps`` counts the gradients the current optimizer has applied
+    (its next update is number ``steps + 1``: Adam's bias correction and the learning-rate
+    schedules read it; a change of optimizer type starts it again at 0). ``kind`` is
+    ``"tensor"`` (made by init) or ``"counter"`` (made by increment).
     """
 
     name: str
@@ -106,6 +108,7 @@ class Variable:
     kind: str = "tensor"
     version: int = 0
     updates: int = 0
+    steps: int = 0
     created_at: float = field(default_factory=time.time)
     last_update: float | None = None
     last_writer: str | None = None
@@ -294,6 +297,7 @@ class Variable:
             "shape": list(self.value.shape),
             "version": self.version,
             "updates": self.updates,
+            "steps": self.steps,
             "optimizer": self.optimizer.to_wire(),
             "created_at": self.created_at,
             "last_update": self.last_update,
@@ -329,6 +333,7 @@ class Variable:
             "dtype": self.value.dtype.str,
             "version": self.version,
             "updates": self.updates,
+            "steps": self.steps,
             "optimizer": self.optimizer.to_wire(),
             "created_at": self.created_at,
             "last_update": self.last_update,

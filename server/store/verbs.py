@@ -581,8 +581,9 @@ class ParameterStore:
             self.waiters.wake([var.name])
 
     def _applied(self, op: operations.Push) -> dict[str, dict[str, Any]]:
-        """The bookkeeping of a push whose new values are in place: each version and update
-        count up by one, one clock reading for all, the seq recorded; the push's result."""
+        """The bookkeeping of a push whose new values are in place: each version, update count
+        and optimizer step count up by one, one clock reading for all, the seq recorded; the
+        push's result."""
         variables, worker_id = op.variables, op.worker_id
         held = op.versions or {}
         now = time.time()
@@ -592,6 +593,7 @@ class ParameterStore:
             before = var.version
             var.version = version = before + 1
             var.updates += 1
+            var.steps += 1
             var.last_update = now
             var.last_writer = worker_id
             seen = held.get(var.name)
@@ -623,6 +625,7 @@ class ParameterStore:
         for var in bumped:
             var.version += 1
             var.updates += 1
+            var.steps += 1
             var.last_update = now
             var.last_writer = worker_id
         for j in moded.joins:
@@ -678,6 +681,7 @@ class ParameterStore:
                 continue
             if modes.apply_close(close) == "timed_out":
                 var.updates += 1
+                var.steps += 1
             self._touch(var, None)
             closed += 1
         return closed

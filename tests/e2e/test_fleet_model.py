@@ -35,14 +35,20 @@ from hypothesis.stateful import (
 )
 
 from client_sdk import AsyncPSClient, BadTensorError, PSClient
-from client_sdk.optimizers import SGD, Adagrad, Add
+from client_sdk.optimizers import SGD, Adagrad, Adam, Add, Cosine
 from client_sdk.placement import shard_for
 from server import optim
 from tests.conftest import OnLoop, examples
 
 SHAPES = [(4,), (2, 3), (300,)]
 DTYPES = [np.float32, np.float64]
-OPTIMIZERS = [Add(), SGD(lr=0.5), Adagrad(lr=0.25)]
+OPTIMIZERS = [
+    Add(),
+    SGD(lr=0.5),
+    Adagrad(lr=0.25),
+    SGD(lr=0.5, momentum=0.5, schedule=Cosine(total=6, warmup=2)),
+    Adam(lr=0.25),
+]
 _runs = itertools.count()
 
 
@@ -60,6 +66,8 @@ class FleetMachine(RuleBasedStateMachine):
         self.checker = PSClient(self.urls, worker_id=f"{self.prefix}-check")
         self.values: dict[str, np.ndarray] = {}
         self.state: dict[str, dict[str, np.ndarray]] = {}
+        #: Gradients applied by each variable's optimizer (its next update is number steps + 1).
+        self.steps: dict[str, int] = {}
         self.optimizer: dict[str, object] = {}
         self.counters: dict[str, int | float] = {}
         self.groups: list[list[str]] = []
@@ -99,11 +107,13 @@ class FleetMachine(RuleBasedStateMachine):
     def apply(self, grads: dict[str, np.ndarray]) -> None:
         for name, grad in grads.items():
             value = self.values[name]
+            self.steps[name] += 1
             optim.apply(
                 self.optimizer[name],
                 value,
                 grad.astype(value.dtype),
                 self.state[name],
+                step=self.steps[name],
                 scratch=True,
             )
 
@@ -133,6 +143,7 @@ class FleetMachine(RuleBasedStateMachine):
             self.values[name] = value.copy()
             self.optimizer[name] = opt
             self.state[name] = optim.init_state(opt, value)
+            self.steps[name] = 0
         self.groups.append(list(values))
 
     @precondition(lambda self: self.groups)
@@ -266,10 +277,11 @@ class RestartingFleetMachine(FleetMachine):
                 out[name] = (
                     self.values[name].copy(),
                     {k: a.copy() for k, a in self.state[name].items()},
+                    self.steps[name],
                 )
         for name, value in self.counters.items():
             if shard_for(name, 2) == shard:
-                out[name] = (value, None)
+                out[name] = (value, None, None)
         return out
 
     @invariant()
@@ -291,11 +303,13 @@ class RestartingFleetMachine(FleetMachine):
             saved = self.saved[shard]
             for name in [n for n in self.values if shard_for(n, 2) == shard]:
                 if name in saved:
-                    value, state = saved[name]
+                    value, state, steps = saved[name]
                     self.values[name] = value.copy()
                     self.state[name] = {k: a.copy() for k, a in state.items()}
+                    self.steps[name] = steps
                 else:
                     del self.values[name], self.state[name], self.optimizer[name]
+                    del self.steps[name]
             for name in [n for n in self.counters if shard_for(n, 2) == shard]:
                 if name in saved:
                     self.counters[name] = saved[name][0]

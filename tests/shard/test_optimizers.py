@@ -546,10 +546,7 @@ def test_the_defaults_are_the_references():
 def test_settings_that_divide_by_zero_in_the_dtype_are_refused(opt, dtype, field):
     with pytest.raises(ValueError, match=field):
         optim.check_settings(opt, np.dtype(dtype))
-    try:
-        optim.check_settings(opt, np.dtype("f4"))
-    except ValueError as exc:
-        assert "f4" not in str(exc)  # not about the dtype
+    optim.check_settings(opt, np.dtype("f4"))
 
 
 # -- properties ----------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from client_sdk.optimizers import SGD, Adagrad, Add, from_wire
+from client_sdk.optimizers import SGD, Adagrad, Adam, Add, Cosine, from_wire
 from server import optim, persistence
 from server.errors import ShardError
 from server.store import DEFAULT_OPTIMIZER, ParameterStore
@@ -43,7 +43,13 @@ from tests.conftest import examples
 
 SHAPES = [(3,), (2, 2), (5,)]
 DTYPES = [np.float32, np.float64]
-OPTIMIZERS = [Add(), SGD(lr=0.5), Adagrad(lr=0.25)]
+OPTIMIZERS = [
+    Add(),
+    SGD(lr=0.5),
+    Adagrad(lr=0.25),
+    SGD(lr=0.5, momentum=0.5, schedule=Cosine(total=6, warmup=2)),
+    Adam(lr=0.25),
+]
 WORKERS = ["w0", "w1"]
 
 
@@ -55,6 +61,8 @@ class Model:
         self.state: dict[str, dict[str, np.ndarray]] = {}
         self.optimizer: dict[str, object] = {}
         self.version: dict[str, int] = {}
+        #: Gradients applied by each variable's optimizer (its next update is number steps + 1).
+        self.steps: dict[str, int] = {}
 
     def copy(self) -> Model:
         other = Model()
@@ -62,13 +70,22 @@ class Model:
         other.state = {k: {s: a.copy() for s, a in st_.items()} for k, st_ in self.state.items()}
         other.optimizer = dict(self.optimizer)
         other.version = dict(self.version)
+        other.steps = dict(self.steps)
         return other
 
     def push(self, grads: dict[str, np.ndarray]) -> None:
         for name, grad in grads.items():
             value = self.values[name]
             grad = grad.astype(value.dtype)  # a fresh copy, as the store's cast
-            optim.apply(self.optimizer[name], value, grad, self.state[name], scratch=True)
+            self.steps[name] += 1
+            optim.apply(
+                self.optimizer[name],
+                value,
+                grad,
+                self.state[name],
+                step=self.steps[name],
+                scratch=True,
+            )
             self.version[name] += 1
 
 
@@ -159,6 +176,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.model.optimizer[name] = opt
             self.model.state[name] = optim.init_state(opt, value.copy())
             self.model.version[name] = 0
+            self.model.steps[name] = 0
         self.groups.append(names)
 
     @precondition(lambda self: self.model.values)
@@ -183,6 +201,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.model.optimizer[fresh] = DEFAULT_OPTIMIZER
             self.model.state[fresh] = optim.init_state(DEFAULT_OPTIMIZER, self.model.values[fresh])
             self.model.version[fresh] = 0
+            self.model.steps[fresh] = 0
         else:
             with pytest.raises(ShardError) as info:
                 self.store.init(entries)
@@ -265,9 +284,7 @@ class StoreMachine(RuleBasedStateMachine):
             if now:
                 out[name] = home
             elif home:
-                out[name] = not var.held() and not (
-                    off_loop and type(var.optimizer) not in store_apply.CHEAP_IN_PLACE
-                )
+                out[name] = not var.held() and not (off_loop and not optim.stateless(var.optimizer))
             else:
                 out[name] = var._gone() is None
         return out
@@ -441,6 +458,7 @@ class StoreMachine(RuleBasedStateMachine):
         for name, value in self.model.values.items():
             var = self.store.get(name)
             assert var.version == self.model.version[name], name
+            assert var.steps == self.model.steps[name], name
             assert var.value.dtype == value.dtype and var.value.flags.c_contiguous
             np.testing.assert_array_equal(var.value, value, err_msg=name)
             for slot, a in self.model.state[name].items():
