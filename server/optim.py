@@ -227,13 +227,17 @@ def apply(
     if rule is None:  # from_wire only builds the ones in _RULES
         raise TypeError(f"no server-side math for optimizer {kind.__name__}")
     new = state if state_out is None else state_out
-    lr = learning_rate(opt, step) * scale
-    clip = _clip_scale(opt, grad)
-    block = _BLOCK_BYTES // value.itemsize
-    if value.size <= block or not _contiguous(value, out, *state.values(), *new.values()):
+    # learning_rate() and _clip_scale() written out: this runs per variable of every push
+    schedule = opt.schedule
+    lr = opt.lr if type(schedule) is Constant else schedule.lr_at(opt.lr, step - 1)
+    if scale != 1.0:
+        lr *= scale
+    clip = 1.0 if opt.clip_norm is None else _clip_scale(opt, grad)
+    if value.nbytes <= _BLOCK_BYTES or not _contiguous(value, out, *state.values(), *new.values()):
         rule(opt, value, grad, state, new, out, step, lr, clip, scratch)
         return
     # A block at a time: its dozen passes run in the cache instead of over main memory
+    block = _BLOCK_BYTES // value.itemsize
     value, grad, out = value.reshape(-1), grad.reshape(-1), out.reshape(-1)
     state = {key: slot.reshape(-1) for key, slot in state.items()}
     new = {key: slot.reshape(-1) for key, slot in new.items()}
