@@ -884,7 +884,7 @@ def _bad_requests(name: str, other: str) -> list[tuple[str, str, Any, int, str]]
         (
             "init-bad-optimizer",
             "init",
-            {"variables": {other: {"value": g, "optimizer": {"type": "adamw"}}}},
+            {"variables": {other: {"value": g, "optimizer": {"type": "adamax"}}}},
             400,
             "bad_request",
         ),
