@@ -62,57 +62,73 @@ def bounds_for(
     kind = type(opt)
     grad = math.sqrt(squares)
     if kind is Add:
-        after, slot = bound + grad, 0.0
+        after, slot, peak = bound + grad, 0.0, 0.0
     elif kind not in _RULES:  # no rule for it: computed into fresh memory and checked
         return None
     else:
         clip = opt.clip_norm
-        after, slot = _RULES[kind](
+        after, slot, peak = _RULES[kind](
             opt, bound, slot_bound, grad if clip is None else min(grad, clip)
         )
-    if after <= limit and slot <= limit:  # False for NaN too
+    if after <= limit and slot <= limit and peak <= limit:  # False for NaN too
         return after, slot
     return None
 
 
-def _sgd(opt: SGD, bound: float, slot_bound: float, grad: float) -> tuple[float, float]:
+# Each rule: (the value's bound after the update, the slots' bound after it, the largest
+# magnitude of anything computed on the way: a temporary that overflows makes the value
+# non-finite even if the rest of the formula would bring it back in range).
+
+
+def _sgd(opt: SGD, bound: float, slot_bound: float, grad: float) -> tuple[float, float, float]:
     lr, wd = opt.lr, opt.weight_decay
     if not opt.momentum:  # w * (1 - lr*wd) - lr*g, the learning rate anywhere in 0..lr
-        return max(1.0, abs(1.0 - lr * wd)) * bound + lr * grad, 0.0
+        return max(1.0, abs(1.0 - lr * wd)) * bound + lr * grad, 0.0, lr * grad
     d = grad + wd * bound  # |g + wd*w|
     buf = opt.momentum * slot_bound + d  # the first buffer is d itself
     step = d + opt.momentum * buf if opt.nesterov else buf
-    return bound + lr * step, buf
+    return bound + lr * step, buf, max(step, lr * step)
 
 
-def _adagrad(opt: Adagrad, bound: float, slot_bound: float, grad: float) -> tuple[float, float]:
+def _adagrad(
+    opt: Adagrad, bound: float, slot_bound: float, grad: float
+) -> tuple[float, float, float]:
     # |g| <= |grad| + wd*|value|; acc grows by g*g; the step is <= lr (lr_decay only lowers it)
     g = grad + opt.weight_decay * bound
-    return bound + opt.lr * _ADAGRAD_STEP, slot_bound + g * g
+    return bound + opt.lr * _ADAGRAD_STEP, slot_bound + g * g, g * g
 
 
-def _adam(opt: Adam | AdamW, bound: float, slot_bound: float, grad: float) -> tuple[float, float]:
-    lr, wd, (b1, _) = opt.lr, opt.weight_decay, opt.betas
+def _adam(
+    opt: Adam | AdamW, bound: float, slot_bound: float, grad: float
+) -> tuple[float, float, float]:
+    lr, wd, (b1, b2) = opt.lr, opt.weight_decay, opt.betas
     if type(opt) is AdamW:
         g, base = grad, max(1.0, abs(1.0 - lr * wd)) * bound
     else:
         g, base = grad + wd * bound, bound
     slot = max(slot_bound, g, g * g)  # m, v and max(v) are averages of g and g*g
-    # |m / (1 - b1^k)| / (sqrt(v_hat) + eps) <= |m| / ((1 - b1) * eps) for every k >= 1
-    return base + lr * slot / ((1.0 - b1) * opt.epsilon), slot
+    # |m / (1 - b1^k)| / (sqrt(v_hat) + eps) <= |m| / ((1 - b1) * eps) for every k >= 1; on
+    # the way, m / (sqrt(v) + eps * sqrt(1 - b2^k)) <= |m| / (eps * sqrt(1 - b2)), or m / eps
+    ratio = slot / (opt.epsilon * min(1.0, math.sqrt(1.0 - b2)))
+    return base + lr * slot / ((1.0 - b1) * opt.epsilon), slot, max(g * g, ratio)
 
 
-def _rmsprop(opt: RMSprop, bound: float, slot_bound: float, grad: float) -> tuple[float, float]:
+def _rmsprop(
+    opt: RMSprop, bound: float, slot_bound: float, grad: float
+) -> tuple[float, float, float]:
     g = grad + opt.weight_decay * bound
     d = g / opt.epsilon  # |g| / (sqrt(v) + eps)
     slot = max(slot_bound, g, g * g)  # square_avg and grad_avg: averages of g*g and g
+    peak = max(g * g, d)
+    if opt.centered:  # a*a, a the average of g
+        peak = max(peak, max(slot_bound, g) ** 2)
     if opt.momentum:
         d = opt.momentum * slot_bound + d
         slot = max(slot, d)
-    return bound + opt.lr * d, slot
+    return bound + opt.lr * d, slot, max(peak, d)
 
 
-_RULES: dict[type, Callable[[Any, float, float, float], tuple[float, float]]] = {
+_RULES: dict[type, Callable[[Any, float, float, float], tuple[float, float, float]]] = {
     SGD: _sgd,
     Adagrad: _adagrad,
     Adam: _adam,

@@ -325,6 +325,11 @@ def test_an_update_whose_result_is_not_finite_is_refused_whole(shard, http, way)
         ({"type": "sgd", "lr": 1e6}, 0.0, 1e33),  # lr * grad overflows float32
         ({"type": "adagrad", "lr": 0.1}, 1.0, 1e20),  # grad**2 overflows the accumulator
         ({"type": "sgd", "lr": 1.0, "weight_decay": 1e6}, 1e34, 0.0),  # value * (1 - lr*wd)
+        ({"type": "sgd", "lr": 1e6, "momentum": 0.9}, 0.0, 1e33),  # lr * momentum buffer
+        ({"type": "adam", "lr": 0.1}, 1.0, 1e20),  # grad**2 overflows the second moment
+        ({"type": "adamw", "lr": 1.0, "weight_decay": 1e6}, 1e34, 0.0),  # the decoupled decay
+        ({"type": "rmsprop", "lr": 0.1, "centered": True}, 1.0, 1e20),  # grad**2
+        ({"type": "ftrl", "lr": 1.0}, 1.0, 1e20),  # grad**2 overflows the accumulator
     ],
 )
 def test_optimizer_updates_that_overflow_are_refused(shard, http, spec, start, grad):
@@ -334,7 +339,7 @@ def test_optimizer_updates_that_overflow_are_refused(shard, http, spec, start, g
     assert err["details"]["variable"] == name
     got = stats(http, shard, name)
     assert got["version"] == 0 and got["max"] == np.float32(start)
-    if "weight_decay" not in spec:  # (that one overflows whatever the gradient)
+    if "weight_decay" not in spec:  # (those overflow whatever the gradient)
         status, msg = push(http, shard, {name: np.full(3, 1.0, np.float32)})  # and goes on
         assert status == 200, msg
 
