@@ -120,8 +120,9 @@ def _rmsprop(
     d = g / opt.epsilon  # |g| / (sqrt(v) + eps)
     slot = max(slot_bound, g, g * g)  # square_avg and grad_avg: averages of g*g and g
     peak = max(g * g, d)
-    if opt.centered:  # a*a, a the average of g
-        peak = max(peak, max(slot_bound, g) ** 2)
+    if opt.centered:  # a*a, a the average of g (a product: ** raises on overflow)
+        a = max(slot_bound, g)
+        peak = max(peak, a * a)
     if opt.momentum:
         d = opt.momentum * slot_bound + d
         slot = max(slot, d)

@@ -6,6 +6,8 @@ zero, and requests big enough to block the event loop (docs/PROTOCOL.md, "Limits
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 import time
 import uuid
@@ -317,6 +319,20 @@ def test_an_update_whose_result_is_not_finite_is_refused_whole(shard, http, way)
     status, msg = push(http, shard, grads, frame=way != "msgpack", table=way == "table")
     assert status == 200 and {r["status"] for r in msg["variables"].values()} == {"applied"}
     assert stats(http, shard, bad)["max"] == 0.0 and stats(http, shard, ok)["max"] == 1.0
+
+
+def test_the_bounds_of_every_optimizer_take_any_float_without_raising():
+    """Whatever the variable's bounds and the gradient's squares (huge, infinite, NaN), each
+    rule answers (a bound, or None: compute and check), as a push on the loop needs."""
+    from server.store.bounds import LIMITS, bounds_for
+    from tests.shard.test_optimizers import CASES
+
+    extremes = [0.0, 1.0, 1e150, 1e300, math.inf, math.nan]
+    for opt in CASES:
+        for bound, slot, squares in itertools.product(extremes, repeat=3):
+            for limit in LIMITS.values():
+                after = bounds_for(opt, bound, slot, squares, limit)
+                assert after is None or all(0 <= b <= limit for b in after), (opt, after)
 
 
 @pytest.mark.parametrize(
