@@ -1,4 +1,4 @@
-"""The wire format (client_sdk/wire.py, docs/PROTOCOL.md §2) as properties.
+"""The wire format (client_sdk/wire/, docs/PROTOCOL.md §2) as properties.
 
 Round trips: ``encode -> join -> unpack -> decode_tensor`` gives back every array bit for bit
 (NaN payloads included), as a view of the received body rather than a copy, for every dtype and
@@ -1145,7 +1145,7 @@ def test_framed_offsets_off_the_64_byte_grid_are_refused():
 
 #: The one module that spells the protocol's names; every other module of the SDK and the
 #: shard refers to its constants.
-NAMES_MODULE = ROOT / "client_sdk" / "wire" / "__init__.py"
+NAMES_MODULE = ROOT / "client_sdk" / "wire" / "constants.py"
 #: A literal that is one of these is a name of the protocol (a header, an environment
 #: variable, a content type, the frame's prefix).
 WIRE_NAME = re.compile(
