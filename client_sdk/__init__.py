@@ -8,6 +8,21 @@
         ps.push({"w": grad})
 
 Needs only httpx2, msgpack and numpy.
+
+How it is built (each module opens with what it owns):
+
+    client.py       PSClient and AsyncPSClient: thin shells that drive the verbs
+    _verbs/         one module per verb: a flow of requests and replies, no I/O
+    _core.py        what the verbs share: requests built, replies accepted, the fleet check
+    _fleet.py       the shard list, placement, each shard's features and incarnation
+    _cache.py       the version cache: what was pulled, at which version
+    _args.py        arguments checked and converted (_settings.py: the client's options)
+    _replies.py     replies decoded, or mapped to the PSError tree (_exceptions.py)
+    _pusher.py      push_async: bounded, coalescing, no failure lost
+    _transport.py   a request sent and retried (_abort.py: a raced one cut short);
+                    _http/ performs the HTTP exchanges
+    wire/           the wire format, shared with the shards
+    placement.py, optimizers.py, modes.py, training.py: the public helpers
 """
 
 from ._exceptions import (
