@@ -433,25 +433,33 @@ class OffLoop:
                 var.in_place = True
                 self.in_place += 1
         try:
-            await loop.run_in_executor(None, _compute_off_loop, plans, outputs)
+            try:
+                await loop.run_in_executor(None, _compute_off_loop, plans, outputs)
+            finally:
+                for var in variables:
+                    var.writing = None
+                    if var.in_place:
+                        var.in_place = False
+                        self.in_place -= 1
+                done.set_result(None)
+            for plan, computed in zip(plans, outputs):
+                var = plan.var
+                var.bound, var.slot_bound = plan.bounds
+                if computed is None:  # written in place
+                    var.replace(var.value)
+                    continue
+                value, state = computed
+                var.replace(value)
+                if state is not None:
+                    var.state = state
+                    var.state_shared = False
         finally:
-            for var in variables:
-                var.writing = None
-                if var.in_place:
-                    var.in_place = False
-                    self.in_place -= 1
-            done.set_result(None)
-        for plan, computed in zip(plans, outputs):
-            var = plan.var
-            var.bound, var.slot_bound = plan.bounds
-            if computed is None:  # written in place
-                var.replace(var.value)
-                continue
-            value, state = computed
-            var.replace(value)
-            if state is not None:
-                var.state = state
-                var.state_shared = False
+            # The worker thread lets go of its arguments only once it runs again, which can be
+            # well after this loop went on (it needs the GIL back): emptied, they no longer hold
+            # the values just made, which would count as a reader's (Variable.held) and send
+            # the next update after a pull to fresh memory for nothing.
+            plans.clear()
+            outputs.clear()
 
     async def settled(self, variables: Iterable[Variable]) -> None:
         """Return once none of ``variables`` is being written off the loop."""

@@ -357,6 +357,41 @@ def test_restored_variables_are_laid_out_as_their_init_made_them():
     assert a.value.tolist() == [0.5] * 4 and b.value.tolist() == [1.5] * 4
 
 
+def test_what_a_big_push_computed_is_no_reader_once_it_is_applied(monkeypatch):
+    """A big push's worker thread drops its arguments only when it runs again, which may be
+    well after the event loop applied the push and went on (the thread needs the GIL back).
+    Until then those arguments must not keep the new values referenced: the next update
+    after a pull whose reply is gone writes in place, as it does when no reader holds the
+    value, rather than to fresh memory."""
+    monkeypatch.setattr(store_apply, "OFFLOAD_BYTES", 1)  # every push_async off the loop
+    store = ParameterStore(0, 1)
+    store.init({"w": (np.zeros(8, np.float32), Adagrad(lr=0.5).to_wire())})
+    kept = []
+
+    class Lingering(concurrent.futures.ThreadPoolExecutor):
+        """Holds every call's arguments for good, as a worker thread that has not run again
+        since its call returned still does."""
+
+        def submit(self, fn, /, *args, **kwargs):
+            kept.append(args)
+            return super().submit(fn, *args, **kwargs)
+
+    async def run() -> None:
+        asyncio.get_running_loop().set_default_executor(Lingering(1))
+        # Adagrad's big update is computed into fresh buffers in the thread.
+        await store.push_async("w0", 1, {"w": np.ones(8, np.float32)})
+        var = store.get("w")
+        made = var.value.ctypes.data
+        reply = store.pull_rows(["w"])
+        del reply  # the reply is written and gone
+        assert not var.held()
+        store.push("w0", 2, {"w": np.ones(8, np.float32)})
+        assert var.value.ctypes.data == made  # updated in place
+
+    asyncio.run(run())
+    assert kept  # the push did go through the executor
+
+
 @pytest.mark.parametrize("opt, in_place", [(Add(), True), (Adagrad(lr=0.5), False)])
 def test_a_big_update_goes_in_place_only_when_cheap_and_no_reader_holds_the_value(opt, in_place):
     """push_async, in this process: a big Add update (one pass) is made in place while no
