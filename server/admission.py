@@ -80,7 +80,7 @@ TRIM_FROM = 64 << 20
 MAX_WAIT_BODY = 16 << 20
 MAX_CONTROL_BODY = 64 << 10
 
-WRITES = frozenset({"init", "push", "assign", "increment"})
+WRITES = frozenset({"init", "push", "assign", "increment", "set_optimizer", "delete"})
 READS = frozenset({"pull"})
 CONTROL = frozenset({"pause", "snapshot", "resume"})
 LONG = frozenset({"wait", "poll"})

@@ -82,6 +82,8 @@ DATA_PLANE_VERBS = (
     "increment",
     "wait",
     "poll",
+    "set_optimizer",
+    "delete",
     "pause",
     "snapshot",
     "resume",

@@ -87,6 +87,8 @@ async def cluster(request: Request) -> dict[str, Any]:
             wire.FEATURE_PACKED,
             wire.FEATURE_COUNTER_KIND,
             wire.FEATURE_POLL,
+            wire.FEATURE_SET_OPTIMIZER,
+            wire.FEATURE_DELETE,
         ],
         "version": __version__,
         "started_at": state.started_at,

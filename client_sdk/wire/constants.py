@@ -17,8 +17,10 @@ __all__ = [
     "ENV_TOKEN",
     "ENV_WORKER_ID",
     "FEATURE_COUNTER_KIND",
+    "FEATURE_DELETE",
     "FEATURE_PACKED",
     "FEATURE_POLL",
+    "FEATURE_SET_OPTIMIZER",
     "FEATURE_TABLES",
     "FRAME",
     "FRAME_MAGIC",
@@ -73,6 +75,9 @@ FEATURE_PACKED = "packed"
 FEATURE_COUNTER_KIND = "counter_kind"
 #: A shard has ``POST /v1/poll``: a pull that waits for newer versions (§3).
 FEATURE_POLL = "poll"
+#: A shard has the verbs ``set_optimizer`` and ``delete`` (docs/PROTOCOL.md §3).
+FEATURE_SET_OPTIMIZER = "set_optimizer"
+FEATURE_DELETE = "delete"
 
 FRAME_MAGIC = b"PSF1"
 #: A framed body's prefix: :data:`FRAME_MAGIC` and the header's length, a little-endian uint32.

@@ -20,6 +20,7 @@ ERROR_STATUS = {
     "forbidden": 403,
     "not_found": 404,
     "conflict": 409,
+    "frozen": 409,
     "seq_expired": 409,
     "no_data_dir": 409,
     "too_large": 413,

@@ -8,9 +8,11 @@ from positions (:func:`tensor_key`), never from names, so any name round-trips; 
 keys are names (as older ones are) read the same way, through the manifest.
 
 The **manifest** (JSON) says, per variable, its dtype, shape, version, update count, optimizer
-spec, bookkeeping and the safetensors key and CRC-32 of its value and of each optimizer slot;
-plus the dedup table, the shard's index, fleet size and incarnation, its state version, and
-when it was written. It carries a CRC-32 of its own canonical JSON form (``checksum``).
+spec (with its ``optimizer_version`` and whether it is ``frozen``: absent in older snapshots,
+read as 0 and false), bookkeeping and the safetensors key and CRC-32 of its value and of each
+optimizer slot; plus the dedup table, the shard's index, fleet size and incarnation, its state
+version, and when it was written. It carries a CRC-32 of its own canonical JSON form
+(``checksum``).
 
 **Writing** (:func:`write_snapshot`): the values go to a temporary file (safetensors' writer
 reads the arrays' own memory: no copy), which is fsynced and renamed; then the manifest the
@@ -335,6 +337,12 @@ def _check_variable(path: Path, name: str, meta: Any) -> None:
         path,
         f"{where}: bad version, update count or step count",
     )
+    # Absent in a snapshot of a shard without set_optimizer: 0 and false.
+    _need(
+        _is_int(meta.get("optimizer_version", 0)) and type(meta.get("frozen", False)) is bool,
+        path,
+        f"{where}: bad optimizer_version or frozen",
+    )
     tensors = meta.get("tensors")
     _need(
         isinstance(tensors, dict)
@@ -523,6 +531,8 @@ def to_variables(snap: Snapshot, arrays: Mapping[str, Mapping[str, np.ndarray]])
             created_at=float(created) if isinstance(created, (int, float)) else time.time(),
             last_update=float(last) if isinstance(last, (int, float)) else None,
             last_writer=writer if isinstance(writer, str) else None,
+            optimizer_version=meta.get("optimizer_version", 0),
+            frozen=meta.get("frozen", False),
         )
         try:
             restored_mode(var, meta, arrays[name])

@@ -11,6 +11,9 @@ Where each concept lives:
   and restore.
 * ``operations``: the writes as operations (init, push, assign, increment), each checked whole
   and built before anything changes; why the steps run in their order.
+* ``optimizer_change``: set_optimizer, a variable's optimizer changed or the variable frozen,
+  as one operation: what becomes of its slots.
+* ``deletion``: delete, variables removed as one operation; what a deleted one lets go of.
 * ``apply``: how an operation is written into the live arrays: in place or into fresh memory,
   a whole slab at once, on the event loop or off it for a big push, with readers and other
   writers kept away meanwhile.

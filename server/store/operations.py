@@ -9,7 +9,10 @@ the function of the same name here, then applied by :mod:`server.store.apply`:
   ``(worker_id, seq)``;
 * :class:`Assign` overwrites values, once per ``(worker_id, seq)`` when both are given;
 * :class:`Increment` adds to a counter (made at 0 first), once per ``(worker_id, seq)`` when
-  both are given.
+  both are given;
+* :class:`~server.store.optimizer_change.SetOptimizer` changes variables' optimizer or freezes
+  them, and :class:`~server.store.deletion.Delete` removes variables, each once per
+  ``(worker_id, seq)``: each with its builder and its application in a module of its own.
 
 (A restore replaces the whole state at start, before any request: ``ParameterStore.restore``.)
 
@@ -50,7 +53,7 @@ import numpy as np
 
 from client_sdk import modes
 from client_sdk.modes import ASYNC, Mode
-from client_sdk.optimizers import SGD, Optimizer, SpecError, from_wire
+from client_sdk.optimizers import SGD, Optimizer, from_wire
 
 from .. import optim
 from ..errors import ShardError
@@ -119,13 +122,14 @@ def init(
     """An init of ``entries`` (name -> (value, optimizer wire spec or ``None``[, the entry's
     training mode fields: ``sync``, ``max_staleness``, ``staleness_policy``, or ``None``])),
     names checked already. 422 for a value with NaN or infinities, 400 for a bad optimizer or
-    mode, 409 for a name that exists with another shape or dtype, or another mode than the
-    entry states."""
+    mode, 409 for a name that exists with another shape or dtype, or with another optimizer or
+    mode than the entry states (an entry that states none takes the variable as it is)."""
     plans: list[tuple[str, np.ndarray, Optimizer]] = []
     optimizers: dict[Optimizer, Optimizer] = {}
     bounds: list[float] = []
     made_modes: list[Mode] = []
     conflicts: dict[str, dict[str, Any]] = {}
+    settings: dict[str, dict[str, Any]] = {}
     for name, (value, spec, *rest) in entries.items():
         dtype = native(value.dtype)
         fields = rest[0] if rest else None
@@ -137,26 +141,27 @@ def init(
                     "existing": {"shape": list(have.value.shape), "dtype": have.value.dtype.str},
                     "requested": {"shape": list(value.shape), "dtype": dtype.str},
                 }
-            elif fields and (differ := have.mode.conflicts(fields)):
-                conflicts[name] = {
-                    "existing": {k: d["existing"] for k, d in differ.items()},
-                    "requested": {k: d["requested"] for k, d in differ.items()},
-                }
+            else:
+                differ = dict(have.mode.conflicts(fields)) if fields else {}
+                if spec is not None and (stated := _optimizer(name, spec, dtype)) != have.optimizer:
+                    optimizer = {
+                        "existing": have.optimizer.to_wire(),
+                        "requested": stated.to_wire(),
+                    }
+                    differ = {"optimizer": optimizer, **differ}
+                if differ:
+                    settings[name] = {
+                        "existing": {k: d["existing"] for k, d in differ.items()},
+                        "requested": {k: d["requested"] for k, d in differ.items()},
+                    }
+                    if "optimizer" in differ:
+                        settings[name]["existing"]["optimizer_version"] = have.optimizer_version
             continue
         with np.errstate(all="ignore"):
             squares = finite_squares(value)
         if squares is None:
             raise tensor_error(name, "initial value has NaN or infinite entries")
-        try:
-            opt = DEFAULT_OPTIMIZER if spec is None else from_wire(spec)
-            optim.check_settings(opt, dtype)
-        except (ValueError, TypeError) as exc:
-            where = f"optimizer.{exc.field}" if isinstance(exc, SpecError) else "optimizer"
-            raise ShardError(
-                "bad_request",
-                f"{name}: bad optimizer: {exc}",
-                {"variable": name, "field": where},
-            ) from None
+        opt = DEFAULT_OPTIMIZER if spec is None else _optimizer(name, spec, dtype)
         # One object per distinct optimizer of the request (they are immutable): a push
         # to all of a slab's members tells that they share one by identity.
         plans.append((name, value, optimizers.setdefault(opt, opt)))
@@ -165,14 +170,6 @@ def init(
     if conflicts:
         first = next(iter(conflicts))
         c = conflicts[first]
-        if "shape" not in c["existing"]:
-            raise ShardError(
-                "conflict",
-                f"{first!r} already exists with {c['existing']}, not {c['requested']}: a "
-                "variable's training mode is fixed when it is made; use another name, delete "
-                "it first, or init without stating a mode",
-                {"conflicts": conflicts, "field": next(iter(c["existing"]))},
-            )
         raise ShardError(
             "conflict",
             f"{first!r} already exists with shape {c['existing']['shape']} and dtype "
@@ -180,7 +177,48 @@ def init(
             ": use another name, or init with the existing shape and dtype",
             {"conflicts": conflicts},
         )
+    if settings:
+        first = next(iter(settings))
+        c = settings[first]
+        field = next(iter(c["requested"]))  # the optimizer first, then the mode's fields
+        more = f" ({len(settings) - 1} more variable(s) differ too)" if len(settings) > 1 else ""
+        if field == "optimizer":
+            message = (
+                f"{first!r} already exists with optimizer {c['existing']['optimizer']} "
+                f"(optimizer_version {c['existing']['optimizer_version']}), not "
+                f"{c['requested']['optimizer']}: to change it, call set_optimizer "
+                "(ps.set_optimizer([name], spec)); to take it as it is, init without an optimizer"
+            )
+        else:
+            message = (
+                f"{first!r} already exists with {c['existing']}, not {c['requested']}: a "
+                "variable's training mode is fixed when it is made; use another name, delete "
+                "it first, or init without stating a mode"
+            )
+        raise ShardError("conflict", message + more, {"conflicts": settings, "field": field})
     return Init(list(entries), plans, bounds, made_modes)
+
+
+def _optimizer(name: str, spec: Any, dtype: np.dtype) -> Optimizer:
+    """The optimizer a wire spec states, for a variable of ``dtype``: 400 naming the variable
+    and ``optimizer`` (the message names the setting) if it is not a valid one."""
+    try:
+        opt = from_wire(spec)
+        optim.check_settings(opt, dtype)
+    except (ValueError, TypeError) as exc:
+        raise ShardError(
+            "bad_request",
+            f"{name}: bad optimizer: {exc}",
+            {"variable": name, "field": spec_field(exc)},
+        ) from None
+    return opt
+
+
+def spec_field(exc: Exception) -> str:
+    """``details.field`` of a refused optimizer spec: ``optimizer``, or the path of the
+    offending field in it (``optimizer.lr``, ``optimizer.schedule.total``) when known."""
+    field = getattr(exc, "field", None)
+    return f"optimizer.{field}" if isinstance(field, str) and field else "optimizer"
 
 
 # -- push -------------------------------------------------------------------------------------

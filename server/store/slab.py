@@ -66,7 +66,10 @@ class Slab:
     value, or a big push computes it off the loop into new memory while readers go on reading
     the old value: Adagrad's) moves the value to fresh memory and the variable is *away*; the
     first update after every reader of the row has let go of it brings the value home again
-    (:meth:`Variable.target`). The block goes out whole only while every member is home."""
+    (:meth:`Variable.target`). The block goes out whole only while every member is home.
+
+    A deleted member leaves its row empty (``None`` in ``members``, :meth:`leave`): the block
+    is then never again sent or updated whole, and its memory is freed with its last member."""
 
     __slots__ = ("memory", "address", "stride", "members", "away", "_rows")
 
@@ -74,7 +77,7 @@ class Slab:
         self.memory = np.empty(count * stride, np.uint8)
         self.address = self.memory.ctypes.data
         self.stride = stride
-        self.members: list[Variable] = []
+        self.members: list[Variable | None] = []
         self.away = 0
         self._rows: np.ndarray | None = None
 
@@ -90,6 +93,10 @@ class Slab:
     def row(self, i: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """The writable array over row ``i``."""
         return np.asarray(_Mem(self.address + i * self.stride, shape, dtype.str, False, self))
+
+    def leave(self, var: Variable) -> None:
+        """``var``, a member, is deleted: its row stays empty."""
+        self.members[var._row] = None
 
     def owns(self, array: np.ndarray) -> bool:
         """Whether ``array`` is one of this slab's rows (made by :meth:`row`)."""

@@ -13,9 +13,10 @@ rule that lets updates write in place without a reader ever seeing its bytes cha
   writes in place, about twice as fast as writing to fresh memory. Pulls cost no copy, and an
   update after a pull no extra pass. :meth:`Variable.target` says where the next value goes;
   :meth:`Variable.replace` makes it the value.
-* **Snapshots see one instant.** :meth:`Variable.frozen` hands out read-only views of the value
-  and the slots at once; the value's next updates go to fresh memory while they are held, and
-  the slots are copied before the next update writes them (:meth:`Variable.own_state`).
+* **Snapshots see one instant.** :meth:`Variable.snapshot_views` hands out read-only views of
+  the value and the slots at once; the value's next updates go to fresh memory while they are
+  held, and the slots are copied before the next update writes them
+  (:meth:`Variable.own_state`).
 * A variable made by one init with others of its dtype and shape lives in a row of their shared
   block of memory (:mod:`server.store.slab`): it leaves the row while a reader holds it and comes
   back at the first update after every reader let go.
@@ -98,7 +99,9 @@ class Variable:
     applied gradients only; ``steps`` counts the gradients the current optimizer has applied
     (its next update is number ``steps + 1``: Adam's bias correction and the learning-rate
     schedules read it; a change of optimizer type starts it again at 0). ``kind`` is
-    ``"tensor"`` (made by init) or ``"counter"`` (made by increment).
+    ``"tensor"`` (made by init) or ``"counter"`` (made by increment). ``optimizer_version`` goes
+    up by one per change of the optimizer or of ``frozen`` (set_optimizer,
+    :mod:`server.store.optimizer_change`); a frozen variable refuses pushes.
     """
 
     name: str
@@ -112,6 +115,8 @@ class Variable:
     created_at: float = field(default_factory=time.time)
     last_update: float | None = None
     last_writer: str | None = None
+    optimizer_version: int = 0
+    frozen: bool = False
     shared: bool = False
     state_shared: bool = False
     #: At least the largest magnitude in the value, and in its optimizer slots (Adagrad's
@@ -180,7 +185,7 @@ class Variable:
 
     def held(self) -> bool:
         """True if a reader may still hold the current value: the view :meth:`export` handed
-        out (or :meth:`frozen`'s views) is referenced from anywhere but this variable, or
+        out (or :meth:`snapshot_views`'s views) is referenced from anywhere but this variable, or
         anything made from it (a memoryview waiting to be written to a socket, a numpy view,
         whose base is the value itself). CPython-specific (reference counts; see
         :data:`REFCOUNTS`): elsewhere, True once the value was handed out."""
@@ -250,7 +255,7 @@ class Variable:
             self.state_shared = False
         return self.state
 
-    def frozen(self) -> dict[str, np.ndarray]:
+    def snapshot_views(self) -> dict[str, np.ndarray]:
         """Read-only views of the value (key ``"value"``), the optimizer slots and an open sync
         round's sum (key ``"round"``), which no later update touches while they are held (the
         value's next updates go to fresh memory while they are; the slots are copied at the
@@ -299,6 +304,8 @@ class Variable:
             "updates": self.updates,
             "steps": self.steps,
             "optimizer": self.optimizer.to_wire(),
+            "optimizer_version": self.optimizer_version,
+            "frozen": self.frozen,
             "created_at": self.created_at,
             "last_update": self.last_update,
             "last_writer": self.last_writer,
@@ -335,6 +342,8 @@ class Variable:
             "updates": self.updates,
             "steps": self.steps,
             "optimizer": self.optimizer.to_wire(),
+            "optimizer_version": self.optimizer_version,
+            "frozen": self.frozen,
             "created_at": self.created_at,
             "last_update": self.last_update,
             "last_writer": self.last_writer,

@@ -40,11 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from client_sdk import wire
 from client_sdk.modes import ASYNC
 from client_sdk.placement import shard_for, validate_name
 
 from ..errors import ShardError
-from . import apply, modes, operations, waiters
+from . import apply, deletion, modes, operations, optimizer_change, waiters
 from .dedup import MAX_RESULTS, DedupTable
 from .rounds import Deadlines, RoundStats
 from .slab import into_slabs
@@ -130,6 +131,11 @@ class ParameterStore:
         #: check here), and when each open sync round times out (:meth:`close_due_rounds`).
         self._moded = 0
         self.deadlines = Deadlines()
+        #: How many variables are frozen: while none is, a push looks at no variable's flag.
+        self._frozen = 0
+        #: Deletes so far: a push that waited for another to finish looks its names up again
+        #: when this moved meanwhile.
+        self._deletions = 0
 
     # -- names ------------------------------------------------------------------------------
 
@@ -278,6 +284,8 @@ class ParameterStore:
         operations.check_values(op)
         if self._seen("push", op.worker_id, op.seq):
             return self._duplicates(op.variables)
+        if self._frozen:
+            self._refuse_frozen(op.variables)
         if moded:
             return self._push_moded(op)
         apply.push(op)
@@ -313,13 +321,20 @@ class ParameterStore:
         after it, never a torn one.
         """
         variables = self._checked(grads)
-        await self._off_loop.settled(variables)
+        while True:
+            deletions = self._deletions
+            await self._off_loop.settled(variables)
+            if self._deletions == deletions:
+                break
+            variables = self._checked(grads)  # a delete ran meanwhile: 404 if it was one of ours
         op = operations.push(variables, worker_id, seq, grads, versions, finite, block)
         moded = bool(self._moded) and modes.check_request(op)
         if moded or op.nbytes < apply.OFFLOAD_BYTES:  # a moded push: on the loop, whole
             return self._push_now(op, moded)
         if self._seen("push", worker_id, seq):
             return self._duplicates(variables)
+        if self._frozen:
+            self._refuse_frozen(variables)
         await self._off_loop.push(op)
         return self._applied(op)
 
@@ -395,6 +410,152 @@ class ParameterStore:
         if record is not None and record.status(seq) == "duplicate":
             raise _result_dropped(worker_id, seq, record.high)
         raise _expired("increment", worker_id, seq, record.high if record else -1)
+
+    async def set_optimizer(
+        self,
+        worker_id: str,
+        seq: int,
+        *,
+        names: list[str] | None = None,
+        prefix: str | None = None,
+        optimizer: Any = None,
+        frozen: bool | None = None,
+        max_matched: int = wire.MAX_REQUEST_NAMES,
+    ) -> dict[str, dict[str, Any]]:
+        """Give the variables of ``names`` (400/421/404 as for a push), or every tensor
+        variable whose name starts with ``prefix`` (at most ``max_matched`` of them, else
+        413), the optimizer of the wire spec ``optimizer`` and/or the frozen state ``frozen``;
+        once per ``(worker_id, seq)`` (docs/PROTOCOL.md §3). Coroutine: first waits until no
+        push writes one of them off the loop."""
+        variables = await self._settled_targets(names, prefix, max_matched, counters=False)
+        op = optimizer_change.build(variables, worker_id, seq, optimizer, frozen)
+        if self._seen("set_optimizer", worker_id, seq):
+            return {var.name: self._optimizer_entry(var, "duplicate", None) for var in variables}
+        before = sum(var.nbytes for var in variables)
+        was_frozen = sum(var.frozen for var in variables)
+        slots = optimizer_change.apply(op, variables)
+        self._nbytes += sum(var.nbytes for var in variables) - before
+        self._frozen += sum(var.frozen for var in variables) - was_frozen
+        self.mutations += 1
+        self.dedup.record(worker_id, seq)
+        return {
+            var.name: self._optimizer_entry(var, "applied", kept)
+            for var, kept in zip(variables, slots)
+        }
+
+    @staticmethod
+    def _optimizer_entry(var: Variable, status: str, slots: str | None) -> dict[str, Any]:
+        return {
+            "status": status,
+            "version": var.version,
+            "optimizer": var.optimizer.to_wire(),
+            "optimizer_version": var.optimizer_version,
+            "frozen": var.frozen,
+            "slots": slots,
+        }
+
+    async def delete(
+        self,
+        worker_id: str,
+        seq: int,
+        *,
+        names: list[str] | None = None,
+        prefix: str | None = None,
+        max_matched: int = wire.MAX_REQUEST_NAMES,
+    ) -> dict[str, Any]:
+        """Remove the variables of ``names`` that exist (names still checked: 400, 421), or
+        every variable whose name starts with ``prefix`` (at most ``max_matched``, else 413),
+        counters included; once per ``(worker_id, seq)``. 409 while a sync round is open on
+        one. Coroutine: first waits until no push writes one of them off the loop."""
+        variables = await self._settled_targets(
+            names, prefix, max_matched, counters=True, missing_ok=True
+        )
+        if self._seen("delete", worker_id, seq):
+            return {"status": "duplicate", "deleted": []}
+        op = deletion.build(variables, worker_id, seq)
+        known = self._vars
+        for var in variables:
+            del known[var.name]
+            self._nbytes -= var.nbytes
+            self._state_version -= var.version
+            self._frozen -= var.frozen
+            if var.mode is not ASYNC:
+                self._moded -= 1
+            deletion.release(var)
+        self._deletions += 1
+        self.mutations += 1
+        self.dedup.record(worker_id, seq)
+        if self.waiters.waiting:  # a poll on a deleted variable answers 404 at once
+            self.waiters.wake(list(op.names))
+        return {"status": "applied", "deleted": list(op.names)}
+
+    async def _settled_targets(
+        self,
+        names: list[str] | None,
+        prefix: str | None,
+        max_matched: int,
+        *,
+        counters: bool,
+        missing_ok: bool = False,
+    ) -> list[Variable]:
+        """The variables a request names (checked: 400, 421, and 404 unless ``missing_ok``,
+        which leaves unknown names out) or its prefix matches (:meth:`_matching`), once no
+        push writes one of them off the loop; with no ``await`` between the last look and the
+        return."""
+        while True:
+            if prefix is not None:
+                variables = self._matching(prefix, max_matched, counters)
+            elif missing_ok:
+                known = self._vars
+                checked = self.check_names(names or [])
+                variables = [known[n] for n in dict.fromkeys(checked) if n in known]
+            else:
+                variables = self._existing(dict.fromkeys(self.check_names(names or [])))
+            if not any(var.writing is not None for var in variables):
+                return variables
+            await self._off_loop.settled(variables)
+
+    def _matching(self, prefix: str, max_matched: int, counters: bool) -> list[Variable]:
+        """Every variable whose name starts with ``prefix`` (tensors only, unless
+        ``counters``), in the order they were made. A look at every name the shard holds: a
+        prefix is for changing or removing a run, not for a training step. 400 for an empty
+        prefix or one no name can start with; 413 past ``max_matched``."""
+        if not prefix:
+            raise ShardError(
+                "bad_request",
+                "an empty 'prefix' would match every variable of the fleet, so it is refused: "
+                "to change or delete them all, name them (GET /v1/variables lists them)",
+                {"field": "prefix"},
+            )
+        try:
+            validate_name(prefix)
+        except ValueError:
+            raise ShardError(
+                "bad_request",
+                f"'prefix' {prefix[:40]!r}: a prefix is the start of variable names, 1-256 "
+                "characters of A-Z a-z 0-9 _ . : / -",
+                {"field": "prefix"},
+            ) from None
+        found = [
+            var
+            for name, var in self._vars.items()
+            if name.startswith(prefix) and (counters or var.kind != "counter")
+        ]
+        if len(found) > max_matched:
+            raise ShardError(
+                "too_large",
+                f"'prefix' {prefix!r} matches {len(found)} variables on shard {self.shard_index}, "
+                f"more than one request may change ({max_matched}, --max-request-names): name "
+                f"them in lists of at most {max_matched} (GET /v1/variables lists them)",
+                {"limit": max_matched, "matched": len(found), "field": "prefix"},
+            )
+        return found
+
+    def _refuse_frozen(self, variables: list[Variable]) -> None:
+        """409 ``frozen`` if one of ``variables`` is frozen."""
+        frozen = [var.name for var in variables if var.frozen]
+        if frozen:
+            raise optimizer_change.frozen_error(frozen)
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -536,7 +697,9 @@ class ParameterStore:
             num_shards=self.num_shards,
             state_version=self._state_version,
             mutations=self.mutations,
-            variables={name: (var.meta(), var.frozen()) for name, var in self._vars.items()},
+            variables={
+                name: (var.meta(), var.snapshot_views()) for name, var in self._vars.items()
+            },
             dedup=self.dedup.export(),
         )
 
@@ -547,6 +710,7 @@ class ParameterStore:
         versions; the table keeps this store's bounds (:meth:`DedupTable.bound`)."""
         self._vars.clear()
         self._nbytes = 0
+        self._frozen = 0
         variables = list(variables)
         into_slabs(variables)
         self._moded = 0
@@ -567,6 +731,7 @@ class ParameterStore:
     def _add(self, var: Variable) -> None:
         self._vars[var.name] = var
         self._nbytes += var.nbytes
+        self._frozen += var.frozen
         self.mutations += 1
         if var.mode is not ASYNC:
             self._moded += 1

@@ -531,6 +531,8 @@ def test_push_with_a_gradient_table(fleet2, http):
         wire.FEATURE_PACKED,
         wire.FEATURE_COUNTER_KIND,
         wire.FEATURE_POLL,
+        wire.FEATURE_SET_OPTIMIZER,
+        wire.FEATURE_DELETE,
     ]
 
 
