@@ -403,3 +403,25 @@ def test_a_restart_keeps_changes_and_does_not_bring_deleted_variables_back(fleet
     refused(url, "push", {"grads": {frozen: np.ones(4)}, **writer()}, 409, "frozen")
     # The dedup table came back too: the delete's retry is known.
     assert ok(url, "delete", retried) == {"status": "duplicate", "deleted": []}
+
+
+def test_a_delete_ends_a_poll_waiting_on_the_variable_with_404(url):
+    name = fresh("polled")
+    init(url, {name: W0})
+    answers: list[tuple[int, Any]] = []
+    thread = threading.Thread(
+        target=lambda: answers.append(
+            post(url, "poll", {"names": [name], "versions": {name: 0}, "timeout": 25.0})
+        ),
+        daemon=True,
+    )
+    thread.start()
+    for _ in range(200):  # until the poll waits (/v1/cluster counts it), at most ~10 s
+        if httpx2.get(f"{url}/v1/cluster").json()["polls_waiting"]:
+            break
+        thread.join(0.05)
+    ok(url, "delete", {"names": [name], **writer()})
+    thread.join(20.0)  # well before the poll's own timeout of 25 s
+    assert not thread.is_alive(), "the delete did not end the poll"
+    status, reply = answers[0]
+    assert (status, reply["error"]["code"]) == (404, "not_found"), reply
