@@ -3,7 +3,8 @@ carries, before anything is sent.
 
 Variable names (:func:`valid_name`, :func:`names`), ``{name: array-like}`` maps (:func:`arrays`,
 each value by :func:`as_array`: a C-contiguous ndarray of a dtype the protocol has a name for),
-optimizer specs (:func:`optimizer_specs`) and training modes (:func:`mode`). A bad argument is a
+optimizer specs (:func:`optimizer_specs`), training modes (:func:`mode`) and the names-or-prefix
+of the verbs that change or remove variables (:func:`target`). A bad argument is a
 :class:`BadRequestError` or :class:`BadTensorError` that says what to pass instead. Names are
 placed on their shard as they are checked (:meth:`Fleet.place <client_sdk._fleet.Fleet.place>`
 remembers both, so a name used every step is checked once).
@@ -27,7 +28,7 @@ from .placement import validate_name
 if TYPE_CHECKING:
     from ._fleet import Fleet
 
-__all__ = ["arrays", "as_array", "mode", "names", "optimizer_specs", "valid_name"]
+__all__ = ["arrays", "as_array", "mode", "names", "optimizer_specs", "target", "valid_name"]
 
 
 def valid_name(name: Any) -> str:
@@ -153,3 +154,29 @@ def mode(sync: Any, max_staleness: Any, staleness_policy: Any) -> Mode:
         return Mode(sync, max_staleness, staleness_policy)
     except ModeError as exc:
         raise BadRequestError(f"init: {exc}", details={"field": exc.field}) from None
+
+
+def target(target: Any, verb: str, fleet: Fleet) -> tuple[list[str] | None, str | None]:
+    """``(names, None)`` for a list of names (checked, placed), ``(None, prefix)`` for a string:
+    the start of the names to match on every shard. An empty prefix would match every variable
+    of the fleet: refused, as the shards refuse it."""
+    if isinstance(target, str):
+        if not target:
+            raise BadRequestError(
+                f"{verb}: an empty prefix would match every variable of the fleet, so it is "
+                "refused: name the variables instead (ps.variables() lists them)"
+            )
+        try:
+            validate_name(target)
+        except ValueError:
+            raise BadRequestError(
+                f"{verb}: prefix {target[:40]!r} is not the start of any variable name "
+                "(1-256 characters of A-Z a-z 0-9 _ . : / -)"
+            ) from None
+        return None, target
+    if isinstance(target, bytes) or not isinstance(target, Iterable):
+        raise BadRequestError(
+            f"{verb} takes a list of variable names, or a string: the prefix of the names to "
+            f"match (e.g. {verb}('run1/')); got {type(target).__name__}"
+        )
+    return names(target, verb, fleet), None

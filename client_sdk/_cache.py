@@ -162,6 +162,22 @@ class VersionCache:
                 known.clear()
             known.update((name, (a.shape, a.dtype)) for name, a in arrays.items())
 
+    def forget(self, names: Iterable[str] = (), prefix: str | None = None) -> None:
+        """Forget the values and layouts of ``names``, and of every name starting with
+        ``prefix`` (variables deleted: one made again under the name starts over at version
+        0, so a cached version of the old one must not be offered)."""
+        names = list(names)
+        with self._lock:
+            entries, known = self.entries, self._known
+            if prefix is not None:
+                names += [k for k in entries if k.startswith(prefix)]
+                names += [k for k in known if k.startswith(prefix)]
+            for name in names:
+                entries.pop(name, None)
+                known.pop(name, None)
+            self._sizes.clear()
+            self._writes += 1
+
     def drop_shard(self, shard: int) -> None:
         """Forget the values, and the layouts initialised, of variables placed on ``shard``
         (it restarted)."""

@@ -11,7 +11,8 @@
     │   ├── BadRequestError        400, 413, 415: a malformed request
     │   ├── AuthError              401, 403
     │   ├── UnknownVariableError   404
-    │   ├── ConflictError          409: init with another shape/dtype/kind
+    │   ├── ConflictError          409: init with another shape/dtype/kind or optimizer
+    │   │   └── FrozenError          409: a push to a frozen variable (set_optimizer)
     │   └── BadTensorError         422: wrong shape/dtype, non-finite values
     ├── ServerError              a 5xx other than 503 (a bug in the shard: please report it)
     ├── NotReadyError            wait_ready timed out; ``missing`` names what never appeared
@@ -32,6 +33,7 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "FleetMismatchError",
+    "FrozenError",
     "NotReadyError",
     "OverloadedError",
     "PSError",
@@ -108,6 +110,12 @@ class ConflictError(RequestRejectedError):
     pass
 
 
+class FrozenError(ConflictError):
+    """A push named a frozen variable (``details["frozen"]`` lists which); nothing of it was
+    applied. Leave them out of the push, or unfreeze them: ``ps.set_optimizer(names,
+    frozen=False)``."""
+
+
 class BadTensorError(RequestRejectedError):
     pass
 
@@ -146,7 +154,14 @@ STATUS_ERRORS: dict[int, type[PSError]] = {
 }
 
 
-def error_for_status(status: int) -> type[PSError]:
+#: The protocol's code of a rejection -> the class raised for it, where its status's class is
+#: not specific enough.
+CODE_ERRORS: dict[str, type[PSError]] = {"frozen": FrozenError}
+
+
+def error_for_status(status: int, code: str | None = None) -> type[PSError]:
+    if code in CODE_ERRORS:
+        return CODE_ERRORS[code]
     if status in STATUS_ERRORS:
         return STATUS_ERRORS[status]
     if 400 <= status < 500:

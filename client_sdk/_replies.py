@@ -107,7 +107,7 @@ def error(
         details = dict(err["details"]) if isinstance(err.get("details"), Mapping) else {}
     else:
         code, message, details = None, "", {}
-    cls = error_for_status(status)
+    cls = error_for_status(status, code)
     if not message:
         message = (
             f"HTTP {status} without a paramshard error body: is {url} a paramshard "

@@ -306,6 +306,44 @@ class PSClient:
         """
         return self._drive(_verbs.assign(self._core, values))
 
+    def set_optimizer(
+        self,
+        names_or_prefix: Sequence[str] | str,
+        spec: Optimizer | None = None,
+        *,
+        frozen: bool | None = None,
+    ) -> dict[str, dict[str, Any]]:
+        """Change how pushes update variables: their optimizer, or whether they are frozen.
+        Blocks.
+
+        ``names_or_prefix`` is a list of names, or a string: every variable whose name starts
+        with it, on every shard (counters excepted; ``""`` is refused: it would be all of
+        them). ``spec`` replaces the optimizer from the next push on: of the variable's type,
+        its slots (Adam's moments, Adagrad's accumulator) and step count are kept; of another
+        type, they start over. ``frozen=True`` makes every push naming the variable raise
+        :class:`FrozenError` (nothing of it applied) until ``frozen=False``; :meth:`assign`
+        still writes it. The value is not touched. Returns name -> ``{"status", "version",
+        "optimizer", "optimizer_version", "frozen", "slots"}`` (``slots``: ``"kept"`` or
+        ``"reset"``). Raises :class:`UnknownVariableError` for a name that does not exist,
+        :class:`ConflictError` for a counter, :class:`BadRequestError` for a spec a variable
+        cannot take; nothing changes on that shard then. Retried like a push: applied once.
+        """
+        return self._drive(_verbs.set_optimizer(self._core, names_or_prefix, spec, frozen))
+
+    def delete(self, names_or_prefix: Sequence[str] | str) -> list[str]:
+        """Remove variables (to start a run over) and return the names removed, sorted.
+        Blocks.
+
+        ``names_or_prefix`` is a list of names, or a string: every variable whose name starts
+        with it, on every shard, counters included (``""`` is refused). A name that does not
+        exist is not an error: it is not in the result. A variable made again under a removed
+        name starts afresh (version 0, the new init's value and optimizer); this client forgets
+        what it cached of them. Raises :class:`ConflictError` while a sync round is open on
+        one (nothing removed on that shard: retry once it closed). Retried like a push: applied
+        once (a retry that finds its first attempt applied returns nothing for that shard).
+        """
+        return self._drive(_verbs.delete(self._core, names_or_prefix))
+
     def variables(self) -> list[dict[str, Any]]:
         """Summaries of every variable on every shard (``GET /v1/variables``), sorted by name,
         each with the index of its ``shard``. Blocks."""
@@ -497,6 +535,20 @@ class AsyncPSClient:
     async def assign(self, values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.assign`."""
         return await self._drive(_verbs.assign(self._core, values))
+
+    async def set_optimizer(
+        self,
+        names_or_prefix: Sequence[str] | str,
+        spec: Optimizer | None = None,
+        *,
+        frozen: bool | None = None,
+    ) -> dict[str, dict[str, Any]]:
+        """See :meth:`PSClient.set_optimizer`."""
+        return await self._drive(_verbs.set_optimizer(self._core, names_or_prefix, spec, frozen))
+
+    async def delete(self, names_or_prefix: Sequence[str] | str) -> list[str]:
+        """See :meth:`PSClient.delete`."""
+        return await self._drive(_verbs.delete(self._core, names_or_prefix))
 
     async def variables(self) -> list[dict[str, Any]]:
         """See :meth:`PSClient.variables`."""

@@ -16,11 +16,13 @@ drives it (``return self._drive(_verbs.name(self._core, ...))``, ``await``-ed in
 
 from .assign import assign
 from .checkpoint import checkpoint
+from .delete import delete
 from .increment import increment
 from .init import init
 from .poll import poll
 from .pull import pull
 from .push import PushJob, check_push, merge_push, prepare_push, push
+from .set_optimizer import set_optimizer
 from .variables import variables
 from .wait import wait
 
@@ -29,6 +31,7 @@ __all__ = [
     "assign",
     "check_push",
     "checkpoint",
+    "delete",
     "increment",
     "init",
     "merge_push",
@@ -36,6 +39,7 @@ __all__ = [
     "prepare_push",
     "pull",
     "push",
+    "set_optimizer",
     "variables",
     "wait",
 ]

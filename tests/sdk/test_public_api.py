@@ -46,6 +46,8 @@ def test_every_exported_class_is_documented_and_every_error_is_a_pserror():
             "assign",
             "variables",
             "checkpoint",
+            "set_optimizer",
+            "delete",
             "close",
         ):
             method = getattr(cls, verb)
@@ -61,6 +63,8 @@ def test_every_exported_class_is_documented_and_every_error_is_a_pserror():
             "assign",
             "variables",
             "checkpoint",
+            "set_optimizer",
+            "delete",
             "close",
         ):
             is_async = inspect.iscoroutinefunction(getattr(cls, verb))
