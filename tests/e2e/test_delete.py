@@ -8,12 +8,10 @@ over raw HTTP are in tests/shard/test_set_optimizer_and_delete.py.
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 import numpy as np
 import pytest
 
-import client_sdk
 from client_sdk import (
     AsyncPSClient,
     BadRequestError,
@@ -21,6 +19,7 @@ from client_sdk import (
     PSClient,
     UnknownVariableError,
 )
+from client_sdk.modes import Sync
 from client_sdk.optimizers import SGD, Adagrad
 from client_sdk.placement import shard_for
 from tests.conftest import Fleet, OnLoop, http_json
@@ -136,21 +135,12 @@ def test_the_sdk_refuses_an_empty_prefix_before_sending(ps):
         ps.delete(None)
 
 
-# -- with sync rounds and blocking pulls (issue 16 items 3 and 5) --------------------------------
-
-
-def _sync_spec() -> Any:
-    for where in (client_sdk, getattr(client_sdk, "modes", None), client_sdk.optimizers):
-        spec = getattr(where, "Sync", None)
-        if spec is not None:
-            return spec
-    pytest.skip("sync mode (client_sdk Sync) is not in this tree")
+# -- with sync rounds ------------------------------------------------------------------------------
 
 
 def test_a_variable_with_an_open_sync_round_is_not_deleted(ps):
-    sync = _sync_spec()
     name = fresh("sync")
-    ps.init({name: W0}, sync=sync(replicas=2, timeout=30.0))
+    ps.init({name: W0}, sync=Sync(replicas=2, timeout=30.0))
     ps.pull([name])
     assert ps.push({name: np.ones(8)})[name]["status"] == "accepted"  # the round is open
 
