@@ -49,6 +49,16 @@ def fresh(prefix: str = "v") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
+def beside(name: str, prefix: str) -> str:
+    """A fresh name on ``name``'s shard (a shard refuses its part of a request whole; the
+    others apply theirs)."""
+    return next(
+        n
+        for n in (fresh(prefix) for _ in range(100))
+        if shard_for(n, SHARDS) == shard_for(name, SHARDS)
+    )
+
+
 def shown(urls: list[str], name: str) -> dict[str, Any]:
     """``GET /v1/variables/{name}`` of the shard that owns it."""
     return http_json(f"{urls[shard_for(name, len(urls))]}/v1/variables/{name}")
@@ -142,7 +152,8 @@ def test_the_asyncio_client_changes_optimizers_too(fleet3):
 
 
 def test_a_frozen_variable_refuses_pushes_whole_until_unfrozen(ps, fleet3):
-    frozen, other = fresh("frozen"), fresh("other")
+    frozen = fresh("frozen")
+    other = beside(frozen, "other")
     ps.init({frozen: W0, other: W0}, optimizer=SGD(lr=0.1))
     result = ps.set_optimizer([frozen], frozen=True)
     assert result[frozen]["frozen"] is True
@@ -249,11 +260,7 @@ def test_a_restart_keeps_the_optimizer_its_slots_its_version_and_frozen(fleet_fa
 
 def test_init_stating_another_optimizer_is_a_conflict_naming_set_optimizer(ps, fleet3):
     name = fresh("exists")
-    new = next(  # on the same shard: a shard refuses its part of an init whole
-        n
-        for n in (fresh("new") for _ in range(100))
-        if shard_for(n, SHARDS) == shard_for(name, SHARDS)
-    )
+    new = beside(name, "new")
     ps.init({name: W0}, optimizer=Adagrad(lr=0.1))
 
     with pytest.raises(ConflictError) as info:
@@ -285,14 +292,15 @@ def test_init_stating_another_optimizer_is_a_conflict_naming_set_optimizer(ps, f
 
 
 def test_a_counter_has_no_optimizer_and_an_unknown_name_none_either(ps, fleet3):
-    counter, name = fresh("counter"), fresh("real")
+    counter = fresh("counter")
+    name = beside(counter, "real")
     ps.increment(counter)
     ps.init({name: W0}, optimizer=SGD(lr=0.1))
     with pytest.raises(ConflictError) as info:
         ps.set_optimizer([counter, name], SGD(lr=0.5))
     assert info.value.details["kind"] == "counter"
     with pytest.raises(UnknownVariableError):
-        ps.set_optimizer([fresh("missing"), name], SGD(lr=0.5))
+        ps.set_optimizer([beside(name, "missing"), name], SGD(lr=0.5))
     assert shown(fleet3.urls, name)["optimizer"]["lr"] == 0.1
 
 
