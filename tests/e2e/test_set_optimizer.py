@@ -25,7 +25,7 @@ from client_sdk import (
     PushError,
     UnknownVariableError,
 )
-from client_sdk.optimizers import SGD, Adagrad
+from client_sdk.optimizers import SGD, Adagrad, Adam, Cosine
 from client_sdk.placement import shard_for
 from tests.conftest import Fleet, OnLoop, http_json
 
@@ -122,6 +122,39 @@ def test_another_type_resets_the_slots_and_the_reply_says_so(ps):
     (step,) = steps(ps, name, [G2])
     (fresh_step,) = steps(ps, first_step, [G2])
     np.testing.assert_allclose(step, fresh_step, rtol=1e-12, atol=1e-15)
+
+
+def test_adam_with_a_lower_rate_goes_on_from_its_moments_and_step_count(ps, fleet3):
+    changed, reference = fresh("adam"), fresh("adam-reference")
+    ps.init({changed: W0, reference: W0}, optimizer=Adam(lr=1e-3))
+    steps(ps, changed, [G1])
+    steps(ps, reference, [G1])
+
+    result = ps.set_optimizer([changed], Adam(lr=5e-4))
+
+    assert result[changed]["slots"] == "kept"
+    assert shown(fleet3.urls, changed)["steps"] == 1
+    (step,) = steps(ps, changed, [G2])
+    (ref_step,) = steps(ps, reference, [G2])  # same moments, same bias correction
+    np.testing.assert_allclose(step, 0.5 * ref_step, rtol=1e-9, atol=0)
+    assert shown(fleet3.urls, changed)["steps"] == 2
+
+
+def test_the_step_count_restarts_with_another_type_and_a_new_schedule_takes_it_up(ps, fleet3):
+    name = fresh("count")
+    ps.init({name: W0}, optimizer=Adam(lr=1e-3))
+    steps(ps, name, [G1, G2])
+    scheduled = Adam(lr=1e-3, schedule=Cosine(total=100, warmup=10))
+    assert ps.set_optimizer([name], scheduled)[name]["slots"] == "kept"
+    assert shown(fleet3.urls, name)["steps"] == 2
+    assert shown(fleet3.urls, name)["optimizer"]["schedule"]["type"] == "cosine"
+
+    assert ps.set_optimizer([name], SGD(lr=0.1, momentum=0.9))[name]["slots"] == "reset"
+    assert shown(fleet3.urls, name)["steps"] == 0
+    # SGD gaining nothing, then losing its momentum: the same type, the buffer dropped.
+    steps(ps, name, [G1])
+    assert ps.set_optimizer([name], SGD(lr=0.1))[name]["slots"] == "kept"
+    assert shown(fleet3.urls, name)["steps"] == 1
 
 
 def test_asking_for_what_the_variable_has_changes_nothing(ps, fleet3):
