@@ -7,6 +7,7 @@ tests/e2e/test_set_optimizer.py and tests/e2e/test_delete.py.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import uuid
 from typing import Any
@@ -425,3 +426,40 @@ def test_a_delete_ends_a_poll_waiting_on_the_variable_with_404(url):
     assert not thread.is_alive(), "the delete did not end the poll"
     status, reply = answers[0]
     assert (status, reply["error"]["code"]) == (404, "not_found"), reply
+
+
+def test_a_reshard_keeps_changes_and_leaves_deleted_variables_out(tmp_path):
+    """In this process: a snapshot of a store after set_optimizer and delete, resharded onto two
+    shards, comes back with each variable's optimizer, optimizer_version and frozen state."""
+    from server import persistence
+    from server.reshard import reshard
+    from server.store import ParameterStore
+
+    store = ParameterStore(0, 1)
+    names = [f"r/{i}" for i in range(6)]
+    adagrad = {"type": "adagrad", "lr": 0.1}
+    store.init({n: (np.full(3, float(i)), adagrad) for i, n in enumerate(names)})
+    store.push("w", 1, {n: np.ones(3) for n in names})
+
+    async def change() -> None:
+        await store.set_optimizer("w", 2, names=[names[0]], frozen=True)
+        await store.set_optimizer("w", 3, names=[names[1]], optimizer=SGD)
+        await store.delete("w", 4, names=[names[2]])
+
+    asyncio.run(change())
+    capture = store.capture()
+    persistence.write_snapshot(tmp_path / "one", 1, capture, incarnation="x", checkpoint="ck")
+    reshard([tmp_path / "one"], tmp_path / "two", 2, checkpoint="ck")
+    held = {
+        v.name: v
+        for j in range(2)
+        for v in persistence.find_restorable(tmp_path / "two" / f"shard-{j}", j, 2).variables
+    }
+    assert sorted(held) == sorted(set(names) - {names[2]})
+    assert (held[names[0]].frozen, held[names[0]].optimizer_version) == (True, 1)
+    assert held[names[1]].optimizer.to_wire()["type"] == "sgd"
+    assert (held[names[1]].optimizer_version, held[names[1]].state) == (1, {})
+    assert (held[names[3]].frozen, held[names[3]].optimizer_version) == (False, 0)
+    np.testing.assert_array_equal(
+        held[names[3]].state["accumulator"], store.get(names[3]).state["accumulator"]
+    )
