@@ -6,9 +6,14 @@ the web stack (tests/test_import_contracts.py): it is the shard's state, usable 
 
 Where each concept lives:
 
-* ``verbs``: :class:`ParameterStore`, the API the routes call: names and ownership, each write
-  run through its steps (check, dedup, build, apply, count), pulls, waits, snapshots' capture
-  and restore.
+* ``verbs``: :class:`ParameterStore`, the API the routes call: the union of the verb groups
+  below, and snapshots' capture and restore.
+* ``state``: what the verbs share: the variables and their counts, names and ownership, the
+  dedup check, the bookkeeping of a variable made or changed.
+* ``reads``: pull, wait, poll, and the waits a route awaits while a big push is applied.
+* ``writes``: init, push, assign, increment, each run through its steps (check, dedup, build,
+  apply, count); the close of timed-out sync rounds.
+* ``control``: set_optimizer and delete, by names or prefix, around their operations.
 * ``operations``: the writes as operations (init, push, assign, increment), each checked whole
   and built before anything changes; why the steps run in their order.
 * ``optimizer_change``: set_optimizer, a variable's optimizer changed or the variable frozen,
@@ -40,8 +45,9 @@ from __future__ import annotations
 from .checks import SCAN_FROM, FiniteScan, finite_rows
 from .dedup import MAX_SEQ, DedupTable
 from .operations import COUNTER_KINDS, DEFAULT_OPTIMIZER
+from .reads import MAX_WAIT_SECONDS, PullRows
 from .variable import Variable
-from .verbs import MAX_WAIT_SECONDS, Capture, ParameterStore, PullRows
+from .verbs import Capture, ParameterStore
 from .waiters import MAX_POLL_SECONDS
 
 __all__ = [

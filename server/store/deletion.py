@@ -4,7 +4,7 @@
 :class:`Delete`, the one operation that removes them: the request's ``worker_id`` and ``seq``
 and the names it removes (a prefix resolved to them; names the shard does not hold are left
 out: deleting what is not there succeeds, removing nothing). The store removes them from its
-table and its counts (:meth:`ParameterStore.delete <server.store.verbs.ParameterStore.delete>`),
+table and its counts (:meth:`Control.delete <server.store.control.Control.delete>`),
 after :func:`release` has let go of what each one held that others share.
 
 A variable whose sync round is open is not deleted (409 ``conflict``): the gradients the round

@@ -19,7 +19,8 @@ the function of the same name here, then applied by :mod:`server.store.apply`:
 A builder refuses (:class:`~server.errors.ShardError`, nothing changed) or returns the
 operation, which then holds everything its application needs: the variables it writes, in the
 request's order, its tensors (cast where that was checked), its ``worker_id`` and ``seq``.
-``ParameterStore`` (:mod:`server.store.verbs`) runs every write in the same order:
+``ParameterStore`` (:mod:`server.store.writes` and :mod:`server.store.control`) runs every
+write in the same order:
 
 1. check what a retry of the request would find the same: names and ownership, fields, and
    tensors against the variables' dtypes and shapes (which never change);
