@@ -1,6 +1,9 @@
 # make demo | make test | make bench  -- each creates .venv if missing and installs what it needs.
 # make test-lowest: the suite in .venv-lowest, on exactly the lowest versions pyproject.toml
 # allows (constraints-lowest.txt); make test runs on the newest it allows.
+# make image: the shard and demo images, with docker if it answers, else podman (docker/images.py;
+# where no image registry is reachable it first makes a Python base from Debian's mirror).
+# make test-image: those images and docker-compose.yml run for real (docker/image_e2e.py).
 # make bench-peers: the same bench next to TensorFlow, PyTorch RPC, Ray and Redis, from its own
 # virtualenv (.venv-peers, ~3 GB) so their pins stay out of .venv.
 PYTHON ?= python3
@@ -14,7 +17,7 @@ LOWEST_BIN  := $(LOWEST_VENV)/bin
 PEERS_VENV := .venv-peers
 PEERS_BIN  := $(PEERS_VENV)/bin
 
-.PHONY: demo test test-lowest bench bench-peers redis-server lint typecheck clean
+.PHONY: demo test test-lowest image test-image bench bench-peers redis-server lint typecheck clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +53,14 @@ $(LOWEST_VENV)/.stamp: pyproject.toml constraints-lowest.txt
 
 test-lowest: $(LOWEST_VENV)/.stamp
 	$(LOWEST_BIN)/python -m pytest -q
+
+image:
+	$(PYTHON) docker/images.py build
+
+# Installs podman, runc and debootstrap with apt-get when no engine runs and we are root; exits
+# non-zero when no engine can run here, unless PARAMSHARD_SKIP_IMAGE=1 (then it says so and skips).
+test-image: $(VENV)/.stamp-image
+	$(BIN)/python docker/image_e2e.py
 
 bench: $(VENV)/.stamp-bench
 	$(BIN)/python -m bench $(BENCH_ARGS)

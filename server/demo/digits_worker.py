@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import httpx2
 import numpy as np
 
 from client_sdk import PSClient, PSError, wire
@@ -216,6 +217,43 @@ def train(
     return final
 
 
+def wait_for_shards(urls: list[str], timeout: float, tag: str = "") -> str | None:
+    """Block until every shard's ``/readyz`` answers 200 (started, snapshot restored, not
+    draining); ``None`` then, or why not after ``timeout`` seconds.
+
+    For engines that start a worker without waiting for the shards' health checks (Podman's
+    compose does not honour ``condition: service_healthy``). Polls twice a second and says
+    which shards it waits for, then again every 5 s.
+    """
+    headers = {}
+    if os.environ.get(wire.ENV_TOKEN):
+        headers["Authorization"] = f"Bearer {os.environ[wire.ENV_TOKEN]}"
+    deadline = time.monotonic() + timeout
+    said = float("-inf")
+    waiting: dict[str, str] = {}
+    with httpx2.Client(timeout=2.0, trust_env=False, headers=headers) as client:
+        while True:
+            waiting = {}
+            for url in urls:
+                try:
+                    status = client.get(url.rstrip("/") + "/readyz").status_code
+                    if status != 200:
+                        waiting[url] = f"/readyz answers {status}"
+                except httpx2.HTTPError as exc:
+                    waiting[url] = type(exc).__name__
+            if not waiting or time.monotonic() >= deadline:
+                break
+            if time.monotonic() - said >= 5:
+                said = time.monotonic()
+                print(f"{tag} waiting for {_waiting(waiting)}", flush=True)
+            time.sleep(0.5)
+    return None if not waiting else f"not ready after {timeout:g} s: {_waiting(waiting)}"
+
+
+def _waiting(waiting: dict[str, str]) -> str:
+    return ", ".join(f"{url} ({why})" for url, why in waiting.items())
+
+
 def claim_worker_index(ps: PSClient) -> int:
     """A worker index no other worker of this fleet got (0, 1, 2, ...), from a fleet counter.
 
@@ -305,6 +343,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=env("log_every", int, 100),
         help="print a progress line every n steps",
     )
+    p.add_argument(
+        "--wait-for-shards",
+        type=float,
+        metavar="SECONDS",
+        default=env("wait_for_shards", float, 0.0),
+        help="first wait up to this long until every shard answers /readyz (0: do not wait; "
+        "the SDK still retries a shard that does not answer, for its retry deadline)",
+    )
     args = p.parse_args(argv)
     if args.num_workers < 1:
         p.error(f"--num-workers must be >= 1, got {args.num_workers}")
@@ -313,6 +359,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "n_fetch", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.wait_for_shards < float("inf"):
+        p.error(f"--wait-for-shards must be a finite number >= 0, got {args.wait_for_shards}")
     if not 0 < args.lr < float("inf"):
         p.error(f"--lr must be a finite number > 0, got {args.lr}")
     return args
@@ -332,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     shards = args.shards.split(",") if args.shards else None  # None: the SDK says what to set
     # An auto-indexed worker keeps the SDK's default id (<hostname>-<pid>) unless given one.
     worker_id = args.worker_id or (None if args.worker_index is None else f"w{args.worker_index}")
+    if shards and args.wait_for_shards > 0:
+        why = wait_for_shards(shards, args.wait_for_shards, tag)
+        if why:
+            print(f"{tag} error: the shards are {why}", file=sys.stderr)
+            return 1
     try:
         with PSClient(shards, worker_id=worker_id) as ps:
             index = args.worker_index

@@ -1,4 +1,6 @@
-"""What containers rely on in the CLI: ``--shard-index auto`` and ``paramshard health``."""
+"""What containers rely on in the CLI: ``--shard-index auto``, ``paramshard health``, and the
+example worker waiting for the shards' ``/readyz`` itself (``--wait-for-shards``: Podman's
+compose starts it without waiting for the health checks)."""
 
 from __future__ import annotations
 
@@ -169,3 +171,72 @@ def test_health_without_a_shard_fails_and_says_why():
 def test_health_rejects_bad_settings(args, env, key):
     done = health(*args, env=env)
     assert done.returncode == 2 and key in done.stderr and "Traceback" not in done.stderr
+
+
+# -- the example worker waits for the shards ---------------------------------------------------
+
+
+def digits_worker(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PARAMSHARD_", "DIGITS_"))}
+    return subprocess.Popen(
+        [sys.executable, "-m", "server.demo.digits_worker", *args],
+        cwd=ROOT,
+        env={**clean, "PYTHONPATH": str(ROOT), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_worker_waits_until_the_shard_is_up_then_trains(tmp_path):
+    with refused_port() as port:
+        worker = digits_worker(
+            "--steps", "20", "--log-every", "10",
+            env={"PARAMSHARD_SHARDS": f"http://127.0.0.1:{port}", "DIGITS_WAIT_FOR_SHARDS": "120"},
+        )  # fmt: skip
+        try:
+            assert worker.stdout is not None
+            first = worker.stdout.readline()  # blocks until the worker has polled once
+            assert f"waiting for http://127.0.0.1:{port} (ConnectError)" in first, first
+        except BaseException:
+            worker.kill()
+            raise
+    # The port is free from here: the shard takes it (nothing else on this host asks for it).
+    serve = ["serve", "--num-shards", "1", "--shard-index", "0", "--port", str(port)]
+    shard = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", *serve, "--data-dir", str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = worker.communicate(timeout=180)
+        assert worker.returncode == 0, err
+        assert "step 20/20" in out and "held-out accuracy" in out, out
+    finally:
+        worker.kill()
+        shard.send_signal(signal.SIGTERM)
+        shard.communicate(timeout=30)
+
+
+def test_worker_gives_up_waiting_and_says_which_shard(fleet1):
+    with refused_port() as port:
+        shards = f"{fleet1.urls[0]},http://127.0.0.1:{port}"
+        worker = digits_worker("--wait-for-shards", "1", env={"PARAMSHARD_SHARDS": shards})
+        out, err = worker.communicate(timeout=60)
+    assert worker.returncode == 1
+    assert (
+        f"error: the shards are not ready after 1 s: http://127.0.0.1:{port} (ConnectError)" in err
+    )
+    assert fleet1.urls[0] + " (" not in err  # the one that answers is not named
+    assert "step" not in out
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "inf"])
+def test_worker_rejects_a_bad_wait(value):
+    worker = digits_worker(env={"DIGITS_WAIT_FOR_SHARDS": value, "PARAMSHARD_SHARDS": "http://x:1"})
+    _, err = worker.communicate(timeout=60)
+    assert worker.returncode == 2
+    assert "wait-for-shards" in err.replace("WAIT_FOR_SHARDS", "wait-for-shards").lower(), err

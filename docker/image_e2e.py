@@ -1,0 +1,528 @@
+"""The images and the compose fleet, run for real with a container engine (`make test-image`).
+
+    .venv/bin/python docker/image_e2e.py [--keep] [--steps N]
+
+What a user of docker/Dockerfile and docker-compose.yml does, checked step by step, with a log
+of every command. It owns nothing the product uses; `make test` checks the same files statically
+(tests/e2e/test_deploy_files.py) and this script runs them:
+
+ 1. the engine: docker if its daemon answers, else podman (docker/images.py); when neither can
+    run and this is root, installs podman, runc and debootstrap with apt-get (podman-compose comes
+    from the ``image`` extra, `make test-image` installs it);
+ 2. builds both images (`make image`'s way: a local base when no registry is reachable) and
+    looks at them: non-root user, health check, OCI version and revision labels, size;
+ 3. one shard container: seconds from `run` to ``/readyz`` answering 200, then SIGTERM (`stop`):
+    exit status 0, and a new container on the same volume restores what it held;
+ 4. the compose fleet, from a copy of docker-compose.yml that differs only by its project name,
+    free loopback host ports and a longer worker run (``DIGITS_STEPS``): waits for every shard's
+    ``/readyz``; while the worker trains, takes a fleet checkpoint, kills the shard holding
+    ``layer1/kernel`` with SIGKILL and starts it again: it restores from its volume and the
+    worker carries on; the worker exits 0 with a held-out accuracy of at least 0.9;
+ 5. inspects a variable over REST from the host (the published port);
+ 6. stops the fleet (SIGTERM): every shard exits 0; brings the shards up again on the same
+    volumes: each restores exactly the state it had when stopped (its final snapshot);
+ 7. `down -v`. Containers, networks and volumes of the run are removed even when a step fails
+    (``--keep`` leaves them for a look, and prints how to remove them).
+
+When no engine can run here it says why and exits 1, unless ``PARAMSHARD_SKIP_IMAGE=1``, which
+turns that (and only that) into a skip with exit 0: CI never passes by skipping silently. The
+containers talk only to each other and to this host's loopback (published ports are bound to
+127.0.0.1); only the image build reaches the Debian mirror and the Python package index.
+Timings are reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import yaml
+
+from client_sdk import PSClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import images  # docker/images.py, beside this file
+
+ROOT = images.ROOT
+
+SHARDS = ("ps0", "ps1", "ps2", "ps3")
+PARAMS = ("layer1/kernel", "layer1/bias", "layer2/kernel", "layer2/bias")
+KERNEL = "layer1/kernel"
+MIN_ACCURACY = 0.9
+log = images.log
+
+
+class Failed(Exception):
+    """A check failed; the message says what was expected and what was seen."""
+
+
+class CannotRun(Exception):
+    """No container engine can run here (the reason); a skip only with PARAMSHARD_SKIP_IMAGE=1."""
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float = 0.5) -> Any:
+    """Poll ``check`` until it returns something truthy; raise Failed after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except (httpx2.HTTPError, ValueError, KeyError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        else:
+            if last and not isinstance(last, str):
+                return last
+        time.sleep(every)
+    raise Failed(f"{what}: not within {timeout:.0f} s (last seen: {last!r})")
+
+
+def get_json(url: str) -> Any:
+    with httpx2.Client(timeout=5.0, trust_env=False) as client:
+        r = client.get(url)
+        return {"status": r.status_code, "body": r.json()}
+
+
+def ready(url: str) -> bool:
+    with httpx2.Client(timeout=3.0, trust_env=False) as client:
+        return client.get(url + "/readyz").status_code == 200
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- the engine and the tools ----------------------------------------------------------------
+
+
+def ensure_engine() -> str:
+    """Choose the engine (installing podman, runc, debootstrap when root needs them); check it
+    runs at all. Raise CannotRun with the reason when it does not."""
+    try:
+        engine, why = images.choose_engine()
+    except images.ImageError as exc:
+        if os.geteuid() != 0 or not shutil.which("apt-get"):
+            raise CannotRun(str(exc)) from exc
+        log(f"engine: {exc}; installing podman, runc and debootstrap with apt-get")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for cmd in (
+            ["apt-get", "update", "-q"],
+            ["apt-get", "install", "-y", "-q", "podman", "runc", "debootstrap"],
+        ):
+            log("$ " + " ".join(cmd))
+            if subprocess.run(cmd, env=env, check=False).returncode != 0:
+                raise CannotRun(f"{' '.join(cmd)} failed; install podman and runc by hand") from exc
+        engine, why = images.choose_engine()
+    log(f"engine: {engine}: {why}")
+    info = subprocess.run([engine, "info"], capture_output=True, text=True, check=False)
+    if info.returncode != 0:
+        raise CannotRun(f"`{engine} info` fails: {info.stderr.strip()[-500:]}")
+    if engine == "podman" and not shutil.which("debootstrap") and os.geteuid() == 0:
+        images.run(["apt-get", "install", "-y", "-q", "debootstrap"], check=False)
+    return engine
+
+
+def compose_command(engine: str) -> list[str]:
+    if engine == "docker":
+        if subprocess.run(
+            ["docker", "compose", "version"], capture_output=True, check=False
+        ).returncode:
+            raise CannotRun(
+                "docker answers but `docker compose` does not: install its compose plugin"
+            )
+        return ["docker", "compose"]
+    tool = shutil.which("podman-compose") or str(Path(sys.executable).parent / "podman-compose")
+    if not Path(tool).exists():
+        raise CannotRun(
+            "podman-compose is not installed: pip install -e '.[image]' (make test-image does)"
+        )
+    return [tool]
+
+
+class Engine:
+    """The engine's commands this script uses, logged."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args: str, check: bool = True, capture: bool = True) -> str:
+        return images.run([self.name, *args], check=check, capture=capture).stdout or ""
+
+    def inspect(self, ref: str, fmt: str, kind: str = "container") -> str:
+        return self(kind, "inspect", "--format", fmt, ref).strip()
+
+    def running(self, ref: str) -> bool:
+        return self.inspect(ref, "{{.State.Running}}") == "true"
+
+    def exit_code(self, ref: str) -> int:
+        return int(self.inspect(ref, "{{.State.ExitCode}}"))
+
+    def logs(self, ref: str) -> str:
+        proc = subprocess.run([self.name, "logs", ref], capture_output=True, text=True, check=False)
+        return proc.stdout + proc.stderr
+
+
+# -- 2. the images ----------------------------------------------------------------------------
+
+
+def check_images(eng: Engine, names: dict[str, str]) -> dict[str, Any]:
+    facts: dict[str, Any] = {}
+    rev = images.revision()
+    for target, name in names.items():
+        user = eng.inspect(name, "{{.Config.User}}", "image")
+        labels = json.loads(eng.inspect(name, "{{json .Config.Labels}}", "image") or "{}")
+        size = int(eng.inspect(name, "{{.Size}}", "image"))
+        log(
+            f"{name}: user {user!r}, {size / 1e6:.0f} MB, labels "
+            f"version={labels.get('org.opencontainers.image.version')} "
+            f"revision={labels.get('org.opencontainers.image.revision')}"
+        )
+        if not user or user.split(":")[0] in ("0", "root"):
+            raise Failed(f"{name} runs as {user!r}: expected the unprivileged uid 10001")
+        if labels.get("org.opencontainers.image.version") != images.version():
+            raise Failed(
+                f"{name}: label org.opencontainers.image.version is not {images.version()}"
+            )
+        if labels.get("org.opencontainers.image.revision") != rev:
+            raise Failed(f"{name}: label org.opencontainers.image.revision is not {rev}")
+        facts[f"{target}_mb"] = round(size / 1e6)
+    health = eng.inspect(names["runtime"], "{{json .Config.Healthcheck}}", "image")
+    if "health" not in health:
+        raise Failed(f"{names['runtime']} has no HEALTHCHECK running `paramshard health`: {health}")
+    return facts
+
+
+# -- 3. one shard container -------------------------------------------------------------------
+
+
+def single_shard(eng: Engine, image: str, tag: str, cleanup: list[list[str]]) -> dict[str, Any]:
+    volume, port = f"{tag}-single", free_port()
+    url = f"http://127.0.0.1:{port}"
+    cleanup.append(["volume", "rm", "-f", volume])
+    name = f"{tag}-single"
+    cleanup.insert(0, ["rm", "-f", "-t", "0", name])
+    env = ["-e", "PARAMSHARD_NUM_SHARDS=1", "-e", "PARAMSHARD_SHARD_INDEX=0"]
+    started = time.monotonic()
+    eng(
+        "run",
+        "-d",
+        "--name",
+        name,
+        "-p",
+        f"127.0.0.1:{port}:7100",
+        "-v",
+        f"{volume}:/data",
+        *env,
+        image,
+    )
+    wait_for(f"{url}/readyz", lambda: ready(url), 60, every=0.05)
+    start_s = time.monotonic() - started
+    log(f"one shard: /readyz answered 200 {start_s:.2f} s after `{eng.name} run`")
+    if eng.name == "podman":  # Podman 4 without systemd runs a HEALTHCHECK only when asked
+        eng("healthcheck", "run", name)
+    else:
+        wait_for(
+            "the HEALTHCHECK",
+            lambda: eng.inspect(name, "{{.State.Health.Status}}") == "healthy",
+            120,
+        )
+    log("one shard: its HEALTHCHECK (`paramshard health`) passes")
+    with PSClient([url], worker_id="image-e2e") as ps:
+        ps.init({"e2e/w": [1.0, 2.0, 3.0]})
+        ps.assign({"e2e/w": [4.0, 5.0, 6.0]})
+    version = get_json(f"{url}/v1/variables/e2e/w")["body"]["version"]
+    eng("stop", "-t", "60", name)
+    code = eng.exit_code(name)
+    log(f"one shard: after SIGTERM it exited {code}")
+    if code != 0:
+        raise Failed(f"the shard exited {code} on SIGTERM, expected 0:\n{eng.logs(name)[-3000:]}")
+    if not re.search(r"wrote snapshot \S+ \(shutdown", eng.logs(name)):
+        raise Failed(f"no final snapshot in the shard's log:\n{eng.logs(name)[-3000:]}")
+    eng("rm", name)
+    restarted = time.monotonic()
+    eng(
+        "run",
+        "-d",
+        "--name",
+        name,
+        "-p",
+        f"127.0.0.1:{port}:7100",
+        "-v",
+        f"{volume}:/data",
+        *env,
+        image,
+    )
+    wait_for(f"{url}/readyz", lambda: ready(url), 60, every=0.05)
+    restart_s = time.monotonic() - restarted
+    got = get_json(f"{url}/v1/variables/e2e/w?values=true")["body"]
+    if got["version"] != version or got.get("values") != [4.0, 5.0, 6.0]:
+        raise Failed(
+            f"after a restart on the same volume e2e/w is {got}, expected version "
+            f"{version} and values [4, 5, 6]"
+        )
+    log(
+        f"one shard: restarted on its volume, e2e/w back at version {version}; /readyz 200 "
+        f"{restart_s:.2f} s after `{eng.name} run`"
+    )
+    eng("rm", "-f", "-t", "0", name)
+    return {"run_to_ready_s": [round(start_s, 2), round(restart_s, 2)]}
+
+
+# -- 4-7. the compose fleet ---------------------------------------------------------------------
+
+
+class Fleet:
+    def __init__(self, eng: Engine, compose: list[str], project: str, steps: int, workdir: Path):
+        self.eng, self.project = eng, project
+        spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+        spec["name"] = project
+        self.urls: dict[str, str] = {}
+        for svc in SHARDS:
+            service = spec["services"][svc]
+            (published,) = service["ports"]
+            addr, _, container_port = published.split(":")
+            if addr != "127.0.0.1":
+                raise Failed(f"docker-compose.yml publishes {svc} on {addr}, not on loopback")
+            port = free_port()
+            service["ports"] = [f"127.0.0.1:{port}:{container_port}"]
+            self.urls[svc] = f"http://127.0.0.1:{port}"
+        for service in spec["services"].values():
+            service["build"]["context"] = str(ROOT)
+        spec["services"]["worker"]["environment"]["DIGITS_STEPS"] = str(steps)
+        self.file = workdir / "docker-compose.yml"
+        self.file.write_text(yaml.safe_dump(spec, sort_keys=False))
+        self.compose = [*compose, "-p", project, "-f", str(self.file)]
+
+    def __call__(self, *args: str) -> None:
+        images.run([*self.compose, *args])
+
+    def container(self, service: str) -> str:
+        ids = self.eng(
+            "ps",
+            "-a",
+            "-q",
+            "--filter",
+            f"label=com.docker.compose.project={self.project}",
+            "--filter",
+            f"label=com.docker.compose.service={service}",
+        ).split()
+        if len(ids) != 1:
+            raise Failed(f"expected one container of {service}, found {ids}")
+        return ids[0]
+
+    def cluster(self, svc: str) -> dict[str, Any]:
+        return dict(get_json(self.urls[svc] + "/v1/cluster")["body"])
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        for svc, url in self.urls.items():
+            wait_for(f"{svc} /readyz", lambda url=url: ready(url), timeout)
+        log("every shard answers /readyz 200")
+
+    def holder(self, name: str) -> str:
+        for svc, url in self.urls.items():
+            if get_json(f"{url}/v1/variables/{name}")["status"] == 200:
+                return svc
+        raise Failed(f"no shard holds {name}")
+
+    def remove_all(self) -> None:
+        """Containers, networks and volumes of this project, whatever state they are in."""
+        subprocess.run([*self.compose, "down", "-v", "-t", "5"], capture_output=True, check=False)
+        label = f"label=com.docker.compose.project={self.project}"
+        for kind in ("container", "network", "volume"):
+            listing = ["ps", "-a", "-q"] if kind == "container" else [kind, "ls", "-q"]
+            ids = self.eng(*listing, "--filter", label, check=False).split()
+            if ids:
+                rm = ["rm", "-f", *ids] if kind == "container" else [kind, "rm", "-f", *ids]
+                self.eng(*rm, check=False)
+
+
+def run_fleet(fleet: Fleet) -> dict[str, Any]:
+    facts: dict[str, Any] = {}
+    eng = fleet.eng
+    shard_list = ",".join(fleet.urls.values())
+    log("== 4. the compose fleet: up")
+    fleet("up", "-d", "--no-build")
+    fleet.wait_ready()
+    worker = fleet.container("worker")
+    step = lambda: global_step(fleet)  # noqa: E731
+    wait_for("the worker training (global_step >= 300)", lambda: (step() or 0) >= 300, 300)
+    victim = fleet.holder(KERNEL)
+    with PSClient(list(fleet.urls.values()), worker_id="image-e2e") as ps:
+        checkpoint = ps.checkpoint()
+    before = fleet.cluster(victim)
+    log(
+        f"fleet checkpoint {checkpoint} taken at global_step {step()}; {victim} holds {KERNEL} "
+        f"(state version {before['state_version']}, snapshot {before['last_snapshot']})"
+    )
+    snap_version = before["last_snapshot"]["state_version"]
+    container = fleet.container(victim)
+    eng("kill", "--signal", "KILL", container)
+    wait_for(
+        f"{victim} down after SIGKILL",
+        lambda: (
+            not eng.running(container)
+            or fleet.cluster(victim)["incarnation"] != before["incarnation"]
+        ),
+        60,
+    )
+    if not eng.running(container):
+        log(f"{victim} is down (exit {eng.exit_code(container)}); starting it again")
+        eng("start", container)
+    wait_for(f"{victim} /readyz after the restart", lambda: ready(fleet.urls[victim]), 120)
+    after = fleet.cluster(victim)
+    restored = after.get("restored") or {}
+    if (
+        after["incarnation"] == before["incarnation"]
+        or restored.get("state_version", -1) < snap_version
+    ):
+        raise Failed(
+            f"{victim} after SIGKILL + start: {after}; expected a new incarnation that "
+            f"restored state version >= {snap_version} from its volume"
+        )
+    kernel = get_json(f"{fleet.urls[victim]}/v1/variables/{KERNEL}")["body"]
+    log(
+        f"{victim} is back: incarnation {after['incarnation']}, restored {restored.get('path')} "
+        f"(state version {restored.get('state_version')}); {KERNEL} at version {kernel['version']}"
+    )
+    wait_for("the worker to finish", lambda: not eng.running(worker), 900, every=2)
+    code, out = eng.exit_code(worker), eng.logs(worker)
+    m = re.search(r"held-out accuracy of the fleet's weights ([0-9.]+)", out)
+    log(f"worker exited {code}; " + (m.group(0) if m else "no accuracy line"))
+    if code != 0 or not m or float(m.group(1)) < MIN_ACCURACY:
+        raise Failed(
+            f"the worker exited {code}, expected 0 with accuracy >= {MIN_ACCURACY}:\n{out[-3000:]}"
+        )
+    facts["accuracy"] = float(m.group(1))
+
+    log("== 5. a variable over REST from the host")
+    got = get_json(f"{fleet.urls[victim]}/v1/variables/{KERNEL}?values=true")
+    body = got["body"]
+    if got["status"] != 200 or body["shape"] != [64, 32] or len(body["values"]) != 64:
+        raise Failed(f"GET {KERNEL} from the host: {got['status']} {str(body)[:500]}")
+    log(
+        f"GET {fleet.urls[victim]}/v1/variables/{KERNEL}: shape {body['shape']}, version "
+        f"{body['version']}, updates {body['updates']}, l2_norm {body['l2_norm']:.3f}"
+    )
+    status = subprocess.run(
+        [str(Path(sys.executable).parent / "paramshard"), "status", "--shards", shard_list],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    log("paramshard status:\n" + status.stdout + status.stderr)
+
+    log("== 6. stop (SIGTERM), then up again on the same volumes")
+    with PSClient(list(fleet.urls.values()), worker_id="image-e2e") as ps:
+        ps.increment("e2e/stopped")  # a change after the last periodic snapshot
+    state = {svc: fleet.cluster(svc)["state_version"] for svc in SHARDS}
+    fleet("stop")
+    for svc in SHARDS:
+        cid = fleet.container(svc)
+        code = eng.exit_code(cid)
+        if code != 0:
+            raise Failed(f"{svc} exited {code} on SIGTERM, expected 0:\n{eng.logs(cid)[-3000:]}")
+    finals = sum(
+        bool(re.search(r"wrote snapshot \S+ \(shutdown", eng.logs(fleet.container(s))))
+        for s in SHARDS
+    )
+    log(
+        f"every shard exited 0 on SIGTERM; {finals} wrote a final snapshot (the others had "
+        f"nothing new since their last one)"
+    )
+    fleet("up", "-d", "--no-build", *SHARDS)
+    fleet.wait_ready()
+    for svc in SHARDS:
+        restored = (fleet.cluster(svc).get("restored") or {}).get("state_version")
+        if restored != state[svc]:
+            raise Failed(
+                f"{svc} restored state version {restored}, expected {state[svc]} (when stopped)"
+            )
+    log(f"every shard restored the state it had when stopped: {state}")
+    log("== 7. down -v")
+    fleet("down", "-v")
+    left = eng(
+        "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={fleet.project}"
+    ).split()
+    if left:
+        raise Failed(f"volumes left after down -v: {left}")
+    return facts
+
+
+def global_step(fleet: Fleet) -> int | None:
+    for url in fleet.urls.values():
+        got = get_json(f"{url}/v1/variables/global_step?values=true")
+        if got["status"] == 200:
+            return int(got["body"]["values"])
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--keep", action="store_true", help="leave containers and volumes for a look")
+    p.add_argument("--steps", type=int, default=4000, help="the worker's steps (DIGITS_STEPS)")
+    args = p.parse_args(argv)
+    started = time.monotonic()
+    tag = f"paramshard-e2e-{os.getpid()}"
+    cleanup: list[list[str]] = []
+    fleet: Fleet | None = None
+    eng: Engine | None = None
+    facts: dict[str, Any] = {}
+    try:
+        log("== 1. the engine")
+        try:
+            eng = Engine(ensure_engine())
+            compose = compose_command(eng.name)
+        except CannotRun as exc:
+            if os.environ.get("PARAMSHARD_SKIP_IMAGE") == "1":
+                log(f"SKIPPED (PARAMSHARD_SKIP_IMAGE=1): no container engine can run here: {exc}")
+                return 0
+            print(
+                f"error: no container engine can run here: {exc}\n(PARAMSHARD_SKIP_IMAGE=1 "
+                "makes this a skip)",
+                file=sys.stderr,
+            )
+            return 1
+        log("== 2. the images")
+        t = time.monotonic()
+        names = images.build(eng.name)
+        facts["build_s"] = round(time.monotonic() - t)
+        facts.update(check_images(eng, names))
+        log("== 3. one shard container")
+        facts.update(single_shard(eng, names["runtime"], tag, cleanup))
+        with tempfile.TemporaryDirectory(prefix="paramshard-e2e-") as workdir:
+            fleet = Fleet(eng, compose, tag, args.steps, Path(workdir))
+            facts.update(run_fleet(fleet))
+    except (Failed, images.ImageError) as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if eng is not None and not args.keep:
+            if fleet is not None:
+                fleet.remove_all()
+            for cmd in cleanup:
+                eng(*cmd, check=False)
+        elif eng is not None:
+            log(
+                f"--keep: remove it all with `{eng.name} rm -f {tag}-single; {eng.name} volume rm "
+                f"{tag}-single` and `{' '.join(fleet.compose) if fleet else ''} down -v`"
+            )
+    facts["total_s"] = round(time.monotonic() - started)
+    log(f"PASSED: {json.dumps(facts)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
