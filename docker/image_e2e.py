@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -88,15 +89,22 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float =
     raise Failed(f"{what}: not within {timeout:.0f} s (last seen: {last!r})")
 
 
+def client(timeout: float) -> httpx2.Client:
+    """For the shards' REST, from the host: never through a proxy, with the fleet's token."""
+    token = os.environ.get("PARAMSHARD_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx2.Client(timeout=timeout, trust_env=False, headers=headers)
+
+
 def get_json(url: str) -> Any:
-    with httpx2.Client(timeout=5.0, trust_env=False) as client:
-        r = client.get(url)
+    with client(5.0) as c:
+        r = c.get(url)
         return {"status": r.status_code, "body": r.json()}
 
 
 def ready(url: str) -> bool:
-    with httpx2.Client(timeout=3.0, trust_env=False) as client:
-        return client.get(url + "/readyz").status_code == 200
+    with client(3.0) as c:
+        return c.get(url + "/readyz").status_code == 200
 
 
 def free_port() -> int:
@@ -476,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     started = time.monotonic()
     tag = f"paramshard-e2e-{os.getpid()}"
+    # The fleet's token: docker-compose.yml hands PARAMSHARD_TOKEN to the shards and the worker;
+    # this script sends it with every request (the SDK and `paramshard status` read it too).
+    os.environ["PARAMSHARD_TOKEN"] = secrets.token_hex(32)
     cleanup: list[list[str]] = []
     fleet: Fleet | None = None
     eng: Engine | None = None
