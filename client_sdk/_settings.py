@@ -97,6 +97,10 @@ def load_settings(
 
     if token is None:
         token = env.get(wire.ENV_TOKEN) or None
+    if isinstance(token, str) and "," in token:
+        # The shards' list while a token is rotated ("OLD,NEW"): the worker sends the newest.
+        listed = [t.strip() for t in token.split(",") if t.strip()]
+        token = listed[-1] if listed else None
     if token is not None and (
         not isinstance(token, str) or not token.isascii() or not token.isprintable() or " " in token
     ):

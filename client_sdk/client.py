@@ -53,7 +53,9 @@ class PSClient:
     comma-separated string); without it ``PARAMSHARD_SHARDS`` is read. ``worker_id``
     (``PARAMSHARD_WORKER_ID``, default ``"<hostname>-<pid>"``) names this worker in the shards'
     records and numbers its pushes; give every concurrent worker its own. ``token``
-    (``PARAMSHARD_TOKEN``) is sent as ``Authorization: Bearer``.
+    (``PARAMSHARD_TOKEN``) is sent as ``Authorization: Bearer``; of a comma-separated list (the
+    shards' ``OLD,NEW`` while a token is rotated) the last. A shard that refuses it raises
+    :class:`AuthError` naming the shard.
 
     ``timeout`` bounds each whole HTTP exchange with a shard, in seconds: connecting, sending
     the request and receiving the whole reply, however slowly the bytes come (raise it for

@@ -6,7 +6,8 @@ JSON inspection endpoints (``server/routes_inspect.py``). Its lifespan runs
 :class:`~server.durability.Durability` (restore, periodic and final snapshots) and the task
 that closes the sync rounds that time out (:func:`server.store.rounds.close_when_due`), and
 :class:`~server.admission.AdmissionMiddleware` decides what gets in (restore, drain, pauses,
-bounded work).
+bounded work), after :class:`~server.auth.AuthMiddleware` has checked the request's token (when
+the shard has tokens: ``app.state.auth``, a :class:`~server.auth.Guard`).
 
 Errors are rendered in one place, :func:`error_response`: ``{"error": {"code", "message",
 "details"}}`` as msgpack for data-plane requests (``POST /v1/...``, and any method on a
@@ -45,6 +46,7 @@ from client_sdk import wire
 
 from . import __version__
 from .admission import AdmissionMiddleware, Gate
+from .auth import READ, AuthMiddleware, Guard
 from .config import ShardConfig
 from .direct_routes import DirectRoutes
 from .durability import Durability
@@ -317,12 +319,20 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         ),
         name="paramshard-sync-rounds",
     )
+    guard: Guard = app.state.auth
+    watch = (
+        asyncio.create_task(guard.watch(), name="paramshard-token-file")
+        if guard.token_file is not None
+        else None
+    )
     try:
         yield
     finally:
-        rounds.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await rounds
+        for task in (rounds, watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         try:
             await durability.stop()
         except Exception as exc:
@@ -368,6 +378,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     app.state.incarnation = incarnation
     app.state.started_at = time.time()
     app.state.shutdown_error = None
+    app.state.auth = Guard(config.token, config.read_token, config.token_file, config.fleet)
     _install_error_handlers(app)
     app.include_router(data_router)
     app.include_router(checkpoint_router)
@@ -375,6 +386,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     app.add_middleware(
         AdmissionMiddleware, gate=gate, render=error_response, max_body=config.max_request_bytes
     )
+    app.add_middleware(AuthMiddleware, guard=app.state.auth, render=error_response)
     app.add_middleware(ShardMiddleware, config=config, incarnation=incarnation, state=app.state)
     return app
 
@@ -392,7 +404,8 @@ def serving_app(app: FastAPI) -> ASGIApp:
 def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     """What the shard's HTTP protocol may answer without an ASGI request cycle
     (:data:`server.httptools_protocol.IMMEDIATE`): ``POST /v1/pull`` in the table layout, when the
-    request passes the fleet check as sent by the SDK, the gate would admit it at once, and
+    request passes the fleet check as sent by the SDK, carries a token that may read (when the
+    shard has tokens), the gate would admit it at once, and
     :func:`~server.routes_data.pull_now` can answer it. The reply is the one the usual way
     gives, byte for byte: the same handler code, the same headers (the shard's, from
     :class:`ShardMiddleware`). Anything else (every refusal and error included) returns
@@ -403,9 +416,14 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     store, gate, limit = state.store, state.gate, state.config.max_request_bytes
     max_names = state.config.max_request_names
     shard = ShardMiddleware(app, state.config, state.incarnation, state)
+    guard: Guard = state.auth
 
     def pull(headers: Mapping[bytes, bytes], body: bytes) -> Immediate | None:
-        if not shard.meant_for_me(headers.get(_FLEET_KEY)) or not gate.room_now(len(body)):
+        if (
+            not shard.meant_for_me(headers.get(_FLEET_KEY))
+            or not guard.allows(headers, READ)
+            or not gate.room_now(len(body))
+        ):
             return None
         encoded = pull_now(store, limit, headers, body, max_names)
         if encoded is None:

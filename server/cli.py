@@ -220,6 +220,29 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
         f"--body-timeout [{env_name('min_body_rate')}, default 16KiB]",
     )
     p.add_argument(
+        "--token",
+        dest="token",
+        metavar="TOKEN[,TOKEN]",
+        help=f"require 'Authorization: Bearer TOKEN' on every request but /healthz, /readyz "
+        f"and /docs; several (comma-separated) are accepted at once, to rotate one "
+        f"(prefer the env var or --token-file: a flag shows in ps) [{env_name('token')}, "
+        "default: no auth]",
+    )
+    p.add_argument(
+        "--token-file",
+        dest="token_file",
+        metavar="FILE",
+        help=f"tokens as --token, one a line, read again when the file changes (a mounted "
+        f"secret) [{env_name('token_file')}]",
+    )
+    p.add_argument(
+        "--read-token",
+        dest="read_token",
+        metavar="TOKEN[,TOKEN]",
+        help=f"tokens that may only pull, wait, poll and inspect (403 on a write); needs "
+        f"--token or --token-file [{env_name('read_token')}]",
+    )
+    p.add_argument(
         "--http",
         dest="http",
         metavar="MODE",
@@ -373,7 +396,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _config_from(args: argparse.Namespace) -> ShardConfig:
     flags = {
         k: getattr(args, k, None)
-        for k in ("shard_index", "num_shards", "host", "port", "port_file", *_PASSED_ON, "data_dir")
+        for k in (
+            "shard_index",
+            "num_shards",
+            "host",
+            "port",
+            "port_file",
+            *_PASSED_ON,
+            *_AUTH,
+            "data_dir",
+        )
     }
     return ShardConfig.from_sources(flags, os.environ)
 
@@ -400,7 +432,24 @@ _PASSED_ON = (
 )
 
 
+#: Auth settings: ``up`` hands them to its shards in their environment, where ``ps`` does not
+#: show them.
+_AUTH = ("token", "token_file", "read_token")
+
+
 # -- up -------------------------------------------------------------------------------------
+
+
+def _auth_env(flags: dict[str, str | None]) -> dict[str, str]:
+    """The auth settings for ``up``'s shards: each flag given, else its env var as set."""
+    env = {}
+    for key in _AUTH:
+        value = flags.get(key)
+        if value is None:
+            value = os.environ.get(env_name(key))
+        if value is not None:
+            env[env_name(key)] = str(value)
+    return env
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -412,8 +461,10 @@ def _up(args: argparse.Namespace) -> int:
     host = args.host
     # validate pass-through flags here, so a bad one is one message rather than N dead children
     passed = {k: getattr(args, k) for k in _PASSED_ON}
+    auth = {k: getattr(args, k) for k in _AUTH}
     ShardConfig.from_sources(
-        {"host": host, "port": base, "num_shards": n, **passed, "data_dir": args.data_dir}, {}
+        {"host": host, "port": base, "num_shards": n, **passed, "data_dir": args.data_dir},
+        _auth_env(auth),
     )
     extra: list[str] = []
     for key, value in passed.items():
@@ -429,6 +480,7 @@ def _up(args: argparse.Namespace) -> int:
         for k, v in os.environ.items()
         if not k.startswith(wire.ENV_PREFIX) or k == wire.ENV_SHARDS
     }
+    env.update(_auth_env(auth))
     return run_fleet(
         n,
         host=host,

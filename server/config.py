@@ -16,10 +16,12 @@ from __future__ import annotations
 import re
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from client_sdk.wire import ENV_PREFIX, MAX_REQUEST_NAMES
+
+from .tokens import read_token_file, split_tokens
 
 __all__ = [
     "ENV_PREFIX",
@@ -194,6 +196,13 @@ def _checkpoint(text: str) -> str:
     return text
 
 
+def _tokens(key: str) -> Callable[[str], tuple[str, ...]]:
+    def cast(text: str) -> tuple[str, ...]:
+        return split_tokens(text, f"{flag_name(key)} / {env_name(key)}")
+
+    return cast
+
+
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in _TRUE:
@@ -242,6 +251,12 @@ class ShardConfig:
     #: How the shard serves HTTP (:data:`server.upstream.MODES`): ``auto`` (the fast path
     #: when the installed web stack offers what it needs) or ``stock``.
     http: str = "auto"
+    #: Bearer tokens that allow every request, and read-only ones (:mod:`server.auth`); none:
+    #: no auth. Never in the repr (a config may be logged).
+    token: tuple[str, ...] = field(default=(), repr=False)
+    #: A file of tokens, one a line, read again when it changes (a mounted secret).
+    token_file: str | None = None
+    read_token: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard_index < self.num_shards:
@@ -266,6 +281,20 @@ class ShardConfig:
                 f"{flag_name('restore')} / {env_name('restore')}",
                 f"restoring a checkpoint needs {flag_name('data_dir')} (the "
                 "directory holding its snapshot)",
+            )
+
+        if self.token_file is not None:
+            try:
+                read_token_file(self.token_file)
+            except ValueError as exc:
+                raise InvalidSetting(
+                    f"{flag_name('token_file')} / {env_name('token_file')}", str(exc)
+                ) from None
+        if self.read_token and not (self.token or self.token_file):
+            raise InvalidSetting(
+                f"{flag_name('read_token')} / {env_name('read_token')}",
+                f"a read-only token needs a full one too ({flag_name('token')} or "
+                f"{flag_name('token_file')}): without it every request would be allowed",
             )
 
     @property
@@ -344,4 +373,7 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "body_timeout": _timeout,
     "min_body_rate": _rate,
     "http": _http_mode,
+    "token": _tokens("token"),
+    "token_file": _file,
+    "read_token": _tokens("read_token"),
 }

@@ -7,21 +7,27 @@ They read the JSON meant for people, never the data plane.
 
 from __future__ import annotations
 
+import os
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from client_sdk.wire import ENV_TOKEN
 
 __all__ = ["check", "probe_fleet", "probe_shard"]
 
 
 def probe_shard(url: str, timeout: float) -> dict[str, Any]:
     """``{"info": <its /v1/cluster>, "healthy": bool}``, or ``{"error": "..."}`` when the
-    shard does not answer. Blocks up to about twice ``timeout``."""
+    shard does not answer. Sends ``PARAMSHARD_TOKEN`` when it is set (a shard with auth on
+    answers ``/v1/cluster`` only to a token). Blocks up to about twice ``timeout``."""
     import httpx2
 
+    token = os.environ.get(ENV_TOKEN)
+    headers = {"authorization": f"Bearer {token}"} if token else None
     try:
-        with httpx2.Client(timeout=timeout) as client:
+        with httpx2.Client(timeout=timeout, headers=headers) as client:
             info = client.get(url + "/v1/cluster").raise_for_status().json()
             healthy = client.get(url + "/healthz").status_code == 200
         return {"info": info, "healthy": healthy}

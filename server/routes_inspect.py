@@ -103,6 +103,7 @@ async def cluster(request: Request) -> dict[str, Any]:
         "last_snapshot": state.durability.last,
         "cannot_persist": state.durability.cannot_persist,
         "admission": state.gate.stats(),
+        "auth": {"mode": state.auth.mode, "refused": dict(state.auth.refused)},
     }
 
 

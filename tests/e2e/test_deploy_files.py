@@ -21,9 +21,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import fields
 from importlib.resources import files
 from pathlib import Path
@@ -68,6 +70,18 @@ SDK_ENV = {ENV_SHARDS, ENV_TOKEN, ENV_WORKER_ID}
 K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 
 
+#: What the user's .env gives ``${PARAMSHARD_TOKEN:?...}`` in the compose file, and what the
+#: Secret's file holds in a pod.
+A_TOKEN = "0123456789abcdef" * 4
+#: The compose file's required interpolation of the token (compose stops, saying this, without).
+TOKEN_FROM_ENV = re.compile(r"\$\{PARAMSHARD_TOKEN:\?[^}]+\}")
+
+
+def interpolated(env: dict[str, str]) -> dict[str, str]:
+    """``env`` as compose passes it when PARAMSHARD_TOKEN is set (in .env or the shell)."""
+    return {k: TOKEN_FROM_ENV.sub(A_TOKEN, v) if isinstance(v, str) else v for k, v in env.items()}
+
+
 def shard_config(
     env: dict[str, str], hostname: str | None = None, monkeypatch: pytest.MonkeyPatch | None = None
 ) -> ShardConfig:
@@ -76,6 +90,11 @@ def shard_config(
     if hostname is not None:
         assert monkeypatch is not None
         monkeypatch.setattr(config_module.socket, "gethostname", lambda: hostname)
+    env = interpolated(env)
+    if env_name("token_file") in env:  # the Secret's file, as mounted in a pod
+        mounted = Path(tempfile.mkdtemp()) / "tokens"
+        mounted.write_text(A_TOKEN + "\n")
+        env = {**env, env_name("token_file"): str(mounted)}
     return ShardConfig.from_sources({}, env)
 
 
@@ -86,7 +105,7 @@ def check_worker_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> No
     for key in list(os.environ):
         if key.startswith(("PARAMSHARD_", "DIGITS_")):
             monkeypatch.delenv(key)
-    for key, value in env.items():
+    for key, value in interpolated(env).items():
         monkeypatch.setenv(key, value)
     args = digits.parse_args([])  # exits (SystemExit) on a bad DIGITS_* value
     for key in env:
@@ -94,7 +113,7 @@ def check_worker_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> No
             assert hasattr(args, key[len("DIGITS_") :].lower()), (
                 f"{key} is not a setting of server/demo/digits_worker.py"
             )
-    load_settings(environ=env)
+    load_settings(environ=interpolated(env))
 
 
 # -- docker-compose.yml ---------------------------------------------------------------------
@@ -187,8 +206,18 @@ def published_port(port: str | int | dict) -> tuple[str | None, str, str]:
     return (host_address.strip("[]") if sep else None), host_port, rest
 
 
+def test_every_compose_service_takes_the_token_from_the_env_file(compose):
+    """Shards and workers alike get PARAMSHARD_TOKEN from the user's .env (or shell), and
+    compose refuses to start without it (``${PARAMSHARD_TOKEN:?...}``)."""
+    for name, svc in compose["services"].items():
+        value = environment(svc).get(ENV_TOKEN, "")
+        assert TOKEN_FROM_ENV.fullmatch(value), f"{name}: {ENV_TOKEN} is {value!r}"
+        if name != "worker":
+            assert shard_config(environment(svc)).token == (A_TOKEN,)
+
+
 def test_published_ports_are_bound_to_loopback(compose):
-    # the shards check no token yet (DEPLOYMENT.md): what is published stays on this host
+    # defence in depth beside the token: what is published stays on this host
     published = [
         (name, port) for name, svc in compose["services"].items() for port in svc.get("ports", [])
     ]
@@ -469,6 +498,20 @@ def test_statefulset_service_probes_volume_and_budget(k8s, dockerfile):
     assert pod_spec(sts)["terminationGracePeriodSeconds"] >= 30  # time for the final snapshot
 
 
+def test_statefulset_shards_read_their_tokens_from_the_secret(k8s):
+    sts = k8s_object(k8s, "StatefulSet")
+    secret = k8s_object(k8s, "Secret")
+    (container,) = pod_spec(sts)["containers"]
+    path = Path(k8s_env(container)[env_name("token_file")])
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_spec(sts)["volumes"]}
+    (name,) = [n for n, v in volumes.items() if "secret" in v]
+    assert mounts[name] == str(path.parent)
+    assert volumes[name]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert not volumes[name]["secret"].get("optional"), "a shard must not start without it"
+    assert path.name in secret["stringData"]
+
+
 def test_worker_job_lists_every_shard_pod(k8s, compose, monkeypatch):
     sts = k8s_object(k8s, "StatefulSet")
     svc = k8s_object(k8s, "Service")
@@ -485,8 +528,9 @@ def test_worker_job_lists_every_shard_pod(k8s, compose, monkeypatch):
     assert int(env["DIGITS_NUM_WORKERS"]) == job["spec"]["completions"]
     index_from = env["DIGITS_WORKER_INDEX"]["fieldRef"]["fieldPath"]
     assert "job-completion-index" in index_from
-    assert env[ENV_TOKEN]["secretKeyRef"]["name"] == secret["metadata"]["name"]
-    assert "token" in secret["stringData"]
+    ref = env[ENV_TOKEN]["secretKeyRef"]
+    assert ref["name"] == secret["metadata"]["name"] and not ref.get("optional")
+    assert ref["key"] in secret["stringData"]
     plain = {k: v for k, v in env.items() if isinstance(v, str)}
     check_worker_env({**plain, "DIGITS_WORKER_INDEX": "2", ENV_WORKER_ID: "w"}, monkeypatch)
     for key in ("requests", "limits"):
