@@ -11,7 +11,8 @@ the shard has tokens: ``app.state.auth``, a :class:`~server.auth.Guard`).
 
 Errors are rendered in one place, :func:`error_response`: ``{"error": {"code", "message",
 "details"}}`` as msgpack for data-plane requests (``POST /v1/...``, and any method on a
-data-plane verb's path) and as JSON for everything else. Handlers map
+data-plane verb's path) unless they ask for JSON (a JSON body, or ``Accept`` naming JSON
+only), and as JSON for everything else. Handlers map
 :class:`~server.errors.ShardError`, ``wire.WireError``, FastAPI's validation errors and unknown
 routes/methods to it; :class:`ShardMiddleware` adds the shard headers to every
 response, refuses requests meant for another shard (``x-paramshard-fleet``), and turns any
@@ -51,7 +52,7 @@ from .config import ShardConfig
 from .direct_routes import DirectRoutes
 from .durability import Durability
 from .errors import ShardError
-from .headers import header
+from .headers import header, request_headers
 from .httptools_protocol import Answerer, Immediate
 from .store import DedupTable, ParameterStore
 from .store.heap import trim_heap
@@ -93,6 +94,21 @@ DATA_PLANE_VERBS = (
 _DATA_PLANE_PATHS = frozenset(f"/v1/{verb}" for verb in DATA_PLANE_VERBS)
 
 
+_ACCEPT = b"accept"
+_CONTENT_TYPE = b"content-type"
+
+
+def wants_json(scope: Scope) -> bool:
+    """Whether a request asks for JSON: a JSON body (``Content-Type: application/json``, as
+    curl sends with ``--json``), or an ``Accept`` naming JSON and no msgpack nor frame."""
+    headers = request_headers(scope)
+    ctype = headers.get(_CONTENT_TYPE, b"")[:64].split(b";", 1)[0].strip().lower()
+    if ctype == b"application/json":
+        return True
+    accept = headers.get(_ACCEPT, b"")[:512].lower()
+    return b"json" in accept and b"msgpack" not in accept and b"paramshard" not in accept
+
+
 def is_data_plane(scope: Scope) -> bool:
     """Data-plane requests get msgpack errors, the rest JSON: any ``POST /v1/...``, and any
     request to a data-plane verb's path whatever its method (a ``GET /v1/push`` is 405 in the
@@ -109,9 +125,11 @@ def error_response(
     details: Mapping[str, Any] | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> Response:
-    """The one renderer of error bodies, in the request's format."""
+    """The one renderer of error bodies, in the request's format: msgpack on the data plane
+    unless the request asks for JSON (:func:`wants_json`), JSON elsewhere; the same code,
+    message and details either way."""
     payload = wire.error_payload(code, message, details)
-    if is_data_plane(scope):
+    if is_data_plane(scope) and not wants_json(scope):
         body = msgpack.packb(payload, use_bin_type=True, default=_jsonable)
         media_type = wire.MSGPACK
     else:
