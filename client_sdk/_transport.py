@@ -18,7 +18,9 @@ a :class:`~client_sdk.ProtocolError` at once, not retried, and its connection is
 
 Whether and when to try again is decided here, once for both shells (:func:`retry_delay`):
 429/503 always, transport failures for requests safe to repeat, with exponential backoff and
-jitter, ``Retry-After`` honoured, until the call's deadline.
+jitter, ``Retry-After`` honoured, until the call's deadline. A request still retrying after
+:data:`WAITING_LOG_AFTER` seconds says what it waits for in the log (``client_sdk`` logger,
+a warning), so a worker whose shard is not up yet is not silent until ``retry_deadline``.
 
 :func:`send`, :func:`send_all` and :func:`asend` return a :class:`~client_sdk._flow.Reply` or
 the ``PSError`` that prevented one, and never raise transport errors: both senders fail with
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import math
 import random
 import sys
@@ -40,7 +43,7 @@ from typing import Any
 
 import httpx2
 
-from . import _replies
+from . import _replies, wire
 from ._core import Core
 from ._exceptions import ConfigError, ProtocolError, PSError, ShardUnavailableError
 from ._flow import Reply, Result, ShardRequest
@@ -48,6 +51,8 @@ from ._http.http11 import ReplyTooLarge
 from ._http.httpx_senders import AsyncHTTPXSender, HTTPXSender
 from ._http.native import AsyncNativeSender, NativeSender
 from ._settings import Settings
+
+logger = logging.getLogger("client_sdk")
 
 __all__ = [
     "AsyncSender",
@@ -276,11 +281,43 @@ def _judge(
         delay = retry_delay(
             req, attempt - 1, status=outcome.status, retry_after=outcome.headers.get("retry-after")
         )
-        return outcome if delay is None else delay
+        if delay is None:
+            return outcome
+        _say_waiting(core, req, started, f"it answered {outcome.status}")
+        return delay
     delay = retry_delay(req, attempt - 1, unsent=isinstance(outcome, _UNSENT))
     if delay is None:
         return _chain(_translate(outcome, core, req, attempt, started), outcome)
+    _say_waiting(core, req, started, f"{type(outcome).__name__}: {outcome}"[:300])
     return delay
+
+
+#: A request still retrying this many seconds after its first attempt is logged (a warning),
+#: at most once per :data:`WAITING_LOG_EVERY` seconds per shard.
+WAITING_LOG_AFTER = 3.0
+WAITING_LOG_EVERY = 10.0
+_waiting_logged: dict[str, float] = {}
+
+
+def _say_waiting(core: Core, req: ShardRequest, started: float, why: str) -> None:
+    """Log that ``req`` is still waiting for its shard, after :data:`WAITING_LOG_AFTER` s."""
+    now = time.monotonic()
+    if now - started < WAITING_LOG_AFTER:
+        return
+    url = core.url(req.shard)
+    if now - _waiting_logged.get(url, -WAITING_LOG_EVERY) < WAITING_LOG_EVERY:
+        return
+    _waiting_logged[url] = now
+    logger.warning(
+        "still waiting for shard %s (position %d of the shard list) to answer %s: %s; "
+        "retrying for %.0f s more (retry_deadline): is the shard up, and %s right?",
+        url,
+        req.shard,
+        req.verb,
+        why,
+        max(0.0, req.deadline - now),
+        wire.ENV_SHARDS,
+    )
 
 
 async def asend(sender: AsyncSender, core: Core, req: ShardRequest) -> Result:

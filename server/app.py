@@ -54,6 +54,7 @@ from .durability import Durability
 from .errors import ShardError
 from .headers import header, request_headers
 from .httptools_protocol import Answerer, Immediate
+from .logs import RateLimited
 from .store import DedupTable, ParameterStore
 from .store.heap import trim_heap
 from .store.rounds import close_when_due
@@ -67,6 +68,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger("paramshard.server")
+#: Refused requests, in the log at most once a second (a client can cause them at will);
+#: auth refusals are logged by server/auth.py, 500s with their traceback.
+_refusals = RateLimited(logging.getLogger("paramshard.refused"), 1.0)
+_LOGGED_ELSEWHERE = frozenset({"unauthorized", "forbidden", "internal"})
 
 #: Request header a client may send to say which shard it means: ``"<index>/<num_shards>"``.
 _FLEET_KEY = wire.HEADER_FLEET.encode()
@@ -128,6 +133,24 @@ def error_response(
     """The one renderer of error bodies, in the request's format: msgpack on the data plane
     unless the request asks for JSON (:func:`wants_json`), JSON elsewhere; the same code,
     message and details either way."""
+    if status != 500 and code not in _LOGGED_ELSEWHERE:
+        variable = details.get("variable") if details else None
+        _refusals.log(
+            logging.INFO,
+            "refused %s %s: %d %s: %s",
+            scope.get("method"),
+            scope.get("path", "")[:200],
+            status,
+            code,
+            message[:300],
+            event="refused",
+            outcome=code,
+            status=status,
+            code=code,
+            method=scope.get("method"),
+            path=scope.get("path", "")[:200],
+            variable=variable if isinstance(variable, str) else None,
+        )
     payload = wire.error_payload(code, message, details)
     if is_data_plane(scope) and not wants_json(scope):
         body = msgpack.packb(payload, use_bin_type=True, default=_jsonable)
@@ -351,6 +374,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        follow_client = getattr(app.state, "follow_client", None)
+        if follow_client is not None:
+            await follow_client.aclose()
         try:
             await durability.stop()
         except Exception as exc:

@@ -4,8 +4,9 @@ A shard started with tokens (``--token`` / ``PARAMSHARD_TOKEN``, ``--token-file`
 ``--read-token``) answers a request only when its ``Authorization: Bearer <token>`` header names
 a token that allows it (:func:`access`):
 
-* **open**, no token: ``/healthz``, ``/readyz`` (probes), ``/docs``, ``/openapi.json`` and
-  the dashboard page ``/`` (static, no data in it: it sends a token for what it shows);
+* **open**, no token: ``/healthz``, ``/readyz`` (probes), ``/docs`` with its assets,
+  ``/openapi.json`` and the dashboard page ``/`` (static, no data in it: it sends a token for
+  what it shows);
 * **read** (a read token or a full one): every other ``GET``/``HEAD`` (inspection, metrics)
   and the reads of the data plane, ``POST /v1/pull``, ``/v1/wait``, ``/v1/poll``;
 * **write** (a full token only): everything else (writes, pauses, snapshots, deletes).
@@ -33,7 +34,6 @@ import hashlib
 import hmac
 import logging
 import os
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -41,12 +41,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import ShardError
 from .headers import request_headers
+from .logs import RateLimited
 from .tokens import MAX_TOKEN, read_token_file
 
 __all__ = [
     "MAX_AUTHORIZATION",
     "OPEN",
     "OPEN_PATHS",
+    "OPEN_PREFIXES",
     "READ",
     "WRITE",
     "AuthMiddleware",
@@ -61,6 +63,9 @@ OPEN, READ, WRITE = "open", "read", "write"
 OPEN_PATHS = frozenset(
     {"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/"}
 )
+#: Prefixes of paths every request may reach without a token: the ``/docs`` page's own
+#: assets (scripts and styles, no data).
+OPEN_PREFIXES = ("/docs/assets/",)
 #: Data-plane ``POST`` paths a read token may use.
 READ_POSTS = frozenset({"/v1/pull", "/v1/wait", "/v1/poll"})
 #: Longest ``Authorization`` header value looked at; a longer one is refused unread (401).
@@ -75,7 +80,7 @@ _AUTHORIZATION = b"authorization"
 
 def access(method: str, path: str) -> str:
     """Which token a request needs: :data:`OPEN`, :data:`READ` or :data:`WRITE`."""
-    if path in OPEN_PATHS and method in ("GET", "HEAD"):
+    if method in ("GET", "HEAD") and (path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)):
         return OPEN
     if method in ("GET", "HEAD") or (method == "POST" and path in READ_POSTS):
         return READ
@@ -119,8 +124,7 @@ class Guard:
         self._write = _digests((*self._given, *self._file_tokens))
         self._read = _digests(read_tokens)
         self.refused = {"missing": 0, "malformed": 0, "wrong": 0, "forbidden": 0}
-        self._logged_at = 0.0
-        self._unlogged = 0
+        self._log = RateLimited(logger, LOG_EVERY)
 
     @property
     def on(self) -> bool:
@@ -164,7 +168,19 @@ class Guard:
             return None
         self.refused[reason] += 1
         method, path = scope.get("method", ""), scope.get("path", "")
-        self._log(reason, method, path, scope.get("client"))
+        client = scope.get("client")
+        self._log.log(
+            logging.WARNING,
+            "auth: refused %s %s from %s: %s token",
+            method,
+            path[:200],
+            f"{client[0]}:{client[1]}" if isinstance(client, (list, tuple)) and client else "?",
+            reason,
+            event="auth_refused",
+            outcome=reason,
+            method=method,
+            path=path[:200],
+        )
         what = f"{method} {path}"
         if reason == "forbidden":
             return ShardError(
@@ -191,24 +207,6 @@ class Guard:
                 "WWW-Authenticate": 'Bearer realm="paramshard"'
                 + (', error="invalid_token"' if reason != "missing" else "")
             },
-        )
-
-    def _log(self, reason: str, method: str, path: str, client: Any) -> None:
-        now = time.monotonic()
-        if now - self._logged_at < LOG_EVERY:
-            self._unlogged += 1
-            return
-        more = f" ({self._unlogged} more refused since the last line)" if self._unlogged else ""
-        self._logged_at, self._unlogged = now, 0
-        peer = f"{client[0]}:{client[1]}" if isinstance(client, (list, tuple)) and client else "?"
-        logger.warning(
-            "auth: refused %s %s from %s: %s token%s",
-            method,
-            path[:200],
-            peer,
-            reason,
-            more,
-            extra={"event": "auth_refused", "outcome": reason, "path": path[:200]},
         )
 
     # -- the token file -------------------------------------------------------------------

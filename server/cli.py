@@ -23,6 +23,7 @@ shard that exits on its own and stops the fleet on SIGTERM or SIGINT.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -99,6 +100,13 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
         dest="log_level",
         metavar="LEVEL",
         help=f"{'|'.join(LOG_LEVELS)} [{env_name('log_level')}, default info]",
+    )
+    p.add_argument(
+        "--log-format",
+        dest="log_format",
+        metavar="FORMAT",
+        help=f"text, or json: one object a line with shard, event, worker, seq, variable and "
+        f"outcome fields [{env_name('log_format')}, default text]",
     )
     p.add_argument(
         "--access-log",
@@ -242,6 +250,15 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
         help=f"tokens that may only pull, wait, poll and inspect (403 on a write); needs "
         f"--token or --token-file [{env_name('read_token')}]",
     )
+    if fleet:
+        p.add_argument(
+            "--fleet-urls",
+            dest="fleet_urls",
+            metavar="URL,...",
+            help=f"every shard's URL in shard-index order, as this shard reaches them: a "
+            f"GET /v1/variables/NAME for a name another shard owns is answered with that "
+            f"shard's answer [{env_name('fleet_urls')}]",
+        )
     p.add_argument(
         "--http",
         dest="http",
@@ -303,6 +320,23 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the fleet's shard URLs in order [{wire.ENV_SHARDS}]",
     )
     p.add_argument("--timeout", default="3", help="seconds to wait per shard (default 3)")
+
+    p = sub.add_parser(
+        "get",
+        help="print one variable (or counter) of a fleet",
+        description="Ask the shard that owns NAME for it and print its fields (a "
+        "counter's value among them). Sends PARAMSHARD_TOKEN when set. Exit 0 when "
+        "found, else say why and exit 1.",
+    )
+    p.add_argument("name", metavar="NAME", help="the variable's name")
+    p.add_argument(
+        "--shards",
+        metavar="URL,URL,...",
+        help=f"the fleet's shard URLs in order [{wire.ENV_SHARDS}]",
+    )
+    p.add_argument("--values", action="store_true", help="print its values too (small ones)")
+    p.add_argument("--json", action="store_true", help="print the shard's JSON as it is")
+    p.add_argument("--timeout", default="10", help="seconds to wait (default 10)")
 
     p = sub.add_parser(
         "reshard",
@@ -386,6 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _reshard(args)
         if args.command == "health":
             return _health(args)
+        if args.command == "get":
+            return _get(args)
     except (InvalidSetting, UsageError) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -402,6 +438,7 @@ def _config_from(args: argparse.Namespace) -> ShardConfig:
             "host",
             "port",
             "port_file",
+            "fleet_urls",
             *_PASSED_ON,
             *_AUTH,
             "data_dir",
@@ -414,6 +451,7 @@ def _config_from(args: argparse.Namespace) -> ShardConfig:
 _PASSED_ON = (
     "max_request_bytes",
     "log_level",
+    "log_format",
     "access_log",
     "snapshot_interval",
     "keep_snapshots",
@@ -474,6 +512,9 @@ def _up(args: argparse.Namespace) -> int:
             extra.append(flag_name(key) if value else "--no-" + flag_name(key)[2:])
         else:
             extra += [flag_name(key), str(value)]
+    if base:  # every shard's URL is known: a variable's inspection follows it to its owner
+        reach = client_host(host)
+        extra += ["--fleet-urls", ",".join(f"http://{reach}:{base + i}" for i in range(n))]
     # the flags say everything; stray settings must not override them
     env = {
         k: v
@@ -504,17 +545,48 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _status(args: argparse.Namespace) -> int:
+def _fleet_urls(args: argparse.Namespace) -> list[str]:
     raw = args.shards if args.shards is not None else os.environ.get(wire.ENV_SHARDS)
     if not raw:
         raise UsageError(f"give the fleet with --shards URL,URL,... or set {wire.ENV_SHARDS}")
     urls = [u.strip().rstrip("/") for u in raw.split(",") if u.strip()]
     if not urls or any(not u.startswith(("http://", "https://")) for u in urls):
         raise UsageError(f"--shards must be comma-separated http(s):// URLs, got {raw!r}")
+    return urls
+
+
+def _timeout(args: argparse.Namespace) -> float:
     try:
         timeout = float(args.timeout)
     except ValueError:
         raise UsageError(f"--timeout must be a number of seconds, got {args.timeout!r}") from None
+    if not timeout > 0:
+        raise UsageError(f"--timeout must be a number of seconds > 0, got {args.timeout!r}")
+    return timeout
+
+
+def _get(args: argparse.Namespace) -> int:
+    import httpx2
+
+    from .show import fetch, render
+
+    urls, timeout = _fleet_urls(args), _timeout(args)
+    try:
+        status, body, owner = fetch(urls, args.name, args.values, timeout)
+    except httpx2.HTTPError as exc:
+        print(f"{PROG} get: the shard owning {args.name!r} did not answer: {exc}", file=sys.stderr)
+        return 1
+    if status != 200 or not isinstance(body, dict):
+        error = body.get("error", {}) if isinstance(body, dict) else {}
+        message = error.get("message") if isinstance(error, dict) else None
+        print(f"{PROG} get: {owner} answered {status}: {message or body}", file=sys.stderr)
+        return 1
+    print(json.dumps(body, indent=2) if args.json else render(body, args.values))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    urls, timeout = _fleet_urls(args), _timeout(args)
     results = probe_fleet(urls, timeout)
     rows = [("URL", "SHARD", "INCARNATION", "VARIABLES", "BYTES", "HEALTHY")]
     ok = True

@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+LOG_FORMATS = ("text", "json")
 #: The values of ``http`` (as :data:`server.upstream.MODES`, which needs uvicorn to import).
 HTTP_MODES = ("auto", "stock")
 DEFAULT_MAX_REQUEST_BYTES = 1 << 30  # 1 GiB
@@ -140,6 +141,13 @@ def _log_level(text: str) -> str:
     return value
 
 
+def _log_format(text: str) -> str:
+    value = text.strip().lower()
+    if value not in LOG_FORMATS:
+        raise ValueError(f"expected one of {', '.join(LOG_FORMATS)}, got {text!r}")
+    return value
+
+
 def _http_mode(text: str) -> str:
     value = text.strip().lower()
     if value not in HTTP_MODES:
@@ -203,6 +211,19 @@ def _tokens(key: str) -> Callable[[str], tuple[str, ...]]:
     return cast
 
 
+def _urls(text: str) -> tuple[str, ...]:
+    urls = tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
+    for u in urls:
+        if not u.startswith(("http://", "https://")) or any(c.isspace() for c in u):
+            raise ValueError(
+                f"expected the shards' URLs, comma-separated, in shard-index order "
+                f"(http://host:port,...), got {u[:80]!r}"
+            )
+    if not urls:
+        raise ValueError("expected the shards' URLs, comma-separated, got nothing")
+    return urls
+
+
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in _TRUE:
@@ -225,6 +246,8 @@ class ShardConfig:
     port_file: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     log_level: str = "info"
+    #: ``text`` or ``json`` (one object a line: :mod:`server.logs`).
+    log_format: str = "text"
     access_log: bool = False
     #: Where snapshots go; ``None``: no snapshots (state lives only in memory).
     data_dir: str | None = None
@@ -257,6 +280,9 @@ class ShardConfig:
     #: A file of tokens, one a line, read again when it changes (a mounted secret).
     token_file: str | None = None
     read_token: tuple[str, ...] = field(default=(), repr=False)
+    #: Every shard's URL, in shard-index order, as this shard reaches them (empty: unknown). A
+    #: ``GET /v1/variables/{name}`` for a name another shard owns is answered by asking it.
+    fleet_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard_index < self.num_shards:
@@ -290,6 +316,12 @@ class ShardConfig:
                 raise InvalidSetting(
                     f"{flag_name('token_file')} / {env_name('token_file')}", str(exc)
                 ) from None
+        if self.fleet_urls and len(self.fleet_urls) != self.num_shards:
+            raise InvalidSetting(
+                f"{flag_name('fleet_urls')} / {env_name('fleet_urls')}",
+                f"lists {len(self.fleet_urls)} URL(s) for a fleet of {self.num_shards} shard(s) "
+                f"({flag_name('num_shards')}): list every shard's URL, in shard-index order",
+            )
         if self.read_token and not (self.token or self.token_file):
             raise InvalidSetting(
                 f"{flag_name('read_token')} / {env_name('read_token')}",
@@ -357,6 +389,7 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "port_file": _file,
     "max_request_bytes": _size,
     "log_level": _log_level,
+    "log_format": _log_format,
     "access_log": _bool,
     "data_dir": _path,
     "snapshot_interval": _seconds,
@@ -376,4 +409,5 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "token": _tokens("token"),
     "token_file": _file,
     "read_token": _tokens("read_token"),
+    "fleet_urls": _urls,
 }

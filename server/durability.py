@@ -116,11 +116,18 @@ class Durability:
             self.failed = str(exc)
             if isinstance(exc, (persistence.SnapshotMismatch, OSError)):
                 logger.error(
-                    "cannot restore shard %s from %s: %s", self.config.fleet, self.data_dir, exc
+                    "cannot restore shard %s from %s: %s",
+                    self.config.fleet,
+                    self.data_dir,
+                    exc,
+                    extra={"event": "restore", "outcome": "failed"},
                 )
             else:
                 logger.exception(
-                    "cannot restore shard %s from %s", self.config.fleet, self.data_dir
+                    "cannot restore shard %s from %s",
+                    self.config.fleet,
+                    self.data_dir,
+                    extra={"event": "restore", "outcome": "failed"},
                 )
             self.gate.set_phase("failed", str(exc).replace(str(self.data_dir), "<data dir>"))
             if self.on_fatal is not None:
@@ -142,10 +149,21 @@ class Durability:
                 found.snapshot.manifest["values_bytes"],
                 found.snapshot.state_version,
                 found.seconds,
+                extra={
+                    "event": "restore",
+                    "outcome": "restored",
+                    "snapshot": found.snapshot.manifest_path.name,
+                    "variables": len(found.variables),
+                    "bytes": found.snapshot.manifest["values_bytes"],
+                    "seconds": round(found.seconds, 3),
+                },
             )
         else:
             logger.info(
-                "shard %s: no snapshot in %s, starting empty", self.config.fleet, self.data_dir
+                "shard %s: no snapshot in %s, starting empty",
+                self.config.fleet,
+                self.data_dir,
+                extra={"event": "restore", "outcome": "empty"},
             )
         self._saved_mutations = self.store.mutations
         if self.gate.phase != "restoring":  # SIGTERM arrived meanwhile
@@ -299,7 +317,11 @@ class Durability:
             removed = await asyncio.to_thread(persistence.remove, self.data_dir, doomed)
             self._checkpoints.pop(checkpoint, None)
         logger.info(
-            "shard %s deleted checkpoint %s (%s)", self.config.fleet, checkpoint, ", ".join(removed)
+            "shard %s deleted checkpoint %s (%s)",
+            self.config.fleet,
+            checkpoint,
+            ", ".join(removed),
+            extra={"event": "checkpoint", "outcome": "deleted", "checkpoint": checkpoint},
         )
         return removed
 
@@ -352,6 +374,15 @@ class Durability:
                 snap.manifest["values_bytes"],
                 seconds,
                 f"; removed {len(removed)} old file(s)" if removed else "",
+                extra={
+                    "event": "snapshot",
+                    "outcome": "written",
+                    "snapshot": snap.manifest_path.name,
+                    "checkpoint": checkpoint,
+                    "variables": len(capture.variables),
+                    "bytes": snap.manifest["values_bytes"],
+                    "seconds": round(seconds, 3),
+                },
             )
             return self.last
         finally:

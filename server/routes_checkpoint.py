@@ -18,6 +18,7 @@ pruned like periodic ones; listing and deleting answer JSON, like the inspection
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 from typing import Any
@@ -38,6 +39,7 @@ DEFAULT_LEASE = 60.0
 MAX_LEASE = 600.0
 
 router = APIRouter(prefix="/v1", tags=["fleet checkpoints (msgpack)"])
+logger = logging.getLogger("paramshard.server")
 
 _DOC = {
     "requestBody": {
@@ -124,6 +126,12 @@ async def pause(request: Request) -> Response:
         )
     _durability(request).require()  # before anything is paused
     await request.app.state.gate.pause(checkpoint, float(lease))
+    logger.info(
+        "checkpoint %s: writes paused (lease %gs)",
+        checkpoint,
+        lease,
+        extra={"event": "checkpoint", "outcome": "paused", "checkpoint": checkpoint},
+    )
     return _reply(
         {
             "checkpoint": checkpoint,
@@ -171,6 +179,12 @@ async def resume(request: Request) -> Response:
     msg = await _message(request, "resume")
     checkpoint = _checkpoint(msg, "resume")
     resumed = request.app.state.gate.resume(checkpoint)
+    if resumed:
+        logger.info(
+            "checkpoint %s: writes resumed",
+            checkpoint,
+            extra={"event": "checkpoint", "outcome": "resumed", "checkpoint": checkpoint},
+        )
     write = _durability(request).checkpoint_write(checkpoint)
     info = None
     if write is not None:

@@ -21,6 +21,7 @@ from client_sdk import wire
 
 from . import __version__
 from .errors import ShardError
+from .follow import follow
 from .store import ParameterStore, Variable
 
 __all__ = ["MAX_JSON_VALUES", "router", "value_stats"]
@@ -115,10 +116,19 @@ async def workers(request: Request) -> dict[str, Any]:
     return {"workers": _store(request).dedup.summaries()}
 
 
+def _summary(var: Variable) -> dict[str, Any]:
+    """A variable's summary; a counter's with its ``value`` (a number, small to send)."""
+    summary = var.summary()
+    if var.kind == "counter" and var.value.size == 1:
+        value = var.value.item()
+        summary["value"] = value if not isinstance(value, float) or math.isfinite(value) else None
+    return summary
+
+
 @router.get("/v1/variables")
 async def variables(request: Request) -> dict[str, Any]:
-    """A summary of every variable on this shard, sorted by name."""
-    return {"variables": sorted((v.summary() for v in _store(request)), key=lambda s: s["name"])}
+    """A summary of every variable on this shard, sorted by name; a counter's with its value."""
+    return {"variables": sorted((_summary(v) for v in _store(request)), key=lambda s: s["name"])}
 
 
 @router.get("/v1/variables/{name:path}", response_model=None)
@@ -133,9 +143,16 @@ async def variable(
     format: Literal["json", "npy"] = Query("json", description="'npy' returns a .npy file"),
 ) -> Response | dict[str, Any]:
     """One variable: its summary and statistics; `?values=true` adds the values,
-    `?format=npy` returns the value as a `.npy` file (read it with `numpy.load`)."""
+    `?format=npy` returns the value as a `.npy` file (read it with `numpy.load`). Asked of a
+    shard that does not own the name, the owner's answer (when the shard knows the fleet's
+    URLs: `--fleet-urls`)."""
     store = _store(request)
-    var: Variable = store.get(name)
+    try:
+        var: Variable = store.get(name)
+    except ShardError as exc:
+        if exc.code != "not_owner":
+            raise
+        return await follow(request, exc)
     await store.readable([name])
     if format == "npy":
         out = io.BytesIO()
@@ -146,7 +163,7 @@ async def variable(
             media_type="application/octet-stream",
             headers={"content-disposition": f'attachment; filename="{filename}"'},
         )
-    summary = {**var.summary(), **value_stats(var.value), **var.training_summary()}
+    summary = {**_summary(var), **value_stats(var.value), **var.training_summary()}
     if values:
         if var.value.size > MAX_JSON_VALUES:
             raise ShardError(

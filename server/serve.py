@@ -69,6 +69,7 @@ def serve(config: ShardConfig) -> int:
     (e.g. its port is taken) or its final snapshot could not be written.
     """
     from .app import create_app
+    from .logs import configure as configure_logs
     from .readguard import EdgeLimits
     from .store.heap import keep_big_buffers
     from .upstream import serving
@@ -81,11 +82,11 @@ def serve(config: ShardConfig) -> int:
         min_body_rate=config.min_body_rate,
     )
 
-    logging.basicConfig(
-        level=logging.DEBUG
-        if config.log_level == "trace"
-        else getattr(logging, config.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    level = config.log_level.upper()
+    configure_logs(
+        logging.DEBUG if level == "TRACE" else getattr(logging, level),
+        config.log_format,
+        config.fleet,
     )
     app = create_app(config)
     served = serving(app, limits, config.http)
@@ -97,6 +98,8 @@ def serve(config: ShardConfig) -> int:
         http=served.protocol,
         h11_max_incomplete_event_size=limits.max_head_bytes,  # the head bound, on h11
         log_level=config.log_level,
+        # In JSON, uvicorn's own lines go through the shard's handler (every line parses).
+        **({"log_config": None} if config.log_format == "json" else {}),
         access_log=config.access_log,
         server_header=False,
         proxy_headers=False,  # X-Forwarded-* would only rename the client in logs; per-request work
@@ -127,6 +130,17 @@ def serve(config: ShardConfig) -> int:
                     file=sys.stderr,
                 )
                 return 1
+        host, port = sock.getsockname()[:2]
+        logging.getLogger("paramshard.server").info(
+            "shard %s serving on %s:%d (http %s, auth %s, data dir %s)",
+            config.fleet,
+            host,
+            port,
+            served.mode,
+            app.state.auth.mode,
+            "yes" if config.data_dir else "none",
+            extra={"event": "start", "outcome": "serving"},
+        )
         server.run(sockets=[sock])
     except SystemExit as exc:  # uvicorn exits with 1 or 3 when it cannot start (e.g. port taken)
         if exc.code in (None, 0):

@@ -177,6 +177,13 @@ class DedupTable:
 
     def record(self, worker_id: str, seq: int, result: list | None = None) -> None:
         """Remember that ``seq`` was applied (with an increment's ``[value, version]``)."""
+        if worker_id not in self._workers:
+            logger.info(
+                "worker %s first seen (seq %d)",
+                worker_id[:256],
+                seq,
+                extra={"event": "worker_first_seen", "worker": worker_id, "seq": seq},
+            )
         record = self._touch(worker_id)
         record.mark(seq)
         record.applied += 1

@@ -1,0 +1,89 @@
+"""Inspection that follows the variable: ``GET /v1/variables/{name}`` asked of a shard that does
+not own ``name`` is answered with the owner's answer.
+
+A person with one shard's address (``curl localhost:7100/...``, a port-forward to one pod, the
+host port of one compose service) can look at any variable: the shard asks the owner over the
+fleet's own network (``--fleet-urls``, the URLs as the shards reach each other, which a
+client outside may not reach, hence no redirect) and relays its answer, status, body and
+content type, streamed (a ``.npy`` of any size costs a buffer, not the variable). The
+request goes with the caller's ``Authorization`` and query, ``x-paramshard-fleet`` naming the
+owner (a wrong URL list is refused by the shard it reaches, not answered for the wrong
+shard), and :data:`FORWARDED`, which a shard never follows again (no loops). The answer carries
+``x-paramshard-owner: <index>/<N>``. Without ``--fleet-urls``, or for a forwarded request, the
+shard answers 421 ``not_owner`` as before; an owner that does not answer is 503.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx2
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from client_sdk import wire
+
+from .errors import ShardError
+from .headers import request_headers
+
+__all__ = ["FORWARDED", "follow"]
+
+#: The header a shard sets on a request it forwards to the owner.
+FORWARDED = "x-paramshard-forwarded"
+#: Seconds the owner has to start answering (its body then streams at the caller's pace).
+TIMEOUT = 30.0
+_RELAYED = ("content-type", "content-length", "content-disposition", "retry-after")
+
+
+def _client(request: Request) -> httpx2.AsyncClient:
+    state = request.app.state
+    client = getattr(state, "follow_client", None)
+    if client is None:
+        client = state.follow_client = httpx2.AsyncClient(
+            timeout=TIMEOUT, trust_env=False, follow_redirects=False
+        )
+    return client
+
+
+async def follow(request: Request, refusal: ShardError) -> Response:
+    """The owner's answer to ``request`` (whose name this shard refused as not its own with
+    ``refusal``), or ``refusal`` raised when the shard cannot ask the owner."""
+    config = request.app.state.config
+    headers = request_headers(request.scope)
+    owners = refusal.details.get("owners") or {}
+    if not config.fleet_urls or FORWARDED.encode() in headers or len(owners) != 1:
+        raise refusal
+    (owner,) = owners.values()
+    url = config.fleet_urls[owner] + request.url.path
+    sent: dict[str, Any] = {
+        FORWARDED: config.fleet,
+        wire.HEADER_FLEET: f"{owner}/{config.num_shards}",
+        "accept-encoding": "identity",
+    }
+    for name in (b"authorization", b"accept"):
+        if name in headers:
+            sent[name.decode()] = headers[name].decode("latin-1")
+    client = _client(request)
+    try:
+        reply = await client.send(
+            client.build_request("GET", url, params=request.query_params, headers=sent),
+            stream=True,
+        )
+    except httpx2.HTTPError as exc:
+        raise ShardError(
+            "unavailable",
+            f"this is shard {config.fleet}; the variable belongs to shard {owner}/"
+            f"{config.num_shards}, which did not answer at {config.fleet_urls[owner]} "
+            f"({type(exc).__name__}): ask it directly, or check --fleet-urls",
+            {"owner": owner, "reason": "owner_unreachable"},
+            headers={"Retry-After": "1"},
+        ) from None
+    relayed = {k: v for k, v in reply.headers.items() if k.lower() in _RELAYED}
+    relayed["x-paramshard-owner"] = f"{owner}/{config.num_shards}"
+    return StreamingResponse(
+        reply.aiter_raw(),
+        status_code=reply.status_code,
+        headers=relayed,
+        background=BackgroundTask(reply.aclose),
+    )
