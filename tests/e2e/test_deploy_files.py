@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -47,14 +46,17 @@ from server.cli import build_parser
 from server.config import InvalidSetting, ShardConfig, env_name
 from server.demo import digits_worker as digits
 from tests.helpers.deploy_files import (
+    A_TOKEN,
     DOCKERFILE,
     K8S_DIR,
     ROOT,
+    TOKEN_FROM_ENV,
     dockerignore_allows,
     dockerignore_patterns,
     environment,
     image_env,
     in_stage,
+    interpolated,
     k8s_env,
     k8s_object,
     load_compose,
@@ -68,18 +70,6 @@ SHARD_ENV = {env_name(f.name) for f in fields(ShardConfig)}
 SDK_ENV = {ENV_SHARDS, ENV_TOKEN, ENV_WORKER_ID}
 #: Kubernetes versions the manifests must validate against (oldest supported, newest known).
 K8S_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
-
-
-#: What the user's .env gives ``${PARAMSHARD_TOKEN:?...}`` in the compose file, and what the
-#: Secret's file holds in a pod.
-A_TOKEN = "0123456789abcdef" * 4
-#: The compose file's required interpolation of the token (compose stops, saying this, without).
-TOKEN_FROM_ENV = re.compile(r"\$\{PARAMSHARD_TOKEN:\?[^}]+\}")
-
-
-def interpolated(env: dict[str, str]) -> dict[str, str]:
-    """``env`` as compose passes it when PARAMSHARD_TOKEN is set (in .env or the shell)."""
-    return {k: TOKEN_FROM_ENV.sub(A_TOKEN, v) if isinstance(v, str) else v for k, v in env.items()}
 
 
 def shard_config(

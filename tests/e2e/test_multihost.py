@@ -33,11 +33,13 @@ import pytest
 from client_sdk.placement import shard_for
 from tests.helpers import netlab
 from tests.helpers.deploy_files import (
+    A_TOKEN,
     DOCKERFILE,
     ROOT,
     environment,
     image_env,
     in_stage,
+    interpolated,
     load_compose,
     parse_dockerfile,
     shard_services,
@@ -88,7 +90,7 @@ def container_env(
         "PYTHONPATH": str(ROOT),
         "LANG": "C.UTF-8",
         **image_env,
-        **environment(service),
+        **interpolated(environment(service)),
     }
     return {k: str(volumes[v]) if v in volumes else v for k, v in env.items()}
 
@@ -110,6 +112,7 @@ def service_volumes(service: dict, base: Path) -> dict[str, Path]:
 def lab():
     netlab.sweep_stale()
     lab = netlab.Netlab()
+    lab.token = A_TOKEN  # the compose file's ${PARAMSHARD_TOKEN}, as the operator has it
     try:
         yield lab
     finally:

@@ -37,6 +37,18 @@ def shard_services(compose: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [(name, compose["services"][name]) for _, name in found]
 
 
+#: What the user's .env gives ``${PARAMSHARD_TOKEN:?...}`` in the compose file, and what the
+#: Secret's file holds in a pod, in tests.
+A_TOKEN = "0123456789abcdef" * 4
+#: The compose file's required interpolation of the token (compose stops, saying this, without).
+TOKEN_FROM_ENV = re.compile(r"\$\{PARAMSHARD_TOKEN:\?[^}]+\}")
+
+
+def interpolated(env: dict[str, str]) -> dict[str, str]:
+    """``env`` as compose passes it when PARAMSHARD_TOKEN is set (in .env or the shell)."""
+    return {k: TOKEN_FROM_ENV.sub(A_TOKEN, v) if isinstance(v, str) else v for k, v in env.items()}
+
+
 def environment(service: dict[str, Any]) -> dict[str, str]:
     """A service's ``environment`` as a dict of strings (both Compose spellings)."""
     env = service.get("environment") or {}

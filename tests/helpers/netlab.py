@@ -33,9 +33,12 @@ NETNS_ETC = Path("/etc/netns")
 SUBNET = "10.213.0"
 
 _FETCH = (
-    "import sys, urllib.request\n"
+    "import os, sys, urllib.request\n"
     "opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))\n"
-    "sys.stdout.write(opener.open(sys.argv[1], timeout=float(sys.argv[2])).read().decode())\n"
+    "req = urllib.request.Request(sys.argv[1])\n"
+    "token = os.environ.get('PARAMSHARD_TOKEN')\n"
+    "if token: req.add_header('Authorization', 'Bearer ' + token)\n"
+    "sys.stdout.write(opener.open(req, timeout=float(sys.argv[2])).read().decode())\n"
 )
 
 
@@ -109,6 +112,8 @@ class Netlab:
         self.switch = self.prefix + "switch"
         self.hosts: dict[str, str] = {}  # host name -> address
         self.procs: list[subprocess.Popen] = []
+        #: The bearer token :meth:`fetch` sends, if any.
+        self.token: str | None = None
         self._namespaces: list[str] = []
         self._made_netns_etc = not NETNS_ETC.exists()
         try:
@@ -208,8 +213,10 @@ class Netlab:
         )
 
     def fetch(self, host: str, url: str, timeout: float = 2.0) -> str | None:
-        """GET ``url`` from ``host``; the body, or ``None`` if there was no answer."""
-        done = self.python(host, _FETCH, url, str(timeout), timeout=timeout + 30)
+        """GET ``url`` from ``host`` (with :attr:`token` as a bearer token, if set); the body,
+        or ``None`` if there was no answer."""
+        env = None if self.token is None else {**os.environ, "PARAMSHARD_TOKEN": self.token}
+        done = self.python(host, _FETCH, url, str(timeout), env=env, timeout=timeout + 30)
         return done.stdout if done.returncode == 0 else None
 
     def fetch_json(self, host: str, url: str, timeout: float = 2.0) -> dict | None:
