@@ -36,6 +36,7 @@ class Context:
     _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
     _fleets: dict[int, processes.Fleet] = field(default_factory=dict, repr=False)
     _raw: processes.RawServer | None = field(default=None, repr=False)
+    _tls: tuple[processes.Fleet, str] | None = field(default=None, repr=False)
     _peers: list[Peer] | None = field(default=None, repr=False)
 
     def sizes_for(self, defaults: tuple[int, ...]) -> tuple[int, ...]:
@@ -52,6 +53,26 @@ class Context:
                 processes.shards(n, d, "--log-level", "warning")
             )
         return self._fleets[n]
+
+    def tls_fleet(self) -> tuple[processes.Fleet, str]:
+        """One shard serving https with a certificate made for this run, and the path of the
+        CA file that verifies it. Started once per run, like :meth:`fleet`."""
+        if self._tls is None:
+            import trustme
+
+            d = self.logdir / "fleet-tls"
+            d.mkdir(exist_ok=True)
+            ca = trustme.CA()
+            cert = ca.issue_cert("127.0.0.1", "localhost")
+            ca.cert_pem.write_to_path(str(d / "ca.pem"))
+            cert.private_key_pem.write_to_path(str(d / "key.pem"))
+            cert.cert_chain_pems[0].write_to_path(str(d / "cert.pem"))
+            args = ("--tls-cert", str(d / "cert.pem"), "--tls-key", str(d / "key.pem"))
+            fleet = self._stack.enter_context(
+                processes.shards(1, d, "--log-level", "warning", *args)
+            )
+            self._tls = (fleet, str(d / "ca.pem"))
+        return self._tls
 
     def shard_urls(self, n: int = 1) -> list[str]:
         """URLs of :meth:`fleet` ``(n)``."""

@@ -1,5 +1,6 @@
-"""Pull and push of one float32 variable: ``PSClient`` against one shard, next to a raw TCP
-socket moving the same bytes (and, with ``--peers``, the peers), on loopback.
+"""Pull and push of one float32 variable: ``PSClient`` against one shard, over http and over
+https (TLS, a certificate made for the run), next to a raw TCP socket moving the same bytes
+(and, with ``--peers``, the peers), on loopback.
 
 Per size, one variable is created with the ``Add`` optimizer (the shard adds the pushed tensor
 to the value: the cheapest apply there is). In each repetition the SDK does:
@@ -42,6 +43,7 @@ __all__ = [
     "DESCRIPTION",
     "RAW",
     "SDK",
+    "SDK_TLS",
     "cpu_fields",
     "push_label",
     "rotated",
@@ -50,10 +52,12 @@ __all__ = [
 
 DESCRIPTION = (
     "one float32 variable, 1 shard on loopback; pull and push+apply through PSClient "
-    "vs a raw TCP socket (and peers)"
+    "over http and https vs a raw TCP socket (and peers)"
 )
 DEFAULT_SIZES = (1_000, 100_000, 1_000_000, 10_000_000, 25_000_000)
 SDK, RAW = "paramshard", "raw socket"
+#: The same SDK and shard over https (TLS with a certificate made for the run).
+SDK_TLS = "paramshard https"
 
 
 T = TypeVar("T")
@@ -108,17 +112,24 @@ def run(ctx: Context) -> list[dict]:
     from client_sdk import PSClient  # the SDK is what is measured: import it when running
 
     fleet = ctx.fleet(1)
+    tls_fleet, ca = ctx.tls_fleet()
     raw_server = ctx.raw()
     peers = ctx.peers()
     rows: list[dict] = []
     with (
         PSClient(fleet.urls, worker_id="bench-transfer") as ps,
+        PSClient(tls_fleet.urls, worker_id="bench-transfer-tls", verify=ca) as tls,
         RawClient(raw_server.host, raw_server.port) as raw,
     ):
-        pids = {SDK: fleet.pids, RAW: [raw_server.pid], **{p.label: p.server_pids for p in peers}}
+        pids = {
+            SDK: fleet.pids,
+            SDK_TLS: tls_fleet.pids,
+            RAW: [raw_server.pid],
+            **{p.label: p.server_pids for p in peers},
+        }
         for n in ctx.sizes_for(DEFAULT_SIZES):
-            rows += _one_size(ctx, n, ps, raw, peers, pids)
-    order = {system: k for k, system in enumerate([RAW, SDK, *(p.label for p in peers)])}
+            rows += _one_size(ctx, n, {SDK: ps, SDK_TLS: tls}, raw, peers, pids)
+    order = {system: k for k, system in enumerate([RAW, SDK, SDK_TLS, *(p.label for p in peers)])}
     rows.sort(
         key=lambda r: (
             r["op"] != "pull",
@@ -130,7 +141,12 @@ def run(ctx: Context) -> list[dict]:
 
 
 def _one_size(
-    ctx: Context, n: int, ps: Any, raw: RawClient, peers: Sequence[Peer], pids: dict[str, list[int]]
+    ctx: Context,
+    n: int,
+    clients: dict[str, Any],
+    raw: RawClient,
+    peers: Sequence[Peer],
+    pids: dict[str, list[int]],
 ) -> list[dict]:
     from client_sdk.optimizers import Add
 
@@ -138,7 +154,8 @@ def _one_size(
     value = np.random.default_rng(n).random(n, dtype=np.float32)
     grad = np.zeros(n, dtype=np.float32)
     nbytes = value.nbytes
-    ps.init({name: value}, optimizer=Add())
+    for ps in clients.values():
+        ps.init({name: value}, optimizer=Add())
     for peer in peers:
         peer.init([name], n)
     reps = reps_for(nbytes, ctx.reps, ctx.min_reps)
@@ -147,20 +164,21 @@ def _one_size(
         for op in ("push", "pull")
         for system, server_pids in pids.items()
     }
-    last_version: int | None = None
+    last_version: dict[str, int] = {}
 
-    def sdk_turn(i: int) -> None:
-        nonlocal last_version
-        with series["push", SDK].timed():
+    def sdk_turn(system: str, i: int) -> None:
+        ps = clients[system]
+        with series["push", system].timed():
             version = ps.push({name: grad})[name]["version"]
-        with series["pull", SDK].timed():
+        with series["pull", system].timed():
             pulled = ps.pull([name])[name]
-        if last_version is not None and version != last_version + 1:
+        last = last_version.get(system)
+        if last is not None and version != last + 1:
             raise RuntimeError(
-                f"{name}: push {i} moved the version from {last_version} to "
+                f"{name} ({system}): push {i} moved the version from {last} to "
                 f"{version}; pulls may have been served from cache"
             )
-        last_version = version
+        last_version[system] = version
         if pulled.shape != (n,) or pulled.dtype != np.float32:
             raise RuntimeError(
                 f"{name}: pulled {pulled.dtype}{pulled.shape}; expected float32 ({n},)"
@@ -180,15 +198,20 @@ def _one_size(
         with series["pull", peer.label].cpu:
             series["pull", peer.label].add(peer.pull([name]))
 
-    turns = [sdk_turn, raw_turn, *(functools.partial(peer_turn, p) for p in peers)]
+    turns = [
+        *(functools.partial(sdk_turn, system) for system in clients),
+        raw_turn,
+        *(functools.partial(peer_turn, p) for p in peers),
+    ]
     for i in range(ctx.warmup + reps):
         if i == ctx.warmup:
             for s in series.values():
                 s.forget_warmup()
         for turn in rotated(turns, i):
             turn(i)
-    if not np.array_equal(ps.pull([name])[name], value):
-        raise RuntimeError(f"{name}: value changed by pushing zeros through Add")
+    for system, ps in clients.items():
+        if not np.array_equal(ps.pull([name])[name], value):
+            raise RuntimeError(f"{name} ({system}): value changed by pushing zeros through Add")
     for peer in peers:
         peer.check([name])
     return [

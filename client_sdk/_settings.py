@@ -39,6 +39,9 @@ class Settings:
     retry_deadline: float = 30.0
     max_inflight: int = 2
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    #: How ``https://`` shards are verified: the system's CAs (True), a CA bundle's path, or
+    #: not at all (False).
+    verify: bool | str = True
 
 
 def load_settings(
@@ -50,6 +53,7 @@ def load_settings(
     retry_deadline: float = 30.0,
     max_inflight: int = 2,
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+    verify: bool | str = True,
     environ: Mapping[str, str] | None = None,
 ) -> Settings:
     """Resolve arguments, falling back to ``PARAMSHARD_*`` environment variables.
@@ -124,8 +128,20 @@ def load_settings(
         or max_reply_bytes < 1
     ):
         raise ConfigError(f"max_reply_bytes must be an int >= 1 (bytes), got {max_reply_bytes!r}")
+    if not isinstance(verify, (bool, str)) or verify == "":
+        raise ConfigError(
+            f"verify must be True (the system's CAs), False (no verification) or the path of "
+            f"a CA bundle (PEM), got {verify!r}"
+        )
     return Settings(
-        urls, worker_id, token, float(timeout), float(retry_deadline), max_inflight, max_reply_bytes
+        urls,
+        worker_id,
+        token,
+        float(timeout),
+        float(retry_deadline),
+        max_inflight,
+        max_reply_bytes,
+        verify,
     )
 
 

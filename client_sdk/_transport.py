@@ -3,10 +3,10 @@
 Both shells send a :class:`~client_sdk._flow.ShardRequest` through :func:`send` (sync) or
 :func:`asend` (async), each with a *sender* that performs one HTTP exchange (``_http/``):
 
-* the native senders (``_http/native.py``), the default when every shard is an ``http://``
-  URL and no transport is injected: the SDK's own keep-alive HTTP/1.1 connections;
-* the httpx2 senders (``_http/httpx_senders.py``), for ``https://`` shards and for a
-  ``transport`` the caller injects (``httpx2.MockTransport`` in tests).
+* the native senders (``_http/native.py``), the default when no transport is injected: the
+  SDK's own keep-alive HTTP/1.1 connections, plain or TLS (``https://``, ``_http/tls.py``);
+* the httpx2 senders (``_http/httpx_senders.py``), for a ``transport`` the caller injects
+  (``httpx2.MockTransport`` in tests) and Windows' event loop.
 
 :func:`sync_sender` and :func:`async_sender` choose. Every attempt has one deadline for the
 whole exchange (connect, request, whole reply): ``timeout`` from its start (a long poll's or a
@@ -82,12 +82,12 @@ _TRANSPORT_ERRORS = (httpx2.HTTPError, httpx2.InvalidURL, httpx2.StreamError)
 
 
 def _native(settings: Settings, transport: object) -> bool:
-    return transport is None and all(url.startswith("http://") for url in settings.shards)
+    return transport is None
 
 
 def sync_sender(settings: Settings, transport: httpx2.BaseTransport | None) -> Sender:
-    """The sender a :class:`~client_sdk.PSClient` uses: native unless a transport is injected
-    or a shard is ``https://``. Does no I/O."""
+    """The sender a :class:`~client_sdk.PSClient` uses: native unless a transport is
+    injected. Does no I/O."""
     if _native(settings, transport):
         return NativeSender(settings)
     return HTTPXSender(settings, transport)
@@ -95,8 +95,7 @@ def sync_sender(settings: Settings, transport: httpx2.BaseTransport | None) -> S
 
 def async_sender(settings: Settings, transport: httpx2.AsyncBaseTransport | None) -> AsyncSender:
     """The sender an :class:`~client_sdk.AsyncPSClient` uses: native unless a transport is
-    injected, a shard is ``https://``, or the platform's event loop cannot wait for sockets
-    (Windows). Does no I/O."""
+    injected, or the platform's event loop cannot wait for sockets (Windows). Does no I/O."""
     if _native(settings, transport) and sys.platform != "win32":
         return AsyncNativeSender(settings)
     return AsyncHTTPXSender(settings, transport)

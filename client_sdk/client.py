@@ -55,7 +55,9 @@ class PSClient:
     records and numbers its pushes; give every concurrent worker its own. ``token``
     (``PARAMSHARD_TOKEN``) is sent as ``Authorization: Bearer``; of a comma-separated list (the
     shards' ``OLD,NEW`` while a token is rotated) the last. A shard that refuses it raises
-    :class:`AuthError` naming the shard.
+    :class:`AuthError` naming the shard. ``https://`` shards are verified with the system's
+    trusted CAs, or ``verify="/path/to/ca.pem"`` (``False``: not at all), over the same fast
+    connection pools as ``http://``.
 
     ``timeout`` bounds each whole HTTP exchange with a shard, in seconds: connecting, sending
     the request and receiving the whole reply, however slowly the bytes come (raise it for
@@ -94,6 +96,7 @@ class PSClient:
         max_inflight: int = 2,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         transport: httpx2.BaseTransport | None = None,
+        verify: bool | str = True,
     ) -> None:
         settings = load_settings(
             shards,
@@ -103,6 +106,7 @@ class PSClient:
             retry_deadline=retry_deadline,
             max_inflight=max_inflight,
             max_reply_bytes=max_reply_bytes,
+            verify=verify,
         )
         self._core = Core(settings)
         n = len(settings.shards)
@@ -418,6 +422,7 @@ class AsyncPSClient:
         max_inflight: int = 2,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         transport: httpx2.AsyncBaseTransport | None = None,
+        verify: bool | str = True,
     ) -> None:
         settings = load_settings(
             shards,
@@ -427,6 +432,7 @@ class AsyncPSClient:
             retry_deadline=retry_deadline,
             max_inflight=max_inflight,
             max_reply_bytes=max_reply_bytes,
+            verify=verify,
         )
         self._core = Core(settings)
         self._sender = _transport.async_sender(settings, transport)

@@ -250,6 +250,19 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
         help=f"tokens that may only pull, wait, poll and inspect (403 on a write); needs "
         f"--token or --token-file [{env_name('read_token')}]",
     )
+    p.add_argument(
+        "--tls-cert",
+        dest="tls_cert",
+        metavar="FILE",
+        help=f"serve https with this certificate chain (PEM); needs --tls-key "
+        f"[{env_name('tls_cert')}]",
+    )
+    p.add_argument(
+        "--tls-key",
+        dest="tls_key",
+        metavar="FILE",
+        help=f"the certificate's private key (PEM) [{env_name('tls_key')}]",
+    )
     if fleet:
         p.add_argument(
             "--fleet-urls",
@@ -467,6 +480,8 @@ _PASSED_ON = (
     "body_timeout",
     "min_body_rate",
     "http",
+    "tls_cert",
+    "tls_key",
 )
 
 
@@ -513,8 +528,8 @@ def _up(args: argparse.Namespace) -> int:
         else:
             extra += [flag_name(key), str(value)]
     if base:  # every shard's URL is known: a variable's inspection follows it to its owner
-        reach = client_host(host)
-        extra += ["--fleet-urls", ",".join(f"http://{reach}:{base + i}" for i in range(n))]
+        reach, scheme = client_host(host), "https" if args.tls_cert else "http"
+        extra += ["--fleet-urls", ",".join(f"{scheme}://{reach}:{base + i}" for i in range(n))]
     # the flags say everything; stray settings must not override them
     env = {
         k: v
@@ -656,7 +671,7 @@ def _reshard(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
-    keys = (env_name("host"), env_name("port"))
+    keys = (env_name("host"), env_name("port"), env_name("tls_cert"), env_name("tls_key"))
     config = ShardConfig.from_sources(
         {"port": args.port}, {k: v for k, v in os.environ.items() if k in keys}
     )
@@ -665,7 +680,7 @@ def _health(args: argparse.Namespace) -> int:
     except ValueError:
         raise UsageError(f"--timeout must be a number of seconds, got {args.timeout!r}") from None
     path = "/readyz" if args.ready else "/healthz"
-    url = f"http://{client_host(config.host)}:{config.port}{path}"
+    url = f"{config.scheme}://{client_host(config.host)}:{config.port}{path}"
     problem = check(url, timeout)
     if problem is not None:
         print(f"{PROG} health: {url} {problem}", file=sys.stderr)

@@ -224,6 +224,23 @@ def _urls(text: str) -> tuple[str, ...]:
     return urls
 
 
+def tls_problem(cert: str, key: str) -> str | None:
+    """Why a shard cannot serve TLS with ``cert`` and ``key`` (PEM files), or ``None``."""
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except FileNotFoundError as exc:
+        return f"no such file: {exc.filename}"
+    except (OSError, ssl.SSLError) as exc:
+        return (
+            f"cannot load the certificate {cert} with the key {key} ({exc}): give a PEM "
+            "certificate chain and its unencrypted private key"
+        )
+    return None
+
+
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in _TRUE:
@@ -283,6 +300,9 @@ class ShardConfig:
     #: Every shard's URL, in shard-index order, as this shard reaches them (empty: unknown). A
     #: ``GET /v1/variables/{name}`` for a name another shard owns is answered by asking it.
     fleet_urls: tuple[str, ...] = ()
+    #: TLS: the certificate chain (PEM) and its private key; both or neither.
+    tls_cert: str | None = None
+    tls_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard_index < self.num_shards:
@@ -316,6 +336,19 @@ class ShardConfig:
                 raise InvalidSetting(
                     f"{flag_name('token_file')} / {env_name('token_file')}", str(exc)
                 ) from None
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = (
+                ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
+            )
+            raise InvalidSetting(
+                f"{flag_name(missing)} / {env_name(missing)}",
+                f"{flag_name(given)} needs {flag_name(missing)} too (the certificate and its "
+                "private key, PEM files)",
+            )
+        if self.tls_cert is not None and self.tls_key is not None:
+            problem = tls_problem(self.tls_cert, self.tls_key)
+            if problem is not None:
+                raise InvalidSetting(f"{flag_name('tls_cert')} / {flag_name('tls_key')}", problem)
         if self.fleet_urls and len(self.fleet_urls) != self.num_shards:
             raise InvalidSetting(
                 f"{flag_name('fleet_urls')} / {env_name('fleet_urls')}",
@@ -328,6 +361,11 @@ class ShardConfig:
                 f"a read-only token needs a full one too ({flag_name('token')} or "
                 f"{flag_name('token_file')}): without it every request would be allowed",
             )
+
+    @property
+    def scheme(self) -> str:
+        """``https`` with TLS, else ``http``."""
+        return "https" if self.tls_cert is not None else "http"
 
     @property
     def fleet(self) -> str:
@@ -410,4 +448,6 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "token_file": _file,
     "read_token": _tokens("read_token"),
     "fleet_urls": _urls,
+    "tls_cert": _file,
+    "tls_key": _file,
 }

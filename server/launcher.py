@@ -39,6 +39,7 @@ import os
 import shutil
 import signal
 import site
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -110,14 +111,26 @@ def client_host(host: str) -> str:
 
 
 def answers(url: str, timeout: float = 1.0) -> bool:
-    """True if a GET of ``url`` answers 200 (never through a proxy). Blocks up to ``timeout``."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    """True if a GET of ``url`` answers 200 (never through a proxy). Blocks up to ``timeout``.
+    An ``https://`` URL's certificate is not verified: this asks whether a shard this host
+    started is up, not who it is."""
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=unverified())
+    )
     try:
         with opener.open(url, timeout=timeout) as r:
             r.read()
             return bool(r.status == 200)
     except (OSError, ValueError):  # refused, reset, timed out, an HTTP error status
         return False
+
+
+def unverified() -> ssl.SSLContext:
+    """A TLS context that checks no certificate (probes of a shard on this host)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
 
 
 def tail(log: Path | None, lines: int = 30) -> str:
@@ -174,6 +187,13 @@ class Fleet:
         self.data_dirs = list(data_dirs) if data_dirs is not None else None
         self.extra_args = tuple(extra_args)
         self.env = shard_env(env)
+        #: ``https`` when the shards serve TLS (``--tls-cert``, or ``PARAMSHARD_TLS_CERT`` in
+        #: their environment), else ``http``.
+        self.scheme = (
+            "https"
+            if "--tls-cert" in self.extra_args or self.env.get("PARAMSHARD_TLS_CERT")
+            else "http"
+        )
         self.logdir = logdir
         self.logs: list[Path | None] = [
             logdir / f"shard{i}.log" if logdir is not None else None for i in range(n)
@@ -191,7 +211,7 @@ class Fleet:
     @property
     def urls(self) -> list[str]:
         """Shard i's URL (its port is 0 until :meth:`start` learnt it)."""
-        return [f"http://{client_host(self.host)}:{port}" for port in self.ports]
+        return [f"{self.scheme}://{client_host(self.host)}:{port}" for port in self.ports]
 
     @property
     def pids(self) -> list[int]:

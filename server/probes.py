@@ -15,6 +15,8 @@ from typing import Any
 
 from client_sdk.wire import ENV_TOKEN
 
+from .launcher import unverified
+
 __all__ = ["check", "probe_fleet", "probe_shard"]
 
 
@@ -44,7 +46,9 @@ def probe_fleet(urls: list[str], timeout: float) -> list[dict[str, Any]]:
 def check(url: str, timeout: float) -> str | None:
     """``None`` if a GET of ``url`` answers 200 within ``timeout`` seconds, else why not. Never
     through a proxy: the shard probed is on this host."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=unverified())
+    )
     try:
         with opener.open(url, timeout=timeout) as r:
             r.read()

@@ -104,6 +104,8 @@ def serve(config: ShardConfig) -> int:
         server_header=False,
         proxy_headers=False,  # X-Forwarded-* would only rename the client in logs; per-request work
         timeout_graceful_shutdown=10,
+        ssl_certfile=config.tls_cert,
+        ssl_keyfile=config.tls_key,
     )
     server = DrainingServer(uv_config, app.state.gate)
     app.state.durability.on_fatal = lambda reason: setattr(server, "should_exit", True)
@@ -132,8 +134,9 @@ def serve(config: ShardConfig) -> int:
                 return 1
         host, port = sock.getsockname()[:2]
         logging.getLogger("paramshard.server").info(
-            "shard %s serving on %s:%d (http %s, auth %s, data dir %s)",
+            "shard %s serving on %s://%s:%d (http %s, auth %s, data dir %s)",
             config.fleet,
+            config.scheme,
             host,
             port,
             served.mode,

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import time
 from collections.abc import Mapping, Sequence
 
 import httpx2
 
-from .connection import Connection, IdleConnections
+from .connection import CONNECT_TIMEOUT, Connection, IdleConnections
 from .http11 import Buffer, Exchange, Origin, Response
+from .tls import context, refused
 
 __all__ = ["AsyncConnection", "AsyncHTTPPool"]
 
@@ -50,7 +52,10 @@ class AsyncConnection(Connection):
         self.loop = loop
 
     @classmethod
-    async def open(cls, origin: Origin, timeout: float | None) -> AsyncConnection:
+    async def open(
+        cls, origin: Origin, timeout: float | None, tls: ssl.SSLContext | None = None
+    ) -> AsyncConnection:
+        """A new connection (with ``tls`` for an ``https://`` origin: its handshake done)."""
         loop = asyncio.get_running_loop()
         try:
             infos = await asyncio.wait_for(
@@ -68,12 +73,49 @@ class AsyncConnection(Connection):
                         raise
                     error = exc
                     continue
-                return cls(sock, loop)
+                if not origin.tls:
+                    return cls(sock, loop)
+                return await cls._handshake(sock, loop, origin, tls or context(True), timeout)
             raise error or OSError(f"no address for {origin.host_header}")
         except (asyncio.TimeoutError, TimeoutError) as exc:
             raise httpx2.ConnectTimeout(f"timed out connecting to {origin.host_header}") from exc
         except OSError as exc:
             raise httpx2.ConnectError(str(exc) or type(exc).__name__) from exc
+
+    @classmethod
+    async def _handshake(
+        cls,
+        sock: socket.socket,
+        loop: asyncio.AbstractEventLoop,
+        origin: Origin,
+        tls: ssl.SSLContext,
+        timeout: float | None,
+    ) -> AsyncConnection:
+        """The connection over ``sock`` once its TLS handshake is done, by ``timeout``."""
+        try:
+            wrapped = tls.wrap_socket(
+                sock, server_hostname=origin.host, do_handshake_on_connect=False
+            )
+        except BaseException:
+            sock.close()
+            raise
+        conn = cls(wrapped, loop)
+        deadline = time.monotonic() + (timeout if timeout is not None else CONNECT_TIMEOUT)
+        try:
+            while True:
+                try:
+                    wrapped.do_handshake()
+                    return conn
+                except ssl.SSLWantReadError:
+                    await conn._wait(False, deadline)
+                except ssl.SSLWantWriteError:
+                    await conn._wait(True, deadline)
+        except ssl.SSLCertVerificationError as exc:
+            conn.close()
+            raise refused(origin.url, exc) from None
+        except BaseException:
+            conn.close()
+            raise
 
     async def _wait(self, writing: bool, deadline: float) -> None:
         """Until the socket is ready to write (or read); ``TimeoutError`` once ``deadline``
@@ -125,8 +167,16 @@ class AsyncHTTPPool:
     behaviour, ``await``-ed. Use it from one event loop."""
 
     def __init__(
-        self, *, max_idle: int, connect_timeout: float, timeout: float, max_reply: int
+        self,
+        *,
+        max_idle: int,
+        connect_timeout: float,
+        timeout: float,
+        max_reply: int,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        #: The TLS context of ``https://`` connections (``tls.py``).
+        self.tls = tls
         self.max_idle = max_idle
         self.connect_timeout = connect_timeout
         self.timeout = timeout
@@ -183,7 +233,7 @@ class AsyncHTTPPool:
         left = deadline - time.monotonic()
         if left <= 0:
             raise httpx2.ConnectTimeout(f"no time left to connect to {origin.host_header}")
-        return await AsyncConnection.open(origin, min(self.connect_timeout, left))
+        return await AsyncConnection.open(origin, min(self.connect_timeout, left), self.tls)
 
     def idle_count(self, origin: Origin) -> int:
         """Connections to ``origin`` kept alive and waiting for a request."""

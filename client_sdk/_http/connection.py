@@ -10,7 +10,9 @@ loop) and the fan-out (``fanout.py``: one selector for all of a call's exchanges
   is not ready: the driver waits until it is writable (sending) or readable (receiving), then
   resumes them. A request's head and body buffers go out with ``sendmsg`` in slices
   (:func:`~client_sdk._http.http11.next_send`); a response is received with ``recv_into`` and
-  parsed as it comes by :func:`~client_sdk._http.http11.read_response`. A failure of the
+  parsed as it comes by :func:`~client_sdk._http.http11.read_response`. Over TLS (an
+  ``ssl.SSLSocket``, ``tls.py``) the buffers go out one ``send`` each, and TLS's "want read /
+  want write" is "not ready" like ``BlockingIOError``. A failure of the
   socket is httpx2's ``WriteError`` or ``ReadError``, which ``_transport.py`` translates.
 * :meth:`Connection.reusable` is the rule for taking an idle connection again: not idle for
   :data:`~client_sdk._http.http11.IDLE_EXPIRY` seconds or more, and nothing to read (readable
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import select
 import socket
+import ssl
 from collections.abc import Callable, Generator
 from typing import Generic, TypeVar
 
@@ -33,6 +36,10 @@ import httpx2
 
 from .http11 import HEAD_BUFFER, IDLE_EXPIRY, Buffer, Origin, Response, advance, next_send
 from .http11 import read_response as parse_response
+from .tls import WANT
+
+#: What a non-blocking send or receive raises for "not now".
+_NOT_NOW = (BlockingIOError, InterruptedError, *WANT)
 
 __all__ = ["CONNECT_TIMEOUT", "Connection", "IdleConnections", "idle_per_shard"]
 
@@ -51,12 +58,13 @@ def idle_per_shard(max_inflight: int) -> int:
 class Connection:
     """One keep-alive TCP connection, made non-blocking here. Used by one exchange at a time."""
 
-    __slots__ = ("sock", "buf", "poller", "idle_since")
+    __slots__ = ("sock", "buf", "poller", "idle_since", "tls")
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
         self.sock = sock
+        self.tls = isinstance(sock, ssl.SSLSocket)
         self.buf = bytearray(HEAD_BUFFER)
         self.idle_since = 0.0
         self.poller = None
@@ -71,6 +79,8 @@ class Connection:
         """Whether this idle connection may carry a request (see the module's docstring)."""
         if now - self.idle_since > IDLE_EXPIRY:
             return False
+        if self.tls and self.sock.pending():  # type: ignore[attr-defined]
+            return False
         if self.poller is not None:
             return not self.poller.poll(0)
         return not select.select([self.sock], [], [], 0)[0]
@@ -79,13 +89,14 @@ class Connection:
         """Send ``views`` (see :meth:`Exchange.views <client_sdk._http.http11.Exchange.views>`;
         consumed) with as few ``sendmsg`` calls as the socket allows; yields whenever the
         socket takes no more for now (resume it once it is writable)."""
-        sendmsg = self.sock.sendmsg
+        sock = self.sock
+        sendmsg = sock.sendmsg if not self.tls else lambda bufs: sock.send(bufs[0])
         first = 0
         try:
             while first < len(views):
                 try:
                     first = advance(views, first, sendmsg(next_send(views, first)))
-                except (BlockingIOError, InterruptedError):
+                except _NOT_NOW:
                     yield
         except OSError as exc:
             raise httpx2.WriteError(str(exc) or type(exc).__name__) from exc
@@ -101,7 +112,7 @@ class Connection:
             while True:
                 try:
                     n = recv_into(target)
-                except (BlockingIOError, InterruptedError):
+                except _NOT_NOW:
                     yield
                     continue
                 target = reading.send(n)

@@ -90,16 +90,19 @@ class ReplyTooLarge(httpx2.RemoteProtocolError):
 
 class Origin:
     """Where a shard listens, pre-split from its URL: ``host``, ``port``, the ``Host`` header
-    value and the URL's path prefix (``""`` or e.g. ``"/shard0"``)."""
+    value, the URL's path prefix (``""`` or e.g. ``"/shard0"``), whether it speaks TLS
+    (``https://``) and the URL itself."""
 
-    __slots__ = ("host", "port", "host_header", "prefix")
+    __slots__ = ("host", "port", "host_header", "prefix", "tls", "url")
 
     def __init__(self, url: str) -> None:
         parts = httpx2.URL(url)
-        if parts.scheme != "http":
-            raise ValueError(f"only http:// URLs, not {url!r}")
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"only http:// and https:// URLs, not {url!r}")
+        self.url = url
+        self.tls = parts.scheme == "https"
         self.host = parts.host
-        self.port = parts.port or 80
+        self.port = parts.port or (443 if self.tls else 80)
         netloc = f"[{self.host}]" if ":" in self.host else self.host
         self.host_header = netloc if parts.port is None else f"{netloc}:{self.port}"
         self.prefix = parts.raw_path.decode("ascii").rstrip("/")

@@ -32,6 +32,7 @@ from ..wire import Encoded
 from .connection import CONNECT_TIMEOUT, idle_per_shard
 from .http11 import IDLE_EXPIRY
 from .httpx_deadline import Deadlines
+from .tls import context as tls_context
 
 __all__ = ["AsyncHTTPXSender", "HTTPXSender", "limits", "timeout"]
 
@@ -191,7 +192,9 @@ class HTTPXSender:
     def __init__(self, settings: Settings, transport: httpx2.BaseTransport | None) -> None:
         pool_limits = limits(len(settings.shards), settings.max_inflight)
         if transport is None:
-            transport = httpx2.HTTPTransport(limits=pool_limits, trust_env=False)
+            transport = httpx2.HTTPTransport(
+                limits=pool_limits, trust_env=False, verify=tls_context(settings.verify)
+            )
         Deadlines.install(transport)
         self.client = httpx2.Client(
             timeout=timeout(settings.timeout),
@@ -242,6 +245,7 @@ class AsyncHTTPXSender:
             limits=limits(len(settings.shards), settings.max_inflight),
             transport=transport,
             trust_env=False,
+            verify=tls_context(settings.verify),
         )
         self.urls = settings.shards
         self.max_reply = settings.max_reply_bytes

@@ -1,7 +1,8 @@
 """The senders over the SDK's own HTTP/1.1 connections: :class:`NativeSender` (the blocking
 pool and the fan-out, for ``PSClient``) and :class:`AsyncNativeSender` (the asyncio pool).
 
-``_transport.py`` uses them when every shard is an ``http://`` URL and no transport is injected.
+``_transport.py`` uses them unless a transport is injected, for ``http://`` and ``https://``
+shards alike (TLS: ``tls.py``).
 They write the body's own buffers with ``sendmsg`` and read a reply body straight into one
 buffer: a fraction of httpx2's per-request Python, and a big reply copied once, from the socket
 into its final buffer. A ``PSClient`` call to several shards sends their requests from the
@@ -27,6 +28,7 @@ from .connection import CONNECT_TIMEOUT, idle_per_shard
 from .fanout import exchange_all
 from .http11 import Exchange, Origin, Response
 from .pool import HTTPPool
+from .tls import context
 
 __all__ = ["AsyncNativeSender", "NativeSender"]
 
@@ -35,11 +37,13 @@ Submit = Callable[..., concurrent.futures.Future[Any]]
 
 
 def _pool_args(settings: Settings) -> dict[str, Any]:
+    https = any(url.startswith("https://") for url in settings.shards)
     return {
         "max_idle": idle_per_shard(settings.max_inflight),
         "connect_timeout": min(settings.timeout, CONNECT_TIMEOUT),
         "timeout": settings.timeout,
         "max_reply": settings.max_reply_bytes,
+        "tls": context(settings.verify) if https else None,
     }
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,7 @@ import httpx2
 from .._abort import Abort
 from .connection import Connection, IdleConnections
 from .http11 import Buffer, Exchange, Origin, Response
+from .tls import context, wrap
 
 __all__ = ["BlockingConnection", "HTTPPool"]
 
@@ -44,9 +46,14 @@ class BlockingConnection(Connection):
     __slots__ = ()
 
     @classmethod
-    def open(cls, origin: Origin, connect_timeout: float | None) -> BlockingConnection:
+    def open(
+        cls, origin: Origin, connect_timeout: float | None, tls: ssl.SSLContext | None = None
+    ) -> BlockingConnection:
+        """A new connection (with ``tls`` for an ``https://`` origin: its handshake done)."""
         try:
             sock = socket.create_connection((origin.host, origin.port), connect_timeout)
+            if origin.tls:
+                sock = wrap(sock, tls or context(True), origin.host, origin.url)
         except TimeoutError as exc:
             raise httpx2.ConnectTimeout(f"timed out connecting to {origin.host_header}") from exc
         except OSError as exc:
@@ -105,8 +112,16 @@ class HTTPPool:
     """
 
     def __init__(
-        self, *, max_idle: int, connect_timeout: float, timeout: float, max_reply: int
+        self,
+        *,
+        max_idle: int,
+        connect_timeout: float,
+        timeout: float,
+        max_reply: int,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        #: The TLS context of ``https://`` connections (``tls.py``).
+        self.tls = tls
         self.max_idle = max_idle
         self.connect_timeout = connect_timeout
         self.timeout = timeout
@@ -186,7 +201,7 @@ class HTTPPool:
         left = _remaining(deadline)
         if left <= 0:
             raise httpx2.ConnectTimeout(f"no time left to connect to {origin.host_header}")
-        return BlockingConnection.open(origin, min(self.connect_timeout, left))
+        return BlockingConnection.open(origin, min(self.connect_timeout, left), self.tls)
 
     def release(self, origin: Origin, conn: BlockingConnection, reusable: bool) -> None:
         """Hand back a connection whose exchange ended: kept idle if ``reusable`` and there is

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from bench import broadcast, goals, optimizers, scale, syncround, timing
-from bench.transfer import RAW, SDK
+from bench.transfer import RAW, SDK, SDK_TLS
 from tests.conftest import ROOT
 
 
@@ -59,9 +59,9 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         assert r["reps"] >= 1 and (r["p50_ms"] > 0 or r["case"] == "broadcast")
         if r["case"] in ("transfer", "step"):  # small: ten times --quick's 5 repetitions
             assert r["reps"] == 5 * timing.SMALL_FACTOR, r
-    for case in ("transfer", "step"):
-        for op in ("pull", "push"):
-            assert systems[case, op] == {SDK, RAW}
+    for op in ("pull", "push"):
+        assert systems["transfer", op] == {SDK, SDK_TLS, RAW}
+        assert systems["step", op] == {SDK, RAW}
     assert systems["workers", "push"] == {RAW, goals.ONE_SHARD, goals.TWO_SHARDS}
     assert {"paramshard", "raw file"} <= systems["snapshot", "write"]
     for op in optimizers.OPS:
