@@ -100,6 +100,7 @@ _DATA_PLANE_PATHS = frozenset(f"/v1/{verb}" for verb in DATA_PLANE_VERBS)
 
 
 _ACCEPT = b"accept"
+_JSON = wire.JSON.encode()
 _CONTENT_TYPE = b"content-type"
 
 
@@ -108,7 +109,7 @@ def wants_json(scope: Scope) -> bool:
     curl sends with ``--json``), or an ``Accept`` naming JSON and no msgpack nor frame."""
     headers = request_headers(scope)
     ctype = headers.get(_CONTENT_TYPE, b"")[:64].split(b";", 1)[0].strip().lower()
-    if ctype == b"application/json":
+    if ctype == _JSON:
         return True
     accept = headers.get(_ACCEPT, b"")[:512].lower()
     return b"json" in accept and b"msgpack" not in accept and b"paramshard" not in accept

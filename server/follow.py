@@ -30,7 +30,7 @@ from .headers import request_headers
 __all__ = ["FORWARDED", "follow"]
 
 #: The header a shard sets on a request it forwards to the owner.
-FORWARDED = "x-paramshard-forwarded"
+FORWARDED = wire.HEADER_FORWARDED
 #: Seconds the owner has to start answering (its body then streams at the caller's pace).
 TIMEOUT = 30.0
 _RELAYED = ("content-type", "content-length", "content-disposition", "retry-after")
@@ -80,7 +80,7 @@ async def follow(request: Request, refusal: ShardError) -> Response:
             headers={"Retry-After": "1"},
         ) from None
     relayed = {k: v for k, v in reply.headers.items() if k.lower() in _RELAYED}
-    relayed["x-paramshard-owner"] = f"{owner}/{config.num_shards}"
+    relayed[wire.HEADER_OWNER] = f"{owner}/{config.num_shards}"
     return StreamingResponse(
         reply.aiter_raw(),
         status_code=reply.status_code,

@@ -49,6 +49,8 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from client_sdk.wire import ENV_PREFIX
+
 __all__ = [
     "START_TIMEOUT",
     "STOP_GRACE",
@@ -191,7 +193,7 @@ class Fleet:
         #: their environment), else ``http``.
         self.scheme = (
             "https"
-            if "--tls-cert" in self.extra_args or self.env.get("PARAMSHARD_TLS_CERT")
+            if "--tls-cert" in self.extra_args or self.env.get(ENV_PREFIX + "TLS_CERT")
             else "http"
         )
         self.logdir = logdir

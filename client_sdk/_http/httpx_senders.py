@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import httpx2
 import numpy as np
@@ -184,6 +185,13 @@ def _headers(response: httpx2.Response) -> dict[str, str]:
     return {k.lower(): v for k, v in response.headers.items()}
 
 
+def _verify(settings: Settings) -> Any:
+    """httpx2's ``verify`` for these shards: the client's TLS context when one is https."""
+    if any(url.startswith("https://") for url in settings.shards):
+        return tls_context(settings.verify)
+    return True
+
+
 class HTTPXSender:
     """One exchange through an ``httpx2.Client``, ending at its deadline (see
     :class:`~client_sdk._http.httpx_deadline.Deadlines`), its reply at most ``max_reply_bytes``
@@ -193,7 +201,7 @@ class HTTPXSender:
         pool_limits = limits(len(settings.shards), settings.max_inflight)
         if transport is None:
             transport = httpx2.HTTPTransport(
-                limits=pool_limits, trust_env=False, verify=tls_context(settings.verify)
+                limits=pool_limits, trust_env=False, verify=_verify(settings)
             )
         Deadlines.install(transport)
         self.client = httpx2.Client(
@@ -245,7 +253,7 @@ class AsyncHTTPXSender:
             limits=limits(len(settings.shards), settings.max_inflight),
             transport=transport,
             trust_env=False,
-            verify=tls_context(settings.verify),
+            verify=_verify(settings),
         )
         self.urls = settings.shards
         self.max_reply = settings.max_reply_bytes

@@ -27,7 +27,9 @@ __all__ = [
     "FRAME_PREFIX",
     "FRAME_THRESHOLD",
     "HEADER_FLEET",
+    "HEADER_FORWARDED",
     "HEADER_INCARNATION",
+    "HEADER_OWNER",
     "HEADER_PROTOCOL",
     "HEADER_SHARD",
     "HEADER_STATE_VERSION",
@@ -54,6 +56,10 @@ HEADER_STATE_VERSION = "x-paramshard-state-version"
 #: A data-plane request names the shard it is meant for, ``"<index>/<num_shards>"``; a shard
 #: that is not that one answers 421 ``fleet_mismatch``.
 HEADER_FLEET = "x-paramshard-fleet"
+#: Set by a shard on a ``GET /v1/variables/{name}`` it asks the owner on a caller's behalf
+#: (never followed again), and the owner's ``"<index>/<num_shards>"`` on the answer it relays.
+HEADER_FORWARDED = "x-paramshard-forwarded"
+HEADER_OWNER = "x-paramshard-owner"
 
 #: Every environment variable paramshard reads starts with this: the SDK's three below, and a
 #: shard's settings (``PARAMSHARD_`` and the flag's name, see ``paramshard serve --help``).
