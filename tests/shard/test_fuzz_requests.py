@@ -14,6 +14,7 @@ with their codes and messages, in tests/shard/test_server_http.py.
 
 from __future__ import annotations
 
+import json
 import struct
 import uuid
 from typing import Any
@@ -184,6 +185,16 @@ def state(shard) -> list[tuple[str, int, int]]:
 SDK_HEADERS = {"x-paramshard-fleet": "0/1", "accept": f"{wire.FRAME}, {wire.MSGPACK}"}
 
 
+def asks_for_json(headers: dict[str, str]) -> bool:
+    """Whether a request with these headers (names lower-case) asks for its errors in JSON: a
+    JSON body, or an Accept naming JSON and neither msgpack nor the frame type."""
+    ctype = headers.get("content-type", "")[:64].split(";")[0].strip().lower()
+    accept = headers.get("accept", "")[:512].lower()
+    return ctype == wire.JSON or (
+        "json" in accept and "msgpack" not in accept and "paramshard" not in accept
+    )
+
+
 def check(
     shard, verb: str, body: bytes, content_type: str, headers: dict[str, str] | None = None
 ) -> None:
@@ -196,8 +207,14 @@ def check(
     )
     assert r.status_code < 500, (r.status_code, r.content[:300])
     if r.status_code >= 400:
-        assert r.headers["content-type"].startswith(wire.MSGPACK), r.headers
-        error = msgpack.unpackb(r.content)["error"]
+        sent = {k.lower(): v for k, v in {**SDK_HEADERS, **(headers or {})}.items()}
+        sent.setdefault("content-type", content_type)
+        if asks_for_json(sent):  # the error comes as JSON then (docs/PROTOCOL.md §2 Errors)
+            assert r.headers["content-type"].startswith(wire.JSON), r.headers
+            error = json.loads(r.content)["error"]
+        else:
+            assert r.headers["content-type"].startswith(wire.MSGPACK), r.headers
+            error = msgpack.unpackb(r.content)["error"]
         assert error["code"] and error["message"], error
         assert state(shard) == before, f"a refused {verb} changed state: {error}"
     assert http.get(f"{url}/healthz").status_code == 200
