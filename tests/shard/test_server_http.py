@@ -1019,9 +1019,12 @@ def test_bad_frames_are_refused(victim, http, case):
 def test_wrong_content_type_is_415(victim, http):
     url, name = victim
     body = wire.encode({"names": [name]}).join()
-    for ctype in ("application/json", "text/plain", ""):
+    for ctype in ("text/plain", "application/jsonx", ""):
         rep = post_raw(http, url, "pull", body, ctype)
         assert_refused(rep, 415, "unsupported_media_type")
+    rep = post_raw(http, url, "pull", body, wire.JSON)  # a JSON body gets its error in JSON
+    assert rep.status == 415 and rep.headers["content-type"].startswith(wire.JSON)
+    assert rep.msg["error"]["code"] == "unsupported_media_type"
 
 
 def test_not_owner_is_421_with_owners(fleet2, http):
