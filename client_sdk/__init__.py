@@ -12,6 +12,7 @@ Needs only httpx2, msgpack and numpy.
 How it is built (each module opens with what it owns):
 
     client.py       PSClient and AsyncPSClient: thin shells that drive the verbs
+                    (_table_methods.py: their embedding-table methods)
     _verbs/         one module per verb: a flow of requests and replies, no I/O
     _core.py        what the verbs share: requests built, replies accepted, the fleet check
     _fleet.py       the shard list, placement, each shard's features and incarnation
@@ -22,7 +23,7 @@ How it is built (each module opens with what it owns):
     _transport.py   a request sent and retried (_abort.py: a raced one cut short);
                     _http/ performs the HTTP exchanges
     wire/           the wire format, shared with the shards
-    placement.py, optimizers.py, modes.py, training.py: the public helpers
+    placement.py, optimizers.py, modes.py, embedding.py, training.py: the public helpers
 """
 
 from ._exceptions import (

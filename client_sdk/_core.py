@@ -86,6 +86,8 @@ class Core:
         self.fleet = Fleet(settings.shards, self.cache.drop_shard)
         #: Pull plans kept per list of names (``_verbs/pull.py``).
         self.pull_plans: dict[tuple[str, ...], tuple[list[str], dict[int, list[str]]]] = {}
+        #: The row width of each embedding table this client created or pulled.
+        self.table_dims: dict[str, int] = {}
         #: The bound on a reply whose size the client cannot know.
         self.max_reply = REPLY_HEADROOM + settings.max_reply_bytes
         self._seq = _seq_counter(settings.worker_id)

@@ -33,6 +33,7 @@ from ._exceptions import PSError
 from ._flow import Flow, Result, ShardRequest
 from ._pusher import AsyncPusher, Pusher, closed_error
 from ._settings import DEFAULT_MAX_REPLY_BYTES, load_settings
+from ._table_methods import AsyncTableMethods, TableMethods
 from ._verbs import PushJob
 from .modes import Sync
 from .optimizers import Optimizer
@@ -46,7 +47,7 @@ OptimizerArg = Optimizer | Mapping[str, Optimizer] | None
 T = TypeVar("T")
 
 
-class PSClient:
+class PSClient(TableMethods):
     """A worker's connection to a paramshard fleet (blocking calls).
 
     ``shards`` lists every shard's URL in ``--shard-index`` order (a list, or one
@@ -402,7 +403,7 @@ class PSClient:
         return f"PSClient({list(self.shards)!r}, worker_id={self.worker_id!r})"
 
 
-class AsyncPSClient:
+class AsyncPSClient(AsyncTableMethods):
     """The asyncio twin of :class:`PSClient`: the same verbs and arguments, ``await``-ed.
 
     ``push_async`` returns an ``asyncio.Task`` (waiting first while ``max_inflight`` pushes run);

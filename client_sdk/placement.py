@@ -5,6 +5,11 @@ being the first 8 bytes of ``blake2b(name.encode("utf-8"), digest_size=8)`` read
 Growing a fleet from N to N+1 shards moves about 1/(N+1) of the names, and only onto the new
 shard. The steps are written out in docs/PROTOCOL.md with test vectors, so any language can
 place names exactly as this module does; Python's ``hash()`` is never used (it is salted).
+
+``row_shard(table, ids, num_shards)`` places the rows of an embedding table the same way, for a
+whole int64 array of ids at once: the key of row ``id`` is ``mix64(name_key(table) + id * G)``
+(SplitMix64's finalizer, ``G = 0x9E3779B97F4A7C15``, the id's two's-complement bits as a uint64,
+arithmetic modulo 2**64), then jump consistent hash of that key.
 """
 
 from __future__ import annotations
@@ -12,7 +17,19 @@ from __future__ import annotations
 import hashlib
 import re
 
-__all__ = ["MAX_NAME_LENGTH", "NAME_PATTERN", "jump_hash", "name_key", "shard_for", "validate_name"]
+import numpy as np
+
+__all__ = [
+    "MAX_NAME_LENGTH",
+    "NAME_PATTERN",
+    "jump_hash",
+    "jump_hash_array",
+    "name_key",
+    "row_keys",
+    "row_shard",
+    "shard_for",
+    "validate_name",
+]
 
 _MASK64 = (1 << 64) - 1
 MAX_NAME_LENGTH = 256
@@ -68,6 +85,54 @@ def shard_for(name: str, num_shards: int) -> int:
     non-string name or non-int count and ``ValueError`` for ``num_shards < 1``.
     """
     return jump_hash(name_key(name), num_shards)
+
+
+_M = np.uint64
+_GOLDEN = _M(0x9E3779B97F4A7C15)
+_JUMP = _M(2862933555777941757)
+
+
+def row_keys(table: str, ids: np.ndarray) -> np.ndarray:
+    """The 64-bit placement keys (uint64 [n]) of rows ``ids`` (int64 [n]) of ``table``."""
+    from .embedding import mix64  # imports numpy only; placement stays importable alone
+
+    keys = np.asarray(ids, dtype=np.int64).view(np.uint64)
+    return mix64(_M(name_key(table)) + keys * _GOLDEN)
+
+
+def jump_hash_array(keys: np.ndarray, num_buckets: int) -> np.ndarray:
+    """:func:`jump_hash` of every uint64 key in ``keys`` (int64 [n]): the same numbers, each
+    key's loop run for all keys at once (a few dozen numpy passes, none per key)."""
+    if not _is_int(num_buckets) or num_buckets < 1:
+        raise ValueError(f"num_buckets must be an int >= 1, got {num_buckets!r}")
+    out = np.zeros(len(keys), dtype=np.int64)
+    if num_buckets == 1 or not len(keys):
+        return out
+    key = np.array(keys, dtype=np.uint64)
+    j = np.zeros(len(keys), dtype=np.int64)
+    todo = np.arange(len(keys))
+    scale = float(1 << 31)
+    while todo.size:
+        b = j
+        key = key * _JUMP + _M(1)
+        j = ((b + 1) * (scale / ((key >> _M(33)).view(np.int64).astype(np.float64) + 1.0))).astype(
+            np.int64
+        )
+        done = j >= num_buckets
+        if done.any():
+            out[todo[done]] = b[done]
+            keep = ~done
+            todo, key, j = todo[keep], key[keep], j[keep]
+    return out
+
+
+def row_shard(table: str, ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard (int64 [n], in ``range(num_shards)``) of each row ``ids`` (int64 [n]) of
+    embedding table ``table``. Pure and vectorized; the SDK sends each row to it, the shard
+    refuses (421) a row that is not its own, and a reshard moves rows by it."""
+    if num_shards == 1:
+        return np.zeros(len(ids), dtype=np.int64)
+    return jump_hash_array(row_keys(table, ids), num_shards)
 
 
 def _is_int(value: object) -> bool:

@@ -80,8 +80,10 @@ TRIM_FROM = 64 << 20
 MAX_WAIT_BODY = 16 << 20
 MAX_CONTROL_BODY = 64 << 10
 
-WRITES = frozenset({"init", "push", "assign", "increment", "set_optimizer", "delete"})
-READS = frozenset({"pull"})
+WRITES = frozenset(
+    {"init", "push", "assign", "increment", "set_optimizer", "delete", "create_table", "push_rows"}
+)
+READS = frozenset({"pull", "pull_rows"})
 CONTROL = frozenset({"pause", "snapshot", "resume"})
 LONG = frozenset({"wait", "poll"})
 

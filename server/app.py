@@ -51,6 +51,7 @@ from .auth import READ, AuthMiddleware, Guard
 from .config import ShardConfig
 from .direct_routes import DirectRoutes
 from .durability import Durability
+from .embedding import EmbeddingTables
 from .errors import ShardError
 from .headers import header, request_headers
 from .httptools_protocol import Answerer, Immediate
@@ -92,6 +93,9 @@ DATA_PLANE_VERBS = (
     "poll",
     "set_optimizer",
     "delete",
+    "create_table",
+    "pull_rows",
+    "push_rows",
     "pause",
     "snapshot",
     "resume",
@@ -397,6 +401,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     from .routes_checkpoint import router as checkpoint_router
     from .routes_data import router as data_router
     from .routes_inspect import router as inspect_router
+    from .routes_tables import router as tables_router
 
     incarnation = secrets.token_hex(8)
     app = FastAPI(
@@ -418,6 +423,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     gate.on_drain.append(store.waiters.close)  # waiting polls answer when shutting down
     app.state.config = config
     app.state.store = store
+    app.state.tables = EmbeddingTables(store, config.max_table_ids, config.max_table_rows)
     app.state.gate = gate
     app.state.durability = Durability(config, store, gate, incarnation)
     app.state.incarnation = incarnation
@@ -428,6 +434,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     app.include_router(data_router)
     app.include_router(checkpoint_router)
     app.include_router(inspect_router)
+    app.include_router(tables_router)
     app.add_middleware(
         AdmissionMiddleware, gate=gate, render=error_response, max_body=config.max_request_bytes
     )

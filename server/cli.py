@@ -183,6 +183,20 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
         f"default {ShardConfig.max_request_names}]",
     )
     p.add_argument(
+        "--max-table-ids",
+        dest="max_table_ids",
+        metavar="N",
+        help=f"ids one pull_rows/push_rows request may carry; more are refused with 413 "
+        f"[{env_name('max_table_ids')}, default {ShardConfig.max_table_ids}]",
+    )
+    p.add_argument(
+        "--max-table-rows",
+        dest="max_table_rows",
+        metavar="N",
+        help=f"rows one embedding table may hold on this shard; a push past it is refused "
+        f"with 413 [{env_name('max_table_rows')}, default {ShardConfig.max_table_rows}]",
+    )
+    p.add_argument(
         "--dedup-max-workers",
         dest="dedup_max_workers",
         metavar="N",
@@ -482,6 +496,8 @@ _PASSED_ON = (
     "http",
     "tls_cert",
     "tls_key",
+    "max_table_ids",
+    "max_table_rows",
 )
 
 

@@ -288,6 +288,10 @@ class ShardConfig:
     head_timeout: float = 10.0
     body_timeout: float = 30.0
     min_body_rate: int = 16 * 1024
+    #: Ids one ``pull_rows`` or ``push_rows`` request may carry (more: 413).
+    max_table_ids: int = 1 << 18
+    #: Rows one embedding table may hold on this shard (a push past it: 413).
+    max_table_rows: int = 1 << 27
     #: How the shard serves HTTP (:data:`server.upstream.MODES`): ``auto`` (the fast path
     #: when the installed web stack offers what it needs) or ``stock``.
     http: str = "auto"
@@ -450,4 +454,6 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "fleet_urls": _urls,
     "tls_cert": _file,
     "tls_key": _file,
+    "max_table_ids": _int(1, 1 << 24),
+    "max_table_rows": _int(1, 1 << 40),
 }

@@ -193,7 +193,7 @@ def apply(
     grad: np.ndarray,
     state: State,
     *,
-    step: int,
+    step: int | np.ndarray,
     scale: float = 1.0,
     out: np.ndarray | None = None,
     state_out: State | None = None,
@@ -203,8 +203,10 @@ def apply(
     optimizer's new slots to ``state_out`` (default: ``state``, in place).
 
     ``step`` is the number of this update among those the optimizer applied to the variable
-    (1 for the first). ``scale`` multiplies this update's learning rate (after the schedule;
-    for ``Add``, the pushed delta): the slots advance as for any update. ``grad`` must have
+    (1 for the first); for the rows of an embedding table, an int64 array of shape [rows, 1]
+    holding each row's own number (a table's optimizer has a constant schedule). ``scale``
+    multiplies this update's learning rate (after the schedule; for ``Add``, the pushed
+    delta): the slots advance as for any update. ``grad`` must have
     ``value``'s shape and dtype; ``out``, if given, too (and must not overlap ``value``);
     ``state_out``, if given, holds an array of the same shape as each slot (see
     :func:`fresh_state`) and then ``value`` and ``state`` are only read. With ``scratch=True``
@@ -233,7 +235,11 @@ def apply(
     if scale != 1.0:
         lr *= scale
     clip = 1.0 if opt.clip_norm is None else _clip_scale(opt, grad)
-    if value.nbytes <= _BLOCK_BYTES or not _contiguous(value, out, *state.values(), *new.values()):
+    if (
+        value.nbytes <= _BLOCK_BYTES
+        or type(step) is not int
+        or not _contiguous(value, out, *state.values(), *new.values())
+    ):
         rule(opt, value, grad, state, new, out, step, lr, clip, scratch)
         return
     # A block at a time: its dozen passes run in the cache instead of over main memory
@@ -349,7 +355,8 @@ def _sgd(
         return
     g, tmp = _gradient(value, grad, scratch, clip, opt.weight_decay)
     buf = new["momentum_buffer"]
-    if step == 1:  # torch starts the buffer at the first gradient, undamped
+    first = step == 1
+    if first is True:  # torch starts the buffer at the first gradient, undamped
         np.copyto(buf, g)
     else:
         np.multiply(state["momentum_buffer"], opt.momentum, out=buf)
@@ -358,6 +365,8 @@ def _sgd(
             np.add(buf, tmp, out=buf)
         else:
             np.add(buf, g, out=buf)
+        if first is not False:  # per-row steps: the rows at their first step start at g
+            np.copyto(buf, g, where=first)
     if opt.nesterov:
         np.multiply(buf, opt.momentum, out=tmp)
         np.add(tmp, g, out=tmp)
@@ -398,12 +407,13 @@ def _adam(
         np.maximum(state["max_exp_avg_sq"], v, out=new["max_exp_avg_sq"])
         v = new["max_exp_avg_sq"]
     correction1 = 1.0 - b1**step
-    root2 = math.sqrt(1.0 - b2**step)
+    # per-row steps (an array) give per-row corrections, broadcast over each row
+    root2 = math.sqrt(1.0 - b2**step) if type(step) is int else np.sqrt(1.0 - b2**step)
     # lr/c1 * m / (sqrt(v)/root2 + eps) == (lr*root2/c1) * m / (sqrt(v) + eps*root2): one
     # pass fewer, where eps*root2 is still a normal number in the dtype.
     np.sqrt(v, out=tmp)
     folded = opt.epsilon * root2
-    if folded >= _TINY[value.dtype.itemsize]:
+    if (folded if type(step) is int else np.min(folded)) >= _TINY[value.dtype.itemsize]:
         np.add(tmp, folded, out=tmp)
         factor = lr * root2 / correction1
     else:

@@ -41,7 +41,7 @@ from .store import (
     finite_rows,
 )
 
-__all__ = ["pull_now", "router"]
+__all__ = ["BODY_DOC", "bad_field", "message", "pull_now", "reply", "required", "router", "writer"]
 
 _BODY_DOC = {
     "requestBody": {
@@ -577,3 +577,12 @@ async def delete(request: Request) -> Response:
         max_matched=request.app.state.config.max_request_names,
     )
     return _reply(request, result)
+
+
+# What the data plane's other router (server/routes_tables.py) shares with this one.
+BODY_DOC = _BODY_DOC
+message = _message
+reply = _reply
+required = _required
+bad_field = _bad_field
+writer = _writer

@@ -23,6 +23,7 @@ from .poll import poll
 from .pull import pull
 from .push import PushJob, check_push, merge_push, prepare_push, push
 from .set_optimizer import set_optimizer
+from .tables import create_table, pull_rows, push_rows
 from .variables import variables
 from .wait import wait
 
@@ -31,6 +32,7 @@ __all__ = [
     "assign",
     "check_push",
     "checkpoint",
+    "create_table",
     "delete",
     "increment",
     "init",
@@ -38,7 +40,9 @@ __all__ = [
     "poll",
     "prepare_push",
     "pull",
+    "pull_rows",
     "push",
+    "push_rows",
     "set_optimizer",
     "variables",
     "wait",

@@ -16,7 +16,8 @@ Thread-safety: none; call from one thread (the event loop's).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from client_sdk.modes import ASYNC
@@ -63,6 +64,9 @@ class StoreState:
         #: Deletes so far: a push that waited for another to finish looks its names up again
         #: when this moved meanwhile.
         self._deletions = 0
+        #: The shard's embedding tables by name (:mod:`server.embedding` fills it): a name is
+        #: a variable or a table, never both (init and the variable verbs refuse a table's).
+        self.embedding_tables: Mapping[str, Any] = MappingProxyType({})
 
     # -- names ------------------------------------------------------------------------------
 
@@ -141,6 +145,14 @@ class StoreState:
             else:
                 found.append(var)
         if missing:
+            tables = [n for n in missing if n in self.embedding_tables]
+            if tables:
+                raise ShardError(
+                    "conflict",
+                    f"{tables[0]!r} is an embedding table, not a dense variable: use "
+                    "pull_rows/push_rows for its rows (ps.pull_rows, ps.push_rows)",
+                    {"name": tables[0], "kind": "embedding_table"},
+                )
             raise ShardError(
                 "not_found",
                 f"unknown variable(s) {missing[:10]}{' ...' if len(missing) > 10 else ''} on shard "
@@ -172,6 +184,20 @@ class StoreState:
         self.mutations += 1
         if self.waiters.waiting:
             self.waiters.wake([var.name])
+
+    def seen(self, verb: str, worker_id: str, seq: int) -> bool:
+        """Whether ``(worker_id, seq)`` of a write was applied already (counted as a
+        duplicate); 409 ``seq_expired`` when it is too old to tell. For the writes of
+        embedding tables (:mod:`server.embedding`), which share this dedup table."""
+        return self._seen(verb, worker_id, seq)
+
+    def counted(self, changes: int, worker_id: str | None, seq: int | None) -> None:
+        """Count ``changes`` applied outside the variables (an embedding table's write) in
+        the state version and mutations, and record its ``seq``."""
+        self._state_version += changes
+        self.mutations += changes
+        if worker_id is not None and seq is not None:
+            self.dedup.record(worker_id, seq)
 
     def _seen(self, verb: str, worker_id: str, seq: int) -> bool:
         """True if ``seq`` was applied already (counted as a duplicate); raises

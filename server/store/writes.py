@@ -57,6 +57,15 @@ class Writes(StoreState):
         409 and nothing is created.
         """
         self.check_names(entries)
+        if self.embedding_tables:
+            tables = [n for n in entries if n in self.embedding_tables]
+            if tables:
+                raise ShardError(
+                    "conflict",
+                    f"{tables[0]!r} is an embedding table: a name is a variable or a table, "
+                    "never both; init the variable under another name",
+                    {"name": tables[0], "kind": "embedding_table"},
+                )
         op = operations.init(entries, self._vars)
         for var, mode in zip(apply.init(op), op.modes):
             if mode is not ASYNC:

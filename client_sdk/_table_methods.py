@@ -1,0 +1,117 @@
+"""The embedding-table methods of :class:`~client_sdk.PSClient` and
+:class:`~client_sdk.AsyncPSClient` (mixed into each; they differ only by ``await``): each drives
+a flow of ``_verbs/tables.py``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from . import _verbs
+from ._core import Core
+from ._exceptions import BadRequestError
+from ._flow import Flow
+from .embedding import Initializer, TableSpec
+from .optimizers import Optimizer, SpecError
+
+__all__ = ["AsyncTableMethods", "TableMethods", "table_spec"]
+
+T = TypeVar("T")
+
+
+def table_spec(
+    dim: Any, dtype: Any, initializer: Initializer | None, optimizer: Optimizer | None, seed: Any
+) -> TableSpec:
+    """The spec of ``create_table``'s arguments; :class:`BadRequestError` naming the field."""
+    args: dict[str, Any] = {"dim": dim, "dtype": dtype, "seed": seed}
+    if initializer is not None:
+        args["initializer"] = initializer
+    if optimizer is not None:
+        args["optimizer"] = optimizer
+    try:
+        return TableSpec(**args)
+    except SpecError as exc:
+        raise BadRequestError(f"create_table: {exc}", details={"field": exc.field}) from None
+
+
+class TableMethods:
+    """``create_table``, ``pull_rows``, ``push_rows`` of the blocking client."""
+
+    _core: Core
+
+    if TYPE_CHECKING:
+
+        def _drive(self, flow: Flow[T]) -> T: ...
+
+    def create_table(
+        self,
+        name: str,
+        dim: int,
+        dtype: str = "float32",
+        *,
+        initializer: Initializer | None = None,
+        optimizer: Optimizer | None = None,
+        seed: int = 0,
+    ) -> bool:
+        """Create embedding table ``name`` unless it exists; True if this call created it.
+        Blocks.
+
+        Rows are ``dim`` float32 numbers keyed by any int64 id. A row starts, on its first
+        push, from ``initializer`` (default ``Uniform(-0.05, 0.05)``; a pure function of
+        ``seed``, the name and the id, so the same on any number of shards), and is updated by
+        ``optimizer`` (default ``Adagrad(lr=0.1)``; no schedule) with its own slots and step
+        count. Any worker may call it; the same spec again is no error. Raises
+        :class:`ConflictError` for a dense variable of that name or a table made with another
+        spec (naming the field), :class:`BadRequestError` for a bad spec.
+        """
+        spec = table_spec(dim, dtype, initializer, optimizer, seed)
+        return self._drive(_verbs.create_table(self._core, name, spec))
+
+    def pull_rows(self, name: str, ids: Any) -> np.ndarray:
+        """The rows of ``ids`` (int64, repeats allowed) as a new float32 array [len(ids),
+        dim]. Blocks. An id never pushed gets its initializer's row (nothing is stored)."""
+        return self._drive(_verbs.pull_rows(self._core, name, ids))
+
+    def push_rows(self, name: str, ids: Any, grads: Any) -> dict[str, Any]:
+        """Apply ``grads`` [len(ids), dim] to rows ``ids`` with the table's optimizer. Blocks.
+
+        Repeated ids' gradients are summed first, then each row is updated once. Each shard's
+        part is applied whole or not at all, once (retried safely). Returns ``{"rows",
+        "created", "duplicate"}``. Raises :class:`BadTensorError` for ids that are not
+        integers, grads of the wrong shape, NaN or infinities (nothing applied on that shard).
+        """
+        return self._drive(_verbs.push_rows(self._core, name, ids, grads))
+
+
+class AsyncTableMethods:
+    """``create_table``, ``pull_rows``, ``push_rows`` of the asyncio client, as
+    :class:`TableMethods`."""
+
+    _core: Core
+
+    if TYPE_CHECKING:
+
+        async def _drive(self, flow: Flow[T]) -> T: ...
+
+    async def create_table(
+        self,
+        name: str,
+        dim: int,
+        dtype: str = "float32",
+        *,
+        initializer: Initializer | None = None,
+        optimizer: Optimizer | None = None,
+        seed: int = 0,
+    ) -> bool:
+        """:meth:`PSClient.create_table <client_sdk.PSClient.create_table>`, awaited."""
+        spec = table_spec(dim, dtype, initializer, optimizer, seed)
+        return await self._drive(_verbs.create_table(self._core, name, spec))
+
+    async def pull_rows(self, name: str, ids: Any) -> np.ndarray:
+        """:meth:`PSClient.pull_rows <client_sdk.PSClient.pull_rows>`, awaited."""
+        return await self._drive(_verbs.pull_rows(self._core, name, ids))
+
+    async def push_rows(self, name: str, ids: Any, grads: Any) -> dict[str, Any]:
+        """:meth:`PSClient.push_rows <client_sdk.PSClient.push_rows>`, awaited."""
+        return await self._drive(_verbs.push_rows(self._core, name, ids, grads))

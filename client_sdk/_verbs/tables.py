@@ -1,0 +1,219 @@
+"""Embedding tables: ``create_table``, ``pull_rows``, ``push_rows``.
+
+A table lives on every shard, each holding the rows that
+:func:`client_sdk.placement.row_shard` gives it. ``create_table`` goes first to the shard that
+would hold a dense variable of the same name (so a name taken by a variable is refused, 409,
+before any shard creates the table), then to all the others at once. ``pull_rows`` and
+``push_rows`` send each shard only its rows, one request per shard (or per
+:data:`MAX_IDS_PER_REQUEST` ids), all shards at once; the ids go deduplicated: a pull's rows
+are expanded back to the order asked for, a push's repeated ids have their gradients summed
+before sending (the shard would sum them the same way: sorted by id, in the order given).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import _args, wire
+from .._core import REPLY_HEADROOM, Core
+from .._exceptions import BadTensorError, ProtocolError
+from .._flow import Flow, ShardRequest
+from .._replies import Message
+from ..embedding import TableSpec, segment_sum
+from ..placement import row_shard
+
+__all__ = ["MAX_IDS_PER_REQUEST", "check_ids", "create_table", "pull_rows", "push_rows"]
+
+#: Ids the SDK puts in one request (shards take up to ``--max-table-ids``, 262,144 by default).
+MAX_IDS_PER_REQUEST = 1 << 16
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def create_table(core: Core, name: Any, spec: TableSpec) -> Flow[bool]:
+    """Whether this call created the table (on at least one shard)."""
+    name = _args.valid_name(name)
+    deadline = core.deadline()
+    yield from core.require_fleet(deadline)
+    msg = {"name": name, "spec": spec.to_wire()}
+    owner = core.fleet.place(name)
+    order = [[owner], [s for s in range(core.n) if s != owner]]
+    created = False
+    for shards in order:
+        if not shards:
+            continue
+        batch = [
+            core.post(s, "create_table", msg, deadline, mutating=True, retry_safe=True)
+            for s in shards
+        ]
+        for request, reply in zip(batch, core.collect(batch, (yield batch))):
+            got = reply.msg.get("created")
+            if type(got) is not bool:
+                raise _bad_reply(core, request, "a 'created' flag")
+            created = created or got
+    core.table_dims[name] = spec.dim
+    return created
+
+
+def check_ids(ids: Any, verb: str) -> np.ndarray:
+    """``ids`` as a 1-d int64 array; :class:`BadTensorError` for anything else."""
+    array = np.asarray(ids)
+    if array.size == 0 and array.ndim == 1:  # [] is float64 to numpy
+        return np.zeros(0, np.int64)
+    if array.dtype.kind not in "iu" or array.dtype == np.bool_:
+        raise BadTensorError(
+            f"{verb}: ids must be integers (an int64 array or a list of ints), got dtype "
+            f"{array.dtype}",
+            code="bad_tensor",
+            details={"field": "ids"},
+        )
+    if array.ndim != 1:
+        raise BadTensorError(
+            f"{verb}: ids must be a 1-d array, got shape {list(array.shape)}",
+            code="bad_tensor",
+            details={"field": "ids"},
+        )
+    if array.dtype == np.uint64 and len(array) and int(array.max()) > _INT64_MAX:
+        raise BadTensorError(
+            f"{verb}: ids must fit int64, got {int(array.max())}",
+            code="bad_tensor",
+            details={"field": "ids"},
+        )
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def _parts(core: Core, name: str, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """``(shard, positions in ids)`` of every request: each shard's rows, in runs of at most
+    :data:`MAX_IDS_PER_REQUEST`; one empty request to shard 0 when there are no ids."""
+    if not len(ids):
+        return [(0, np.zeros(0, np.int64))]
+    shards = row_shard(name, ids, core.n)
+    out = []
+    for shard in range(core.n):
+        positions = np.flatnonzero(shards == shard) if core.n > 1 else np.arange(len(ids))
+        for start in range(0, len(positions), MAX_IDS_PER_REQUEST):
+            out.append((shard, positions[start : start + MAX_IDS_PER_REQUEST]))
+    return out
+
+
+def pull_rows(core: Core, name: Any, ids: Any) -> Flow[np.ndarray]:
+    """The rows of ``ids`` (float32 [len(ids), dim]), in the order given."""
+    name = _args.valid_name(name)
+    ids = check_ids(ids, "pull_rows")
+    deadline = core.deadline()
+    yield from core.require_fleet(deadline)
+    unique, inverse = np.unique(ids, return_inverse=True)
+    parts = _parts(core, name, unique)
+    dim = core.table_dims.get(name)
+    batch = [
+        core.post(
+            shard,
+            "pull_rows",
+            {"name": name, "ids": unique[positions]},
+            deadline,
+            mutating=False,
+            retry_safe=True,
+            tensors=True,
+            max_reply=core.max_reply if dim is None else REPLY_HEADROOM + 4 * dim * len(positions),
+        )
+        for shard, positions in parts
+    ]
+    replies = core.collect(batch, (yield batch))
+    out: np.ndarray | None = None
+    for request, reply, (_, positions) in zip(batch, replies, parts):
+        rows = _rows(core, request, reply, len(positions), dim)
+        if dim is None:
+            dim = rows.shape[1]
+        if out is None:
+            out = np.empty((len(unique), dim), np.float32)
+        out[positions] = rows
+    assert out is not None and dim is not None
+    core.table_dims[name] = dim
+    return out[inverse.reshape(-1)]
+
+
+def _rows(core: Core, request: ShardRequest, reply: Message, n: int, dim: int | None) -> np.ndarray:
+    obj = reply.msg.get("rows")
+    try:
+        rows = wire.decode_tensor(obj, reply.body)
+    except wire.WireError as exc:
+        raise _bad_reply(core, request, f"a 'rows' tensor ({exc.message})") from exc
+    if (
+        rows.dtype.kind != "f"
+        or rows.ndim != 2
+        or rows.shape[0] != n
+        or (dim is not None and rows.shape[1] != dim)
+    ):
+        raise _bad_reply(
+            core,
+            request,
+            f"{n} rows of {dim if dim is not None else 'one'} width, got "
+            f"{rows.dtype.str} {list(rows.shape)}",
+        )
+    return rows
+
+
+def push_rows(core: Core, name: Any, ids: Any, grads: Any) -> Flow[dict[str, Any]]:
+    """``{"rows": distinct ids applied, "created": rows made, "duplicate": requests a shard
+    had applied already}``."""
+    name = _args.valid_name(name)
+    ids = check_ids(ids, "push_rows")
+    array = np.asarray(grads)
+    if array.dtype.kind != "f" or array.ndim != 2 or array.shape[0] != len(ids):
+        raise BadTensorError(
+            f"push_rows: grads must be a float array of shape [len(ids), dim] = [{len(ids)}, "
+            f"dim], got {array.dtype.str} {list(array.shape)}",
+            code="bad_tensor",
+            details={"field": "grads", "shape": list(array.shape)},
+        )
+    dim = core.table_dims.get(name)
+    if dim is not None and array.shape[1] != dim:
+        raise BadTensorError(
+            f"push_rows: table {name!r} has dim {dim}, but grads have {array.shape[1]} columns",
+            code="bad_tensor",
+            details={"field": "grads", "shape": list(array.shape), "dim": dim},
+        )
+    with np.errstate(over="ignore"):
+        array = array.astype(np.float32, copy=False)
+    unique, summed = segment_sum(ids, array)
+    deadline = core.deadline()
+    yield from core.require_fleet(deadline)
+    worker_id = core.settings.worker_id
+    batch = [
+        core.post(
+            shard,
+            "push_rows",
+            {
+                "name": name,
+                "ids": unique[positions],
+                "grads": summed[positions],
+                "worker_id": worker_id,
+                "seq": core.next_seq(),
+            },
+            deadline,
+            mutating=True,
+            retry_safe=True,
+            tensors=True,
+        )
+        for shard, positions in _parts(core, name, unique)
+        if len(positions)
+    ]
+    if not batch:
+        return {"rows": 0, "created": 0, "duplicate": 0}
+    replies = core.collect(batch, (yield batch))
+    rows = created = duplicate = 0
+    for request, reply in zip(batch, replies):
+        msg = reply.msg
+        status, n, made = msg.get("status"), msg.get("rows"), msg.get("created")
+        if status not in ("applied", "duplicate") or type(n) is not int or type(made) is not int:
+            raise _bad_reply(core, request, "a status, 'rows' and 'created'")
+        rows += n
+        created += made
+        duplicate += status == "duplicate"
+    return {"rows": rows, "created": created, "duplicate": duplicate}
+
+
+def _bad_reply(core: Core, request: ShardRequest, wanted: str) -> ProtocolError:
+    url = core.shards[request.shard]
+    return ProtocolError(f"shard {url} sent a {request.verb} reply without {wanted}", shard=url)

@@ -1,0 +1,120 @@
+"""The id -> row map of one embedding table on one shard: an open-addressing hash table held in
+two numpy arrays, looked up and filled for a whole batch of ids at once.
+
+Ids are any int64 (collisionless: no two ids share a row). A slot holds an id and its row
+number, or row -1 when empty; an id's first slot is the low bits of ``mix64(id)``, and a
+lookup walks the following slots (linear probing) until it finds the id or an empty slot. Every
+step of the walk is one numpy pass over the ids still looking, so a batch of 4,096 ids costs a
+handful of passes (the longest probe run among them), never Python per id. The table doubles
+when more than half full (rebuilt by re-inserting every id, the same vectorized way), so an
+insert costs amortized O(1) per id.
+
+Rows are numbered 0, 1, 2, ... in the order their ids were added; the map never forgets an id
+(a row's removal, for eviction, is a :meth:`IdIndex.rebuild` over the ids kept).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from client_sdk.embedding import mix64
+
+__all__ = ["IdIndex"]
+
+_EMPTY = -1
+_MIN_CAPACITY = 1 << 10
+
+
+class IdIndex:
+    """Map int64 ids to row numbers 0..len-1. Not thread-safe."""
+
+    __slots__ = ("_keys", "_rows", "_mask", "_count")
+
+    def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
+        capacity = max(_MIN_CAPACITY, 1 << max(0, int(capacity) - 1).bit_length())
+        self._keys = np.zeros(capacity, dtype=np.int64)
+        self._rows = np.full(capacity, _EMPTY, dtype=np.int64)
+        self._mask = capacity - 1
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def nbytes(self) -> int:
+        return self._keys.nbytes + self._rows.nbytes
+
+    def _home(self, ids: np.ndarray) -> np.ndarray:
+        return (mix64(ids.view(np.uint64)) & np.uint64(self._mask)).view(np.int64)
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """The row of each id (int64 [n]), -1 where the id has none."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = np.full(len(ids), _EMPTY, dtype=np.int64)
+        if not self._count or not len(ids):
+            return out
+        keys, rows, mask = self._keys, self._rows, self._mask
+        pos = self._home(ids)
+        todo = np.arange(len(ids))
+        want = ids
+        while todo.size:
+            found_rows = rows[pos]
+            empty = found_rows == _EMPTY
+            hit = ~empty & (keys[pos] == want)
+            out[todo[hit]] = found_rows[hit]
+            going = ~(hit | empty)
+            if not going.all():
+                todo, want, pos = todo[going], want[going], pos[going]
+            pos = (pos + 1) & mask
+        return out
+
+    def add(self, ids: np.ndarray) -> np.ndarray:
+        """Give each of ``ids`` (distinct, none in the map yet) the next row numbers, in order:
+        returns them (int64 [n], ``len(self)`` onwards)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        start = self._count
+        numbers = np.arange(start, start + len(ids), dtype=np.int64)
+        if (start + len(ids)) * 2 > len(self._keys):
+            self._grow(start + len(ids))
+        self._place(ids, numbers)
+        self._count += len(ids)
+        return numbers
+
+    def rebuild(self, ids: np.ndarray) -> None:
+        """Forget every id, then map ``ids[i]`` (distinct) to row ``i``."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        capacity = max(_MIN_CAPACITY, 1 << (2 * len(ids)).bit_length())
+        self._keys = np.zeros(capacity, dtype=np.int64)
+        self._rows = np.full(capacity, _EMPTY, dtype=np.int64)
+        self._mask = capacity - 1
+        self._count = len(ids)
+        self._place(ids, np.arange(len(ids), dtype=np.int64))
+
+    def _grow(self, needed: int) -> None:
+        capacity = len(self._keys)
+        while needed * 2 > capacity:
+            capacity *= 2
+        occupied = self._rows != _EMPTY
+        ids, numbers = self._keys[occupied], self._rows[occupied]
+        self._keys = np.zeros(capacity, dtype=np.int64)
+        self._rows = np.full(capacity, _EMPTY, dtype=np.int64)
+        self._mask = capacity - 1
+        self._place(ids, numbers)
+
+    def _place(self, ids: np.ndarray, numbers: np.ndarray) -> None:
+        """Put distinct ``ids`` (none present) with their row ``numbers`` into empty slots:
+        each walks from its home slot; of the ids that reach one empty slot in the same pass,
+        the first takes it and the others walk on."""
+        keys, rows, mask = self._keys, self._rows, self._mask
+        pos = self._home(ids)
+        while len(ids):
+            free = rows[pos] == _EMPTY
+            # Of several ids on one free slot, np.unique's first index wins it.
+            cand = np.flatnonzero(free)
+            _, first = np.unique(pos[cand], return_index=True)
+            won = cand[first]
+            keys[pos[won]] = ids[won]
+            rows[pos[won]] = numbers[won]
+            left = np.ones(len(ids), dtype=bool)
+            left[won] = False
+            ids, numbers, pos = ids[left], numbers[left], (pos[left] + 1) & mask
