@@ -225,7 +225,11 @@ def test_names_are_a_variable_or_a_table(url):
     assert "embedding table" in error["message"]
     refused(url, "pull", {"names": [name]}, 409, "conflict")
     refused(
-        url, "push", {"grads": {name: np.zeros(2)}, "worker_id": worker(), "seq": 9}, 409, "conflict"
+        url,
+        "push",
+        {"grads": {name: np.zeros(2)}, "worker_id": worker(), "seq": 9},
+        409,
+        "conflict",
     )
     var = fresh("v")
     ok(url, "init", {"variables": {var: {"value": np.zeros(2)}}})

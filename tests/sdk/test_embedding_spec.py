@@ -1,0 +1,131 @@
+"""client_sdk.embedding and row placement: the spec's checks, the initializer's rows and the
+placement of rows against docs/PROTOCOL.md §1's test vectors, the vectorized jump hash against
+the scalar one, and the sum of repeated ids' gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from client_sdk.embedding import (
+    Constant,
+    Normal,
+    TableSpec,
+    Uniform,
+    Zeros,
+    initial_rows,
+    segment_sum,
+    spec_from_wire,
+)
+from client_sdk.optimizers import SGD, Adam, Cosine, SpecError
+from client_sdk.placement import jump_hash, jump_hash_array, row_keys, row_shard
+
+VECTORS = {  # docs/PROTOCOL.md §1, table "emb": id -> (row_key, shard for N=1, 2, 3, 4, 8, 100)
+    0: (0x1C8DFF301EFC0E0C, (0, 1, 1, 1, 1, 32)),
+    1: (0x0B9BA28B70AEF6F0, (0, 0, 2, 2, 4, 30)),
+    -1: (0x5B0F30120CB1D013, (0, 0, 0, 0, 4, 52)),
+    42: (0xD0F6ACAAC61593FE, (0, 1, 1, 3, 6, 80)),
+    2**63 - 1: (0x6F6F6CFB37F6F501, (0, 1, 1, 1, 1, 18)),
+}
+
+
+def test_row_placement_matches_the_documented_vectors():
+    ids = np.array(list(VECTORS), np.int64)
+    assert [int(k) for k in row_keys("emb", ids)] == [v[0] for v in VECTORS.values()]
+    for col, n in enumerate((1, 2, 3, 4, 8, 100)):
+        assert row_shard("emb", ids, n).tolist() == [v[1][col] for v in VECTORS.values()]
+
+
+def test_vectorized_jump_hash_is_the_scalar_one():
+    rng = np.random.default_rng(1)
+    keys = rng.integers(0, 2**63, 3000, dtype=np.int64).view(np.uint64) * np.uint64(2)
+    keys[:3] = [0, 1, 2**64 - 1]
+    for n in (1, 2, 3, 5, 17, 1000, 65536):
+        assert jump_hash_array(keys, n).tolist() == [jump_hash(int(k), n) for k in keys]
+    with pytest.raises(ValueError):
+        jump_hash_array(keys, 0)
+
+
+def test_growing_a_fleet_moves_rows_only_to_the_new_shard():
+    ids = np.arange(-5000, 5000, dtype=np.int64)
+    before, after = row_shard("t", ids, 4), row_shard("t", ids, 5)
+    moved = before != after
+    assert set(after[moved].tolist()) == {4}
+    assert 0.1 < moved.mean() < 0.3
+
+
+def test_initial_rows_match_the_documented_vectors():
+    uniform = initial_rows(TableSpec(dim=3), "emb", np.array([0, -1], np.int64))
+    np.testing.assert_array_equal(
+        uniform,
+        np.array(
+            [
+                [-0.040265575, -0.010246516, -0.0027227041],
+                [-0.031450234, 0.014551453, -0.037265994],
+            ],
+            np.float32,
+        ),
+    )
+    normal = initial_rows(
+        TableSpec(dim=3, initializer=Normal(std=1.0), seed=7), "emb", np.array([1], np.int64)
+    )
+    np.testing.assert_allclose(normal, [[-1.5649287, -0.42697096, -0.10121254]], rtol=1e-6)
+
+
+def test_initial_rows_are_a_function_of_the_id_alone():
+    spec = TableSpec(dim=5, initializer=Normal(std=0.5, mean=1.0), seed=3)
+    ids = np.array([9, -9, 2**62, 9], np.int64)
+    rows = initial_rows(spec, "x", ids)
+    np.testing.assert_array_equal(rows[0], rows[3])
+    np.testing.assert_array_equal(rows[1:2], initial_rows(spec, "x", ids[1:2]))
+    assert not np.array_equal(
+        rows,
+        initial_rows(TableSpec(dim=5, initializer=Normal(std=0.5, mean=1.0), seed=4), "x", ids),
+    )
+    assert not np.array_equal(rows, initial_rows(spec, "y", ids))
+    many = initial_rows(TableSpec(dim=16, initializer=Uniform(-1, 3)), "u", np.arange(4000))
+    assert many.min() >= -1 and many.max() < 3 and abs(many.mean() - 1) < 0.05
+    normal = initial_rows(TableSpec(dim=16, initializer=Normal(std=2.0)), "n", np.arange(4000))
+    assert abs(normal.std() - 2) < 0.05 and abs(normal.mean()) < 0.05
+    assert not initial_rows(TableSpec(dim=2, initializer=Zeros()), "z", np.arange(3)).any()
+    assert (
+        initial_rows(TableSpec(dim=2, initializer=Constant(0.5)), "c", np.arange(3)) == 0.5
+    ).all()
+
+
+def test_spec_checks_name_the_field():
+    for kwargs, field in (
+        ({"dim": 0}, "dim"),
+        ({"dim": 65537}, "dim"),
+        ({"dim": 2.0}, "dim"),
+        ({"dim": 2, "dtype": "float64"}, "dtype"),
+        ({"dim": 2, "seed": -1}, "seed"),
+        ({"dim": 2, "optimizer": Adam(lr=0.1, schedule=Cosine(total=10))}, "optimizer.schedule"),
+        ({"dim": 2, "initializer": "zeros"}, "initializer"),
+    ):
+        with pytest.raises(SpecError) as info:
+            TableSpec(**kwargs)
+        assert info.value.field == field
+    with pytest.raises(SpecError) as info:
+        Uniform(1, 0)
+    assert info.value.field == "high"
+    with pytest.raises(SpecError) as info:
+        spec_from_wire({"dim": 2, "initializer": {"type": "normal", "std": -1}})
+    assert info.value.field == "initializer.std"
+    with pytest.raises(SpecError) as info:
+        spec_from_wire({"dim": 2, "optimizer": {"type": "sgd", "lr": -1}})
+    assert info.value.field == "optimizer.lr"
+    spec = TableSpec(
+        dim=4, dtype=np.float32, initializer=Normal(std=0.1), optimizer=SGD(lr=1), seed=5
+    )
+    assert spec_from_wire(spec.to_wire()) == spec
+
+
+def test_segment_sum_adds_repeats_in_the_order_given():
+    ids = np.array([5, 3, 5, -1, 3, 5], np.int64)
+    grads = np.arange(12, dtype=np.float32).reshape(6, 2)
+    unique, summed = segment_sum(ids, grads)
+    assert unique.tolist() == [-1, 3, 5]
+    np.testing.assert_array_equal(summed, [[6, 7], [2 + 8, 3 + 9], [0 + 4 + 10, 1 + 5 + 11]])
+    same = np.array([1, 2, 3], np.int64)
+    np.testing.assert_array_equal(segment_sum(same, grads[:3])[1], grads[:3])
