@@ -426,6 +426,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     app.state.tables = EmbeddingTables(store, config.max_table_ids, config.max_table_rows)
     app.state.gate = gate
     app.state.durability = Durability(config, store, gate, incarnation)
+    app.state.durability.tables = app.state.tables
     app.state.incarnation = incarnation
     app.state.started_at = time.time()
     app.state.shutdown_error = None

@@ -45,6 +45,7 @@ from typing import Any
 from . import persistence
 from .admission import Gate
 from .config import ShardConfig
+from .embedding import EmbeddingTables
 from .errors import ShardError
 from .store import Capture, ParameterStore
 
@@ -94,6 +95,8 @@ class Durability:
         self._tasks: list[asyncio.Task] = []
         self._checkpoints: dict[str, asyncio.Task] = {}
         self._number = 1
+        #: The shard's embedding tables, restored with the store (set by the app).
+        self.tables: EmbeddingTables | None = None
 
     @property
     def enabled(self) -> bool:
@@ -135,6 +138,8 @@ class Durability:
             return
         if found is not None:
             self.store.restore(found.variables, found.dedup)
+            if self.tables is not None:
+                self.tables.restore(found.tables)
             self._good = found.snapshot.number
             self.restored = {
                 **found.snapshot.info(),
@@ -183,7 +188,11 @@ class Durability:
             )
         self._number = persistence.next_number(self.data_dir)
         return persistence.find_restorable(
-            self.data_dir, self.config.shard_index, self.config.num_shards, self.config.restore
+            self.data_dir,
+            self.config.shard_index,
+            self.config.num_shards,
+            self.config.restore,
+            self.config.max_table_rows,
         )
 
     async def _periodic(self) -> None:

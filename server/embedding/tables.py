@@ -154,6 +154,16 @@ class EmbeddingTables:
         self.store.counted(1, op.worker_id, op.seq)
         return created
 
+    # -- snapshots --------------------------------------------------------------------------
+
+    def restore(self, tables: list[EmbeddingTable]) -> None:
+        """Replace every table with restored ``tables`` (at start, right after the store's
+        restore, before any request): their versions count in the store's state version."""
+        self.tables.clear()
+        for table in tables:
+            self.tables[table.name] = table
+        self.store.counted(sum(t.version for t in tables), None, None)
+
     # -- inspection -------------------------------------------------------------------------
 
     def describe(self, table: EmbeddingTable) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 :func:`find_restorable` walks the data dir's snapshots newest first (or only a fleet
 checkpoint's, for ``--restore``), reads each in full (:mod:`server.persistence.snapshot`: every
 check it makes), logs a warning for each one that does not validate and returns the first that
-does, with its variables and dedup table ready for ``ParameterStore.restore``. It refuses
+does, with its variables and dedup table ready for ``ParameterStore.restore`` (and its
+embedding tables for ``EmbeddingTables.restore``). It refuses
 (:class:`SnapshotMismatch`) rather than start a shard on another shard's state, or empty when
 its snapshots exist but none validates. ``server/durability.py`` runs it in a worker thread
 while the shard already answers ``/healthz``.
@@ -18,9 +19,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..embedding import DEFAULT_MAX_ROWS, EmbeddingTable
 from ..store import DedupTable, Variable
 from .datadir import list_snapshots
 from .snapshot import Snapshot, SnapshotError, read_arrays, read_manifest, to_variables
+from .tables import read_tables
 
 __all__ = ["Restorable", "SnapshotMismatch", "find_restorable"]
 
@@ -41,10 +44,15 @@ class Restorable:
     dedup: DedupTable
     skipped: list[str]
     seconds: float
+    tables: list[EmbeddingTable]
 
 
 def find_restorable(
-    data_dir: Path, shard_index: int, num_shards: int, checkpoint: str | None = None
+    data_dir: Path,
+    shard_index: int,
+    num_shards: int,
+    checkpoint: str | None = None,
+    max_table_rows: int = DEFAULT_MAX_ROWS,
 ) -> Restorable | None:
     """The newest snapshot in ``data_dir`` that validates, read in full; ``None`` if there is
     no snapshot at all. Each one skipped is logged as a warning (and listed in ``skipped``).
@@ -79,6 +87,7 @@ def find_restorable(
                 )
             arrays = read_arrays(snap)
             variables = to_variables(snap, arrays)
+            tables = read_tables(snap, max_table_rows)
             try:
                 dedup = DedupTable.load(m["dedup"])
             except ValueError as exc:
@@ -87,7 +96,7 @@ def find_restorable(
             logger.warning("skipping snapshot %s: %s", manifest_path, exc)
             skipped.append(f"{manifest_path.name}: {exc}")
             continue
-        return Restorable(snap, variables, dedup, skipped, time.perf_counter() - started)
+        return Restorable(snap, variables, dedup, skipped, time.perf_counter() - started, tables)
     raise SnapshotMismatch(
         f"none of the {len(candidates)} snapshot(s) in {data_dir} validates ({'; '.join(skipped)})"
         ": move the damaged files away to start from an older copy, or move them all away to "

@@ -190,6 +190,11 @@ def write_snapshot(
             slots[slot] = {"key": key, "crc32": 0}  # filled in below
             entries.append(slots[slot])
         variables[name] = {**meta, "tensors": slots}
+    tables = None
+    if capture.tables:
+        from .tables import add_tables  # it reads this module's helpers
+
+        tables = add_tables(capture.tables, tensors, entries)
     values_name = base + ".safetensors"
     tmp_values = data_dir / temporary(values_name)
     renamed: Path | None = None  # the values file, once renamed: removed if the manifest fails
@@ -225,6 +230,8 @@ def write_snapshot(
             "variables": variables,
             "dedup": capture.dedup,
         }
+        if tables is not None:
+            manifest["tables"] = tables
         manifest["checksum"] = zlib.crc32(_canonical(manifest))
         with open(tmp_manifest, "w", encoding="ascii") as f:
             json.dump(manifest, f, sort_keys=True, indent=1, ensure_ascii=True, allow_nan=False)

@@ -61,10 +61,13 @@ class Capture:
     variables: dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]]
     dedup: dict[str, Any]
     taken_at: float = field(default_factory=time.time)
+    #: Embedding tables: name -> (bookkeeping, arrays: copies no later update touches).
+    tables: dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for _, arrays in self.variables.values() for a in arrays.values())
+        held = (*self.variables.values(), *self.tables.values())
+        return sum(a.nbytes for _, arrays in held for a in arrays.values())
 
 
 class ParameterStore(Reads, Writes, Control):
@@ -78,8 +81,9 @@ class ParameterStore(Reads, Writes, Control):
 
     def capture(self) -> Capture:
         """The whole state at this instant: read-only arrays no later update touches, and
-        copies of the bookkeeping and the dedup table. Synchronous and cheap (no array is
-        copied); call it on the event-loop thread while no update is being applied."""
+        copies of the bookkeeping and the dedup table. Synchronous and cheap for variables (no
+        array is copied); embedding tables' live rows are copied (their updates write in
+        place). Call it on the event-loop thread while no update is being applied."""
         return Capture(
             shard_index=self.shard_index,
             num_shards=self.num_shards,
@@ -89,6 +93,7 @@ class ParameterStore(Reads, Writes, Control):
                 name: (var.meta(), var.snapshot_views()) for name, var in self._vars.items()
             },
             dedup=self.dedup.export(),
+            tables={name: (t.meta(), t.arrays()) for name, t in self.embedding_tables.items()},
         )
 
     def restore(self, variables: Iterable[Variable], dedup: DedupTable) -> None:
