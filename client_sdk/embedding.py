@@ -339,16 +339,39 @@ def initial_rows(spec: TableSpec, name: str, ids: np.ndarray) -> np.ndarray:
     return u1.astype(np.float32)
 
 
+#: Above this many repeats of one id, :func:`segment_sum` adds with ``np.add.reduceat``.
+_MAX_LEVELS = 64
+
+
 def segment_sum(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(unique ids, sorted; the sum of each one's gradient rows)``: sort-based (a stable
-    argsort, then ``np.add.reduceat``), so the rows of an id are added in the order given.
-    Ids already distinct and sorted come back as they are (no copy)."""
-    if len(ids) < 2 or bool(np.all(ids[1:] > ids[:-1])):
+    """``(unique ids, sorted; the sum of each one's gradient rows)``: sort-based, the rows of an
+    id added in the order given (first + second, + third, ...; for an id given more than
+    ``_MAX_LEVELS + 1`` times, in ``np.add.reduceat``'s pairwise order). Ids already distinct
+    and sorted come back as they are (no copy).
+
+    After a stable argsort, each row's rank among its id's rows is known; the sum starts as the
+    rank-0 rows and adds the rank-r rows for r = 1, 2, ...: one vectorized pass per level of
+    repeats (a batch repeats an id a few times), whose targets are distinct, so no element is
+    written twice in one pass."""
+    n = len(ids)
+    if n < 2 or bool(np.all(ids[1:] > ids[:-1])):
         return ids, grads
     order = np.argsort(ids, kind="stable")
     ordered = ids[order]
-    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
-    summed = grads[order]
-    if len(starts) != len(ids):
-        summed = np.add.reduceat(summed, starts, axis=0)
+    first = np.empty(n, dtype=bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    rows = grads[order]
+    if len(starts) == n:
+        return ordered, rows
+    segment = np.cumsum(first) - 1
+    rank = np.arange(n) - starts[segment]
+    levels = int(rank.max())
+    if levels > _MAX_LEVELS:
+        return ordered[starts], np.add.reduceat(rows, starts, axis=0)
+    summed = rows[starts]
+    for level in range(1, levels + 1):
+        at = np.flatnonzero(rank == level)
+        summed[segment[at]] += rows[at]
     return ordered[starts], summed
