@@ -50,8 +50,9 @@ class Fleet:
         #: and uniform ones with packed rows.
         self.tables = [False] * n
         self.packed = [False] * n
-        #: Per shard: it has ``POST /v1/poll`` (``features``).
+        #: Per shard: it has ``POST /v1/poll`` (``features``), and embedding tables.
         self.polls = [False] * n
+        self.embedding = [False] * n
         #: Entries one request to each shard may hold (its ``max_request_names``).
         self.max_names = [wire.MAX_REQUEST_NAMES] * n
         self._incarnation: list[str | None] = [None] * n
@@ -171,6 +172,7 @@ class Fleet:
         self.tables[shard] = wire.FEATURE_TABLES in features
         self.packed[shard] = self.tables[shard] and wire.FEATURE_PACKED in features
         self.polls[shard] = wire.FEATURE_POLL in features
+        self.embedding[shard] = wire.FEATURE_EMBEDDING_TABLES in features
         limit = info.get("max_request_names")
         if type(limit) is int and limit > 0:
             self.max_names[shard] = limit

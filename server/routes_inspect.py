@@ -90,6 +90,7 @@ async def cluster(request: Request) -> dict[str, Any]:
             wire.FEATURE_POLL,
             wire.FEATURE_SET_OPTIMIZER,
             wire.FEATURE_DELETE,
+            wire.FEATURE_EMBEDDING_TABLES,
         ],
         "version": __version__,
         "started_at": state.started_at,

@@ -31,11 +31,25 @@ MAX_IDS_PER_REQUEST = 1 << 16
 _INT64_MAX = np.iinfo(np.int64).max
 
 
+def _require_tables(core: Core) -> None:
+    """:class:`ProtocolError` naming the first shard that has no embedding tables."""
+    for shard, has in enumerate(core.fleet.embedding):
+        if not has:
+            url = core.url(shard)
+            raise ProtocolError(
+                f"shard {url} has no embedding tables (its /v1/cluster does not list "
+                f"{wire.FEATURE_EMBEDDING_TABLES!r}): create_table, pull_rows and push_rows need "
+                "every shard at this paramshard version; upgrade the fleet",
+                shard=url,
+            )
+
+
 def create_table(core: Core, name: Any, spec: TableSpec) -> Flow[bool]:
     """Whether this call created the table (on at least one shard)."""
     name = _args.valid_name(name)
     deadline = core.deadline()
     yield from core.require_fleet(deadline)
+    _require_tables(core)
     msg = {"name": name, "spec": spec.to_wire()}
     owner = core.fleet.place(name)
     order = [[owner], [s for s in range(core.n) if s != owner]]
@@ -103,6 +117,7 @@ def pull_rows(core: Core, name: Any, ids: Any) -> Flow[np.ndarray]:
     ids = check_ids(ids, "pull_rows")
     deadline = core.deadline()
     yield from core.require_fleet(deadline)
+    _require_tables(core)
     unique, inverse = np.unique(ids, return_inverse=True)
     parts = _parts(core, name, unique)
     dim = core.table_dims.get(name)
@@ -179,6 +194,7 @@ def push_rows(core: Core, name: Any, ids: Any, grads: Any) -> Flow[dict[str, Any
     unique, summed = segment_sum(ids, array)
     deadline = core.deadline()
     yield from core.require_fleet(deadline)
+    _require_tables(core)
     worker_id = core.settings.worker_id
     batch = [
         core.post(

@@ -18,6 +18,7 @@ __all__ = [
     "ENV_WORKER_ID",
     "FEATURE_COUNTER_KIND",
     "FEATURE_DELETE",
+    "FEATURE_EMBEDDING_TABLES",
     "FEATURE_PACKED",
     "FEATURE_POLL",
     "FEATURE_SET_OPTIMIZER",
@@ -84,6 +85,8 @@ FEATURE_POLL = "poll"
 #: A shard has the verbs ``set_optimizer`` and ``delete`` (docs/PROTOCOL.md §3).
 FEATURE_SET_OPTIMIZER = "set_optimizer"
 FEATURE_DELETE = "delete"
+#: A shard has embedding tables: ``create_table``, ``pull_rows``, ``push_rows`` (§3).
+FEATURE_EMBEDDING_TABLES = "embedding_tables"
 
 FRAME_MAGIC = b"PSF1"
 #: A framed body's prefix: :data:`FRAME_MAGIC` and the header's length, a little-endian uint32.

@@ -18,13 +18,21 @@ import uuid
 import numpy as np
 import pytest
 
-from client_sdk import AsyncPSClient, BadTensorError, ConflictError, PSClient, UnknownVariableError
+from client_sdk import (
+    AsyncPSClient,
+    BadTensorError,
+    ConflictError,
+    ProtocolError,
+    PSClient,
+    UnknownVariableError,
+)
 from client_sdk.embedding import Normal, TableSpec, Zeros, initial_rows
 from client_sdk.optimizers import SGD, Adagrad, Adam, AdamW, Ftrl, Optimizer, RMSprop
 from client_sdk.placement import row_shard
 from server import optim
 from tests.conftest import Fleet, http_json
 from tests.helpers.eventually import eventually
+from tests.sdk.test_client import AsIfOlder
 
 DIM = 8
 
@@ -237,3 +245,30 @@ def test_rows_and_slots_come_back_after_kill_9(fleet_factory):
 def _snapshot_holds(url: str, state_version: int) -> bool:
     last = http_json(f"{url}/v1/cluster").get("last_snapshot") or {}
     return last.get("state_version", -1) >= state_version
+
+
+def test_shards_without_embedding_tables_are_named(fleets):
+    _, three = fleets
+    transport = AsIfOlder(False, drop_features=("embedding_tables",))
+    with PSClient(three.urls, worker_id=fresh("w"), transport=transport) as ps:
+        for call in (
+            lambda: ps.create_table(fresh(), DIM),
+            lambda: ps.pull_rows(fresh(), [1]),
+            lambda: ps.push_rows(fresh(), [1], np.ones((1, DIM))),
+        ):
+            with pytest.raises(ProtocolError, match="upgrade") as info:
+                call()
+            assert info.value.shard == three.urls[0]
+
+
+def test_many_repeats_of_one_id_are_summed(fleets):
+    one, _ = fleets
+    name = fresh()
+    with PSClient(one.urls, worker_id=fresh("w")) as ps:
+        ps.create_table(name, DIM, initializer=Zeros(), optimizer=SGD(lr=1.0))
+        ids = np.array([4] * 100 + [5] * 3, np.int64)
+        grads = np.random.default_rng(2).standard_normal((103, DIM)).astype(np.float32)
+        assert ps.push_rows(name, ids, grads)["rows"] == 2
+        got = ps.pull_rows(name, [4, 5])
+    want = -np.stack([grads[:100].astype(np.float64).sum(0), grads[100:].astype(np.float64).sum(0)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
