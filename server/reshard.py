@@ -154,6 +154,12 @@ def reshard(
         )
     snaps = _choose(sources, checkpoint, latest)
     _check_fleet(sources, snaps)
+    with_tables = [s for s in snaps if s.manifest.get("tables")]
+    if with_tables:
+        raise ReshardError(
+            f"{with_tables[0].manifest_path} holds embedding tables, which paramshard reshard "
+            "does not move yet: restore the checkpoint onto the same number of shards"
+        )
     label = (
         checkpoint
         or (snaps[0].checkpoint if not latest else None)
