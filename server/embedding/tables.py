@@ -175,7 +175,7 @@ class EmbeddingTables:
             touches = table.touches[:n]
             k = min(HOTTEST, n)
             top = np.argpartition(touches, n - k)[n - k :]
-            top = top[np.argsort(-touches[top], kind="stable")]
+            top = top[np.lexsort((table.ids[top], -touches[top]))]  # most first, then by id
             hottest = [{"id": int(table.ids[i]), "updates": int(touches[i])} for i in top]
         spec = table.spec
         return {
