@@ -104,6 +104,8 @@ def _parts(core: Core, name: str, ids: np.ndarray) -> list[tuple[int, np.ndarray
         return [(0, np.zeros(0, np.int64))]
     shards = row_shard(name, ids, core.n)
     out = []
+    if core.n == 1 and len(ids) <= MAX_IDS_PER_REQUEST:
+        return [(0, np.arange(len(ids)))]
     for shard in range(core.n):
         positions = np.flatnonzero(shards == shard) if core.n > 1 else np.arange(len(ids))
         for start in range(0, len(positions), MAX_IDS_PER_REQUEST):
@@ -125,7 +127,7 @@ def pull_rows(core: Core, name: Any, ids: Any) -> Flow[np.ndarray]:
         core.post(
             shard,
             "pull_rows",
-            {"name": name, "ids": unique[positions]},
+            {"name": name, "ids": unique if len(parts) == 1 else unique[positions]},
             deadline,
             mutating=False,
             retry_safe=True,
@@ -135,16 +137,18 @@ def pull_rows(core: Core, name: Any, ids: Any) -> Flow[np.ndarray]:
         for shard, positions in parts
     ]
     replies = core.collect(batch, (yield batch))
-    out: np.ndarray | None = None
-    for request, reply, (_, positions) in zip(batch, replies, parts):
-        rows = _rows(core, request, reply, len(positions), dim)
-        if dim is None:
-            dim = rows.shape[1]
-        if out is None:
-            out = np.empty((len(unique), dim), np.float32)
+    got = [
+        _rows(core, request, reply, len(positions), dim)
+        for request, reply, (_, positions) in zip(batch, replies, parts)
+    ]
+    core.table_dims[name] = width = got[0].shape[1]
+    if len(got) == 1:  # every row from one request, in the order of unique: no merge
+        return np.asarray(got[0][inverse.reshape(-1)], dtype=np.float32)
+    out = np.empty((len(unique), width), np.float32)
+    for rows, (_, positions) in zip(got, parts):
+        if rows.shape[1] != width:
+            raise _bad_reply(core, batch[0], f"rows of one width, got {width} and {rows.shape[1]}")
         out[positions] = rows
-    assert out is not None and dim is not None
-    core.table_dims[name] = dim
     return out[inverse.reshape(-1)]
 
 
@@ -196,14 +200,16 @@ def push_rows(core: Core, name: Any, ids: Any, grads: Any) -> Flow[dict[str, Any
     yield from core.require_fleet(deadline)
     _require_tables(core)
     worker_id = core.settings.worker_id
+    parts = _parts(core, name, unique)
+    whole = len(parts) == 1  # one request: the arrays as they are
     batch = [
         core.post(
             shard,
             "push_rows",
             {
                 "name": name,
-                "ids": unique[positions],
-                "grads": summed[positions],
+                "ids": unique if whole else unique[positions],
+                "grads": summed if whole else summed[positions],
                 "worker_id": worker_id,
                 "seq": core.next_seq(),
             },
@@ -212,7 +218,7 @@ def push_rows(core: Core, name: Any, ids: Any, grads: Any) -> Flow[dict[str, Any
             retry_safe=True,
             tensors=True,
         )
-        for shard, positions in _parts(core, name, unique)
+        for shard, positions in parts
         if len(positions)
     ]
     if not batch:
