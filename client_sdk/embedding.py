@@ -230,7 +230,7 @@ class TableSpec:
             raise SpecError(
                 "optimizer.schedule",
                 "an embedding table's optimizer takes no schedule: each row counts its own "
-                "updates; use a constant learning rate (set_optimizer can change it later)",
+                "updates; use a constant learning rate",
             )
         seed = self.seed
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):

@@ -80,15 +80,11 @@ def create_table(name: str, wire_spec: Any, existing: EmbeddingTable | None) -> 
         if getattr(have, field) != getattr(spec, field):
             break
     mine, theirs = have.to_wire()[field], spec.to_wire()[field]
-    hint = (
-        "to change a table's optimizer, call set_optimizer; "
-        if field == "optimizer"
-        else "a table's spec is fixed when it is made; "
-    )
     raise ShardError(
         "conflict",
         f"embedding table {name!r} already exists with {field} {mine!r}, not {theirs!r}: "
-        f"{hint}use another name, or create it with the existing spec",
+        "a table's spec (its optimizer too) is fixed when it is made; use another name, or "
+        "create it with the existing spec",
         {"table": name, "field": field, "existing": mine, "requested": theirs},
     )
 

@@ -287,7 +287,7 @@ def test_create_with_another_spec_names_the_field(url):
         error = refused(url, "create_table", {"name": name, "spec": spec}, status, code)
         assert error["details"]["field"] == field, error
         if code == "conflict" and field == "optimizer":
-            assert "set_optimizer" in error["message"]
+            assert "fixed when it is made" in error["message"]
     assert table(url, name)["dim"] == DIM
 
 
