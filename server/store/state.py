@@ -6,7 +6,9 @@ counts that stay current as variables come and go (bytes, state version, mutatio
 are moded or frozen), the dedup table, and the waiters. It checks a request's names (400),
 ownership (421) and existence (404), records a variable made (:meth:`StoreState._add`) or
 changed (:meth:`StoreState._touch`), and asks the dedup table whether a write's
-``(worker_id, seq)`` was applied already (:meth:`StoreState._seen`). The verbs are built on it
+``(worker_id, seq)`` was applied already (:meth:`StoreState._seen`). It also knows the names of
+the shard's embedding tables (:mod:`server.embedding`, which holds them and counts its writes
+here through :meth:`StoreState.seen` and :meth:`StoreState.counted`). The verbs are built on it
 by group, one module each: :mod:`server.store.reads`, :mod:`server.store.writes`,
 :mod:`server.store.control`; :class:`~server.store.verbs.ParameterStore` joins them.
 
