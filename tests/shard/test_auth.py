@@ -30,9 +30,18 @@ TOKEN2 = "rotated-" + "b2" * 16
 READ = "read-" + "c3" * 16
 WRONG = "wrong-" + "d4" * 16
 
-WRITE_VERBS = ("init", "push", "assign", "increment", "set_optimizer", "delete")
+WRITE_VERBS = (
+    "init",
+    "push",
+    "assign",
+    "increment",
+    "set_optimizer",
+    "delete",
+    "create_table",
+    "push_rows",
+)
 CONTROL_VERBS = ("pause", "snapshot", "resume")
-READ_VERBS = ("pull", "wait", "poll")
+READ_VERBS = ("pull", "wait", "poll", "pull_rows")
 
 
 @pytest.fixture(scope="module", params=HTTP_MODES)
@@ -74,6 +83,15 @@ def bodies(name: str, counter: str) -> dict[str, Any]:
         "pull": {"names": [name]},
         "wait": {"names": [name], "timeout": 0},
         "poll": {"names": [name], "timeout": 0},
+        "create_table": {"name": name + "-new-table", "spec": {"dim": 2}},
+        "pull_rows": {"name": name + "-table", "ids": np.array([1, 2], np.int64)},
+        "push_rows": {
+            "name": name + "-table",
+            "ids": np.array([1], np.int64),
+            "grads": np.ones((1, 2), np.float32),
+            "worker_id": worker,
+            "seq": 3,
+        },
     }
 
 
@@ -92,6 +110,10 @@ def setup_state(http, url: str) -> tuple[str, str, dict[str, Any]]:
         bearer(TOKEN),
     )
     assert rep.status == 200, rep.msg
+    rep = raw(
+        http, url, "create_table", {"name": name + "-table", "spec": {"dim": 2}}, bearer(TOKEN)
+    )
+    assert rep.status == 200, rep.msg
     return name, counter, state_of(http, url)
 
 
@@ -101,7 +123,10 @@ def state_of(http, url: str) -> dict[str, Any]:
     assert r.status_code == 200, r.text
     ready = http.get(f"{url}/readyz").json()
     variables = {v["name"]: (v["version"], v["frozen"]) for v in r.json()["variables"]}
-    return {"variables": variables, "paused_for": ready["paused_for"]}
+    r = http.get(f"{url}/v1/tables", headers=bearer(TOKEN))
+    assert r.status_code == 200, r.text
+    tables = {t["name"]: (t["version"], t["rows"]) for t in r.json()["tables"]}
+    return {"variables": variables, "tables": tables, "paused_for": ready["paused_for"]}
 
 
 def refused_counts(http, url: str) -> dict[str, int]:
