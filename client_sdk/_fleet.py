@@ -33,6 +33,10 @@ PLACEMENT_CACHE = 1 << 20
 logger = logging.getLogger("client_sdk")
 
 
+#: The most ids the SDK puts in one pull_rows or push_rows request.
+MAX_TABLE_IDS = 1 << 16
+
+
 class Fleet:
     """The shards ``urls`` (in shard-index order) as this client knows them. Thread-safe.
 
@@ -55,6 +59,9 @@ class Fleet:
         self.embedding = [False] * n
         #: Entries one request to each shard may hold (its ``max_request_names``).
         self.max_names = [wire.MAX_REQUEST_NAMES] * n
+        #: Ids one pull_rows or push_rows to each shard carries at most: its
+        #: ``max_table_ids``, and never more than :data:`MAX_TABLE_IDS`.
+        self.max_ids = [MAX_TABLE_IDS] * n
         self._incarnation: list[str | None] = [None] * n
         #: Per shard: the last state version seen, and (old incarnation, that version) while
         #: a restart is noticed but not yet reported.
@@ -173,6 +180,9 @@ class Fleet:
         self.packed[shard] = self.tables[shard] and wire.FEATURE_PACKED in features
         self.polls[shard] = wire.FEATURE_POLL in features
         self.embedding[shard] = wire.FEATURE_EMBEDDING_TABLES in features
+        ids = info.get("max_table_ids")
+        if type(ids) is int and ids > 0:
+            self.max_ids[shard] = min(ids, MAX_TABLE_IDS)
         limit = info.get("max_request_names")
         if type(limit) is int and limit > 0:
             self.max_names[shard] = limit

@@ -19,6 +19,7 @@ import numpy as np
 from .. import _args, wire
 from .._core import REPLY_HEADROOM, Core
 from .._exceptions import BadTensorError, ProtocolError
+from .._fleet import MAX_TABLE_IDS
 from .._flow import Flow, ShardRequest
 from .._replies import Message
 from ..embedding import TableSpec, segment_sum
@@ -26,8 +27,8 @@ from ..placement import row_shard
 
 __all__ = ["MAX_IDS_PER_REQUEST", "check_ids", "create_table", "pull_rows", "push_rows"]
 
-#: Ids the SDK puts in one request (shards take up to ``--max-table-ids``, 262,144 by default).
-MAX_IDS_PER_REQUEST = 1 << 16
+#: Ids the SDK puts in one request at most (fewer where a shard's ``max_table_ids`` is lower).
+MAX_IDS_PER_REQUEST = MAX_TABLE_IDS
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -99,17 +100,19 @@ def check_ids(ids: Any, verb: str) -> np.ndarray:
 
 def _parts(core: Core, name: str, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """``(shard, positions in ids)`` of every request: each shard's rows, in runs of at most
-    :data:`MAX_IDS_PER_REQUEST`; one empty request to shard 0 when there are no ids."""
+    the shard's ``max_table_ids`` (:data:`MAX_IDS_PER_REQUEST` at most); one empty request to
+    shard 0 when there are no ids."""
     if not len(ids):
         return [(0, np.zeros(0, np.int64))]
     shards = row_shard(name, ids, core.n)
     out = []
-    if core.n == 1 and len(ids) <= MAX_IDS_PER_REQUEST:
+    most = core.fleet.max_ids
+    if core.n == 1 and len(ids) <= most[0]:
         return [(0, np.arange(len(ids)))]
     for shard in range(core.n):
         positions = np.flatnonzero(shards == shard) if core.n > 1 else np.arange(len(ids))
-        for start in range(0, len(positions), MAX_IDS_PER_REQUEST):
-            out.append((shard, positions[start : start + MAX_IDS_PER_REQUEST]))
+        for start in range(0, len(positions), most[shard]):
+            out.append((shard, positions[start : start + most[shard]]))
     return out
 
 

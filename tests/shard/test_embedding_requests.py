@@ -148,6 +148,10 @@ def test_rest_lists_tables_and_shows_rows(url):
     push(url, name, np.array([1, 2, 2], np.int64), np.ones((3, DIM), np.float32), worker(), 1)
     listed = httpx2.get(f"{url}/v1/tables").json()["tables"]
     assert any(t["name"] == name and t["rows"] == 2 for t in listed)
+    cluster = httpx2.get(f"{url}/v1/cluster").json()
+    assert cluster["tables"] == len(listed)
+    assert cluster["table_bytes"] == sum(t["bytes"] for t in listed) > 0
+    assert (cluster["max_table_ids"], cluster["max_table_rows"]) == (64, 100)
     info = table(url, name)
     assert info["hottest"][:2] == [{"id": 1, "updates": 1}, {"id": 2, "updates": 1}]
     r = httpx2.get(f"{url}/v1/tables/{name}/rows", params={"ids": "2,99"})
@@ -313,3 +317,18 @@ def test_a_row_of_another_shard_is_421(fleet2):
         len(mine),
         DIM,
     )
+
+
+def test_the_sdk_splits_a_batch_by_the_shards_max_table_ids(url):
+    """This shard takes 64 ids per request (--max-table-ids): the SDK sends 200 in 4."""
+    from client_sdk import PSClient
+
+    name = made(url)
+    ids = np.arange(-100, 100, dtype=np.int64)
+    with PSClient([url], worker_id=worker()) as ps:
+        np.testing.assert_array_equal(
+            ps.pull_rows(name, ids), initial_rows(TableSpec(dim=DIM), name, ids)
+        )
+        result = ps.push_rows(name, ids[:80], np.ones((80, DIM), np.float32))
+        assert result == {"rows": 80, "created": 80, "duplicate": 0}
+    assert table(url, name)["rows"] == 80
