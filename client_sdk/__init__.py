@@ -23,7 +23,9 @@ How it is built (each module opens with what it owns):
     _transport.py   a request sent and retried (_abort.py: a raced one cut short);
                     _http/ performs the HTTP exchanges
     wire/           the wire format, shared with the shards
-    placement.py, optimizers.py, modes.py, embedding.py, training.py: the public helpers
+    _parts.py       the layouts of partitioned variables this client learned
+    placement.py, partitions.py, optimizers.py, modes.py, embedding.py, training.py: the public
+                    helpers
 """
 
 from ._exceptions import (
@@ -36,6 +38,7 @@ from ._exceptions import (
     FrozenError,
     NotReadyError,
     OverloadedError,
+    PartitionedError,
     ProtocolError,
     PSError,
     PushError,
@@ -61,6 +64,7 @@ __all__ = [
     "OverloadedError",
     "PSClient",
     "PSError",
+    "PartitionedError",
     "ProtocolError",
     "PushError",
     "RequestRejectedError",

@@ -46,6 +46,7 @@ from ._exceptions import (
 )
 from ._fleet import Fleet
 from ._flow import Result, ShardRequest
+from ._parts import Parts
 from ._replies import Message
 from ._settings import Settings
 
@@ -84,6 +85,8 @@ class Core:
         self.n = len(settings.shards)
         self.cache = VersionCache(self.n)
         self.fleet = Fleet(settings.shards, self.cache.drop_shard)
+        #: The layouts of partitioned variables (``_parts.py``, ``_verbs/partitioned.py``).
+        self.parts = Parts()
         #: Pull plans kept per list of names (``_verbs/pull.py``).
         self.pull_plans: dict[tuple[str, ...], tuple[list[str], dict[int, list[str]]]] = {}
         #: The row width of each embedding table this client created or pulled.

@@ -12,7 +12,8 @@
     │   ├── AuthError              401, 403
     │   ├── UnknownVariableError   404
     │   ├── ConflictError          409: init with another shape/dtype/kind or optimizer
-    │   │   └── FrozenError          409: a push to a frozen variable (set_optimizer)
+    │   │   ├── FrozenError          409: a push to a frozen variable (set_optimizer)
+    │   │   └── PartitionedError     409: a partitioned variable addressed as a plain one
     │   └── BadTensorError         422: wrong shape/dtype, non-finite values
     ├── ServerError              a 5xx other than 503 (a bug in the shard: please report it)
     ├── NotReadyError            wait_ready timed out; ``missing`` names what never appeared
@@ -37,6 +38,7 @@ __all__ = [
     "NotReadyError",
     "OverloadedError",
     "PSError",
+    "PartitionedError",
     "ProtocolError",
     "PushError",
     "RequestRejectedError",
@@ -116,6 +118,12 @@ class FrozenError(ConflictError):
     frozen=False)``."""
 
 
+class PartitionedError(ConflictError):
+    """A request named a partitioned variable as if it were a plain one (``details["layouts"]``
+    maps each such name to its layout); nothing of it was applied. The SDK learns the layout
+    from it and addresses the parts; a raw client sends to ``name/part-i`` instead."""
+
+
 class BadTensorError(RequestRejectedError):
     pass
 
@@ -156,7 +164,10 @@ STATUS_ERRORS: dict[int, type[PSError]] = {
 
 #: The protocol's code of a rejection -> the class raised for it, where its status's class is
 #: not specific enough.
-CODE_ERRORS: dict[str, type[PSError]] = {"frozen": FrozenError}
+CODE_ERRORS: dict[str, type[PSError]] = {
+    "frozen": FrozenError,
+    "partitioned": PartitionedError,
+}
 
 
 def error_for_status(status: int, code: str | None = None) -> type[PSError]:

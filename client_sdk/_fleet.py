@@ -62,6 +62,11 @@ class Fleet:
         #: Ids one pull_rows or push_rows to each shard carries at most: its
         #: ``max_table_ids``, and never more than :data:`MAX_TABLE_IDS`.
         self.max_ids = [MAX_TABLE_IDS] * n
+        #: The fleet's --partition-bytes (``/v1/cluster``): above it, init partitions a
+        #: variable nobody said how to (client_sdk.partitions.auto_partitions).
+        self.partition_bytes = 0
+        #: Whether a shard held a partitioned variable's layout when it was checked.
+        self.partitioned = False
         self._incarnation: list[str | None] = [None] * n
         #: Per shard: the last state version seen, and (old incarnation, that version) while
         #: a restart is noticed but not yet reported.
@@ -186,6 +191,13 @@ class Fleet:
         limit = info.get("max_request_names")
         if type(limit) is int and limit > 0:
             self.max_names[shard] = limit
+        held = info.get("partitioned")
+        if type(held) is int and held > 0:  # layouts exist: look unknown names up before writes
+            self.partitioned = True
+        split = info.get("partition_bytes")
+        if type(split) is int and split >= 0:  # the fleet's --partition-bytes (shard 0's rules)
+            if shard == 0 or not self.partition_bytes:
+                self.partition_bytes = split
         incarnation = info.get("incarnation")
         if isinstance(incarnation, str):
             self.note_incarnation(shard, incarnation)

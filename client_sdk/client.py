@@ -158,6 +158,7 @@ class PSClient(TableMethods):
         sync: Sync | None = None,
         max_staleness: int | None = None,
         staleness_policy: Literal["drop", "scale"] | None = None,
+        partitions: int | Mapping[str, int] | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Create each variable unless it exists: the first value wins; no chief is needed.
 
@@ -174,9 +175,21 @@ class PSClient(TableMethods):
         another shape or dtype, or another mode than one stated here (that shard then created
         nothing), :class:`BadTensorError` for values the protocol cannot carry or non-finite
         floats.
+
+        ``partitions=k`` (an int for all, or a dict name -> int) splits a variable along axis 0
+        into ``k`` parts ``name/part-0`` .. ``name/part-{k-1}``, each placed on the shard that
+        owns its name; without it, a variable bigger than the fleet's ``--partition-bytes`` is
+        split into parts of at most that size (``1``: never split this one). A partitioned
+        variable is still one variable to every verb of every client (pull, push, assign,
+        ``newer_than``, ``versions``, checkpoints); its layout is fixed at init: another
+        ``partitions``, or a plain variable of the same name, raises :class:`ConflictError`
+        (``details["field"]`` is ``"partitions"``). It trains asynchronously only:
+        ``partitions`` with ``sync`` or ``max_staleness`` raises :class:`BadRequestError`,
+        as do an optimizer with ``clip_norm`` (each part would be clipped by its own norm),
+        and ``k`` below 1, above the rows of axis 0, or for a scalar.
         """
         mode = _args.mode(sync, max_staleness, staleness_policy)
-        return self._drive(_verbs.init(self._core, values, optimizer, mode))
+        return self._drive(_verbs.partitioned.init(self._core, values, optimizer, mode, partitions))
 
     def wait_ready(self, names: Sequence[str], timeout: float | None = 60.0) -> None:
         """Block until every named variable exists (some worker called :meth:`init`).
@@ -223,14 +236,16 @@ class PSClient(TableMethods):
         the client asks again as needed); a plain pull does not wait and ignores it.
         """
         if newer_than is None and min_version is None:
-            return self._drive(_verbs.pull(self._core, names))
-        return self._drive(_verbs.poll(self._core, names, newer_than, min_version, timeout))
+            return self._drive(_verbs.partitioned.pull(self._core, names))
+        return self._drive(
+            _verbs.partitioned.poll(self._core, names, newer_than, min_version, timeout)
+        )
 
     def versions(self, names: Sequence[str]) -> dict[str, int]:
         """The version of each of ``names`` whose value this client holds from its last
         :meth:`pull` (what :meth:`push` sends as ``versions`` by default); names it holds no
         value of are left out. No I/O; thread-safe."""
-        return self._core.cache.versions(_args.names(names, "versions", self._core.fleet))
+        return _verbs.partitioned.versions(self._core, names)
 
     def push(
         self, grads: Mapping[str, Any], versions: Mapping[str, int] | None = None
@@ -251,9 +266,7 @@ class PSClient(TableMethods):
         says on which shards the push was applied. Retried (same seq) after any connection
         failure, timeout, 429 or 503 until ``retry_deadline``: applied at most once.
         """
-        return self._drive(
-            _verbs.push(self._core, _verbs.prepare_push(self._core, grads, versions))
-        )
+        return self._drive(_verbs.partitioned.push(self._core, grads, versions))
 
     def push_async(
         self,
@@ -278,12 +291,12 @@ class PSClient(TableMethods):
         """
         if self._closed:
             raise closed_error()
-        job = _verbs.prepare_push(self._core, grads, versions, copy=True)
+        job = self._drive(_verbs.partitioned.push_job(self._core, grads, versions, copy=True))
         _verbs.check_push(self._core, job)
         return self._pusher.submit(job, coalesce=coalesce)
 
     def _push_job(self, job: PushJob) -> dict[str, dict[str, Any]]:
-        return self._drive(_verbs.push(self._core, job))
+        return self._drive(_verbs.partitioned.send_push(self._core, job))
 
     def flush(self) -> None:
         """Block until every :meth:`push_async` so far has finished; raise
@@ -311,7 +324,7 @@ class PSClient(TableMethods):
         Optimizer state is kept. Returns name -> ``{"version"}``. Raises
         :class:`UnknownVariableError` for a variable that does not exist.
         """
-        return self._drive(_verbs.assign(self._core, values))
+        return self._drive(_verbs.partitioned.assign(self._core, values))
 
     def set_optimizer(
         self,
@@ -335,7 +348,9 @@ class PSClient(TableMethods):
         :class:`ConflictError` for a counter, :class:`BadRequestError` for a spec a variable
         cannot take; nothing changes on that shard then. Retried like a push: applied once.
         """
-        return self._drive(_verbs.set_optimizer(self._core, names_or_prefix, spec, frozen))
+        return self._drive(
+            _verbs.partitioned.set_optimizer(self._core, names_or_prefix, spec, frozen)
+        )
 
     def delete(self, names_or_prefix: Sequence[str] | str) -> list[str]:
         """Remove variables (to start a run over) and return the names removed, sorted.
@@ -476,14 +491,17 @@ class AsyncPSClient(AsyncTableMethods):
         sync: Sync | None = None,
         max_staleness: int | None = None,
         staleness_policy: Literal["drop", "scale"] | None = None,
+        partitions: int | Mapping[str, int] | None = None,
     ) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.init`."""
         mode = _args.mode(sync, max_staleness, staleness_policy)
-        return await self._drive(_verbs.init(self._core, values, optimizer, mode))
+        return await self._drive(
+            _verbs.partitioned.init(self._core, values, optimizer, mode, partitions)
+        )
 
     def versions(self, names: Sequence[str]) -> dict[str, int]:
         """See :meth:`PSClient.versions` (no I/O: not a coroutine)."""
-        return self._core.cache.versions(_args.names(names, "versions", self._core.fleet))
+        return _verbs.partitioned.versions(self._core, names)
 
     async def wait_ready(self, names: Sequence[str], timeout: float | None = 60.0) -> None:
         """See :meth:`PSClient.wait_ready`."""
@@ -500,16 +518,16 @@ class AsyncPSClient(AsyncTableMethods):
         """See :meth:`PSClient.pull` (returned arrays are read-only); with ``newer_than`` or
         ``min_version`` it waits without blocking the event loop."""
         if newer_than is None and min_version is None:
-            return await self._drive(_verbs.pull(self._core, names))
-        return await self._drive(_verbs.poll(self._core, names, newer_than, min_version, timeout))
+            return await self._drive(_verbs.partitioned.pull(self._core, names))
+        return await self._drive(
+            _verbs.partitioned.poll(self._core, names, newer_than, min_version, timeout)
+        )
 
     async def push(
         self, grads: Mapping[str, Any], versions: Mapping[str, int] | None = None
     ) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.push`."""
-        return await self._drive(
-            _verbs.push(self._core, _verbs.prepare_push(self._core, grads, versions))
-        )
+        return await self._drive(_verbs.partitioned.push(self._core, grads, versions))
 
     async def push_async(
         self,
@@ -524,12 +542,12 @@ class AsyncPSClient(AsyncTableMethods):
         :meth:`PSClient.push_async`)."""
         if self._closed:
             raise closed_error()
-        job = _verbs.prepare_push(self._core, grads, versions, copy=True)
+        job = await self._drive(_verbs.partitioned.push_job(self._core, grads, versions, copy=True))
         _verbs.check_push(self._core, job)
         return await self._pusher.submit(job, coalesce=coalesce)
 
     async def _push_job(self, job: PushJob) -> dict[str, dict[str, Any]]:
-        return await self._drive(_verbs.push(self._core, job))
+        return await self._drive(_verbs.partitioned.send_push(self._core, job))
 
     async def flush(self) -> None:
         """See :meth:`PSClient.flush`."""
@@ -543,7 +561,7 @@ class AsyncPSClient(AsyncTableMethods):
 
     async def assign(self, values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.assign`."""
-        return await self._drive(_verbs.assign(self._core, values))
+        return await self._drive(_verbs.partitioned.assign(self._core, values))
 
     async def set_optimizer(
         self,
@@ -553,7 +571,9 @@ class AsyncPSClient(AsyncTableMethods):
         frozen: bool | None = None,
     ) -> dict[str, dict[str, Any]]:
         """See :meth:`PSClient.set_optimizer`."""
-        return await self._drive(_verbs.set_optimizer(self._core, names_or_prefix, spec, frozen))
+        return await self._drive(
+            _verbs.partitioned.set_optimizer(self._core, names_or_prefix, spec, frozen)
+        )
 
     async def delete(self, names_or_prefix: Sequence[str] | str) -> list[str]:
         """See :meth:`PSClient.delete`."""

@@ -197,6 +197,14 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
         f"with 413 [{env_name('max_table_rows')}, default {ShardConfig.max_table_rows}]",
     )
     p.add_argument(
+        "--partition-bytes",
+        dest="partition_bytes",
+        metavar="BYTES",
+        help="split a variable bigger than this (inited without partitions=) into parts of at "
+        f"most this size, placed on their own shards; 0: never [{env_name('partition_bytes')}, "
+        "default 0]",
+    )
+    p.add_argument(
         "--dedup-max-workers",
         dest="dedup_max_workers",
         metavar="N",
@@ -487,6 +495,7 @@ _PASSED_ON = (
     "max_queued_bytes",
     "max_queued_requests",
     "max_request_names",
+    "partition_bytes",
     "dedup_max_workers",
     "dedup_idle_seconds",
     "max_head_bytes",

@@ -127,6 +127,13 @@ def _size(text: str) -> int:
     return value
 
 
+def _size_or_off(text: str) -> int:
+    """A byte count (at least 1024), or 0 for off."""
+    if text.strip() == "0":
+        return 0
+    return _size(text)
+
+
 def _host(text: str) -> str:
     text = text.strip()
     if not text or any(c.isspace() for c in text):
@@ -279,6 +286,10 @@ class ShardConfig:
     max_queued_requests: int = 64
     #: Entries (names, variables, gradients, table rows) one request may hold in a list or map.
     max_request_names: int = MAX_REQUEST_NAMES
+    #: A variable inited without ``partitions`` and bigger than this is split into parts of at
+    #: most this many bytes (client_sdk.partitions); 0: never. Every client reads it from
+    #: ``/v1/cluster``, so all agree on a variable's layout.
+    partition_bytes: int = 0
     #: Workers whose applied seqs are remembered at most (the least recently seen forgotten).
     dedup_max_workers: int = 10_000
     #: A worker not seen for this many seconds is forgotten; 0: never.
@@ -441,6 +452,7 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "max_queued_bytes": _size,
     "max_queued_requests": _int(1, 65536),
     "max_request_names": _int(1, 1_000_000),
+    "partition_bytes": _size_or_off,
     "dedup_max_workers": _int(1, 10_000_000),
     "dedup_idle_seconds": _seconds,
     "max_head_bytes": _size,

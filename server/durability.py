@@ -137,7 +137,7 @@ class Durability:
                 self.on_fatal(str(exc))
             return
         if found is not None:
-            self.store.restore(found.variables, found.dedup)
+            self.store.restore(found.variables, found.dedup, found.layouts)
             if self.tables is not None:
                 self.tables.restore(found.tables)
             self._good = found.snapshot.number

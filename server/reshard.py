@@ -167,6 +167,7 @@ def reshard(
     )
 
     plans: list[dict[str, tuple[dict[str, Any], Any]]] = [{} for _ in range(num_shards)]
+    layouts: list[dict[str, Any]] = [{} for _ in range(num_shards)]
     tables = []
     for snap in snaps:
         try:
@@ -181,6 +182,11 @@ def reshard(
                 raise ReshardError(f"variable {name!r} is in more than one source snapshot")
             kept = {k: v for k, v in meta.items() if k != "tensors"}
             plans[target][name] = (kept, arrays[name])
+        for layout in persistence.to_layouts(snap):  # a partitioned variable's: by its name
+            target = shard_for(layout.name, num_shards)
+            if layout.name in layouts[target]:
+                raise ReshardError(f"layout {layout.name!r} is in more than one source snapshot")
+            layouts[target][layout.name] = layout.to_wire()
     dedup = DedupTable.merge(tables).export()
     taken_at = max(s.manifest["created_at"] for s in snaps)
     written = []
@@ -193,6 +199,7 @@ def reshard(
             variables=variables,
             dedup=dedup,
             taken_at=taken_at,
+            layouts=layouts[j],
         )
         written.append(
             persistence.write_snapshot(

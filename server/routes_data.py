@@ -183,13 +183,17 @@ _MODE_FIELDS = ("sync", "max_staleness", "staleness_policy")
 async def init(request: Request) -> Response:
     """Create variables that do not exist yet: `{"variables": {name: {"value": tensor,
     "optimizer"?: {...}, "sync"?: {"replicas", "timeout"}, "max_staleness"?,
-    "staleness_policy"?}}}` -> `{"variables": {name: {"version", "created"}}}`."""
+    "staleness_policy"?}}}` -> `{"variables": {name: {"version", "created"}}}`; an entry
+    `{"partitions", "dtype", "shape"}` records a partitioned variable's layout."""
     msg, body = await _message(request, tensors=True)
     entries = _required(msg, "variables", "init")
     if not isinstance(entries, dict):
         raise _bad_field("init", "variables", "a map of name -> {value, optimizer}", entries)
-    values, specs, modes = {}, {}, {}
+    values, specs, modes, partitioned = {}, {}, {}, {}
     for name, entry in entries.items():
+        if isinstance(entry, dict) and "partitions" in entry and "value" not in entry:
+            partitioned[name] = entry  # a partitioned variable's layout (server.store.layouts)
+            continue
         if not isinstance(entry, dict) or "value" not in entry:
             raise ShardError(
                 "bad_request",
@@ -201,7 +205,9 @@ async def init(request: Request) -> Response:
         specs[name] = entry.get("optimizer")
         modes[name] = {k: entry[k] for k in _MODE_FIELDS if entry.get(k) is not None}
     decoded = wire.tensors_of(values, body, "variables", whole=True)
-    result = _store(request).init({n: (decoded[n], specs[n], modes[n]) for n in decoded})
+    result = _store(request).init(
+        {n: (decoded[n], specs[n], modes[n]) for n in decoded}, partitioned
+    )
     return _reply(request, {"variables": result})
 
 

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import JSONResponse, Response
 
 from client_sdk import wire
+from client_sdk.partitions import Layout
 
 from . import __version__
 from .errors import ShardError
@@ -102,6 +103,8 @@ async def cluster(request: Request) -> dict[str, Any]:
         "max_table_rows": state.config.max_table_rows,
         "max_request_bytes": state.config.max_request_bytes,
         "max_request_names": state.config.max_request_names,
+        "partition_bytes": state.config.partition_bytes,
+        "partitioned": len(store.layouts),
         "state_version": store.state_version,
         "polls_waiting": store.waiters.polls,
         "data_dir": state.config.data_dir is not None,  # where it is: the shard's log only
@@ -132,8 +135,28 @@ def _summary(var: Variable) -> dict[str, Any]:
 
 @router.get("/v1/variables")
 async def variables(request: Request) -> dict[str, Any]:
-    """A summary of every variable on this shard, sorted by name; a counter's with its value."""
-    return {"variables": sorted((_summary(v) for v in _store(request)), key=lambda s: s["name"])}
+    """A summary of every variable on this shard, sorted by name; a counter's with its value;
+    a partitioned variable's layout with its parts."""
+    store = _store(request)
+    summaries = [_summary(v) for v in store]
+    summaries += [_layout_summary(store, layout) for layout in store.layouts]
+    return {"variables": sorted(summaries, key=lambda s: s["name"])}
+
+
+def _layout_summary(store: ParameterStore, layout: Layout) -> dict[str, Any]:
+    """A partitioned variable as the listing shows it: the logical variable (its dtype and
+    full shape) and its parts, each with its rows and the shard that owns it."""
+    return {
+        "name": layout.name,
+        "kind": "partitioned",
+        "shape": list(layout.shape),
+        "dtype": layout.dtype,
+        "partitions": layout.parts,
+        "parts": [
+            {"name": part, "rows": rows, "shard": store.owner(part)}
+            for part, rows in zip(layout.part_names(), layout.rows())
+        ],
+    }
 
 
 @router.get("/v1/variables/{name:path}", response_model=None)
@@ -152,6 +175,9 @@ async def variable(
     shard that does not own the name, the owner's answer (when the shard knows the fleet's
     URLs: `--fleet-urls`)."""
     store = _store(request)
+    layout = store.layouts.get(name)
+    if layout is not None:  # its values are the parts': pull it, or inspect each part
+        return _layout_summary(store, layout)
     try:
         var: Variable = store.get(name)
     except ShardError as exc:

@@ -14,6 +14,7 @@ To add a verb: a module here with its flow, exported below, and a method on each
 drives it (``return self._drive(_verbs.name(self._core, ...))``, ``await``-ed in the async one).
 """
 
+from . import partitioned
 from .assign import assign
 from .checkpoint import checkpoint
 from .delete import delete
@@ -37,6 +38,7 @@ __all__ = [
     "increment",
     "init",
     "merge_push",
+    "partitioned",
     "poll",
     "prepare_push",
     "pull",

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _args
+from .. import _args, partitions
 from .._core import Core
 from .._exceptions import ProtocolError
-from .._flow import Flow
+from .._flow import Flow, ShardRequest
+from .._replies import Message
 from . import _targets
 
 __all__ = ["delete"]
@@ -32,6 +33,28 @@ def delete(core: Core, target: Any) -> Flow[list[str]]:
         replies = core.collect(batch, (yield batch))
     finally:  # whatever was removed, even where another shard refused, is not to be offered
         core.cache.forget(names or (), prefix)
+        core.parts.forget(names or (), prefix)
+    deleted = _deleted(core, batch, replies)
+    # A partitioned variable's parts, named by the layouts removed (a prefix matched them).
+    parts = [
+        part
+        for reply in replies
+        for name, entry in (reply.msg.get("partitioned") or {}).items()
+        if isinstance(entry, dict) and type(entry.get("partitions")) is int
+        for part in (partitions.part_name(name, i) for i in range(entry["partitions"]))
+        if part not in deleted
+    ]
+    if parts and prefix is None:
+        batch = _targets.requests(core, "delete", parts, None, {}, deadline)
+        try:
+            replies = core.collect(batch, (yield batch))
+        finally:
+            core.cache.forget(parts)
+        deleted += _deleted(core, batch, replies)
+    return sorted(deleted)
+
+
+def _deleted(core: Core, batch: list[ShardRequest], replies: list[Message]) -> list[str]:
     deleted: list[str] = []
     for request, reply in zip(batch, replies):
         got = reply.msg.get("deleted")
@@ -41,4 +64,4 @@ def delete(core: Core, target: Any) -> Flow[list[str]]:
                 f"shard {url} sent a delete reply without a 'deleted' list", shard=url
             )
         deleted += got
-    return sorted(deleted)
+    return deleted

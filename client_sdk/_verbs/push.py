@@ -14,7 +14,7 @@ part before applying any of it; the ``seq`` makes a retry apply at most once.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,8 @@ from .. import _args, _replies
 from .._core import Core
 from .._exceptions import BadRequestError, BadTensorError
 from .._flow import Flow
+from .._parts import fold_results
+from ..partitions import Layout
 
 __all__ = ["PushJob", "check_push", "merge_push", "prepare_push", "push"]
 
@@ -34,6 +36,8 @@ class PushJob:
     grads: dict[str, np.ndarray]
     versions: dict[str, int]
     seq: int
+    #: The partitioned variables whose parts it pushes: their results are folded into one.
+    layouts: dict[str, Layout] = field(default_factory=dict)
 
 
 def prepare_push(
@@ -83,6 +87,7 @@ def check_push(core: Core, job: PushJob) -> None:
 def merge_push(into: PushJob, new: PushJob) -> None:
     """Add ``new``'s gradients into ``into`` (a push not yet sent), for coalescing. A
     variable's version becomes the older of the two, so staleness is never understated."""
+    into.layouts.update(new.layouts)
     for name, grad in new.grads.items():
         have = into.grads.get(name)
         if have is None:
@@ -157,4 +162,5 @@ def push(core: Core, job: PushJob) -> Flow[dict[str, dict[str, Any]]]:
             )
         )
     replies = core.collect(batch, (yield batch))
-    return _replies.per_variable(batch, replies, "variables", core.shards)
+    results = _replies.per_variable(batch, replies, "variables", core.shards)
+    return fold_results(results, job.layouts) if job.layouts else results

@@ -3,7 +3,9 @@ shards that are not up yet, until a timeout.
 
 Each shard holds a long poll (``/v1/wait``) for its missing names, in rounds of at most
 :data:`WAIT_POLL_SECONDS` so that progress shows; an unreachable shard is retried until the
-timeout. What never appeared is in the :class:`NotReadyError`'s ``missing``.
+timeout. What never appeared is in the :class:`NotReadyError`'s ``missing``. A partitioned
+variable is ready when its layout and every part exist: the reply that finds its layout
+(``partitioned``) adds its parts to what is waited for.
 """
 
 from __future__ import annotations
@@ -82,6 +84,11 @@ def wait(core: Core, names: Any, timeout: float | None) -> Flow[None]:
                 url = core.url(request.shard)
                 raise ProtocolError(f"shard {url} sent a wait reply without 'missing'", shard=url)
             missing.setdefault(request.shard, []).extend(n for n in still if isinstance(n, str))
+            found = msg.get("partitioned")
+            if found:
+                for layout in core.parts.learn(found, core.url(request.shard)):
+                    for shard, parts in core.fleet.split(layout.part_names()).items():
+                        missing.setdefault(shard, []).extend(parts)
 
 
 def _not_ready(

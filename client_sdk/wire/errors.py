@@ -21,6 +21,7 @@ ERROR_STATUS = {
     "not_found": 404,
     "conflict": 409,
     "frozen": 409,
+    "partitioned": 409,
     "seq_expired": 409,
     "no_data_dir": 409,
     "too_large": 413,

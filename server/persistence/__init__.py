@@ -36,6 +36,7 @@ from .snapshot import (
     read_arrays,
     read_manifest,
     tensor_key,
+    to_layouts,
     to_variables,
     write_snapshot,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "read_manifest",
     "remove",
     "tensor_key",
+    "to_layouts",
     "to_variables",
     "write_snapshot",
 ]

@@ -16,13 +16,22 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from client_sdk.partitions import Layout
 
 from ..embedding import DEFAULT_MAX_ROWS, EmbeddingTable
 from ..store import DedupTable, Variable
 from .datadir import list_snapshots
-from .snapshot import Snapshot, SnapshotError, read_arrays, read_manifest, to_variables
+from .snapshot import (
+    Snapshot,
+    SnapshotError,
+    read_arrays,
+    read_manifest,
+    to_layouts,
+    to_variables,
+)
 from .tables import read_tables
 
 __all__ = ["Restorable", "SnapshotMismatch", "find_restorable"]
@@ -45,6 +54,7 @@ class Restorable:
     skipped: list[str]
     seconds: float
     tables: list[EmbeddingTable]
+    layouts: list[Layout] = field(default_factory=list)
 
 
 def find_restorable(
@@ -96,7 +106,15 @@ def find_restorable(
             logger.warning("skipping snapshot %s: %s", manifest_path, exc)
             skipped.append(f"{manifest_path.name}: {exc}")
             continue
-        return Restorable(snap, variables, dedup, skipped, time.perf_counter() - started, tables)
+        return Restorable(
+            snap,
+            variables,
+            dedup,
+            skipped,
+            time.perf_counter() - started,
+            tables,
+            to_layouts(snap),
+        )
     raise SnapshotMismatch(
         f"none of the {len(candidates)} snapshot(s) in {data_dir} validates ({'; '.join(skipped)})"
         ": move the damaged files away to start from an older copy, or move them all away to "

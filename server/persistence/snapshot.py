@@ -49,6 +49,7 @@ import numpy as np
 
 from client_sdk import wire
 from client_sdk.optimizers import from_wire
+from client_sdk.partitions import Layout
 from client_sdk.placement import validate_name
 
 from .. import optim
@@ -64,6 +65,7 @@ __all__ = [
     "read_arrays",
     "read_manifest",
     "tensor_key",
+    "to_layouts",
     "to_variables",
     "write_snapshot",
 ]
@@ -232,6 +234,8 @@ def write_snapshot(
         }
         if tables is not None:
             manifest["tables"] = tables
+        if capture.layouts:  # partitioned variables' layouts (server.store.layouts)
+            manifest["layouts"] = capture.layouts
         manifest["checksum"] = zlib.crc32(_canonical(manifest))
         with open(tmp_manifest, "w", encoding="ascii") as f:
             json.dump(manifest, f, sort_keys=True, indent=1, ensure_ascii=True, allow_nan=False)
@@ -315,7 +319,26 @@ def read_manifest(path: Path) -> Snapshot:
     _need(isinstance(manifest.get("dedup"), dict), path, "bad 'dedup'")
     for name, meta in manifest["variables"].items():
         _check_variable(path, name, meta)
+    _need(isinstance(manifest.get("layouts", {}), dict), path, "bad 'layouts'")
+    to_layouts(Snapshot(path, manifest))
     return Snapshot(path, manifest)
+
+
+def to_layouts(snap: Snapshot) -> list[Layout]:
+    """The partitioned variables' layouts a snapshot holds (none before the first was made).
+    Raises :class:`SnapshotError`."""
+    out = []
+    for name, entry in snap.manifest.get("layouts", {}).items():
+        try:
+            out.append(Layout.from_wire(name, entry))
+        except ValueError as exc:
+            raise SnapshotError(f"{snap.manifest_path.name}: layout of {name!r}: {exc}") from None
+        _need(
+            name not in snap.manifest["variables"],
+            snap.manifest_path,
+            f"{name!r} is both a variable and a partitioned variable's layout",
+        )
+    return out
 
 
 def _check_variable(path: Path, name: str, meta: Any) -> None:

@@ -90,7 +90,12 @@ class Control(StoreState):
         )
         if self._seen("delete", worker_id, seq):
             return {"status": "duplicate", "deleted": []}
-        op = deletion.build(variables, worker_id, seq)
+        if prefix is not None:
+            partitioned = self.layouts.matching(prefix)
+        else:
+            partitioned = [n for n in dict.fromkeys(names or []) if n in self.layouts]
+        op = deletion.build(variables, worker_id, seq, tuple(partitioned))
+        removed = self.layouts.remove(op.layouts)
         known = self._vars
         for var in variables:
             del known[var.name]
@@ -105,7 +110,10 @@ class Control(StoreState):
         self.dedup.record(worker_id, seq)
         if self.waiters.waiting:  # a poll on a deleted variable answers 404 at once
             self.waiters.wake(list(op.names))
-        return {"status": "applied", "deleted": list(op.names)}
+        out: dict[str, Any] = {"status": "applied", "deleted": [*op.names, *op.layouts]}
+        if removed:
+            out["partitioned"] = {layout.name: layout.to_wire() for layout in removed}
+        return out
 
     async def _settled_targets(
         self,

@@ -30,9 +30,13 @@ class Delete:
     worker_id: str
     seq: int
     names: tuple[str, ...]
+    #: The partitioned variables whose layouts it removes (:mod:`server.store.layouts`).
+    layouts: tuple[str, ...] = ()
 
 
-def build(variables: list[Variable], worker_id: str, seq: int) -> Delete:
+def build(
+    variables: list[Variable], worker_id: str, seq: int, layouts: tuple[str, ...] = ()
+) -> Delete:
     """The operation that removes ``variables`` (owned, found): 409 ``conflict`` if a sync
     round is open on one (``details.open_rounds``)."""
     open_rounds = [var.name for var in variables if var.round is not None]
@@ -44,7 +48,7 @@ def build(variables: list[Variable], worker_id: str, seq: int) -> Delete:
             "at the latest after its timeout)",
             {"open_rounds": open_rounds},
         )
-    return Delete(worker_id, seq, tuple(var.name for var in variables))
+    return Delete(worker_id, seq, tuple(var.name for var in variables), layouts)
 
 
 def release(var: Variable) -> None:

@@ -106,8 +106,9 @@ class Reads(StoreState):
                 add_shape(shape)
         return rows
 
-    async def wait(self, names: Iterable[str], timeout: float) -> dict[str, list[str]]:
-        """Wait until every name exists or ``timeout`` seconds (at most 30) pass.
+    async def wait(self, names: Iterable[str], timeout: float) -> dict[str, Any]:
+        """Wait until every name exists or ``timeout`` seconds (at most 30) pass; the reply
+        gives the layout of each partitioned one (``partitioned``).
 
         Coroutine; waiters are woken only by the creation of a name they wait for.
         """
@@ -115,7 +116,7 @@ class Reads(StoreState):
         timeout = min(max(float(timeout), 0.0), MAX_WAIT_SECONDS)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        missing = {n for n in names if n not in self._vars}
+        missing = {n for n in names if n not in self._vars and n not in self.layouts}
         while missing:
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -134,12 +135,17 @@ class Reads(StoreState):
                         waiting.discard(event)
                         if not waiting:
                             del self._waiters[n]
-            missing = {n for n in missing if n not in self._vars}
+            missing = {n for n in missing if n not in self._vars and n not in self.layouts}
         ordered = list(dict.fromkeys(names))
-        return {
+        out: dict[str, Any] = {
             "ready": [n for n in ordered if n not in missing],
             "missing": [n for n in ordered if n in missing],
         }
+        if self.layouts:
+            found = {n: self.layouts.get(n) for n in ordered if n in self.layouts}
+            if found:
+                out["partitioned"] = {n: layout.to_wire() for n, layout in found.items() if layout}
+        return out
 
     async def poll(
         self,

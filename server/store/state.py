@@ -26,7 +26,7 @@ from client_sdk.modes import ASYNC
 from client_sdk.placement import shard_for, validate_name
 
 from ..errors import ShardError
-from . import apply
+from . import apply, layouts
 from .dedup import DedupTable
 from .rounds import Deadlines
 from .variable import Variable
@@ -48,6 +48,8 @@ class StoreState:
         #: Name -> variable; this one dict for good (:class:`~server.store.apply.OffLoop`
         #: reads it too).
         self._vars: dict[str, Variable] = {}
+        #: The layouts of the partitioned variables whose names this shard owns.
+        self.layouts = layouts.Layouts()
         self._nbytes = 0
         self._waiters: dict[str, set[asyncio.Event]] = {}
         #: Polls waiting for versions (POST /v1/poll): woken by every change of a version.
@@ -76,7 +78,7 @@ class StoreState:
         return len(self._vars)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._vars
+        return name in self._vars or name in self.layouts  # a partitioned one too
 
     def __iter__(self) -> Iterator[Variable]:
         return iter(list(self._vars.values()))
@@ -155,6 +157,7 @@ class StoreState:
                     "pull_rows/push_rows for its rows (ps.pull_rows, ps.push_rows)",
                     {"name": tables[0], "kind": "embedding_table"},
                 )
+            self.layouts.refuse(missing)
             raise ShardError(
                 "not_found",
                 f"unknown variable(s) {missing[:10]}{' ...' if len(missing) > 10 else ''} on shard "

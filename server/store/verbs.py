@@ -38,6 +38,7 @@ import numpy as np
 
 from .control import Control
 from .dedup import DedupTable
+from .layouts import Layout
 from .reads import MAX_WAIT_SECONDS, PullRows, Reads
 from .slab import into_slabs
 from .variable import Variable
@@ -63,6 +64,8 @@ class Capture:
     taken_at: float = field(default_factory=time.time)
     #: Embedding tables: name -> (bookkeeping, arrays: copies no later update touches).
     tables: dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]] = field(default_factory=dict)
+    #: The partitioned variables' layouts (name -> wire form), :mod:`server.store.layouts`.
+    layouts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -94,14 +97,21 @@ class ParameterStore(Reads, Writes, Control):
             },
             dedup=self.dedup.export(),
             tables={name: (t.meta(), t.arrays()) for name, t in self.embedding_tables.items()},
+            layouts=self.layouts.export(),
         )
 
-    def restore(self, variables: Iterable[Variable], dedup: DedupTable) -> None:
+    def restore(
+        self,
+        variables: Iterable[Variable],
+        dedup: DedupTable,
+        partitioned: Iterable[Layout] = (),
+    ) -> None:
         """Replace the whole state with restored ``variables`` and ``dedup`` table (at start,
         before any request is served), laid out in slabs as their init made them
         (:func:`~server.store.slab.into_slabs`). The state version becomes the sum of their
         versions; the table keeps this store's bounds (:meth:`DedupTable.bound`)."""
         self._vars.clear()
+        self.layouts.replace(partitioned)
         self._nbytes = 0
         self._frozen = 0
         variables = list(variables)

@@ -30,7 +30,7 @@ import numpy as np
 from client_sdk.modes import ASYNC
 
 from ..errors import ShardError
-from . import apply, modes, operations, optimizer_change
+from . import apply, layouts, modes, operations, optimizer_change
 from .dedup import MAX_RESULTS
 from .rounds import RoundStats
 from .staleness import Window
@@ -48,17 +48,22 @@ _NONE: Mapping[str, float] = MappingProxyType({})
 class Writes(StoreState):
     """The writes of :class:`~server.store.verbs.ParameterStore`."""
 
-    def init(self, entries: Mapping[str, tuple[np.ndarray, Any]]) -> dict[str, dict[str, Any]]:
+    def init(
+        self,
+        entries: Mapping[str, tuple[np.ndarray, Any]],
+        partitioned: Mapping[str, Any] | None = None,
+    ) -> dict[str, dict[str, Any]]:
         """Create each variable that does not exist yet (version 0), atomically per request.
 
         ``entries`` maps name -> (value, optimizer wire spec or ``None``[, training mode fields
         or ``None``]). An existing variable with the same shape and dtype is left alone
         (``created: False``); another shape or dtype, or another mode than the entry states, is
-        409 and nothing is created.
+        409 and nothing is created. ``partitioned`` maps names to the layouts of partitioned
+        variables to record (:mod:`server.store.layouts`), checked with the rest.
         """
-        self.check_names(entries)
+        self.check_names([*entries, *(partitioned or ())])
         if self.embedding_tables:
-            tables = [n for n in entries if n in self.embedding_tables]
+            tables = [n for n in [*entries, *(partitioned or ())] if n in self.embedding_tables]
             if tables:
                 raise ShardError(
                     "conflict",
@@ -66,7 +71,16 @@ class Writes(StoreState):
                     "never both; init the variable under another name",
                     {"name": tables[0], "kind": "embedding_table"},
                 )
+        made = layouts.create(partitioned, self.layouts, self._vars) if partitioned else None
+        if self.layouts:
+            layouts.refuse_plain(entries, self.layouts)
         op = operations.init(entries, self._vars)
+        if made is not None:
+            self.layouts.apply(made)
+            self.mutations += 1
+            for layout in made.new:
+                for event in self._waiters.pop(layout.name, ()):
+                    event.set()
         for var, mode in zip(apply.init(op), op.modes):
             if mode is not ASYNC:
                 var.training.mode = mode
@@ -74,10 +88,16 @@ class Writes(StoreState):
                     var.training.rounds = RoundStats()
             self._add(var)
         created = {name for name, _, _ in op.new}
-        return {
+        out = {
             name: {"version": self._vars[name].version, "created": name in created}
             for name in op.names
         }
+        if made is not None:
+            new = {layout.name for layout in made.new}
+            for name in made.names:
+                parts = self.layouts.get(name).parts  # type: ignore[union-attr]
+                out[name] = {"version": 0, "created": name in new, "partitions": parts}
+        return out
 
     def push(
         self,
@@ -207,6 +227,7 @@ class Writes(StoreState):
         On the event loop, await :meth:`settled` first.
         """
         self.check_names([name])
+        self.layouts.refuse([name])
         delta = operations.increment_delta(name, delta, kind)
         keyed = worker_id is not None and seq is not None
         if keyed and self.dedup.check(worker_id, seq) != "new":
