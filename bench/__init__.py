@@ -34,4 +34,5 @@ CASES: dict[str, str] = {
     "optimizers": "bench.optimizers",
     "broadcast": "bench.broadcast",
     "syncround": "bench.syncround",
+    "rows": "bench.rows",
 }

@@ -10,7 +10,10 @@
 * broadcast of a 1 MB model to 8 waiting actors: p50 <= 3 ms from the push's reply until every
   actor holds it, and <= 0.5 x the same pattern on Ray's object store;
 * a sync round of 4 workers <= 1.5 x an async step of the same 4 on the same model (10 x
-  10^5 float32 or bigger).
+  10^5 float32 or bigger);
+* rows of an embedding table of 10^6 x 64 float32, batches of 4,096 ids: ``pull_rows`` and
+  ``push_rows`` through 1 and through 2 shards, each >= 2 x the rows/s of TensorFlow's gRPC
+  parameter server doing the same lookup and sparse update.
 
 :func:`evaluate` returns one dict per goal (JSON-ready); :func:`render` prints them. A goal
 whose figures were not measured in this run says what would measure it (``--peers`` for the
@@ -22,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from . import broadcast, optimizers
+from . import rows as row_case
 from .peers import PEERS
 from .syncround import ASYNC, SYNC
 from .transfer import RAW, SDK
@@ -29,7 +33,7 @@ from .transfer import RAW, SDK
 __all__ = ["evaluate", "render"]
 
 TF = PEERS["tf"].label
-ONE_SHARD, TWO_SHARDS = "paramshard 1 shard", "paramshard 2 shards"
+ONE_SHARD, TWO_SHARDS = row_case.ONE_SHARD, row_case.TWO_SHARDS
 
 
 def _find(rows: Sequence[dict], case: str, op: str, size: int, system: str) -> dict | None:
@@ -202,6 +206,29 @@ def evaluate(rows: Sequence[dict]) -> list[dict]:
                 "not measured: run the syncround case with a size >= 1e5",
             )
         )
+    out += _rows_goals(rows)
+    return out
+
+
+def _rows_goals(rows: Sequence[dict]) -> list[dict]:
+    n = row_case.DEFAULT_SIZES[0]
+    out = []
+    for op in ("pull", "push"):
+        for system in (ONE_SHARD, TWO_SHARDS):
+            mine = _find(rows, "rows", op, n, system)
+            out.append(
+                _goal(
+                    f"{op}_rows {n:,}x{row_case.DIM}, {system.removeprefix('paramshard ')}",
+                    TF,
+                    "rows/s",
+                    mine,
+                    _find(rows, "rows", op, n, TF),
+                    "ops_per_s",
+                    True,
+                    2.0,
+                    "needs --peers" if mine else f"not measured: run the rows case at {n:.0e}",
+                )
+            )
     return out
 
 

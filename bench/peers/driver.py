@@ -19,6 +19,19 @@ goes to the log and never into the protocol. Commands:
 ``{"cmd": "check", "names": [...]}`` → ``{"ok": true}``
     pull once more and compare with the initial values.
 
+Peers whose adapter has ``init_table`` (``"tables": true`` in the ready line) also take the
+embedding-table commands of the rows case (:mod:`bench.rows`), whose ids are
+:func:`bench.rows.batch` ``(rows, i)``, made in this process outside the timing:
+
+``{"cmd": "table", "name": t, "rows": n, "dim": d}``
+    create a ``[n, d]`` float32 table and read the rows of batch ``-1`` (kept for the check).
+``{"cmd": "pull_rows", "name": t, "rows": n, "i": i}`` → ``{"s": seconds}``
+    one timed ``adapter.pull_rows`` of batch ``i``, checked for shape and dtype after.
+``{"cmd": "push_rows", "name": t, "rows": n, "i": i}`` → ``{"s": seconds}``
+    one timed ``adapter.push_rows`` of zero gradients for batch ``i``.
+``{"cmd": "check_rows", "name": t, "rows": n}`` → ``{"ok": true}``
+    read batch ``-1`` again and compare with what ``table`` read.
+
 A failure answers ``{"error": "..."}``. The driver exits when stdin closes.
 """
 
@@ -71,12 +84,14 @@ class Peer:
         self._lines = processes.LineReader(self._proc, self.log, f"peer {name!r}")
         self.server_pids: list[int] = []
         self.applies = True
+        self.tables = False
 
     def wait_ready(self) -> None:
         """Block until the driver has started the peer and connected."""
         ready = self._answer(_START_TIMEOUT)
         self.server_pids = list(ready["server_pids"])
         self.applies = bool(ready["applies"])
+        self.tables = bool(ready["tables"])
 
     def _answer(self, timeout: float) -> dict[str, Any]:
         reply = json.loads(self._lines.readline(timeout))
@@ -104,6 +119,21 @@ class Peer:
     def check(self, names: list[str]) -> None:
         """Raise RuntimeError unless the values are still the ones ``init`` made."""
         self._call("check", names=names)
+
+    def init_table(self, name: str, rows: int, dim: int) -> None:
+        self._call("table", name=name, rows=rows, dim=dim)
+
+    def pull_rows(self, name: str, rows: int, i: int) -> float:
+        """Seconds one ``pull_rows`` of batch ``i`` took, timed by the driver."""
+        return self._call("pull_rows", name=name, rows=rows, i=i)["s"]
+
+    def push_rows(self, name: str, rows: int, i: int) -> float:
+        """Seconds one ``push_rows`` of zeros for batch ``i`` took (until applied)."""
+        return self._call("push_rows", name=name, rows=rows, i=i)["s"]
+
+    def check_rows(self, name: str, rows: int) -> None:
+        """Raise RuntimeError unless the probed rows are still the ones ``init_table`` read."""
+        self._call("check_rows", name=name, rows=rows)
 
     def close(self) -> None:
         processes.stop(self._proc, grace=30.0)
@@ -150,6 +180,7 @@ def _drive(name: str, logdir: Path, proto: Any) -> None:
             "ready": True,
             "server_pids": adapter.server_pids,
             "applies": getattr(module, "APPLIES", True),
+            "tables": hasattr(adapter, "init_table"),
         }
     )
     expected: dict[str, np.ndarray] = {}
@@ -174,7 +205,10 @@ def _command(
     grads: dict[str, np.ndarray],
     applies: bool,
 ) -> dict[str, Any]:
-    cmd, names = req["cmd"], list(req["names"])
+    cmd = req["cmd"]
+    if cmd in _ROW_COMMANDS:
+        return _rows_command(adapter, req, expected)
+    names = list(req["names"])
     if cmd == "init":
         size = int(req["size"])
         value = _values(size)
@@ -207,6 +241,36 @@ def _command(
                 raise ValueError(f"{n}: value changed by pushing zeros")
         return {"ok": True}
     raise ValueError(f"unknown command {cmd!r}")
+
+
+_ROW_COMMANDS = ("table", "pull_rows", "push_rows", "check_rows")
+
+
+def _rows_command(adapter: Any, req: dict[str, Any], probed: dict[str, np.ndarray]) -> dict:
+    from ..rows import batch
+
+    cmd, name, rows = req["cmd"], req["name"], int(req["rows"])
+    if cmd == "table":
+        adapter.init_table(name, rows, int(req["dim"]))
+        probed[name] = adapter.pull_rows(name, batch(rows, -1))
+        return {"ok": True}
+    if cmd == "check_rows":
+        if not np.array_equal(adapter.pull_rows(name, batch(rows, -1)), probed[name]):
+            raise ValueError(f"{name}: rows changed by pushing zeros")
+        return {"ok": True}
+    ids = batch(rows, int(req["i"]))
+    dim = probed[name].shape[1]
+    if cmd == "push_rows":
+        grads = np.zeros((ids.size, dim), dtype=np.float32)
+        t0 = time.perf_counter()
+        adapter.push_rows(name, ids, grads)
+        return {"s": time.perf_counter() - t0}
+    t0 = time.perf_counter()
+    got = adapter.pull_rows(name, ids)
+    seconds = time.perf_counter() - t0
+    if got.dtype != np.float32 or got.shape != (ids.size, dim):
+        raise ValueError(f"pulled rows as {got.dtype}{got.shape}, expected float32{ids.size, dim}")
+    return {"s": seconds}
 
 
 def main(argv: list[str] | None = None) -> None:
