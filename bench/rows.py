@@ -65,9 +65,10 @@ def batch(rows: int, i: int) -> np.ndarray:
     """The int64 ids of repetition ``i`` on a table of ``rows`` rows: ``min(BATCH, 2 * rows)``
     ids, half of them distinct ids drawn from ``range(rows)``, half drawn again from those,
     shuffled. A pure function of ``(rows, i)``, so every system (and every peer's process)
-    gets the same batch."""
+    gets the same batch; ``i`` is a repetition (0, 1, ...) or -1, the batch whose rows are
+    read before and after the timing."""
     n = min(BATCH, 2 * rows)
-    rng = np.random.default_rng([rows, i])
+    rng = np.random.default_rng([rows, i + 1])
     distinct = rng.choice(rows, n // 2, replace=False).astype(np.int64)
     ids = np.concatenate([distinct, distinct[rng.integers(0, distinct.size, n - distinct.size)]])
     rng.shuffle(ids)
