@@ -57,6 +57,8 @@ INIT_STD = 0.1
 LR, REG = 0.1, 0.002
 #: A run passes at a test RMSE of at most TARGET times the noise floor.
 TARGET = 1.10
+#: Passes over the training ratings, and ratings per step (per worker).
+EPOCHS, BATCH = 5, 4096
 
 
 @dataclass(frozen=True)
@@ -239,8 +241,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--worker-index", type=int, default=0)
     parser.add_argument("--prefix", default="mf", help="the tables are PREFIX/users, PREFIX/items")
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=1024, help="ratings per step")
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--batch", type=int, default=BATCH, help="ratings per step")
     parser.add_argument("--users", type=int, default=1_000)
     parser.add_argument("--items", type=int, default=500)
     parser.add_argument("--ratings", type=int, default=250_000)
