@@ -15,7 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from bench import broadcast, goals, optimizers, rows, scale, syncround, timing
+from bench import broadcast, goals, optimizers, scale, syncround, timing
+from bench import rows as rows_case
 from bench.transfer import RAW, SDK, SDK_TLS
 from tests.conftest import ROOT
 
@@ -71,10 +72,10 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
     assert systems["broadcast", "broadcast"] == {broadcast.SDK}  # Ray's row needs --peers
     assert systems["syncround", "step"] == {syncround.SYNC, syncround.ASYNC}
     for op in ("pull", "push"):  # TF's rows need --peers
-        assert systems["rows", op] == {RAW, rows.ONE_SHARD, rows.TWO_SHARDS}
+        assert systems["rows", op] == {RAW, rows_case.ONE_SHARD, rows_case.TWO_SHARDS}
     for r in data["results"]:
         if r["case"] == "rows":  # a 1,000-row table: batches of 2,000 ids, 1,000 distinct
-            assert r["size"] == 1000 and r["ids"] == 2000 and r["bytes"] == 2000 * rows.DIM * 4
+            assert r["size"] == 1000 and r["ids"] == 2000 and r["bytes"] == 2000 * rows_case.DIM * 4
             assert r["rows_per_s"] == pytest.approx(2000 * r["ops_per_s"])
     assert [g["met"] for g in data["meta"]["goals"]] == [None] * len(data["meta"]["goals"])
     assert data["meta"]["scale"] is None
@@ -166,27 +167,27 @@ def test_the_broadcast_goals_bound_the_p50_and_compare_it_with_ray():
 
 
 def test_a_rows_batch_is_half_repeats_and_the_same_for_every_system():
-    ids = rows.batch(10**6, 3)
-    assert ids.dtype == np.int64 and ids.size == rows.BATCH
-    assert np.unique(ids).size == rows.BATCH // 2 and 0 <= ids.min() and ids.max() < 10**6
-    assert np.array_equal(ids, rows.batch(10**6, 3))
-    assert not np.array_equal(ids, rows.batch(10**6, 4))
-    small = rows.batch(10, 0)  # a table smaller than half a batch: every row, each twice
+    ids = rows_case.batch(10**6, 3)
+    assert ids.dtype == np.int64 and ids.size == rows_case.BATCH
+    assert np.unique(ids).size == rows_case.BATCH // 2 and 0 <= ids.min() and ids.max() < 10**6
+    assert np.array_equal(ids, rows_case.batch(10**6, 3))
+    assert not np.array_equal(ids, rows_case.batch(10**6, 4))
+    small = rows_case.batch(10, 0)  # a table smaller than half a batch: every row, each twice
     assert small.size == 20 and np.array_equal(np.unique(small), np.arange(10))
 
 
 def test_the_rows_goals_compare_each_fleet_with_tensorflow():
-    n = rows.DEFAULT_SIZES[0]
+    n = rows_case.DEFAULT_SIZES[0]
 
     def rows_goals(table):
         return {g["goal"]: g for g in goals.evaluate(table) if "_rows" in g["goal"]}
 
     by = rows_goals(
         [
-            _row("rows", "pull", n, rows.ONE_SHARD, ops_per_s=300.0),
-            _row("rows", "pull", n, rows.TWO_SHARDS, ops_per_s=150.0),
+            _row("rows", "pull", n, rows_case.ONE_SHARD, ops_per_s=300.0),
+            _row("rows", "pull", n, rows_case.TWO_SHARDS, ops_per_s=150.0),
             _row("rows", "pull", n, goals.TF, ops_per_s=100.0),
-            _row("rows", "push", n, rows.ONE_SHARD, ops_per_s=200.0),
+            _row("rows", "push", n, rows_case.ONE_SHARD, ops_per_s=200.0),
         ]
     )
     assert len(by) == 4 and all(g["versus"] == goals.TF for g in by.values())
@@ -196,7 +197,7 @@ def test_the_rows_goals_compare_each_fleet_with_tensorflow():
     assert two["met"] is False and two["note"] == "missed: needs 1.33x the rows/s it has"
     assert by["push_rows 1,000,000x64, 1 shard"]["note"] == "needs --peers"
     assert "not measured" in by["push_rows 1,000,000x64, 2 shards"]["note"]
-    small = rows_goals([_row("rows", "pull", 1000, rows.ONE_SHARD, ops_per_s=1.0)])
+    small = rows_goals([_row("rows", "pull", 1000, rows_case.ONE_SHARD, ops_per_s=1.0)])
     assert all(g["met"] is None for g in small.values())  # only the 10^6-row table counts
 
 
