@@ -181,7 +181,6 @@ def table_names(prefix: str) -> tuple[str, str]:
 def create_tables(ps, prefix: str, lr: float = LR, seed: int = 0) -> None:
     """The two tables (create-if-absent: every worker may call it)."""
     from client_sdk.embedding import Normal
-
     from client_sdk.optimizers import Adagrad
 
     for name in table_names(prefix):
