@@ -10,6 +10,7 @@ again under a name starts over at version 0.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from .. import _args, partitions
@@ -39,7 +40,7 @@ def delete(core: Core, target: Any) -> Flow[list[str]]:
     parts = [
         part
         for reply in replies
-        for name, entry in (reply.msg.get("partitioned") or {}).items()
+        for name, entry in _layouts(reply).items()
         if isinstance(entry, dict) and type(entry.get("partitions")) is int
         for part in (partitions.part_name(name, i) for i in range(entry["partitions"]))
         if part not in deleted
@@ -65,3 +66,9 @@ def _deleted(core: Core, batch: list[ShardRequest], replies: list[Message]) -> l
             )
         deleted += got
     return deleted
+
+
+def _layouts(reply: Message) -> Mapping[str, Any]:
+    """The layouts a delete reply says it removed (``partitioned``); none if it says none."""
+    found = reply.msg.get("partitioned")
+    return found if isinstance(found, Mapping) else {}

@@ -275,12 +275,12 @@ def _mapping(values: Any, verb: str) -> Mapping[str, Any]:
 
 def _split(
     core: Core, values: Mapping[str, Any], verb: str, what: str
-) -> tuple[dict[str, Any], dict[str, Layout]]:
+) -> tuple[Mapping[str, Any], dict[str, Layout]]:
     """``values`` with each partitioned variable's array split into its parts' (views): its
     full shape checked first (:class:`BadTensorError` naming the variable)."""
     layouts = core.parts.of(values)
     if not layouts:
-        return dict(values), {}
+        return values, {}
     out: dict[str, Any] = {}
     for name, value in values.items():
         layout = layouts.get(name)
