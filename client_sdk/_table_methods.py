@@ -12,7 +12,7 @@ from . import _verbs
 from ._core import Core
 from ._exceptions import BadRequestError
 from ._flow import Flow
-from .embedding import Initializer, TableSpec
+from .embedding import Admission, Initializer, TableSpec
 from .optimizers import Optimizer, SpecError
 
 __all__ = ["AsyncTableMethods", "TableMethods", "table_spec"]
@@ -21,10 +21,17 @@ T = TypeVar("T")
 
 
 def table_spec(
-    dim: Any, dtype: Any, initializer: Initializer | None, optimizer: Optimizer | None, seed: Any
+    dim: Any,
+    dtype: Any,
+    initializer: Initializer | None,
+    optimizer: Optimizer | None,
+    seed: Any,
+    admission: Admission | None = None,
 ) -> TableSpec:
     """The spec of ``create_table``'s arguments; :class:`BadRequestError` naming the field."""
     args: dict[str, Any] = {"dim": dim, "dtype": dtype, "seed": seed}
+    if admission is not None:
+        args["admission"] = admission
     if initializer is not None:
         args["initializer"] = initializer
     if optimizer is not None:
@@ -53,6 +60,7 @@ class TableMethods:
         initializer: Initializer | None = None,
         optimizer: Optimizer | None = None,
         seed: int = 0,
+        admission: Admission | None = None,
     ) -> bool:
         """Create embedding table ``name`` unless it exists; True if this call created it.
         Blocks.
@@ -61,11 +69,14 @@ class TableMethods:
         push, from ``initializer`` (default ``Uniform(-0.05, 0.05)``; a pure function of
         ``seed``, the name and the id, so the same on any number of shards), and is updated by
         ``optimizer`` (default ``Adagrad(lr=0.1)``; no schedule) with its own slots and step
-        count. Any worker may call it; the same spec again is no error. Raises
+        count. ``admission`` (:class:`~client_sdk.embedding.Admission`: ``min_count``,
+        ``ttl``, ``max_rows``) says which ids get a row and when rows are evicted (default:
+        every pushed id, none evicted). Any worker may call it; the same spec again is no
+        error. Raises
         :class:`ConflictError` for a dense variable of that name or a table made with another
         spec (naming the field), :class:`BadRequestError` for a bad spec.
         """
-        spec = table_spec(dim, dtype, initializer, optimizer, seed)
+        spec = table_spec(dim, dtype, initializer, optimizer, seed, admission)
         return self._drive(_verbs.create_table(self._core, name, spec))
 
     def pull_rows(self, name: str, ids: Any) -> np.ndarray:
@@ -78,8 +89,10 @@ class TableMethods:
 
         Repeated ids' gradients are summed first, then each row is updated once. Each shard's
         part is applied whole or not at all, once (retried safely). Returns ``{"rows",
-        "created", "duplicate"}``. Raises :class:`BadTensorError` for ids that are not
-        integers, grads of the wrong shape, NaN or infinities (nothing applied on that shard).
+        "created", "counted", "duplicate"}`` (``counted``: ids not admitted yet, whose
+        gradients were dropped: the table's ``Admission.min_count``). Raises
+        :class:`BadTensorError` for ids that are not integers, grads of the wrong shape, NaN or
+        infinities (nothing applied on that shard).
         """
         return self._drive(_verbs.push_rows(self._core, name, ids, grads))
 
@@ -103,9 +116,10 @@ class AsyncTableMethods:
         initializer: Initializer | None = None,
         optimizer: Optimizer | None = None,
         seed: int = 0,
+        admission: Admission | None = None,
     ) -> bool:
         """:meth:`PSClient.create_table <client_sdk.PSClient.create_table>`, awaited."""
-        spec = table_spec(dim, dtype, initializer, optimizer, seed)
+        spec = table_spec(dim, dtype, initializer, optimizer, seed, admission)
         return await self._drive(_verbs.create_table(self._core, name, spec))
 
     async def pull_rows(self, name: str, ids: Any) -> np.ndarray:

@@ -39,14 +39,17 @@ from .optimizers import Constant as _ConstantSchedule
 
 __all__ = [
     "DTYPES",
+    "MAX_ADMISSION_VALUE",
     "MAX_DIM",
     "MAX_SEED",
+    "Admission",
     "Constant",
     "Initializer",
     "Normal",
     "TableSpec",
     "Uniform",
     "Zeros",
+    "admission_from_wire",
     "initial_rows",
     "initializer_from_wire",
     "mix64",
@@ -177,6 +180,73 @@ def initializer_from_wire(spec: Any) -> Initializer:
         raise SpecError(f"initializer.{exc.field}", str(exc)) from None
 
 
+# -- admission and eviction -----------------------------------------------------------------
+
+#: The largest ``min_count``, ``ttl`` and ``max_rows`` an Admission takes.
+MAX_ADMISSION_VALUE = (1 << 62) - 1
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Which ids get a row, and when rows are dropped, on each shard (all off by default):
+
+    * ``min_count``: an id gets a row on the push that brings the pushes naming it to
+      ``min_count`` (a push counts an id once); before, its pushes are counted, not stored,
+      and a pull answers the initializer's row. 1: every pushed id gets a row at once.
+    * ``ttl``: a row no push updated for ``ttl`` of the table's updates on its shard is
+      evicted (checked every ``max(1, ttl // 8)`` updates). ``None``: never.
+    * ``max_rows``: a shard keeps at most this many rows of the table, evicting the least
+      recently updated ones to make room. ``None``: up to the shard's ``--max-table-rows``
+      (past which pushes are refused, 413).
+
+    An evicted row is forgotten whole: a later push starts it again from the initializer."""
+
+    min_count: int = 1
+    ttl: int | None = None
+    max_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        rules = (("min_count", 1, False), ("ttl", 1, True), ("max_rows", 1, True))
+        for name, low, optional in rules:
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise SpecError(
+                    f"admission.{name}",
+                    f"Admission.{name} must be an int >= {low}"
+                    + (" or None" if optional else "")
+                    + f", got {value!r}",
+                )
+            if not low <= value <= MAX_ADMISSION_VALUE:
+                raise SpecError(
+                    f"admission.{name}",
+                    f"Admission.{name} must be in {low}..2**62-1, got {value}",
+                )
+            object.__setattr__(self, name, int(value))
+
+    @property
+    def off(self) -> bool:
+        """Whether every rule is off (every pushed id gets a row; none is evicted)."""
+        return self.min_count == 1 and self.ttl is None and self.max_rows is None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"min_count": self.min_count, "ttl": self.ttl, "max_rows": self.max_rows}
+
+
+def admission_from_wire(spec: Any) -> Admission:
+    """Parse an admission map; ``SpecError`` naming the field."""
+    if not isinstance(spec, Mapping):
+        raise SpecError("admission", "admission must be a map {min_count, ttl, max_rows}")
+    known = {f.name for f in fields(Admission)}
+    extra = sorted(str(k) for k in set(spec) - known)
+    if extra:
+        raise SpecError(
+            f"admission.{extra[0]}", f"admission has no field(s) {extra}; fields: {sorted(known)}"
+        )
+    return Admission(**spec)
+
+
 # -- the spec -------------------------------------------------------------------------------
 
 
@@ -198,6 +268,7 @@ class TableSpec:
     initializer: Initializer = field(default_factory=_default_initializer)
     optimizer: Optimizer = field(default_factory=_default_optimizer)
     seed: int = 0
+    admission: Admission = field(default_factory=Admission)
 
     def __post_init__(self) -> None:
         dim = self.dim
@@ -238,6 +309,12 @@ class TableSpec:
         if not 0 <= seed <= MAX_SEED:
             raise SpecError("seed", f"seed must be in 0..2**63-1, got {seed}")
         object.__setattr__(self, "seed", int(seed))
+        if not isinstance(self.admission, Admission):
+            raise SpecError(
+                "admission",
+                "admission must be client_sdk.embedding.Admission(min_count, ttl, max_rows), "
+                f"got {self.admission!r}",
+            )
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -246,6 +323,7 @@ class TableSpec:
             "initializer": self.initializer.to_wire(),
             "optimizer": self.optimizer.to_wire(),
             "seed": self.seed,
+            "admission": self.admission.to_wire(),
         }
 
 
@@ -270,6 +348,8 @@ def spec_from_wire(spec: Any) -> TableSpec:
             raise SpecError(f"optimizer.{exc.field}", str(exc)) from None
         except (ValueError, TypeError) as exc:
             raise SpecError("optimizer", str(exc)) from None
+    if spec.get("admission") is not None:
+        args["admission"] = admission_from_wire(spec["admission"])
     return TableSpec(**args)
 
 

@@ -423,7 +423,9 @@ def create_app(config: ShardConfig) -> FastAPI:
     gate.on_drain.append(store.waiters.close)  # waiting polls answer when shutting down
     app.state.config = config
     app.state.store = store
-    app.state.tables = EmbeddingTables(store, config.max_table_ids, config.max_table_rows)
+    app.state.tables = EmbeddingTables(
+        store, config.max_table_ids, config.max_table_rows, config.max_pending_ids
+    )
     app.state.gate = gate
     app.state.durability = Durability(config, store, gate, incarnation)
     app.state.durability.tables = app.state.tables

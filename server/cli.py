@@ -205,6 +205,14 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
         "default 0]",
     )
     p.add_argument(
+        "--max-pending-ids",
+        dest="max_pending_ids",
+        metavar="N",
+        help=f"ids one embedding table counts on this shard while they wait for admission "
+        f"(its min_count); the least recently pushed are forgotten past it "
+        f"[{env_name('max_pending_ids')}, default {ShardConfig.max_pending_ids}]",
+    )
+    p.add_argument(
         "--dedup-max-workers",
         dest="dedup_max_workers",
         metavar="N",
@@ -507,6 +515,7 @@ _PASSED_ON = (
     "tls_key",
     "max_table_ids",
     "max_table_rows",
+    "max_pending_ids",
 )
 
 
@@ -679,8 +688,11 @@ def _reshard(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"{PROG} reshard: error: {exc}", file=sys.stderr)
         return 1
+    tables = (
+        f" and {result.rows} row(s) of {result.tables} embedding table(s)" if result.tables else ""
+    )
     print(
-        f"{PROG}: checkpoint {result.checkpoint}: {result.variables} variable(s) from "
+        f"{PROG}: checkpoint {result.checkpoint}: {result.variables} variable(s){tables} from "
         f"{result.source_shards} shard(s) rewritten for {m} in {result.seconds:.1f}s"
     )
     for i, snap in enumerate(result.snapshots):

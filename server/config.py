@@ -303,6 +303,9 @@ class ShardConfig:
     max_table_ids: int = 1 << 18
     #: Rows one embedding table may hold on this shard (a push past it: 413).
     max_table_rows: int = 1 << 27
+    #: Ids one embedding table counts on this shard while they wait for admission (its
+    #: ``Admission.min_count``); past it, the least recently pushed are forgotten.
+    max_pending_ids: int = 1 << 20
     #: How the shard serves HTTP (:data:`server.upstream.MODES`): ``auto`` (the fast path
     #: when the installed web stack offers what it needs) or ``stock``.
     http: str = "auto"
@@ -468,4 +471,5 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "tls_key": _file,
     "max_table_ids": _int(1, 1 << 24),
     "max_table_rows": _int(1, 1 << 40),
+    "max_pending_ids": _int(16, 1 << 32),
 }

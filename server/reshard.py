@@ -2,9 +2,10 @@
 
 Snapshots are keyed by variable name, so resharding is placement recomputed: every variable of
 every source snapshot goes, with its value, version, update count, optimizer spec and slots, to
-``shard_for(name, M)``. The dedup tables of the sources are merged, and every new shard gets the
-merged table (a retry can never be applied twice; after a reshard the workers' fleet size
-changes anyway, so they start afresh).
+``shard_for(name, M)``; every row of every embedding table, with its slots and counts, to
+``row_shard(table, id, M)`` (:mod:`server.embedding.reshard`). The dedup tables of the
+sources are merged, and every new shard gets the merged table (a retry can never be applied
+twice; after a reshard the workers' fleet size changes anyway, so they start afresh).
 
 Which snapshots are read: those of ``checkpoint`` if given; else, with ``latest``, the newest
 valid snapshot of each source dir (right for a fleet stopped cleanly: its final snapshots are
@@ -27,6 +28,8 @@ from typing import Any
 from client_sdk.placement import shard_for
 
 from . import persistence
+from .embedding import reshard as table_moves
+from .persistence.tables import read_table_arrays
 from .store import Capture, DedupTable
 
 __all__ = ["ReshardError", "ReshardResult", "reshard", "shard_dir"]
@@ -45,6 +48,8 @@ class ReshardResult:
     snapshots: list[persistence.Snapshot]
     variables: int
     seconds: float
+    tables: int = 0
+    rows: int = 0
 
 
 def shard_dir(root: Path, index: int) -> Path:
@@ -154,12 +159,6 @@ def reshard(
         )
     snaps = _choose(sources, checkpoint, latest)
     _check_fleet(sources, snaps)
-    with_tables = [s for s in snaps if s.manifest.get("tables")]
-    if with_tables:
-        raise ReshardError(
-            f"{with_tables[0].manifest_path} holds embedding tables, which paramshard reshard "
-            "does not move yet: restore the checkpoint onto the same number of shards"
-        )
     label = (
         checkpoint
         or (snaps[0].checkpoint if not latest else None)
@@ -169,11 +168,13 @@ def reshard(
     plans: list[dict[str, tuple[dict[str, Any], Any]]] = [{} for _ in range(num_shards)]
     layouts: list[dict[str, Any]] = [{} for _ in range(num_shards)]
     tables = []
+    embedding = []
     for snap in snaps:
         try:
             arrays = persistence.read_arrays(snap, mmap=True)
             persistence.to_variables(snap, arrays)  # checks optimizer specs and slots
             tables.append(DedupTable.load(snap.manifest["dedup"]))
+            embedding.append(read_table_arrays(snap, mmap=True))
         except (persistence.SnapshotError, ValueError) as exc:
             raise ReshardError(f"{snap.manifest_path}: {exc}") from None
         for name, meta in snap.manifest["variables"].items():
@@ -187,19 +188,29 @@ def reshard(
             if layout.name in layouts[target]:
                 raise ReshardError(f"layout {layout.name!r} is in more than one source snapshot")
             layouts[target][layout.name] = layout.to_wire()
+    try:
+        rows = table_moves.plan(embedding, num_shards)
+    except ValueError as exc:
+        raise ReshardError(str(exc)) from None
+    clash = sorted(set(rows) & {n for p in plans for n in p})
+    if clash:
+        raise ReshardError(f"{clash[0]!r} is both a variable and an embedding table")
     dedup = DedupTable.merge(tables).export()
     taken_at = max(s.manifest["created_at"] for s in snaps)
     written = []
     for j, variables in enumerate(plans):
+        shard_tables = table_moves.for_shard(rows, j)
         capture = Capture(
             shard_index=j,
             num_shards=num_shards,
-            state_version=sum(meta["version"] for meta, _ in variables.values()),
+            state_version=sum(meta["version"] for meta, _ in variables.values())
+            + sum(meta["version"] for meta, _ in shard_tables.values()),
             mutations=0,
             variables=variables,
             dedup=dedup,
             taken_at=taken_at,
             layouts=layouts[j],
+            tables=shard_tables,
         )
         written.append(
             persistence.write_snapshot(
@@ -207,5 +218,11 @@ def reshard(
             )
         )
     return ReshardResult(
-        label, len(snaps), written, sum(len(p) for p in plans), time.perf_counter() - started
+        label,
+        len(snaps),
+        written,
+        sum(len(p) for p in plans),
+        time.perf_counter() - started,
+        len(rows),
+        sum(len(s.owners) for slices in rows.values() for s in slices),
     )

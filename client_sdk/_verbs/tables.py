@@ -177,8 +177,8 @@ def _rows(core: Core, request: ShardRequest, reply: Message, n: int, dim: int | 
 
 
 def push_rows(core: Core, name: Any, ids: Any, grads: Any) -> Flow[dict[str, Any]]:
-    """``{"rows": distinct ids applied, "created": rows made, "duplicate": requests a shard
-    had applied already}``."""
+    """``{"rows": distinct ids applied, "created": rows made, "counted": ids only counted (not
+    admitted yet), "duplicate": requests a shard had applied already}``."""
     name = _args.valid_name(name)
     ids = check_ids(ids, "push_rows")
     array = np.asarray(grads)
@@ -225,18 +225,25 @@ def push_rows(core: Core, name: Any, ids: Any, grads: Any) -> Flow[dict[str, Any
         if len(positions)
     ]
     if not batch:
-        return {"rows": 0, "created": 0, "duplicate": 0}
+        return {"rows": 0, "created": 0, "counted": 0, "duplicate": 0}
     replies = core.collect(batch, (yield batch))
-    rows = created = duplicate = 0
+    rows = created = counted = duplicate = 0
     for request, reply in zip(batch, replies):
         msg = reply.msg
         status, n, made = msg.get("status"), msg.get("rows"), msg.get("created")
-        if status not in ("applied", "duplicate") or type(n) is not int or type(made) is not int:
-            raise _bad_reply(core, request, "a status, 'rows' and 'created'")
+        only = msg.get("counted", 0)
+        if (
+            status not in ("applied", "duplicate")
+            or type(n) is not int
+            or type(made) is not int
+            or type(only) is not int
+        ):
+            raise _bad_reply(core, request, "a status, 'rows', 'created' and 'counted'")
         rows += n
         created += made
+        counted += only
         duplicate += status == "duplicate"
-    return {"rows": rows, "created": created, "duplicate": duplicate}
+    return {"rows": rows, "created": created, "counted": counted, "duplicate": duplicate}
 
 
 def _bad_reply(core: Core, request: ShardRequest, wanted: str) -> ProtocolError:

@@ -76,7 +76,7 @@ def create_table(name: str, wire_spec: Any, existing: EmbeddingTable | None) -> 
     have = existing.spec
     if have == spec:
         return None
-    for field in ("dim", "dtype", "initializer", "optimizer", "seed"):
+    for field in ("dim", "dtype", "initializer", "optimizer", "seed", "admission"):
         if getattr(have, field) != getattr(spec, field):
             break
     mine, theirs = have.to_wire()[field], spec.to_wire()[field]

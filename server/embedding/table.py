@@ -29,6 +29,7 @@ from client_sdk.embedding import TableSpec, initial_rows
 
 from .. import optim
 from ..errors import ShardError
+from . import admission
 from .index import IdIndex
 
 __all__ = ["EmbeddingTable"]
@@ -39,10 +40,21 @@ _MIN_ROWS = 1024
 class EmbeddingTable:
     """The rows of table ``name`` (spec ``spec``) this shard holds; at most ``max_rows``."""
 
-    def __init__(self, name: str, spec: TableSpec, max_rows: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: TableSpec,
+        max_rows: int,
+        max_pending: int = admission.DEFAULT_MAX_PENDING,
+    ) -> None:
         self.name = name
         self.spec = spec
         self.max_rows = max_rows
+        #: push counts of ids not admitted yet (``spec.admission.min_count`` > 1)
+        self.pending = admission.PendingCounts(max_pending)
+        #: rows this shard made (admitted ids) and dropped (ttl, max_rows), since creation
+        self.admitted = 0
+        self.evicted = 0
         self.dim = spec.dim
         self.index = IdIndex()
         self.ids = np.zeros(0, np.int64)
@@ -91,21 +103,52 @@ class EmbeddingTable:
 
     # -- the update -------------------------------------------------------------------------
 
-    def update(self, ids: np.ndarray, grads: np.ndarray) -> int:
+    def update(self, ids: np.ndarray, grads: np.ndarray) -> tuple[int, int]:
         """Apply ``grads[i]`` to row ``ids[i]`` (ids distinct) with the table's optimizer, once
-        each; rows not stored yet start from the initializer. Returns how many rows it
-        created. 413 if they would pass ``max_rows``, 422 if a result is not finite; either
-        way nothing changes."""
+        each; rows not stored yet start from the initializer, if admitted
+        (:mod:`server.embedding.admission`: the others are counted and their gradients
+        dropped), and rows are evicted as the table's admission says. Returns how many rows it
+        created and how many ids it only counted. 413 if the new rows would pass
+        ``max_rows``, 422 if a result is not finite; either way nothing changes."""
+        rules = self.spec.admission
         where = self.index.lookup(ids)
         new = where < 0
         fresh = int(np.count_nonzero(new))
-        if fresh and len(self.index) + fresh > self.max_rows:
+        counting = None
+        if fresh and rules.min_count > 1:
+            unseen = ids[new]
+            p_where, p_after = self.pending.counted(unseen)
+            admit = p_after >= rules.min_count
+            counting = (unseen, p_where, p_after, admit)
+            if not admit.all():
+                keep = ~new
+                keep[np.flatnonzero(new)[admit]] = True
+                ids, grads, where = ids[keep], grads[keep], where[keep]
+                new = where < 0
+                fresh = int(np.count_nonzero(new))
+        counted = 0 if counting is None else int(np.count_nonzero(~counting[3]))
+        room = self.max_rows if rules.max_rows is None else min(rules.max_rows, self.max_rows)
+        victims = None
+        if fresh and rules.max_rows is not None and len(self.index) + fresh > room:
+            need = len(self.index) + fresh - room
+            victims = admission.lru_victims(
+                self.last_update[: len(self.index)], where[~new], need + room // 16
+            )
+            if len(victims) < need:
+                victims = None  # not enough rows outside this push: refused below
+        if fresh and victims is None and len(self.index) + fresh > room:
             raise ShardError(
                 "too_large",
                 f"table {self.name!r}: {fresh} new row(s) would take this shard past its "
-                f"{self.max_rows} rows per table (--max-table-rows); nothing was applied: "
-                "raise the limit, add shards, or use fewer distinct ids",
-                {"table": self.name, "limit": self.max_rows, "rows": len(self.index)},
+                + (
+                    f"{self.max_rows} rows per table (--max-table-rows)"
+                    if room == self.max_rows
+                    else f"{room} rows (the table's admission.max_rows), and only rows this "
+                    "push does not update can be evicted"
+                )
+                + "; nothing was applied: raise the limit, add shards, or use fewer distinct "
+                "ids per push",
+                {"table": self.name, "limit": room, "rows": len(self.index)},
             )
         old = ~new
         have = where[old] if fresh else where
@@ -141,6 +184,12 @@ class EmbeddingTable:
             )
         # Checked: write it back.
         self.version += 1
+        if counting is not None:
+            self.pending.commit(*counting, tick=self.version)
+        if victims is not None:
+            remap = self._evict(victims)
+            where = np.where(where >= 0, remap[np.maximum(where, 0)], -1)
+            have = where[~new]
         if fresh:
             numbers = np.empty(len(ids), np.int64)
             numbers[old] = have
@@ -153,7 +202,23 @@ class EmbeddingTable:
         self.steps[numbers] = step[:, 0]
         self.touches[numbers] += 1
         self.last_update[numbers] = self.version
-        return fresh
+        self.admitted += fresh
+        if rules.ttl is not None and admission.sweeps_at(self.version, rules.ttl):
+            n = len(self.index)
+            stale = admission.stale_rows(self.last_update[:n], self.version, rules.ttl)
+            if len(stale):
+                self._evict(stale)
+        return fresh, counted
+
+    def _evict(self, victims: np.ndarray) -> np.ndarray:
+        """Drop rows ``victims`` (row numbers); the others keep their order and get new
+        numbers: returns old -> new (-1 for a dropped row)."""
+        n = len(self.index)
+        arrays = [self.ids, self.rows, *self.slots.values(), self.steps, self.touches]
+        remap = admission.compact([*arrays, self.last_update], n, victims)
+        self.index.rebuild(self.ids[: n - len(victims)])
+        self.evicted += len(victims)
+        return remap
 
     def _append(self, ids: np.ndarray) -> np.ndarray:
         """Add rows for ``ids`` (distinct, new); their values are written by the caller."""
@@ -197,6 +262,7 @@ class EmbeddingTable:
         out["steps"] = self.steps[:n].copy()
         out["touches"] = self.touches[:n].copy()
         out["last_update"] = self.last_update[:n].copy()
+        out.update(self.pending.arrays())
         return out
 
     def meta(self) -> dict[str, Any]:
@@ -206,6 +272,9 @@ class EmbeddingTable:
             "rows": len(self.index),
             "created_at": self.created_at,
             "last_writer": self.last_writer,
+            "admitted": self.admitted,
+            "evicted": self.evicted,
+            "forgotten": self.pending.forgotten,
         }
 
     @classmethod
@@ -216,10 +285,11 @@ class EmbeddingTable:
         max_rows: int,
         meta: dict[str, Any],
         arrays: dict[str, np.ndarray],
+        max_pending: int = admission.DEFAULT_MAX_PENDING,
     ) -> EmbeddingTable:
         """A table holding the rows of a snapshot (:meth:`arrays`, :meth:`meta`); ValueError
         for arrays that do not fit together or the spec."""
-        table = cls(name, spec, max_rows)
+        table = cls(name, spec, max_rows, max_pending)
         ids = np.ascontiguousarray(arrays["ids"], dtype=np.int64)
         n = len(ids)
         expect = {"rows": (n, spec.dim), "steps": (n,), "touches": (n,), "last_update": (n,)}
@@ -243,4 +313,8 @@ class EmbeddingTable:
         table.created_at = float(meta.get("created_at", 0.0))
         writer = meta.get("last_writer")
         table.last_writer = writer if isinstance(writer, str) else None
+        table.pending.restore(arrays)
+        table.admitted = int(meta.get("admitted", n))
+        table.evicted = int(meta.get("evicted", 0))
+        table.pending.forgotten = int(meta.get("forgotten", 0))
         return table

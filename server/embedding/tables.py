@@ -27,7 +27,7 @@ from client_sdk.placement import validate_name
 
 from ..errors import ShardError
 from ..store import ParameterStore
-from . import operations
+from . import admission, operations
 from .table import EmbeddingTable
 
 __all__ = ["DEFAULT_MAX_IDS", "DEFAULT_MAX_ROWS", "HOTTEST", "EmbeddingTables"]
@@ -48,10 +48,12 @@ class EmbeddingTables:
         store: ParameterStore,
         max_ids: int = DEFAULT_MAX_IDS,
         max_rows: int = DEFAULT_MAX_ROWS,
+        max_pending: int = admission.DEFAULT_MAX_PENDING,
     ) -> None:
         self.store = store
         self.max_ids = max_ids
         self.max_rows = max_rows
+        self.max_pending = max_pending
         self.tables: dict[str, EmbeddingTable] = {}
         store.embedding_tables = self.tables  # the store refuses these names as variables
 
@@ -109,7 +111,7 @@ class EmbeddingTables:
         op = operations.create_table(name, spec, self.tables.get(name))
         if op is None:
             return {"created": False, "version": self.tables[name].version}
-        table = EmbeddingTable(op.name, op.spec, self.max_rows)
+        table = EmbeddingTable(op.name, op.spec, self.max_rows, self.max_pending)
         table.created_at = time.time()
         self.tables[op.name] = table
         self.store.mutations += 1
@@ -136,23 +138,30 @@ class EmbeddingTables:
         )
         op = operations.push_rows(table, worker_id, seq, checked, grads)
         if self.store.seen("push_rows", worker_id, seq):
-            return {"status": "duplicate", "version": table.version, "rows": 0, "created": 0}
-        created = self.apply(op)
+            return {
+                "status": "duplicate",
+                "version": table.version,
+                "rows": 0,
+                "created": 0,
+                "counted": 0,
+            }
+        created, counted = self.apply(op)
         return {
             "status": "applied",
             "version": table.version,
-            "rows": len(op.ids),
+            "rows": len(op.ids) - counted,
             "created": created,
+            "counted": counted,
         }
 
-    def apply(self, op: operations.PushRows) -> int:
+    def apply(self, op: operations.PushRows) -> tuple[int, int]:
         """Apply a push built already (checked, not a duplicate) and count it; how many rows
-        it created."""
+        it created and how many ids it only counted (not admitted yet)."""
         table = self.tables[op.table]
-        created = table.update(op.ids, op.grads)
+        created, counted = table.update(op.ids, op.grads)
         table.last_writer = op.worker_id
         self.store.counted(1, op.worker_id, op.seq)
-        return created
+        return created, counted
 
     # -- snapshots --------------------------------------------------------------------------
 
@@ -161,6 +170,7 @@ class EmbeddingTables:
         restore, before any request): their versions count in the store's state version."""
         self.tables.clear()
         for table in tables:
+            table.pending.capacity = self.max_pending  # this start's --max-pending-ids
             self.tables[table.name] = table
         self.store.counted(sum(t.version for t in tables), None, None)
 
@@ -189,6 +199,14 @@ class EmbeddingTables:
             "optimizer": spec.optimizer.to_wire(),
             "seed": spec.seed,
             "max_rows": table.max_rows,
+            "admission": {
+                **spec.admission.to_wire(),
+                "admitted": table.admitted,
+                "evicted": table.evicted,
+                "pending": len(table.pending),
+                "forgotten": table.pending.forgotten,
+                "max_pending": table.pending.capacity,
+            },
             "created_at": table.created_at,
             "last_writer": table.last_writer,
             "hottest": hottest,

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from client_sdk.embedding import spec_from_wire
+from client_sdk.embedding import TableSpec, spec_from_wire
 from client_sdk.placement import validate_name
 
 from ..embedding import EmbeddingTable
@@ -32,13 +32,14 @@ from .snapshot import (
     _ST_DTYPES,
     Snapshot,
     SnapshotError,
+    _crc,
     _is_int,
     _need,
     _read_checked,
     _values_header,
 )
 
-__all__ = ["add_tables", "read_tables"]
+__all__ = ["add_tables", "read_table_arrays", "read_tables"]
 
 _ST_TO_NUMPY = {v: k for k, v in _ST_DTYPES.items()}
 
@@ -67,12 +68,30 @@ def read_tables(snap: Snapshot, max_rows: int) -> list[EmbeddingTable]:
     """The tables of a snapshot (none for one without ``tables``), each array checked; a table
     holding more rows than ``max_rows`` keeps them (its limit is then its row count). Raises
     :class:`SnapshotError`."""
+    out = []
+    for name, (spec, meta, arrays) in read_table_arrays(snap).items():
+        n = meta["rows"]
+        try:
+            table = EmbeddingTable.restored(name, spec, max(max_rows, n), meta, arrays)
+        except (ValueError, KeyError) as exc:
+            raise SnapshotError(f"{snap.manifest_path.name}: {exc}") from None
+        _need(len(table) == n, snap.manifest_path, f"table {name!r}: {len(table)} rows, not {n}")
+        out.append(table)
+    return out
+
+
+def read_table_arrays(
+    snap: Snapshot, *, mmap: bool = False
+) -> dict[str, tuple[TableSpec, dict[str, Any], dict[str, np.ndarray]]]:
+    """Each table of a snapshot as (spec, manifest entry, arrays by name), every array checked
+    against its CRC-32. ``mmap=True`` maps the arrays read-only instead of reading them (for
+    resharding: the kernel pages them in as they are used). Raises :class:`SnapshotError`."""
     manifest_tables = snap.manifest.get("tables")
     if manifest_tables is None:
-        return []
+        return {}
     path = snap.values_path
     _need(isinstance(manifest_tables, dict), snap.manifest_path, "bad 'tables'")
-    out = []
+    out = {}
     try:
         with (
             open(path, "rb", buffering=0) as f,
@@ -103,14 +122,10 @@ def read_tables(snap: Snapshot, max_rows: int) -> list[EmbeddingTable]:
                         snap.manifest_path,
                         f"{where}: bad tensor entry {array_name!r}",
                     )
-                    arrays[array_name] = _read_one(snap, f, pool, header, start, size, t, where)
-                n = meta["rows"]
-                try:
-                    table = EmbeddingTable.restored(name, spec, max(max_rows, n), meta, arrays)
-                except (ValueError, KeyError) as exc:
-                    raise SnapshotError(f"{snap.manifest_path.name}: {exc}") from None
-                _need(len(table) == n, snap.manifest_path, f"{where}: {len(table)} rows, not {n}")
-                out.append(table)
+                    arrays[array_name] = _read_one(
+                        snap, f, pool, header, start, size, t, where, mmap
+                    )
+                out[name] = (spec, meta, arrays)
     except OSError as exc:
         raise SnapshotError(f"{path.name}: cannot read it ({exc})") from None
     return out
@@ -125,6 +140,7 @@ def _read_one(
     size: int,
     t: Mapping[str, Any],
     where: str,
+    mmap: bool = False,
 ) -> np.ndarray:
     path = snap.values_path
     key = t["key"]
@@ -149,7 +165,13 @@ def _read_one(
         path,
         f"{where}: {key!r}: data out of the file's bounds (truncated?)",
     )
-    array = np.empty(shape, dtype=dtype)
-    crc = _read_checked(f, start + offsets[0], array, path, pool) if nbytes else 0
+    if mmap and nbytes:
+        array = np.memmap(
+            path, dtype=dtype, mode="r", offset=start + offsets[0], shape=tuple(shape)
+        )
+        crc = _crc(array)
+    else:
+        array = np.empty(shape, dtype=dtype)
+        crc = _read_checked(f, start + offsets[0], array, path, pool) if nbytes else 0
     _need(crc == t["crc32"], path, f"{where}: {key!r}: CRC mismatch (corrupt)")
     return array

@@ -35,7 +35,7 @@ def test_index_is_a_map_from_any_id_to_its_row():
 
 def test_an_update_is_refused_whole():
     table = EmbeddingTable("t", TableSpec(dim=2, optimizer=SGD(lr=1e6)), max_rows=3)
-    assert table.update(np.array([1, 2], np.int64), np.ones((2, 2), np.float32)) == 2
+    assert table.update(np.array([1, 2], np.int64), np.ones((2, 2), np.float32)) == (2, 0)
     before = table.arrays()
     with pytest.raises(ShardError) as info:
         table.update(np.array([3, 4], np.int64), np.ones((2, 2), np.float32))
