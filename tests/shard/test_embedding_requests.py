@@ -331,5 +331,5 @@ def test_the_sdk_splits_a_batch_by_the_shards_max_table_ids(url):
             ps.pull_rows(name, ids), initial_rows(TableSpec(dim=DIM), name, ids)
         )
         result = ps.push_rows(name, ids[:80], np.ones((80, DIM), np.float32))
-        assert result == {"rows": 80, "created": 80, "duplicate": 0}
+        assert result == {"rows": 80, "created": 80, "counted": 0, "duplicate": 0}
     assert table(url, name)["rows"] == 80
