@@ -1,6 +1,7 @@
-"""Embedding tables through a fleet checkpoint and ``paramshard reshard`` 2 -> 3 (issue 17's
-done-when): every row moves to ``row_shard(table, id, 3)`` with its value, optimizer slots,
-per-row step count and touch count, and ids still waiting for admission move with their counts.
+"""Embedding tables (and a partitioned variable beside them) through a fleet checkpoint and
+``paramshard reshard`` 2 -> 3 (issue 17's done-when): every row moves to
+``row_shard(table, id, 3)`` with its value, optimizer slots, per-row step count and touch count,
+and ids still waiting for admission move with their counts.
 
 Checked twice: in the files (the new snapshots hold exactly the rows of the old ones, each on
 its owner, every array equal row for row), and in behaviour (the 3-shard fleet started on the
@@ -32,6 +33,14 @@ TABLES = {
     "emb/admitted": dict(optimizer=Adagrad(lr=0.1), admission=Admission(min_count=2)),
 }
 DIM = 6
+#: A partitioned variable in the same checkpoint (issue 17's done-when: tables and partitioned
+#: variables in one reshard).
+PARTED = "dense/parted"
+
+
+def _dense_grads(seed: int, n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=(30, 4)).astype(np.float32) for _ in range(n)]
 
 
 def _batches(seed: int, n: int):
@@ -75,7 +84,10 @@ def test_a_checkpoint_with_tables_resharded_2_to_3_keeps_every_row_and_slot(
     with PSClient(two.urls, worker_id="w") as ps:
         for name, spec in TABLES.items():
             ps.create_table(name, DIM, seed=3, **spec)
+        ps.init({PARTED: np.zeros((30, 4), np.float32)}, optimizer=Adam(lr=0.05), partitions=3)
         _push(ps, 0, 12)
+        for g in _dense_grads(0, 5):
+            ps.push({PARTED: g})
         ps.checkpoint()
     for i in range(2):
         two.stop(i)
@@ -124,8 +136,13 @@ def test_a_checkpoint_with_tables_resharded_2_to_3_keeps_every_row_and_slot(
     with PSClient(two.urls, worker_id="w2") as a, PSClient(fleet3.urls, worker_id="w3") as b:
         for name, ids in every.items():
             np.testing.assert_array_equal(b.pull_rows(name, ids), a.pull_rows(name, ids))
+        np.testing.assert_array_equal(b.pull([PARTED])[PARTED], a.pull([PARTED])[PARTED])
         _push(a, 1, 6)
         _push(b, 1, 6)
+        for ps in (a, b):
+            for g in _dense_grads(1, 3):
+                ps.push({PARTED: g})
+        np.testing.assert_array_equal(b.pull([PARTED])[PARTED], a.pull([PARTED])[PARTED])
         made = [
             ps.push_rows("emb/admitted", pending, np.ones((len(pending), DIM), np.float32))
             for ps in (a, b)
