@@ -152,11 +152,12 @@ def image_exists(engine: str, ref: str) -> bool:
 # -- the base image -----------------------------------------------------------------------------
 
 
-def debian_mirror() -> str:
-    """The Debian mirror apt uses here (its sources), or ``PARAMSHARD_DEBIAN_MIRROR``."""
+def debian_mirror(apt_dir: Path = Path("/etc/apt")) -> str:
+    """The Debian mirror apt uses here (the first ``.../debian`` URI for bookworm in its sources,
+    one-line or deb822 format), or ``PARAMSHARD_DEBIAN_MIRROR``, or deb.debian.org."""
     if os.environ.get("PARAMSHARD_DEBIAN_MIRROR"):
         return os.environ["PARAMSHARD_DEBIAN_MIRROR"]
-    paths = ["/etc/apt/sources.list", *sorted(glob.glob("/etc/apt/sources.list.d/*"))]
+    paths = [apt_dir / "sources.list", *sorted((apt_dir / "sources.list.d").glob("*"))]
     for path in paths:
         try:
             text = Path(path).read_text()
