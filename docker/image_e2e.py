@@ -52,6 +52,7 @@ import httpx2
 import yaml
 
 from client_sdk import PSClient
+from client_sdk.placement import shard_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import images  # docker/images.py, beside this file
@@ -340,10 +341,8 @@ class Fleet:
         log("every shard answers /readyz 200")
 
     def holder(self, name: str) -> str:
-        for svc, url in self.urls.items():
-            if get_json(f"{url}/v1/variables/{name}")["status"] == 200:
-                return svc
-        raise Failed(f"no shard holds {name}")
+        """The shard that owns ``name`` (placement; any shard may relay a variable's REST)."""
+        return SHARDS[shard_for(name, len(SHARDS))]
 
     def remove_all(self) -> None:
         """Containers, networks and volumes of this project, whatever state they are in."""
@@ -376,6 +375,8 @@ def run_fleet(fleet: Fleet) -> dict[str, Any]:
         f"(state version {before['state_version']}, snapshot {before['last_snapshot']})"
     )
     snap_version = before["last_snapshot"]["state_version"]
+    if snap_version <= 0:
+        raise Failed(f"{victim}'s checkpoint holds nothing: {before['last_snapshot']}")
     container = fleet.container(victim)
     eng("kill", "--signal", "KILL", container)
     wait_for(

@@ -362,7 +362,24 @@ def build(engine: str, python_image: str | None = None) -> dict[str, str]:
                 str(ROOT),
             ]
         )
+        relabel(engine, name, ver, rev)
     return names
+
+
+def relabel(engine: str, name: str, ver: str, rev: str) -> None:
+    """Give ``name`` these version and revision labels for sure: a build whose every step came
+    from the layer cache can keep the labels of the build that made the cache (Podman 4.3 did),
+    so one uncached metadata-only step sets them again."""
+    containerfile = (
+        f"FROM {name}\n"
+        f'LABEL org.opencontainers.image.version="{ver}" '
+        f'org.opencontainers.image.revision="{rev}"\n'
+    )
+    with tempfile.TemporaryDirectory(prefix="paramshard-label-") as ctx:
+        (Path(ctx) / "Containerfile").write_text(containerfile)
+        run(
+            [engine, "build", "--no-cache", "-f", str(Path(ctx) / "Containerfile"), "-t", name, ctx]
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
