@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -109,6 +110,9 @@ class Gate:
         self.requests = 0
         self.bytes = 0
         self.refused = 0
+        #: Requests that waited in line for room, and the seconds they waited in all.
+        self.waited = 0
+        self.wait_seconds = 0.0
         self._waiters: deque[list[Any]] = deque()
         self._holds = 0
         self._open = asyncio.Event()
@@ -238,6 +242,8 @@ class Gate:
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         entry = [nbytes, fut, slot]
         self._waiters.append(entry)
+        self.waited += 1
+        since = time.monotonic()
         try:
             return await asyncio.wait_for(asyncio.shield(fut), ADMIT_WAIT)
         except asyncio.TimeoutError:
@@ -246,6 +252,8 @@ class Gate:
             if self._give_up(entry):
                 self.release(nbytes, slot)
             raise
+        finally:
+            self.wait_seconds += time.monotonic() - since
 
     def _give_up(self, entry: list[Any]) -> bool:
         """Leave the line; True if room was granted meanwhile (it is then ours)."""
@@ -395,6 +403,7 @@ class Gate:
             "requests_in_flight": self.requests,
             "bytes_in_flight": self.bytes,
             "waiting": len(self._waiters),
+            "waited": self.waited,
             "refused_overloaded": self.refused,
             "max_queued_requests": self.max_requests,
             "max_queued_bytes": self.max_bytes,

@@ -56,6 +56,7 @@ from .errors import ShardError
 from .headers import header, request_headers
 from .httptools_protocol import Answerer, Immediate
 from .logs import RateLimited
+from .metrics import Traffic
 from .store import DedupTable, ParameterStore
 from .store.heap import trim_heap
 from .store.rounds import close_when_due
@@ -172,6 +173,14 @@ def _jsonable(obj: Any) -> Any:
     return repr(obj)
 
 
+def _declared_length(scope: Scope) -> int:
+    """The request's ``Content-Length`` (0 when absent or not a plain number)."""
+    value = request_headers(scope).get(b"content-length")
+    if value is None or len(value) > 18 or not value.isdigit():
+        return 0
+    return int(value)
+
+
 def _parse_fleet(text: str) -> tuple[int, int] | None:
     m = _FLEET_RE.fullmatch(text)
     if m is None:
@@ -202,18 +211,25 @@ class ShardMiddleware:
             (wire.HEADER_PROTOCOL.encode(), str(wire.PROTOCOL_VERSION).encode()),
         ]
         self._fleet = config.fleet.encode()
+        #: Where each request is counted (:mod:`server.metrics.traffic`), if anywhere.
+        self.traffic: Traffic | None = getattr(state, "traffic", None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = False
+        status = sent = 0
+        since = time.perf_counter()
 
         async def send_with_headers(message: Message) -> None:
-            nonlocal started
+            nonlocal started, status, sent
             if message["type"] == "http.response.start":
                 started = True
+                status = message["status"]
                 message["headers"] = [*message.get("headers", ()), *self.reply_headers()]
+            else:
+                sent += len(message.get("body", b""))
             await send(message)
 
         try:
@@ -234,6 +250,15 @@ class ShardMiddleware:
                 "nothing was changed unless the response says otherwise",
             )
             await response(scope, receive, send_with_headers)
+        finally:
+            if self.traffic is not None:
+                self.traffic.record(
+                    scope["path"],
+                    status,
+                    time.perf_counter() - since,
+                    _declared_length(scope),
+                    sent,
+                )
 
     def reply_headers(self) -> list[tuple[bytes, bytes]]:
         """The headers this adds to a response sent now."""
@@ -398,6 +423,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     (snapshots), ``incarnation`` (random hex, new per call, so new per process start),
     ``started_at`` (Unix seconds) and ``shutdown_error`` (set if the final snapshot failed).
     """
+    from .metrics.export import router as metrics_router
     from .routes_checkpoint import router as checkpoint_router
     from .routes_data import router as data_router
     from .routes_inspect import router as inspect_router
@@ -433,11 +459,13 @@ def create_app(config: ShardConfig) -> FastAPI:
     app.state.started_at = time.time()
     app.state.shutdown_error = None
     app.state.auth = Guard(config.token, config.read_token, config.token_file, config.fleet)
+    app.state.traffic = Traffic()
     _install_error_handlers(app)
     app.include_router(data_router)
     app.include_router(checkpoint_router)
     app.include_router(inspect_router)
     app.include_router(tables_router)
+    app.include_router(metrics_router)
     app.add_middleware(
         AdmissionMiddleware, gate=gate, render=error_response, max_body=config.max_request_bytes
     )
@@ -472,6 +500,7 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     max_names = state.config.max_request_names
     shard = ShardMiddleware(app, state.config, state.incarnation, state)
     guard: Guard = state.auth
+    traffic: Traffic | None = getattr(state, "traffic", None)
 
     def pull(headers: Mapping[bytes, bytes], body: bytes) -> Immediate | None:
         if (
@@ -480,9 +509,12 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
             or not gate.room_now(len(body))
         ):
             return None
+        since = time.perf_counter()
         encoded = pull_now(store, limit, headers, body, max_names)
         if encoded is None:
             return None
+        if traffic is not None:
+            traffic.count("pull", 200, time.perf_counter() - since, len(body), encoded.nbytes)
         return Immediate(
             [
                 (b"content-type", encoded.content_type.encode("latin-1")),

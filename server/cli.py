@@ -227,6 +227,14 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
         f"it, 0 for never [{env_name('dedup_idle_seconds')}, default 3600]",
     )
     p.add_argument(
+        "--metrics-workers",
+        dest="metrics_workers",
+        metavar="N",
+        help=f"workers with series of their own in /metrics, the most active; the "
+        f'others are summed as worker="_other" [{env_name("metrics_workers")}, '
+        f"default {ShardConfig.metrics_workers}]",
+    )
+    p.add_argument(
         "--max-head-bytes",
         dest="max_head_bytes",
         metavar="SIZE",
@@ -506,6 +514,7 @@ _PASSED_ON = (
     "partition_bytes",
     "dedup_max_workers",
     "dedup_idle_seconds",
+    "metrics_workers",
     "max_head_bytes",
     "head_timeout",
     "body_timeout",

@@ -294,6 +294,8 @@ class ShardConfig:
     dedup_max_workers: int = 10_000
     #: A worker not seen for this many seconds is forgotten; 0: never.
     dedup_idle_seconds: float = 3600.0
+    #: Workers with series of their own in ``/metrics`` (the most active; the rest summed).
+    metrics_workers: int = 20
     #: Bounds of a connection's unfinished request (server/readguard.py).
     max_head_bytes: int = 64 * 1024
     head_timeout: float = 10.0
@@ -458,6 +460,7 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "partition_bytes": _size_or_off,
     "dedup_max_workers": _int(1, 10_000_000),
     "dedup_idle_seconds": _seconds,
+    "metrics_workers": _int(0, 1000),
     "max_head_bytes": _size,
     "head_timeout": _timeout,
     "body_timeout": _timeout,

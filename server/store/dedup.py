@@ -36,13 +36,23 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from .staleness import EMPTY, Window
 
-__all__ = ["IDLE_SECONDS", "MAX_SEQ", "MAX_WORKERS", "WINDOW", "DedupTable", "WorkerRecord"]
+__all__ = [
+    "IDLE_SECONDS",
+    "MAX_SEQ",
+    "MAX_WORKERS",
+    "STALENESS_BOUNDS",
+    "WINDOW",
+    "DedupTable",
+    "Totals",
+    "WorkerRecord",
+]
 
 logger = logging.getLogger("paramshard.server")
 
@@ -67,6 +77,32 @@ def _overlay(high: int, bits: int, src_high: int, src_bits: int) -> int:
         return bits | ((src_bits << back) & _MASK) if back < WINDOW else bits
     ahead = src_high - high
     return bits | (src_bits >> ahead) if ahead < WINDOW else bits
+
+
+#: The upper bounds of :attr:`Totals.staleness`'s buckets (versions), the last one open.
+STALENESS_BOUNDS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 1024)
+
+
+class Totals:
+    """The shard's writes since it started, all workers together, in plain ints that only go up
+    (the metrics read them; a forgotten worker's counts stay in them).
+
+    ``writes``: keyed writes applied, retries answered as duplicates, retries refused as
+    expired; ``pushes``: pushes applied; ``gradients``: their gradients applied, accepted into a
+    sync round, dropped by a variable's mode, applied with a scaled step; ``staleness``: how
+    many applied pushes that said versions had each largest staleness, by the buckets of
+    :data:`STALENESS_BOUNDS` (one more for above the last), with their sum in
+    ``staleness_sum``.
+    """
+
+    __slots__ = ("gradients", "pushes", "staleness", "staleness_sum", "writes")
+
+    def __init__(self) -> None:
+        self.writes = [0, 0, 0]
+        self.pushes = 0
+        self.gradients = [0, 0, 0, 0]
+        self.staleness = [0] * (len(STALENESS_BOUNDS) + 1)
+        self.staleness_sum = 0
 
 
 @dataclass
@@ -158,6 +194,7 @@ class DedupTable:
         self.idle_seconds = idle_seconds
         #: Least recently seen first.
         self._workers: OrderedDict[str, WorkerRecord] = OrderedDict()
+        self.totals = Totals()
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -187,6 +224,7 @@ class DedupTable:
         record = self._touch(worker_id)
         record.mark(seq)
         record.applied += 1
+        self.totals.writes[0] += 1
         if result is not None:
             record.results[seq] = result
             if len(record.results) > MAX_RESULTS:
@@ -203,6 +241,17 @@ class DedupTable:
     ) -> None:
         """Count what became of the gradients of a push :meth:`record` just recorded, and its
         largest staleness (None: it said no version)."""
+        totals = self.totals
+        totals.pushes += 1
+        totals.gradients[0] += applied
+        if accepted or dropped or scaled:
+            totals.gradients[1] += accepted
+            totals.gradients[2] += dropped
+            totals.gradients[3] += scaled
+        if staleness is not None:
+            totals.staleness[bisect_left(STALENESS_BOUNDS, staleness)] += 1
+            if staleness > 0:  # a version said from after a restart counts as 0
+                totals.staleness_sum += staleness
         record = self._workers.get(worker_id)
         if record is None:
             return
@@ -223,8 +272,15 @@ class DedupTable:
         record = self._touch(worker_id)
         if outcome == "duplicate":
             record.duplicates += 1
+            self.totals.writes[1] += 1
         elif outcome == "expired":
             record.expired += 1
+            self.totals.writes[2] += 1
+
+    def records(self) -> list[tuple[str, WorkerRecord]]:
+        """``(worker_id, record)`` of every worker remembered, least recently seen first."""
+        self.forget_idle()
+        return list(self._workers.items())
 
     def summaries(self) -> list[dict[str, Any]]:
         self.forget_idle()

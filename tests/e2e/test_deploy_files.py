@@ -487,6 +487,12 @@ def test_statefulset_service_probes_volume_and_budget(k8s, dockerfile):
     assert ctx["runAsNonRoot"] and str(ctx["runAsUser"]) == uid and str(ctx["fsGroup"]) == uid
     assert pod_spec(sts)["terminationGracePeriodSeconds"] >= 30  # time for the final snapshot
 
+    # Prometheus finds the shards' /metrics by the usual pod annotations.
+    notes = sts["spec"]["template"]["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true"
+    assert int(notes["prometheus.io/port"]) == port
+    assert notes["prometheus.io/path"] == "/metrics"
+
 
 def test_statefulset_shards_read_their_tokens_from_the_secret(k8s):
     sts = k8s_object(k8s, "StatefulSet")
