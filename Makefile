@@ -17,7 +17,7 @@ LOWEST_BIN  := $(LOWEST_VENV)/bin
 PEERS_VENV := .venv-peers
 PEERS_BIN  := $(PEERS_VENV)/bin
 
-.PHONY: demo test test-lowest image test-image bench bench-peers redis-server lint typecheck clean
+.PHONY: demo test test-lowest image test-image bench bench-peers redis-server chromium lint typecheck clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,18 @@ $(VENV)/.stamp-%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.stamp-demo
 	$(BIN)/paramshard demo
 
-test: lint typecheck
+test: lint typecheck chromium
 	$(BIN)/python -m pytest -q
+
+# Debian's chromium and its driver, for the browser tests (tests/e2e/test_dashboard.py);
+# installed with apt-get when missing and we are root. Otherwise this says what to install,
+# and that test module skips saying so (it fails under CI).
+chromium:
+	@{ command -v chromium >/dev/null && command -v chromedriver >/dev/null; } \
+	  || { [ "$$(id -u)" = 0 ] && apt-get update -qq \
+	       && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
+	  || echo "the browser tests need chromium and chromium-driver:" \
+	          "apt-get install -y chromium chromium-driver" >&2
 
 # ruff's rules and its formatting (pyproject.toml [tool.ruff]); part of make test. `ruff format`
 # and `ruff check --fix` make most of what they ask.
@@ -51,7 +61,7 @@ $(LOWEST_VENV)/.stamp: pyproject.toml constraints-lowest.txt
 	  -c constraints-lowest.txt -e '.[test]'
 	@touch $@
 
-test-lowest: $(LOWEST_VENV)/.stamp
+test-lowest: $(LOWEST_VENV)/.stamp chromium
 	$(LOWEST_BIN)/python -m pytest -q
 
 image:

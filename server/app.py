@@ -424,6 +424,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     ``started_at`` (Unix seconds) and ``shutdown_error`` (set if the final snapshot failed).
     """
     from .metrics.export import router as metrics_router
+    from .pages import router as pages_router
     from .routes_checkpoint import router as checkpoint_router
     from .routes_data import router as data_router
     from .routes_inspect import router as inspect_router
@@ -438,6 +439,10 @@ def create_app(config: ShardConfig) -> FastAPI:
             "or the framed encoding of docs/PROTOCOL.md; the `GET` endpoints are JSON for people."
         ),
         lifespan=_lifespan,
+        # /docs is served from the shard's own copy of swagger-ui (server/pages); no page
+        # loads anything from elsewhere.
+        docs_url=None,
+        redoc_url=None,
     )
     store = ParameterStore(
         config.shard_index,
@@ -466,6 +471,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     app.include_router(inspect_router)
     app.include_router(tables_router)
     app.include_router(metrics_router)
+    app.include_router(pages_router)
     app.add_middleware(
         AdmissionMiddleware, gate=gate, render=error_response, max_body=config.max_request_bytes
     )

@@ -308,7 +308,8 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
             metavar="URL,...",
             help=f"every shard's URL in shard-index order, as this shard reaches them: a "
             f"GET /v1/variables/NAME for a name another shard owns is answered with that "
-            f"shard's answer [{env_name('fleet_urls')}]",
+            f"shard's answer, and the dashboard's fleet view and GET /v1/fleet probe them "
+            f"[{env_name('fleet_urls')}]",
         )
     p.add_argument(
         "--http",

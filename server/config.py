@@ -318,7 +318,8 @@ class ShardConfig:
     token_file: str | None = None
     read_token: tuple[str, ...] = field(default=(), repr=False)
     #: Every shard's URL, in shard-index order, as this shard reaches them (empty: unknown). A
-    #: ``GET /v1/variables/{name}`` for a name another shard owns is answered by asking it.
+    #: ``GET /v1/variables/{name}`` for a name another shard owns is answered by asking it;
+    #: ``GET /v1/fleet`` and the dashboard probe them.
     fleet_urls: tuple[str, ...] = ()
     #: TLS: the certificate chain (PEM) and its private key; both or neither.
     tls_cert: str | None = None

@@ -236,6 +236,8 @@ def test_worker_service_reaches_every_shard_in_order(compose, monkeypatch):
     env = environment(worker)
     port = int(environment(shards[0][1])["PARAMSHARD_PORT"])
     assert env[ENV_SHARDS].split(",") == [f"http://{name}:{port}" for name, _ in shards]
+    for _, shard in shards:  # each shard's fleet view lists the fleet as the workers reach it
+        assert environment(shard)["PARAMSHARD_FLEET_URLS"] == env[ENV_SHARDS]
     check_worker_env(env, monkeypatch)
     # identical replicas under --scale: no fixed index, no fixed worker id, no container_name
     assert env.get("DIGITS_WORKER_INDEX") == "auto"
@@ -520,6 +522,7 @@ def test_worker_job_lists_every_shard_pod(k8s, compose, monkeypatch):
     name, service = sts["metadata"]["name"], svc["metadata"]["name"]
     expected = [f"http://{name}-{i}.{service}:{port}" for i in range(sts["spec"]["replicas"])]
     assert env[ENV_SHARDS].strip().split(",") == expected
+    assert k8s_env(shard)["PARAMSHARD_FLEET_URLS"].split(",") == expected  # the fleet view
     assert job["spec"]["completionMode"] == "Indexed"
     assert int(env["DIGITS_NUM_WORKERS"]) == job["spec"]["completions"]
     index_from = env["DIGITS_WORKER_INDEX"]["fieldRef"]["fieldPath"]

@@ -1,0 +1,163 @@
+"""The pages a shard serves to browsers, with nothing fetched from elsewhere: the live dashboard
+at ``/`` (one HTML file with its script inline, polling the JSON inspection endpoints), the
+OpenAPI page at ``/docs`` with swagger-ui's files served under ``/docs/assets/`` from the
+installed ``fastapi-offline`` package (which ships them as its package data), and
+``GET /v1/fleet``, the fleet as this shard sees it (every shard of ``--fleet-urls``, probed from
+here: up or down).
+
+The pages hold no data (they are open when the shard checks tokens, :mod:`server.auth`); the
+dashboard's script sends the token the user gives it with each request for data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import httpx2
+from fastapi import APIRouter, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
+
+from ..errors import ShardError
+
+__all__ = ["ASSETS", "PROBE_TIMEOUT", "router", "swagger_files"]
+
+router = APIRouter(tags=["pages"])
+
+#: swagger-ui's files the OpenAPI page loads, served under ``/docs/assets/``.
+ASSETS = {
+    "swagger-ui-bundle.js": "text/javascript; charset=utf-8",
+    "swagger-ui.css": "text/css; charset=utf-8",
+    "favicon.png": "image/png",
+}
+#: How long ``GET /v1/fleet`` waits for each shard it probes, in seconds.
+PROBE_TIMEOUT = 2.0
+#: ``GET /v1/fleet`` answers from its last probes while they are younger than this (seconds):
+#: dashboards polling many shards do not multiply the probes.
+FLEET_CACHE_SECONDS = 1.0
+#: Shards probed at once by ``GET /v1/fleet``.
+PROBE_CONCURRENCY = 32
+
+_DASHBOARD = resources.files(__package__).joinpath("dashboard.html")
+
+
+def swagger_files() -> Path:
+    """The directory of swagger-ui's dist files in the installed ``fastapi-offline``."""
+    return Path(str(resources.files("fastapi_offline").joinpath("static")))
+
+
+@router.get("/", response_class=HTMLResponse, include_in_schema=False)
+async def dashboard() -> HTMLResponse:
+    """The live dashboard: this shard's variables and workers and the fleet, refreshed every
+    second from ``/v1/cluster``, ``/v1/variables``, ``/v1/workers`` and ``/v1/fleet``."""
+    return HTMLResponse(_DASHBOARD.read_text(encoding="utf-8"))
+
+
+@router.get("/docs", response_class=HTMLResponse, include_in_schema=False)
+async def docs(request: Request) -> HTMLResponse:
+    """The OpenAPI page, its script and style served by this shard."""
+    return get_swagger_ui_html(
+        openapi_url=request.app.openapi_url,
+        title=f"{request.app.title} - API",
+        swagger_js_url="/docs/assets/swagger-ui-bundle.js",
+        swagger_css_url="/docs/assets/swagger-ui.css",
+        swagger_favicon_url="/docs/assets/favicon.png",
+    )
+
+
+@router.get("/docs/assets/{name}", include_in_schema=False)
+async def docs_asset(name: str) -> Response:
+    """One of :data:`ASSETS`, from the installed fastapi-offline."""
+    media_type = ASSETS.get(name)
+    if media_type is None:
+        raise ShardError(
+            "not_found",
+            f"no asset {name[:80]!r}: the OpenAPI page's are {', '.join(sorted(ASSETS))}",
+            {"path": f"/docs/assets/{name[:80]}"},
+        )
+    return FileResponse(
+        swagger_files() / name,
+        media_type=media_type,
+        headers={"cache-control": "public, max-age=86400"},
+    )
+
+
+@router.get("/v1/fleet", tags=["inspection (JSON)"])
+async def fleet(request: Request) -> JSONResponse:
+    """Every shard of the fleet as this shard sees it: `--fleet-urls` (PARAMSHARD_FLEET_URLS) in
+    index order, each probed now (`GET /v1/cluster`, the caller's `Authorization` passed on):
+    `up`, and when up its `incarnation`, `variables`, `bytes`, `state_version`, `ready`;
+    when down, `error`. Without `--fleet-urls` only this shard is listed, with its URL null."""
+    state = request.app.state
+    config = state.config
+    auth = request.headers.get("authorization")
+    cached = getattr(state, "fleet_view", None)
+    now = time.monotonic()
+    if cached is not None and cached[0] == auth and now - cached[1] < FLEET_CACHE_SECONDS:
+        return JSONResponse(cached[2])
+    urls: list[str | None] = list(config.fleet_urls) or [None] * config.num_shards
+    limit = asyncio.Semaphore(PROBE_CONCURRENCY)
+    headers = {"authorization": auth} if auth else {}
+    async with httpx2.AsyncClient(timeout=PROBE_TIMEOUT, headers=headers) as client:
+        shards = await asyncio.gather(
+            *(_probe(client, limit, i, url, state) for i, url in enumerate(urls))
+        )
+    body = {
+        "shard_index": config.shard_index,
+        "num_shards": config.num_shards,
+        "configured": bool(config.fleet_urls),
+        "shards": shards,
+    }
+    state.fleet_view = (auth, now, body)
+    return JSONResponse(body)
+
+
+async def _probe(
+    client: httpx2.AsyncClient, limit: asyncio.Semaphore, index: int, url: str | None, state: Any
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {"index": index, "url": url}
+    if index == state.config.shard_index:
+        store, gate = state.store, state.gate
+        return {
+            **entry,
+            "self": True,
+            "up": True,
+            "ready": gate.ready and gate.persist_error is None,
+            "incarnation": state.incarnation,
+            "variables": len(store),
+            "bytes": store.nbytes,
+            "state_version": store.state_version,
+        }
+    if url is None:
+        return {**entry, "up": None, "error": "unknown: start the shards with --fleet-urls"}
+    async with limit:
+        try:
+            r = await client.get(url.rstrip("/") + "/v1/cluster")
+        except httpx2.HTTPError as exc:
+            return {**entry, "up": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
+    if r.status_code != 200:
+        error = f"/v1/cluster answered {r.status_code}"
+        return {**entry, "up": True, "ready": False, "error": error}
+    try:
+        cluster = r.json()
+        peer = {
+            "ready": cluster["admission"]["phase"] == "ready",
+            "incarnation": str(cluster["incarnation"]),
+            "variables": int(cluster["variables"]),
+            "bytes": int(cluster["bytes"]),
+            "state_version": int(cluster["state_version"]),
+        }
+        if (cluster["shard_index"], cluster["num_shards"]) != (index, state.config.num_shards):
+            return {
+                **entry,
+                "up": True,
+                "ready": False,
+                "error": f"that URL is shard {cluster['shard_index']}/{cluster['num_shards']}",
+            }
+    except (ValueError, KeyError, TypeError):
+        return {**entry, "up": True, "ready": False, "error": "not a paramshard /v1/cluster reply"}
+    return {**entry, "up": True, **peer}
