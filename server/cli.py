@@ -9,8 +9,9 @@
 
 This module owns the command line: the flags (argparse), their checks, and what each command
 prints. The work is elsewhere: ``serve`` in :mod:`server.serve`, ``up`` in
-:mod:`server.supervisor` (over :mod:`server.launcher`), ``status`` and ``health`` through
-:mod:`server.probes`, ``reshard`` in :mod:`server.reshard`, ``demo`` in :mod:`server.demo`.
+:mod:`server.supervisor` (over :mod:`server.launcher`), ``status`` in :mod:`server.status`,
+``health`` through :mod:`server.probes`, ``reshard`` in :mod:`server.reshard`, ``demo`` in
+:mod:`server.demo`.
 Nothing here imports the web stack; ``serve`` imports it when it runs.
 
 ``serve`` settings come from flags or ``PARAMSHARD_*`` environment variables (flags win); a bad
@@ -32,9 +33,10 @@ from pathlib import Path
 
 from client_sdk import wire
 
+from . import status
 from .config import LOG_LEVELS, InvalidSetting, ShardConfig, env_name, flag_name
 from .launcher import client_host
-from .probes import check, probe_fleet
+from .probes import check
 from .reshard import ReshardError, reshard
 from .supervisor import DEFAULT_RESTART_LIMIT
 
@@ -363,8 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "status",
         help="print a table of a fleet's shards",
-        description="Ask every shard for /v1/cluster and /healthz. Exit 0 when all "
-        "are up and in fleet order, else 1.",
+        description="Ask every shard for /v1/cluster and /healthz (twice, --interval apart, "
+        "for the rates), print a row per shard: place, incarnation, variables, bytes, "
+        "pushes/s, pulls/s, last snapshot's age, auth mode, health. Exit 0 when all are up "
+        "and in fleet order, else 1 (with --watch: in the last table).",
     )
     p.add_argument(
         "--shards",
@@ -372,6 +376,20 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the fleet's shard URLs in order [{wire.ENV_SHARDS}]",
     )
     p.add_argument("--timeout", default="3", help="seconds to wait per shard (default 3)")
+    p.add_argument(
+        "--watch",
+        action="store_true",
+        help="refresh the table every --interval seconds until Ctrl-C (in place on a terminal)",
+    )
+    p.add_argument(
+        "--interval",
+        default="1",
+        metavar="S",
+        help="seconds between readings; pushes/s and pulls/s are over this window (default 1)",
+    )
+    p.add_argument(
+        "--count", metavar="N", help="with --watch: stop after N tables (default: never)"
+    )
 
     p = sub.add_parser(
         "get",
@@ -595,15 +613,6 @@ def _up(args: argparse.Namespace) -> int:
 # -- status ---------------------------------------------------------------------------------
 
 
-def _human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
 def _fleet_urls(args: argparse.Namespace) -> list[str]:
     raw = args.shards if args.shards is not None else os.environ.get(wire.ENV_SHARDS)
     if not raw:
@@ -615,13 +624,17 @@ def _fleet_urls(args: argparse.Namespace) -> list[str]:
 
 
 def _timeout(args: argparse.Namespace) -> float:
+    return _seconds_in(args.timeout, "--timeout", 0.1, 600.0)
+
+
+def _seconds_in(text: str, flag: str, lo: float, hi: float) -> float:
     try:
-        timeout = float(args.timeout)
+        value = float(text)
     except ValueError:
-        raise UsageError(f"--timeout must be a number of seconds, got {args.timeout!r}") from None
-    if not timeout > 0:
-        raise UsageError(f"--timeout must be a number of seconds > 0, got {args.timeout!r}")
-    return timeout
+        raise UsageError(f"{flag} must be a number of seconds, got {text!r}") from None
+    if not lo <= value <= hi:  # also refuses nan
+        raise UsageError(f"{flag} must be between {lo:g} and {hi:g} seconds, got {text!r}")
+    return value
 
 
 def _get(args: argparse.Namespace) -> int:
@@ -646,37 +659,17 @@ def _get(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     urls, timeout = _fleet_urls(args), _timeout(args)
-    results = probe_fleet(urls, timeout)
-    rows = [("URL", "SHARD", "INCARNATION", "VARIABLES", "BYTES", "HEALTHY")]
-    ok = True
-    for i, (url, res) in enumerate(zip(urls, results)):
-        info = res.get("info")
-        if info is None:
-            ok = False
-            rows.append((url, "?", "-", "-", "-", "down"))
-            continue
-        slot = f"{info.get('shard_index')}/{info.get('num_shards')}"
-        health = "yes" if res["healthy"] else "no"
-        if (info.get("shard_index"), info.get("num_shards")) != (i, len(urls)):
-            health = f"mismatch (listed as {i}/{len(urls)})"
-        ok = ok and health == "yes"
-        rows.append(
-            (
-                url,
-                slot,
-                str(info.get("incarnation", "?")),
-                str(info.get("variables", "?")),
-                _human_bytes(int(info.get("bytes", 0))),
-                health,
-            )
-        )
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
-    for url, res in zip(urls, results):
-        if "error" in res:
-            print(f"{url}: {res['error']}", file=sys.stderr)
-    return 0 if ok else 1
+    interval = _seconds_in(args.interval, "--interval", 0.1, 3600.0)
+    count = None if args.count is None else _int_in(args.count, "--count", 1, 10**9)
+    return status.run(
+        urls,
+        timeout,
+        watch=args.watch,
+        interval=interval,
+        count=count,
+        out=sys.stdout,
+        err=sys.stderr,
+    )
 
 
 # -- reshard --------------------------------------------------------------------------------
@@ -709,7 +702,7 @@ def _reshard(args: argparse.Namespace) -> int:
         print(
             f"  shard {i}/{m}  --data-dir {snap.manifest_path.parent}  "
             f"({len(snap.manifest['variables'])} variables, "
-            f"{_human_bytes(snap.manifest['values_bytes'])})"
+            f"{status.human_bytes(snap.manifest['values_bytes'])})"
         )
     return 0
 

@@ -113,6 +113,9 @@ async def cluster(request: Request) -> dict[str, Any]:
         "cannot_persist": state.durability.cannot_persist,
         "admission": state.gate.stats(),
         "auth": {"mode": state.auth.mode, "refused": dict(state.auth.refused)},
+        # Since the start, for rates (``paramshard status``): pushes applied, pulls answered 200.
+        "pushes_applied": store.dedup.totals.pushes,
+        "pulls_answered": state.traffic.statuses("pull").get(200, 0),
     }
 
 

@@ -242,11 +242,26 @@ def test_up_starts_shards_status_prints_them_and_sigint_stops_all(start_up):
     done = run_cli("status", "--shards", ",".join(urls))
     assert done.returncode == 0, done.stdout + done.stderr
     rows = done.stdout.strip().splitlines()
-    assert rows[0].split() == ["URL", "SHARD", "INCARNATION", "VARIABLES", "BYTES", "HEALTHY"]
+    assert rows[0].split() == [
+        "URL",
+        "SHARD",
+        "INCARNATION",
+        "VARIABLES",
+        "BYTES",
+        "PUSHES/S",
+        "PULLS/S",
+        "SNAPSHOT",
+        "AUTH",
+        "HEALTHY",
+    ]
     for i, url in enumerate(urls):
         row = rows[1 + i].split()
         assert row[0] == url and row[1] == f"{i}/2" and row[-1] == "yes"
         assert row[2] == http_json(url + "/v1/cluster")["incarnation"]
+        # `up` tells every shard the fleet: its fleet view lists the URLs workers get
+        fleet = http_json(url + "/v1/fleet", timeout=10)
+        assert [s["url"] for s in fleet["shards"]] == urls
+        assert all(s["up"] for s in fleet["shards"])
 
     # PARAMSHARD_SHARDS works too; a dead shard shows as down and makes the exit status 1
     with refused_port() as port:

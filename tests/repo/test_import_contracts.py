@@ -64,10 +64,10 @@ CONTRACTS = (
         WEB_STACK,
     ),
     Contract(
-        "the launcher, the supervisor, the probes and the demo never import the web stack",
+        "the launcher, the supervisor, the probes, status and the demo never import the web stack",
         "they start shards as processes and talk to them over HTTP like any client: `paramshard "
         "up`, `status` and `demo` start fast, and bench and tests start shards through them",
-        ("server.launcher", "server.supervisor", "server.probes", "server.demo.*"),
+        ("server.launcher", "server.supervisor", "server.probes", "server.status", "server.demo.*"),
         WEB_STACK,
     ),
     Contract(
