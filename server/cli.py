@@ -37,6 +37,7 @@ from . import status
 from .config import LOG_LEVELS, InvalidSetting, ShardConfig, env_name, flag_name
 from .launcher import client_host
 from .probes import check
+from .progress import Progress
 from .reshard import ReshardError, reshard
 from .supervisor import DEFAULT_RESTART_LIMIT
 
@@ -685,6 +686,7 @@ def _reshard(args: argparse.Namespace) -> int:
             m,
             checkpoint=args.checkpoint,
             latest=args.latest,
+            progress=Progress(),  # on standard error, when it is a terminal
         )
     except ReshardError as exc:
         raise UsageError(str(exc)) from None

@@ -47,6 +47,7 @@ from .admission import Gate
 from .config import ShardConfig
 from .embedding import EmbeddingTables
 from .errors import ShardError
+from .progress import Progress
 from .store import Capture, ParameterStore
 
 __all__ = ["Durability"]
@@ -193,6 +194,7 @@ class Durability:
             self.config.num_shards,
             self.config.restore,
             self.config.max_table_rows,
+            progress=Progress(),  # on standard error, when it is a terminal
         )
 
     async def _periodic(self) -> None:

@@ -19,6 +19,7 @@ id. Arrays are memory-mapped from the sources, not loaded, so memory use stays s
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from client_sdk.placement import shard_for
 from . import persistence
 from .embedding import reshard as table_moves
 from .persistence.tables import read_table_arrays
+from .progress import Progress
 from .store import Capture, DedupTable
 
 __all__ = ["ReshardError", "ReshardResult", "reshard", "shard_dir"]
@@ -50,6 +52,11 @@ class ReshardResult:
     seconds: float
     tables: int = 0
     rows: int = 0
+
+
+def _values_bytes(snap: persistence.Snapshot) -> int:
+    size = snap.manifest.get("values_bytes")
+    return size if isinstance(size, int) else 0
 
 
 def shard_dir(root: Path, index: int) -> Path:
@@ -142,9 +149,13 @@ def reshard(
     *,
     checkpoint: str | None = None,
     latest: bool = False,
+    progress: Progress | None = None,
 ) -> ReshardResult:
     """Rewrite the chosen snapshots of ``sources`` as a ``num_shards``-shard checkpoint under
-    ``dest`` (see the module). Raises :class:`ReshardError`; ``OSError`` if the disk refuses."""
+    ``dest`` (see the module); ``progress`` shows the reading (every array checked) and the
+    writing (shard by shard). Raises :class:`ReshardError`; ``OSError`` if the disk
+    refuses."""
+    progress = Progress(io.StringIO()) if progress is None else progress
     started = time.perf_counter()
     if num_shards < 1:
         raise ReshardError(f"--shards must be >= 1, got {num_shards}")
@@ -169,9 +180,10 @@ def reshard(
     layouts: list[dict[str, Any]] = [{} for _ in range(num_shards)]
     tables = []
     embedding = []
+    progress.begin(f"reading {len(snaps)} snapshot(s)", sum(_values_bytes(snap) for snap in snaps))
     for snap in snaps:
         try:
-            arrays = persistence.read_arrays(snap, mmap=True)
+            arrays = persistence.read_arrays(snap, mmap=True, progress=progress.add)
             persistence.to_variables(snap, arrays)  # checks optimizer specs and slots
             tables.append(DedupTable.load(snap.manifest["dedup"]))
             embedding.append(read_table_arrays(snap, mmap=True))
@@ -195,9 +207,15 @@ def reshard(
     clash = sorted(set(rows) & {n for p in plans for n in p})
     if clash:
         raise ReshardError(f"{clash[0]!r} is both a variable and an embedding table")
+    progress.end()
     dedup = DedupTable.merge(tables).export()
     taken_at = max(s.manifest["created_at"] for s in snaps)
     written = []
+    sizes = [
+        sum(a.nbytes for _, arrays in variables.values() for a in arrays.values())
+        for variables in plans
+    ]
+    progress.begin(f"writing {num_shards} shard(s)", sum(sizes))
     for j, variables in enumerate(plans):
         shard_tables = table_moves.for_shard(rows, j)
         capture = Capture(
@@ -217,6 +235,8 @@ def reshard(
                 shard_dir(dest, j), 1, capture, incarnation="reshard", checkpoint=label
             )
         )
+        progress.add(sizes[j])
+    progress.end()
     return ReshardResult(
         label,
         len(snaps),

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from .probes import probe_fleet
+from .progress import human_bytes
 
 __all__ = ["Reading", "human_bytes", "run", "table"]
 
@@ -48,15 +49,6 @@ class Reading:
 
     results: list[dict[str, Any]]
     at: float
-
-
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 def _age(seconds: float) -> str:

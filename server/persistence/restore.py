@@ -22,6 +22,7 @@ from pathlib import Path
 from client_sdk.partitions import Layout
 
 from ..embedding import DEFAULT_MAX_ROWS, EmbeddingTable
+from ..progress import Progress
 from ..store import DedupTable, Variable
 from .datadir import list_snapshots
 from .snapshot import (
@@ -63,9 +64,11 @@ def find_restorable(
     num_shards: int,
     checkpoint: str | None = None,
     max_table_rows: int = DEFAULT_MAX_ROWS,
+    progress: Progress | None = None,
 ) -> Restorable | None:
     """The newest snapshot in ``data_dir`` that validates, read in full; ``None`` if there is
     no snapshot at all. Each one skipped is logged as a warning (and listed in ``skipped``).
+    ``progress`` shows each snapshot's reading (on a terminal).
 
     With ``checkpoint``, only that fleet checkpoint's snapshot is considered. Raises
     :class:`SnapshotMismatch` when the snapshots are another shard's or fleet size's, or when
@@ -95,7 +98,17 @@ def find_restorable(
                     f"with --shard-index {m['shard_index']} --num-shards {m['num_shards']}, "
                     "give it another --data-dir, or reshard the checkpoint (paramshard reshard)"
                 )
-            arrays = read_arrays(snap)
+            if progress is None:
+                arrays = read_arrays(snap)
+            else:
+                size = m.get("values_bytes")
+                progress.begin(
+                    f"restoring {manifest_path.stem}", size if isinstance(size, int) else 0
+                )
+                try:
+                    arrays = read_arrays(snap, progress=progress.add)
+                finally:
+                    progress.end()
             variables = to_variables(snap, arrays)
             tables = read_tables(snap, max_table_rows)
             try:

@@ -39,7 +39,7 @@ import re
 import struct
 import time
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -473,10 +473,13 @@ def _planned(
             yield name, slot, slot_dtype, tuple(shape), start + offsets[0], t["crc32"]
 
 
-def read_arrays(snap: Snapshot, *, mmap: bool = False) -> dict[str, dict[str, np.ndarray]]:
+def read_arrays(
+    snap: Snapshot, *, mmap: bool = False, progress: Callable[[int], Any] | None = None
+) -> dict[str, dict[str, np.ndarray]]:
     """Every variable's arrays (``{"value": ..., slot: ...}``), each checked against its
     CRC-32. ``mmap=False`` reads them into fresh writable memory; ``mmap=True`` maps them
-    read-only (for resharding: the kernel pages them in as they are used). Blocks. Raises
+    read-only (for resharding: the kernel pages them in as they are used). ``progress`` is
+    called with each array's size once it is read and checked. Blocks. Raises
     :class:`SnapshotError`."""
     path = snap.values_path
     out: dict[str, dict[str, np.ndarray]] = {}
@@ -496,6 +499,8 @@ def read_arrays(snap: Snapshot, *, mmap: bool = False) -> dict[str, dict[str, np
                     actual = _read_checked(f, offset, array, path, pool)
                 _need(actual == crc, path, f"{name!r} ({slot}): CRC mismatch (corrupt)")
                 out.setdefault(name, {})[slot] = array
+                if progress is not None:
+                    progress(nbytes)
     except OSError as exc:
         raise SnapshotError(f"{path.name}: cannot read it ({exc})") from None
     return out
