@@ -66,6 +66,12 @@ def _snapshot(info: dict[str, Any], now: float) -> str:
     return "none" if info.get("data_dir") else "no data dir"
 
 
+def _auth(auth: Any) -> str:
+    """The shard's auth mode (``/v1/cluster``'s ``auth.mode``), ``-`` when it says none."""
+    mode = auth.get("mode") if isinstance(auth, dict) else auth
+    return str(mode) if isinstance(mode, str) and mode else "-"
+
+
 def _rate(info: dict[str, Any], before: dict[str, Any] | None, key: str, dt: float) -> str:
     if before is None or dt <= 0 or before.get("incarnation") != info.get("incarnation"):
         return "-"
@@ -106,7 +112,7 @@ def table(
                 _rate(info, prior, "pushes_applied", dt),
                 _rate(info, prior, "pulls_answered", dt),
                 _snapshot(info, now),
-                str(info.get("auth", "-")),
+                _auth(info.get("auth")),
                 health,
             )
         )
