@@ -184,3 +184,17 @@ def test_docs_render_the_routes_with_no_network(fleet_factory, browser) -> None:
     paths = {e.text for e in browser.find_elements(By.CSS_SELECTOR, ".opblock-summary-path")}
     assert {"/v1/push", "/v1/pull", "/v1/cluster", "/metrics"} <= paths, paths
     assert resources_from_elsewhere(browser, url) == []
+
+
+def test_dashboard_asks_for_a_token_and_uses_the_one_in_its_address(fleet_factory, browser):
+    token = "t" * 40
+    url = fleet_factory(1, "--token", token).urls[0]
+    browser.get(url + "/")
+    eventually(
+        lambda: text(browser, "#status") == "this shard needs a token", "the page asking for one"
+    )
+    assert browser.find_element(By.ID, "auth").is_displayed()
+    browser.get(f"{url}/#token={token}")
+    eventually(lambda: (text(browser, "#status") or "").startswith("live"), "the page live")
+    assert text(browser, "#shard") == "shard 0/1"
+    assert "token" not in browser.current_url  # taken out of the address once read

@@ -163,3 +163,23 @@ def test_a_bad_metrics_workers_flag_is_refused(flag: str) -> None:
 
     with pytest.raises(InvalidSetting, match="--metrics-workers"):
         ShardConfig.from_sources({"metrics_workers": flag})
+
+
+def test_with_a_token_metrics_need_a_read_token_and_the_pages_are_open(fleet_factory) -> None:
+    fleet = fleet_factory(1, "--token", "w" * 32, "--read-token", "r" * 32)
+    url = fleet.urls[0]
+    read = {"authorization": "Bearer " + "r" * 32}
+    with httpx2.Client(timeout=10) as http:
+        assert http.get(url + "/metrics").status_code == 401
+        assert http.get(url + "/v1/fleet").status_code == 401
+        for page in ("/", "/docs", "/docs/assets/swagger-ui.css", "/openapi.json"):
+            assert http.get(url + page).status_code == 200, page
+        assert http.get(url + "/v1/fleet", headers=read).status_code == 200
+        r = http.get(url + "/metrics", headers=read)
+        assert r.status_code == 200
+    m = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            m.setdefault(sample.name, []).append((sample.labels, sample.value))
+    assert value(m, "paramshard_auth_refused_total", reason="missing") >= 2
+    assert value(m, "paramshard_requests_total", verb="metrics", status="401") >= 1
