@@ -11,7 +11,8 @@ hide httptools, or to stand in for another release of a dependency); ``env=`` ad
 variables (``{"PARAMSHARD_HTTP": "stock"}``: the stock way of serving, :mod:`server.upstream`).
 ``fleet2`` is a module-scoped 2-shard fleet for tests that only add uniquely named variables;
 ``start_fleet2(factory, mode)`` starts one in the given way of serving (:data:`HTTP_MODES`), for
-modules that run their data-plane tests both ways.
+modules that run their data-plane tests both ways. ``fleet3`` is a module's 3-shard fleet, and
+``ps3`` a client of it with a worker id of its own.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import json
 import os
 import sys
 import urllib.request
+import uuid
 from pathlib import Path
 
 import httpx2
 import pytest
 
+from client_sdk import PSClient
 from server import launcher
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,6 +184,20 @@ def module_fleet_factory(tmp_path_factory):
 def fleet1(module_fleet_factory) -> Fleet:
     """A 1-shard fleet shared by a module (a fleet of one owns every name)."""
     return module_fleet_factory(1)
+
+
+@pytest.fixture(scope="module")
+def fleet3(module_fleet_factory) -> Fleet:
+    """A 3-shard fleet shared by a module: enough shards for a request split over several,
+    with names on chosen shards from tests/helpers/names.py."""
+    return module_fleet_factory(3)
+
+
+@pytest.fixture
+def ps3(fleet3):
+    """A :class:`PSClient` of :func:`fleet3` with a worker id of its own, closed after the test."""
+    with PSClient(fleet3.urls, worker_id=f"w-{uuid.uuid4().hex[:8]}") as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import httpx2
 
-from .connection import CONNECT_TIMEOUT, Connection, IdleConnections
+from .connection import CONNECT_TIMEOUT, Connection, PoolBase
 from .http11 import Buffer, Exchange, Origin, Response
 from .tls import context, refused
 
@@ -162,41 +162,19 @@ class AsyncConnection(Connection):
             return result
 
 
-class AsyncHTTPPool:
+class AsyncHTTPPool(PoolBase[AsyncConnection]):
     """The asyncio twin of :class:`~client_sdk._http.pool.HTTPPool`: the same arguments and
     behaviour, ``await``-ed. Use it from one event loop."""
 
-    def __init__(
-        self,
-        *,
-        max_idle: int,
-        connect_timeout: float,
-        timeout: float,
-        max_reply: int,
-        tls: ssl.SSLContext | None = None,
-    ) -> None:
-        #: The TLS context of ``https://`` connections (``tls.py``).
-        self.tls = tls
-        self.max_idle = max_idle
-        self.connect_timeout = connect_timeout
-        self.timeout = timeout
-        self.max_reply = max_reply
-        self._idle: IdleConnections[AsyncConnection] = IdleConnections(max_idle)
-        self._closed = False
-
     async def exchange(self, exchange: Exchange) -> Response:
         """See :meth:`client_sdk._http.pool.HTTPPool.exchange`."""
-        deadline = exchange.deadline
-        if deadline is None:
-            deadline = time.monotonic() + self.timeout
+        deadline = self.deadline(exchange, time.monotonic())
         views = exchange.views()
         origin = exchange.origin
         conn = await self._acquire(origin, deadline)
         try:
             await conn.send(views, deadline)
-            response, reusable = await conn.receive(
-                deadline, self.max_reply if exchange.max_reply is None else exchange.max_reply
-            )
+            response, reusable = await conn.receive(deadline, self.reply_limit(exchange))
         except BaseException:  # cancelled too: the connection is mid-exchange
             conn.close()
             raise
@@ -230,10 +208,8 @@ class AsyncHTTPPool:
             old.close()
         if conn is not None:
             return conn
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise httpx2.ConnectTimeout(f"no time left to connect to {origin.host_header}")
-        return await AsyncConnection.open(origin, min(self.connect_timeout, left), self.tls)
+        timeout = self.connect_time(origin, deadline, time.monotonic())
+        return await AsyncConnection.open(origin, timeout, self.tls)
 
     def idle_count(self, origin: Origin) -> int:
         """Connections to ``origin`` kept alive and waiting for a request."""

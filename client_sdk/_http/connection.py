@@ -19,6 +19,9 @@ loop) and the fan-out (``fanout.py``: one selector for all of a call's exchanges
   while idle means the server closed it, or sent what nobody asked).
 * :class:`IdleConnections` keeps them per origin, most recently used first, at most
   ``max_idle`` each.
+* :class:`PoolBase` is what both pools hold (their bounds, their idle connections, whether
+  they are closed) and how they bound an exchange: its deadline, its reply's size, the time
+  left to connect.
 
 Not thread-safe: a connection serves one exchange at a time, and the blocking pool guards its
 idle connections with its lock.
@@ -34,14 +37,23 @@ from typing import Generic, TypeVar
 
 import httpx2
 
-from .http11 import HEAD_BUFFER, IDLE_EXPIRY, Buffer, Origin, Response, advance, next_send
+from .http11 import (
+    HEAD_BUFFER,
+    IDLE_EXPIRY,
+    Buffer,
+    Exchange,
+    Origin,
+    Response,
+    advance,
+    next_send,
+)
 from .http11 import read_response as parse_response
 from .tls import WANT
 
 #: What a non-blocking send or receive raises for "not now".
 _NOT_NOW = (BlockingIOError, InterruptedError, *WANT)
 
-__all__ = ["CONNECT_TIMEOUT", "Connection", "IdleConnections", "idle_per_shard"]
+__all__ = ["CONNECT_TIMEOUT", "Connection", "IdleConnections", "PoolBase", "idle_per_shard"]
 
 #: Connect attempts fail fast so that retries (and wait_ready) notice a shard coming up.
 CONNECT_TIMEOUT = 5.0
@@ -162,3 +174,44 @@ class IdleConnections(Generic[C]):
         """Every idle connection, now the caller's (to close)."""
         idle, self._idle = self._idle, {}
         return [conn for conns in idle.values() for conn in conns]
+
+
+class PoolBase(Generic[C]):
+    """What the blocking pool and the asyncio one hold: at most ``max_idle`` idle connections
+    per origin, ``connect_timeout`` seconds for a connect, ``timeout`` seconds for a whole
+    exchange that has no deadline of its own, ``max_reply`` bytes of a response's body unless
+    the exchange says, ``tls`` for ``https://`` origins; whether the pool is closed."""
+
+    def __init__(
+        self,
+        *,
+        max_idle: int,
+        connect_timeout: float,
+        timeout: float,
+        max_reply: int,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        #: The TLS context of ``https://`` connections (``tls.py``).
+        self.tls = tls
+        self.max_idle = max_idle
+        self.connect_timeout = connect_timeout
+        self.timeout = timeout
+        self.max_reply = max_reply
+        self._idle: IdleConnections[C] = IdleConnections(max_idle)
+        self._closed = False
+
+    def deadline(self, exchange: Exchange, now: float) -> float:
+        """When ``exchange`` must be done (``time.monotonic()`` seconds), starting ``now``."""
+        return now + self.timeout if exchange.deadline is None else exchange.deadline
+
+    def reply_limit(self, exchange: Exchange) -> int:
+        """The most bytes ``exchange``'s response body may have."""
+        return self.max_reply if exchange.max_reply is None else exchange.max_reply
+
+    def connect_time(self, origin: Origin, deadline: float, now: float) -> float:
+        """Seconds a connect to ``origin`` may take: the connect timeout, not past
+        ``deadline``; :class:`httpx2.ConnectTimeout` when none is left."""
+        left = deadline - now
+        if left <= 0:
+            raise httpx2.ConnectTimeout(f"no time left to connect to {origin.host_header}")
+        return min(self.connect_timeout, left)

@@ -115,7 +115,7 @@ def _take_off(
     conns: list[BlockingConnection | None] = []
     opening: dict[int, concurrent.futures.Future[BlockingConnection]] = {}
     now = time.monotonic()
-    deadlines = [now + pool.timeout if e.deadline is None else e.deadline for e in exchanges]
+    deadlines = [pool.deadline(e, now) for e in exchanges]
     try:
         for i, exchange in enumerate(exchanges):
             conn = None
@@ -139,7 +139,7 @@ def _take_off(
                 conn.close()
         raise
     return [
-        _Flight(i, e, conn, deadlines[i], pool.max_reply if e.max_reply is None else e.max_reply)
+        _Flight(i, e, conn, deadlines[i], pool.reply_limit(e))
         for i, (e, conn) in enumerate(zip(exchanges, conns))
         if conn is not None
     ]

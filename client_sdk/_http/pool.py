@@ -27,15 +27,11 @@ from collections.abc import Mapping, Sequence
 import httpx2
 
 from .._abort import Abort
-from .connection import Connection, IdleConnections
+from .connection import Connection, PoolBase
 from .http11 import Buffer, Exchange, Origin, Response
 from .tls import context, wrap
 
 __all__ = ["BlockingConnection", "HTTPPool"]
-
-
-def _remaining(deadline: float) -> float:
-    return deadline - time.monotonic()
 
 
 class BlockingConnection(Connection):
@@ -64,7 +60,7 @@ class BlockingConnection(Connection):
         """Wait until the socket is ready to write (or read); ``False`` once ``deadline``
         (``time.monotonic()`` seconds) passed first."""
         while True:
-            left = _remaining(deadline)
+            left = deadline - time.monotonic()
             if left <= 0:
                 return False
             if self.poller is None:
@@ -103,7 +99,7 @@ class BlockingConnection(Connection):
             return result
 
 
-class HTTPPool:
+class HTTPPool(PoolBase[BlockingConnection]):
     """Keep-alive connections to any number of origins; at most ``max_idle`` idle per origin.
 
     ``timeout`` (seconds) bounds each whole exchange: connecting (at most ``connect_timeout``
@@ -120,21 +116,18 @@ class HTTPPool:
         max_reply: int,
         tls: ssl.SSLContext | None = None,
     ) -> None:
-        #: The TLS context of ``https://`` connections (``tls.py``).
-        self.tls = tls
-        self.max_idle = max_idle
-        self.connect_timeout = connect_timeout
-        self.timeout = timeout
-        self.max_reply = max_reply
-        self._idle: IdleConnections[BlockingConnection] = IdleConnections(max_idle)
+        super().__init__(
+            max_idle=max_idle,
+            connect_timeout=connect_timeout,
+            timeout=timeout,
+            max_reply=max_reply,
+            tls=tls,
+        )
         self._lock = threading.Lock()
-        self._closed = False
 
     def exchange(self, exchange: Exchange) -> Response:
         """Perform ``exchange``: the whole response (not to ``HEAD``), or httpx2's error."""
-        deadline = exchange.deadline
-        if deadline is None:
-            deadline = time.monotonic() + self.timeout
+        deadline = self.deadline(exchange, time.monotonic())
         views = exchange.views()
         origin = exchange.origin
         conn = self.take_idle(origin) or self.connect(origin, deadline)
@@ -144,9 +137,7 @@ class HTTPPool:
             abort.hold(id(conn), lambda: sock.shutdown(socket.SHUT_RDWR))
         try:
             conn.send(views, deadline)
-            response, reusable = conn.receive(
-                deadline, self.max_reply if exchange.max_reply is None else exchange.max_reply
-            )
+            response, reusable = conn.receive(deadline, self.reply_limit(exchange))
         except BaseException:
             conn.close()
             raise
@@ -198,10 +189,8 @@ class HTTPPool:
         """A new connection to ``origin``, held by the caller (blocks up to the connect
         timeout, and not past ``deadline``; raises :class:`httpx2.ConnectError` or
         :class:`httpx2.ConnectTimeout`)."""
-        left = _remaining(deadline)
-        if left <= 0:
-            raise httpx2.ConnectTimeout(f"no time left to connect to {origin.host_header}")
-        return BlockingConnection.open(origin, min(self.connect_timeout, left), self.tls)
+        timeout = self.connect_time(origin, deadline, time.monotonic())
+        return BlockingConnection.open(origin, timeout, self.tls)
 
     def release(self, origin: Origin, conn: BlockingConnection, reusable: bool) -> None:
         """Hand back a connection whose exchange ended: kept idle if ``reusable`` and there is

@@ -10,7 +10,6 @@ replies, retries and bad input over raw HTTP are in tests/shard/test_set_optimiz
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import numpy as np
@@ -27,48 +26,10 @@ from client_sdk import (
 )
 from client_sdk.optimizers import SGD, Adagrad, Adam, Cosine
 from client_sdk.placement import shard_for
-from tests.conftest import Fleet, OnLoop, http_json
+from tests.conftest import OnLoop, http_json
+from tests.helpers.names import beside, fresh, spread
 
 SHARDS = 3
-
-
-@pytest.fixture(scope="module")
-def fleet3(tmp_path_factory):
-    fleet = Fleet(SHARDS, tmp_path_factory.mktemp("set-optimizer"))
-    yield fleet
-    fleet.close()
-
-
-@pytest.fixture
-def ps(fleet3):
-    with PSClient(fleet3.urls, worker_id=f"w-{uuid.uuid4().hex[:8]}") as client:
-        yield client
-
-
-def fresh(prefix: str = "v") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-def beside(name: str, prefix: str) -> str:
-    """A fresh name on ``name``'s shard (a shard refuses its part of a request whole; the
-    others apply theirs)."""
-    return next(
-        n
-        for n in (fresh(prefix) for _ in range(100))
-        if shard_for(n, SHARDS) == shard_for(name, SHARDS)
-    )
-
-
-def spread(run: str, each: int = 2) -> list[str]:
-    """Names under ``run/``, at least ``each`` on every shard."""
-    names: list[str] = []
-    for i in range(1000):
-        name = f"{run}/layer{i}"
-        if sum(shard_for(n, SHARDS) == shard_for(name, SHARDS) for n in names) < each:
-            names.append(name)
-        if len(names) == each * SHARDS:
-            return names
-    raise AssertionError("placement left a shard without names")
 
 
 def shown(urls: list[str], name: str) -> dict[str, Any]:
@@ -76,13 +37,13 @@ def shown(urls: list[str], name: str) -> dict[str, Any]:
     return http_json(f"{urls[shard_for(name, len(urls))]}/v1/variables/{name}")
 
 
-def steps(ps: PSClient, name: str, grads: list[np.ndarray]) -> list[np.ndarray]:
+def steps(ps3: PSClient, name: str, grads: list[np.ndarray]) -> list[np.ndarray]:
     """The change each of ``grads`` makes to ``name``, pushed one at a time."""
     out = []
     for g in grads:
-        before = ps.pull([name])[name].copy()
-        ps.push({name: g})
-        out.append(ps.pull([name])[name] - before)
+        before = ps3.pull([name])[name].copy()
+        ps3.push({name: g})
+        out.append(ps3.pull([name])[name] - before)
     return out
 
 
@@ -94,14 +55,14 @@ W0 = rng.standard_normal(8)
 # -- changing settings of the same type keeps the slots --------------------------------------
 
 
-def test_new_settings_of_the_same_type_keep_the_slots(ps, fleet3):
+def test_new_settings_of_the_same_type_keep_the_slots(ps3, fleet3):
     changed, reference = fresh("adagrad"), fresh("reference")
-    ps.init({changed: W0, reference: W0}, optimizer=Adagrad(lr=0.1))
-    steps(ps, changed, [G1])
-    steps(ps, reference, [G1])
+    ps3.init({changed: W0, reference: W0}, optimizer=Adagrad(lr=0.1))
+    steps(ps3, changed, [G1])
+    steps(ps3, reference, [G1])
     version = shown(fleet3.urls, changed)["version"]
 
-    result = ps.set_optimizer([changed], Adagrad(lr=0.05))
+    result = ps3.set_optimizer([changed], Adagrad(lr=0.05))
 
     assert result[changed]["status"] == "applied"
     assert result[changed]["slots"] == "kept"
@@ -114,65 +75,65 @@ def test_new_settings_of_the_same_type_keep_the_slots(ps, fleet3):
     assert (seen["optimizer"]["lr"], seen["optimizer_version"], seen["frozen"]) == (0.05, 1, False)
     assert seen["version"] == version
     # The accumulator went on: the step is the reference's (same accumulator), at half the rate.
-    (step,) = steps(ps, changed, [G2])
-    (ref_step,) = steps(ps, reference, [G2])
+    (step,) = steps(ps3, changed, [G2])
+    (ref_step,) = steps(ps3, reference, [G2])
     np.testing.assert_allclose(step, 0.5 * ref_step, rtol=1e-12, atol=0)
 
 
-def test_another_type_resets_the_slots_and_the_reply_says_so(ps):
+def test_another_type_resets_the_slots_and_the_reply_says_so(ps3):
     name, first_step = fresh("switch"), fresh("first-step")
-    ps.init({name: W0}, optimizer=Adagrad(lr=0.1))
-    steps(ps, name, [G1, G2])
+    ps3.init({name: W0}, optimizer=Adagrad(lr=0.1))
+    steps(ps3, name, [G1, G2])
 
-    assert ps.set_optimizer([name], SGD(lr=0.1))[name]["slots"] == "reset"
-    result = ps.set_optimizer([name], Adagrad(lr=0.1))
+    assert ps3.set_optimizer([name], SGD(lr=0.1))[name]["slots"] == "reset"
+    result = ps3.set_optimizer([name], Adagrad(lr=0.1))
     assert result[name]["slots"] == "reset"
     assert result[name]["optimizer_version"] == 2
 
     # Adagrad's state starts again: the next step is a new variable's first step.
-    ps.init({first_step: ps.pull([name])[name]}, optimizer=Adagrad(lr=0.1))
-    (step,) = steps(ps, name, [G2])
-    (fresh_step,) = steps(ps, first_step, [G2])
+    ps3.init({first_step: ps3.pull([name])[name]}, optimizer=Adagrad(lr=0.1))
+    (step,) = steps(ps3, name, [G2])
+    (fresh_step,) = steps(ps3, first_step, [G2])
     np.testing.assert_allclose(step, fresh_step, rtol=1e-12, atol=1e-15)
 
 
-def test_adam_with_a_lower_rate_goes_on_from_its_moments_and_step_count(ps, fleet3):
+def test_adam_with_a_lower_rate_goes_on_from_its_moments_and_step_count(ps3, fleet3):
     changed, reference = fresh("adam"), fresh("adam-reference")
-    ps.init({changed: W0, reference: W0}, optimizer=Adam(lr=1e-3))
-    steps(ps, changed, [G1])
-    steps(ps, reference, [G1])
+    ps3.init({changed: W0, reference: W0}, optimizer=Adam(lr=1e-3))
+    steps(ps3, changed, [G1])
+    steps(ps3, reference, [G1])
 
-    result = ps.set_optimizer([changed], Adam(lr=5e-4))
+    result = ps3.set_optimizer([changed], Adam(lr=5e-4))
 
     assert result[changed]["slots"] == "kept"
     assert shown(fleet3.urls, changed)["steps"] == 1
-    (step,) = steps(ps, changed, [G2])
-    (ref_step,) = steps(ps, reference, [G2])  # same moments, same bias correction
+    (step,) = steps(ps3, changed, [G2])
+    (ref_step,) = steps(ps3, reference, [G2])  # same moments, same bias correction
     np.testing.assert_allclose(step, 0.5 * ref_step, rtol=1e-9, atol=0)
     assert shown(fleet3.urls, changed)["steps"] == 2
 
 
-def test_the_step_count_restarts_with_another_type_and_a_new_schedule_takes_it_up(ps, fleet3):
+def test_the_step_count_restarts_with_another_type_and_a_new_schedule_takes_it_up(ps3, fleet3):
     name = fresh("count")
-    ps.init({name: W0}, optimizer=Adam(lr=1e-3))
-    steps(ps, name, [G1, G2])
+    ps3.init({name: W0}, optimizer=Adam(lr=1e-3))
+    steps(ps3, name, [G1, G2])
     scheduled = Adam(lr=1e-3, schedule=Cosine(total=100, warmup=10))
-    assert ps.set_optimizer([name], scheduled)[name]["slots"] == "kept"
+    assert ps3.set_optimizer([name], scheduled)[name]["slots"] == "kept"
     assert shown(fleet3.urls, name)["steps"] == 2
     assert shown(fleet3.urls, name)["optimizer"]["schedule"]["type"] == "cosine"
 
-    assert ps.set_optimizer([name], SGD(lr=0.1, momentum=0.9))[name]["slots"] == "reset"
+    assert ps3.set_optimizer([name], SGD(lr=0.1, momentum=0.9))[name]["slots"] == "reset"
     assert shown(fleet3.urls, name)["steps"] == 0
     # SGD gaining nothing, then losing its momentum: the same type, the buffer dropped.
-    steps(ps, name, [G1])
-    assert ps.set_optimizer([name], SGD(lr=0.1))[name]["slots"] == "kept"
+    steps(ps3, name, [G1])
+    assert ps3.set_optimizer([name], SGD(lr=0.1))[name]["slots"] == "kept"
     assert shown(fleet3.urls, name)["steps"] == 1
 
 
-def test_asking_for_what_the_variable_has_changes_nothing(ps, fleet3):
+def test_asking_for_what_the_variable_has_changes_nothing(ps3, fleet3):
     name = fresh("same")
-    ps.init({name: W0}, optimizer=SGD(lr=0.2))
-    result = ps.set_optimizer([name], SGD(lr=0.2), frozen=False)
+    ps3.init({name: W0}, optimizer=SGD(lr=0.2))
+    result = ps3.set_optimizer([name], SGD(lr=0.2), frozen=False)
     assert result[name]["optimizer_version"] == 0
     assert result[name]["slots"] == "kept"
     assert shown(fleet3.urls, name)["optimizer_version"] == 0
@@ -180,33 +141,33 @@ def test_asking_for_what_the_variable_has_changes_nothing(ps, fleet3):
 
 def test_the_asyncio_client_changes_optimizers_too(fleet3):
     name = fresh("async")
-    ps = OnLoop(AsyncPSClient(fleet3.urls, worker_id=fresh("aw")))
+    ps3 = OnLoop(AsyncPSClient(fleet3.urls, worker_id=fresh("aw")))
     try:
-        ps.init({name: W0}, optimizer=SGD(lr=0.1))
-        result = ps.set_optimizer([name], SGD(lr=0.3))
+        ps3.init({name: W0}, optimizer=SGD(lr=0.1))
+        result = ps3.set_optimizer([name], SGD(lr=0.3))
         assert result[name]["optimizer_version"] == 1
-        assert ps.set_optimizer(name, frozen=True)[name]["frozen"] is True
+        assert ps3.set_optimizer(name, frozen=True)[name]["frozen"] is True
         with pytest.raises(FrozenError):
-            ps.push({name: G1})
-        assert sorted(ps.delete([name])) == [name]
+            ps3.push({name: G1})
+        assert sorted(ps3.delete([name])) == [name]
     finally:
-        ps.close()
+        ps3.close()
 
 
 # -- freezing --------------------------------------------------------------------------------
 
 
-def test_a_frozen_variable_refuses_pushes_whole_until_unfrozen(ps, fleet3):
+def test_a_frozen_variable_refuses_pushes_whole_until_unfrozen(ps3, fleet3):
     frozen = fresh("frozen")
-    other = beside(frozen, "other")
-    ps.init({frozen: W0, other: W0}, optimizer=SGD(lr=0.1))
-    result = ps.set_optimizer([frozen], frozen=True)
+    other = beside(frozen, "other", SHARDS)
+    ps3.init({frozen: W0, other: W0}, optimizer=SGD(lr=0.1))
+    result = ps3.set_optimizer([frozen], frozen=True)
     assert result[frozen]["frozen"] is True
     assert result[frozen]["optimizer_version"] == 1
     assert result[frozen]["optimizer"]["lr"] == 0.1  # the optimizer stays
 
     with pytest.raises(FrozenError) as info:
-        ps.push({frozen: G1, other: G1})
+        ps3.push({frozen: G1, other: G1})
     err = info.value
     assert isinstance(err, ConflictError)
     assert (err.status, err.code) == (409, "frozen")
@@ -215,42 +176,42 @@ def test_a_frozen_variable_refuses_pushes_whole_until_unfrozen(ps, fleet3):
     # Nothing of the push was applied, on either variable.
     assert shown(fleet3.urls, frozen)["version"] == 0
     assert shown(fleet3.urls, other)["version"] == 0
-    np.testing.assert_array_equal(ps.pull([frozen])[frozen], W0)
+    np.testing.assert_array_equal(ps3.pull([frozen])[frozen], W0)
 
     # A background push surfaces it too, on flush.
-    ps.push_async({frozen: G1})
+    ps3.push_async({frozen: G1})
     with pytest.raises(PushError) as info:
-        ps.flush()
+        ps3.flush()
     assert any(isinstance(e, FrozenError) for e in info.value.errors)
 
     # An assign is an explicit overwrite: it still writes a frozen variable.
-    ps.assign({frozen: W0 * 2})
-    np.testing.assert_array_equal(ps.pull([frozen])[frozen], W0 * 2)
+    ps3.assign({frozen: W0 * 2})
+    np.testing.assert_array_equal(ps3.pull([frozen])[frozen], W0 * 2)
 
-    assert ps.set_optimizer([frozen], frozen=False)[frozen]["frozen"] is False
-    ps.push({frozen: G1})
-    np.testing.assert_allclose(ps.pull([frozen])[frozen], W0 * 2 - 0.1 * G1, rtol=1e-12)
+    assert ps3.set_optimizer([frozen], frozen=False)[frozen]["frozen"] is False
+    ps3.push({frozen: G1})
+    np.testing.assert_allclose(ps3.pull([frozen])[frozen], W0 * 2 - 0.1 * G1, rtol=1e-12)
     assert shown(fleet3.urls, frozen)["optimizer_version"] == 2
 
 
 # -- a prefix reaches every shard --------------------------------------------------------------
 
 
-def test_a_prefix_changes_every_matching_variable_on_every_shard(ps, fleet3):
+def test_a_prefix_changes_every_matching_variable_on_every_shard(ps3, fleet3):
     run = fresh("run")
-    names = spread(run)
+    names = spread(run, SHARDS)
     counter, elsewhere = f"{run}/global_step", fresh("run") + "/layer0"
-    ps.init({n: W0 for n in names} | {elsewhere: W0}, optimizer=SGD(lr=0.1))
-    ps.increment(counter)
+    ps3.init({n: W0 for n in names} | {elsewhere: W0}, optimizer=SGD(lr=0.1))
+    ps3.increment(counter)
 
-    result = ps.set_optimizer(f"{run}/", SGD(lr=0.01))
+    result = ps3.set_optimizer(f"{run}/", SGD(lr=0.01))
 
     assert sorted(result) == sorted(names)  # not the counter, not another run's variable
     for name in names:
         assert result[name]["optimizer"]["lr"] == 0.01
         assert shown(fleet3.urls, name)["optimizer"]["lr"] == 0.01
     assert shown(fleet3.urls, elsewhere)["optimizer"]["lr"] == 0.1
-    assert ps.set_optimizer(fresh("nothing-here") + "/", frozen=True) == {}
+    assert ps3.set_optimizer(fresh("nothing-here") + "/", frozen=True) == {}
 
 
 def test_a_prefix_matching_more_than_a_request_may_name_is_refused(fleet_factory):
@@ -258,16 +219,16 @@ def test_a_prefix_matching_more_than_a_request_may_name_is_refused(fleet_factory
     fleet = fleet_factory(1, "--max-request-names", "10")
     run = fresh("big")
     names = [f"{run}/{i}" for i in range(11)]
-    with PSClient(fleet.urls, worker_id=fresh("w")) as ps:
-        ps.init(dict.fromkeys(names, W0), optimizer=SGD(lr=0.1))  # in two requests
+    with PSClient(fleet.urls, worker_id=fresh("w")) as ps3:
+        ps3.init(dict.fromkeys(names, W0), optimizer=SGD(lr=0.1))  # in two requests
         with pytest.raises(BadRequestError) as info:
-            ps.set_optimizer(f"{run}/", SGD(lr=0.5))
+            ps3.set_optimizer(f"{run}/", SGD(lr=0.5))
         assert (info.value.status, info.value.code) == (413, "too_large")
         assert (info.value.details["limit"], info.value.details["matched"]) == (10, 11)
         for name in names:
             assert shown(fleet.urls, name)["optimizer"]["lr"] == 0.1
         # Named in a list, they all change (the SDK splits it into requests of 10).
-        assert sorted(ps.set_optimizer(names, SGD(lr=0.5))) == sorted(names)
+        assert sorted(ps3.set_optimizer(names, SGD(lr=0.5))) == sorted(names)
 
 
 # -- kept across a restart, applied once ------------------------------------------------------
@@ -276,12 +237,12 @@ def test_a_prefix_matching_more_than_a_request_may_name_is_refused(fleet_factory
 def test_a_restart_keeps_the_optimizer_its_slots_its_version_and_frozen(fleet_factory):
     fleet = fleet_factory(2, data=True)
     changed, reference, frozen = fresh("changed"), fresh("reference"), fresh("frozen")
-    with PSClient(fleet.urls, worker_id=fresh("w")) as ps:
-        ps.init({changed: W0, reference: W0, frozen: W0}, optimizer=Adagrad(lr=0.1))
-        steps(ps, changed, [G1])
-        steps(ps, reference, [G1])
-        ps.set_optimizer([changed], Adagrad(lr=0.05))
-        ps.set_optimizer([frozen], frozen=True)
+    with PSClient(fleet.urls, worker_id=fresh("w")) as ps3:
+        ps3.init({changed: W0, reference: W0, frozen: W0}, optimizer=Adagrad(lr=0.1))
+        steps(ps3, changed, [G1])
+        steps(ps3, reference, [G1])
+        ps3.set_optimizer([changed], Adagrad(lr=0.05))
+        ps3.set_optimizer([frozen], frozen=True)
 
     for i in range(fleet.n):
         assert fleet.stop(i) == 0
@@ -291,24 +252,24 @@ def test_a_restart_keeps_the_optimizer_its_slots_its_version_and_frozen(fleet_fa
     assert shown(fleet.urls, changed)["optimizer_version"] == 1
     assert shown(fleet.urls, frozen)["frozen"] is True
     assert shown(fleet.urls, frozen)["optimizer_version"] == 1
-    with PSClient(fleet.urls, worker_id=fresh("w")) as ps:
-        (step,) = steps(ps, changed, [G2])
-        (ref_step,) = steps(ps, reference, [G2])
+    with PSClient(fleet.urls, worker_id=fresh("w")) as ps3:
+        (step,) = steps(ps3, changed, [G2])
+        (ref_step,) = steps(ps3, reference, [G2])
         np.testing.assert_allclose(step, 0.5 * ref_step, rtol=1e-12, atol=0)
         with pytest.raises(FrozenError):
-            ps.push({frozen: G1})
+            ps3.push({frozen: G1})
 
 
 # -- init of an existing variable ----------------------------------------------------------------
 
 
-def test_init_stating_another_optimizer_is_a_conflict_naming_set_optimizer(ps, fleet3):
+def test_init_stating_another_optimizer_is_a_conflict_naming_set_optimizer(ps3, fleet3):
     name = fresh("exists")
-    new = beside(name, "new")
-    ps.init({name: W0}, optimizer=Adagrad(lr=0.1))
+    new = beside(name, "new", SHARDS)
+    ps3.init({name: W0}, optimizer=Adagrad(lr=0.1))
 
     with pytest.raises(ConflictError) as info:
-        ps.init({new: W0, name: W0}, optimizer=SGD(lr=0.1))
+        ps3.init({new: W0, name: W0}, optimizer=SGD(lr=0.1))
     err = info.value
     assert (err.status, err.code) == (409, "conflict")
     assert err.details["field"] == "optimizer"
@@ -318,44 +279,44 @@ def test_init_stating_another_optimizer_is_a_conflict_naming_set_optimizer(ps, f
     assert conflict["existing"]["optimizer_version"] == 0
     assert conflict["requested"]["optimizer"]["type"] == "sgd"
     with pytest.raises(UnknownVariableError):  # nothing of the refused init was created
-        ps.pull([new])
+        ps3.pull([new])
     assert shown(fleet3.urls, name)["optimizer"]["type"] == "adagrad"
 
     # The same optimizer, or none stated: the existing variable, as it is.
-    assert ps.init({name: W0}, optimizer=Adagrad(lr=0.1))[name]["created"] is False
-    assert ps.init({name: W0})[name]["created"] is False
+    assert ps3.init({name: W0}, optimizer=Adagrad(lr=0.1))[name]["created"] is False
+    assert ps3.init({name: W0})[name]["created"] is False
     # After a change, the current optimizer is the one an init must state.
-    ps.set_optimizer([name], SGD(lr=0.5))
-    assert ps.init({name: W0}, optimizer=SGD(lr=0.5))[name]["created"] is False
+    ps3.set_optimizer([name], SGD(lr=0.5))
+    assert ps3.init({name: W0}, optimizer=SGD(lr=0.5))[name]["created"] is False
     with pytest.raises(ConflictError) as info:
-        ps.init({name: W0}, optimizer=Adagrad(lr=0.1))
+        ps3.init({name: W0}, optimizer=Adagrad(lr=0.1))
     assert info.value.details["conflicts"][name]["existing"]["optimizer_version"] == 1
 
 
 # -- bad input: a clear 4xx naming the field, nothing changes ------------------------------------
 
 
-def test_a_counter_has_no_optimizer_and_an_unknown_name_none_either(ps, fleet3):
+def test_a_counter_has_no_optimizer_and_an_unknown_name_none_either(ps3, fleet3):
     counter = fresh("counter")
-    name = beside(counter, "real")
-    ps.increment(counter)
-    ps.init({name: W0}, optimizer=SGD(lr=0.1))
+    name = beside(counter, "real", SHARDS)
+    ps3.increment(counter)
+    ps3.init({name: W0}, optimizer=SGD(lr=0.1))
     with pytest.raises(ConflictError) as info:
-        ps.set_optimizer([counter, name], SGD(lr=0.5))
+        ps3.set_optimizer([counter, name], SGD(lr=0.5))
     assert info.value.details["kind"] == "counter"
     with pytest.raises(UnknownVariableError):
-        ps.set_optimizer([beside(name, "missing"), name], SGD(lr=0.5))
+        ps3.set_optimizer([beside(name, "missing", SHARDS), name], SGD(lr=0.5))
     assert shown(fleet3.urls, name)["optimizer"]["lr"] == 0.1
 
 
-def test_the_sdk_refuses_what_it_can_tell_is_wrong_before_sending(ps):
+def test_the_sdk_refuses_what_it_can_tell_is_wrong_before_sending(ps3):
     with pytest.raises(BadRequestError, match="prefix"):
-        ps.set_optimizer("", SGD(lr=0.1))
+        ps3.set_optimizer("", SGD(lr=0.1))
     with pytest.raises(BadRequestError, match="frozen"):
-        ps.set_optimizer(["w"])  # neither a spec nor frozen
+        ps3.set_optimizer(["w"])  # neither a spec nor frozen
     with pytest.raises(BadRequestError, match="frozen"):
-        ps.set_optimizer(["w"], frozen="yes")
+        ps3.set_optimizer(["w"], frozen="yes")
     with pytest.raises(BadRequestError):
-        ps.set_optimizer(["w"], {"type": "sgd"})  # a spec object, not a map
+        ps3.set_optimizer(["w"], {"type": "sgd"})  # a spec object, not a map
     with pytest.raises(BadRequestError):
-        ps.delete("")
+        ps3.delete("")
