@@ -54,8 +54,9 @@ class Fleet:
         #: and uniform ones with packed rows.
         self.tables = [False] * n
         self.packed = [False] * n
-        #: Per shard: it has ``POST /v1/poll`` (``features``), and embedding tables.
-        self.polls = [False] * n
+        #: Per shard: the features its /v1/cluster lists (:meth:`require` checks one), and
+        #: whether it has embedding tables.
+        self.features: list[frozenset[str]] = [frozenset()] * n
         self.embedding = [False] * n
         #: Entries one request to each shard may hold (its ``max_request_names``).
         self.max_names = [wire.MAX_REQUEST_NAMES] * n
@@ -183,7 +184,7 @@ class Fleet:
             features = []
         self.tables[shard] = wire.FEATURE_TABLES in features
         self.packed[shard] = self.tables[shard] and wire.FEATURE_PACKED in features
-        self.polls[shard] = wire.FEATURE_POLL in features
+        self.features[shard] = frozenset(f for f in features if isinstance(f, str))
         self.embedding[shard] = wire.FEATURE_EMBEDDING_TABLES in features
         ids = info.get("max_table_ids")
         if type(ids) is int and ids > 0:
@@ -201,6 +202,19 @@ class Fleet:
         incarnation = info.get("incarnation")
         if isinstance(incarnation, str):
             self.note_incarnation(shard, incarnation)
+
+    def require(self, shard: int, feature: str, needed_by: str) -> None:
+        """:class:`~client_sdk.ProtocolError` naming the shard, unless its /v1/cluster lists
+        ``feature`` (``needed_by``: what needs it, for the message)."""
+        if feature not in self.features[shard]:
+            url = self.urls[shard]
+            raise ProtocolError(
+                f"shard {url} does not have {feature!r} (its /v1/cluster does not list it in "
+                f"'features'), which {needed_by} needs: the shard runs an older paramshard; "
+                "upgrade the shards to this SDK's version (pip install -U paramshard) and "
+                "restart them",
+                shard=url,
+            )
 
     # -- incarnations --------------------------------------------------------------------
 

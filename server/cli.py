@@ -18,7 +18,8 @@ Nothing here imports the web stack; ``serve`` imports it when it runs.
 value exits with status 2 and one line naming the flag or variable. ``serve`` stops cleanly on
 SIGTERM or SIGINT (Ctrl-C): requests in flight finish, a shard with ``--data-dir`` writes a
 final snapshot, and it exits 0 (1 if that snapshot could not be written). ``up`` restarts a
-shard that exits on its own and stops the fleet on SIGTERM or SIGINT.
+shard that exits on its own and stops the fleet on SIGTERM or SIGINT, exiting 1 if a shard did
+not stop cleanly (its final snapshot failed).
 """
 
 from __future__ import annotations
@@ -391,6 +392,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--count", metavar="N", help="with --watch: stop after N tables (default: never)"
     )
+    p.add_argument(
+        "--proxy",
+        metavar="URL",
+        help="probe the shards through this HTTP proxy (default: straight to them; HTTP_PROXY "
+        "and the like are not used)",
+    )
 
     p = sub.add_parser(
         "get",
@@ -662,9 +669,13 @@ def _status(args: argparse.Namespace) -> int:
     urls, timeout = _fleet_urls(args), _timeout(args)
     interval = _seconds_in(args.interval, "--interval", 0.1, 3600.0)
     count = None if args.count is None else _int_in(args.count, "--count", 1, 10**9)
+    proxy = args.proxy
+    if proxy is not None and not proxy.startswith(("http://", "https://")):
+        raise UsageError(f"--proxy must be an http(s):// URL, got {proxy!r}")
     return status.run(
         urls,
         timeout,
+        proxy=proxy,
         watch=args.watch,
         interval=interval,
         count=count,

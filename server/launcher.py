@@ -379,21 +379,25 @@ class Fleet:
         """SIGKILL shard ``i`` (as a crash would end it) and reap it."""
         return self.stop(i, signal.SIGKILL)
 
-    def close(self, grace: float | None = None) -> None:
+    def close(self, grace: float | None = None) -> list[int | None]:
         """Stop every shard still running: SIGTERM to all at once, then SIGKILL to what is
-        left after ``grace`` seconds (default: the fleet's). Blocks until all have exited."""
+        left after ``grace`` seconds (default: the fleet's). Blocks until all have exited;
+        returns each shard's exit status (``None`` for one never started)."""
         for i in range(self.n):
             self.send(i, signal.SIGTERM)
         deadline = time.monotonic() + (self.grace if grace is None else grace)
+        codes: list[int | None] = []
         for proc in self.procs:
             if proc is None:
+                codes.append(None)
                 continue
             try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
+                codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 self._kill(proc)
-                proc.wait()
+                codes.append(proc.wait())
         shutil.rmtree(self._rundir, ignore_errors=True)
+        return codes
 
     def _kill(self, proc: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):

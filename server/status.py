@@ -125,6 +125,7 @@ def run(
     urls: list[str],
     timeout: float,
     *,
+    proxy: str | None = None,
     watch: bool = False,
     interval: float = 1.0,
     count: int | None = None,
@@ -133,15 +134,16 @@ def run(
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """Print the fleet's table (``watch``: every ``interval`` seconds, ``count`` times or
-    until Ctrl-C); 0 if every shard was up and in order in the last one, else 1."""
+    until Ctrl-C); 0 if every shard was up and in order in the last one, else 1. The probes
+    go through ``proxy`` if given, else straight to the shards."""
     redraw = watch and out.isatty()
     ok = False
     rounds = 0
     try:
-        before = Reading(probe_fleet(urls, timeout), time.monotonic())
+        before = Reading(probe_fleet(urls, timeout, proxy), time.monotonic())
         while True:
             sleep(interval)
-            reading = Reading(probe_fleet(urls, timeout), time.monotonic())
+            reading = Reading(probe_fleet(urls, timeout, proxy), time.monotonic())
             lines, ok = table(urls, reading, before)
             if redraw:
                 out.write(_CLEAR)

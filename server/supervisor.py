@@ -14,7 +14,8 @@
   the first exit stops the fleet;
 * SIGINT (Ctrl-C) or SIGTERM to ``up`` itself stops every shard (SIGTERM, SIGKILL after
   :data:`server.launcher.STOP_GRACE` seconds: each finishes its requests and writes its final
-  snapshot) and exits 0.
+  snapshot) and exits 0, or 1 after a line naming each shard that did not stop cleanly (its
+  final snapshot failed, or it had to be killed).
 
 A shard that fails to come up at the start stops the fleet at once (exit 1): that is a setting
 or a port to fix, not a crash to ride out. The shards run in ``up``'s process group, so a
@@ -139,34 +140,59 @@ def run_fleet(
         env=env,
         own_session=False,  # a terminal's Ctrl-C reaches the shards as it reaches `up`
     )
+    status = 1
     try:
-        try:
-            for i in range(n):
-                fleet.start(i, wait=False)
-            for i in range(n):
-                fleet.wait(i, cancelled=lambda: bool(stop))
-        except LaunchError as exc:
-            say(f"paramshard up: error: {exc}\nstopping the other shards", error=True)
-            return 1
-        if not stop:
-            say(f"paramshard: {n} shard(s) up")
-            for i, (url, pid) in enumerate(zip(fleet.urls, fleet.pids)):
-                say(f"  shard {i}/{n}  {url}  (pid {pid})")
-            say(f"export {wire.ENV_SHARDS}={','.join(fleet.urls)}")
-            say("Press Ctrl-C to stop.")
-            given_up = _watch(fleet, stop, restart_limit, say)
-            if given_up is not None:
-                return 1
-        return 0
+        status = _run(fleet, stop, restart_limit, say)
     finally:
         for sig in previous:  # a second Ctrl-C must not cut the stopping short
             signal.signal(sig, signal.SIG_IGN)
         try:
-            fleet.close()
+            running = [fleet.poll(i) is None for i in range(n)]
+            codes = fleet.close()
             say("paramshard: all shards stopped")
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+    if status != 0:
+        return status
+    # A shard asked to stop exits 0 once its final snapshot is written (or it has no data
+    # dir): any other status means what it held since its last snapshot is not on disk.
+    failed = [(i, code) for i, code in enumerate(codes) if running[i] and code not in (0, None)]
+    for i, code in failed:
+        why = (
+            "its final snapshot was not written; its data dir keeps the snapshots written before"
+            if fleet.data_dirs
+            else "it did not stop cleanly"
+        )
+        say(
+            f"paramshard up: error: shard {i} ({fleet.urls[i]}) {exit_reason(code)} while "
+            f"stopping: {why} (see its log above)",
+            error=True,
+        )
+    return 1 if failed else 0
+
+
+def _run(fleet: Fleet, stop: _Stop, restart_limit: int, say: Any) -> int:
+    """Start the shards, say where they are, and keep them running until ``stop``; the exit
+    status so far (1: a shard did not come up, or was given up on)."""
+    n = fleet.n
+    try:
+        for i in range(n):
+            fleet.start(i, wait=False)
+        for i in range(n):
+            fleet.wait(i, cancelled=lambda: bool(stop))
+    except LaunchError as exc:
+        say(f"paramshard up: error: {exc}\nstopping the other shards", error=True)
+        return 1
+    if not stop:
+        say(f"paramshard: {n} shard(s) up")
+        for i, (url, pid) in enumerate(zip(fleet.urls, fleet.pids)):
+            say(f"  shard {i}/{n}  {url}  (pid {pid})")
+        say(f"export {wire.ENV_SHARDS}={','.join(fleet.urls)}")
+        say("Press Ctrl-C to stop.")
+        if _watch(fleet, stop, restart_limit, say) is not None:
+            return 1
+    return 0
 
 
 def _watch(fleet: Fleet, stop: _Stop, restart_limit: int, say: Any) -> int | None:

@@ -1,13 +1,16 @@
 """The requests of a verb that names variables or a prefix of their names (``set_optimizer``,
 ``delete``): a list of names goes to the shards that own them, one request per shard (or per
 run of its ``max_request_names``); a prefix goes to every shard, each matching what it holds.
-Each request is a write: this worker's id and its own ``seq``."""
+Each request is a write: this worker's id and its own ``seq``. A shard that does not list the
+verb in its features is refused before anything is sent (:meth:`Fleet.require
+<client_sdk._fleet.Fleet.require>`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+from .. import wire
 from .._core import REPLY_HEADROOM, REPLY_PER_NAME, Core
 from .._exceptions import ProtocolError
 from .._flow import ShardRequest
@@ -27,7 +30,10 @@ def requests(
     """One request per shard (and run of names) carrying ``fields`` and ``names`` or
     ``prefix``. A prefix's reply is bounded by the most names its shard may match."""
     worker_id = core.settings.worker_id
+    feature = {"set_optimizer": wire.FEATURE_SET_OPTIMIZER, "delete": wire.FEATURE_DELETE}[verb]
     if prefix is not None:
+        for shard in range(core.n):
+            core.fleet.require(shard, feature, verb)
         return [
             core.post(
                 shard,
@@ -41,6 +47,9 @@ def requests(
             for shard in range(core.n)
         ]
     assert names is not None
+    parts = core.fleet.chunks(core.fleet.split(names))
+    for shard, _ in parts:
+        core.fleet.require(shard, feature, verb)
     return [
         core.post(
             shard,
@@ -51,7 +60,7 @@ def requests(
             names=part,
             retry_safe=True,
         )
-        for shard, part in core.fleet.chunks(core.fleet.split(names))
+        for shard, part in parts
     ]
 
 

@@ -8,7 +8,9 @@ there is something to answer, answered as a pull is (``pull.py`` takes the reply
   included), with only the variables that changed; ``{}`` at the timeout. Over several shards
   it is a *race*: one poll per shard, each request carrying an
   :class:`~client_sdk._abort.Abort`; the shells hand the flow the first settled result and
-  abandon the others (their connections closed, so the shards stop waiting for them).
+  abandon the others (their connections closed, so the shards stop waiting for them). When
+  the first has news, the shards abandoned are asked again without waiting (a poll of 0 s),
+  so that the result holds every shard's changed variables, not the first shard's alone.
 * :func:`reached` (*min version*): returns every named variable once each has reached the
   version, its values as a pull's (only what the cache lacks travels); raises
   :class:`~client_sdk.NotReadyError` at the timeout. Every shard must answer, so no race.
@@ -26,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import wire
 from .._abort import Abort
 from .._core import Core
 from .._exceptions import BadRequestError, NotReadyError, ProtocolError
@@ -109,13 +112,7 @@ def _request(
     poll: float,
     abort: Abort | None,
 ) -> ShardRequest:
-    if not core.fleet.polls[shard]:
-        url = core.url(shard)
-        raise ProtocolError(
-            f"shard {url} has no POST /v1/poll (its /v1/cluster does not list 'poll'): a "
-            "pull with newer_than or min_version needs shards of this paramshard version",
-            shard=url,
-        )
+    core.fleet.require(shard, wire.FEATURE_POLL, "a pull with newer_than or min_version")
     msg: dict[str, Any] = {
         "names": group,
         "timeout": poll,
@@ -150,43 +147,74 @@ def newer(
     yield from core.require_fleet(core.deadline())
     cached = newer_than == "cached"
     while True:
-        poll = _poll_time(end)
         parts = core.fleet.chunks(groups)
         race = len(parts) > 1
-        batch, helds = [], []
-        for shard, group in parts:
-            if cached:
-                held = core.cache.held(group, core.fleet.incarnation(shard))
-                entries = held[0] or [None] * len(group)
-                versions = [None if c is None else c[1] for c in entries]
-            else:
-                assert isinstance(newer_than, Mapping)
-                held, versions = (None, None), [newer_than.get(n) for n in group]
-            helds.append(held)
-            batch.append(
-                _request(core, shard, group, versions, {}, poll, Abort() if race else None)
-            )
+        batch, helds = _newer_batch(core, parts, newer_than, _poll_time(end), race)
         results = yield batch
         out: dict[str, np.ndarray] = {}
         again: list[str] = []
+        abandoned: list[tuple[int, list[str]]] = []
         for request, result, held in zip(batch, results, helds):
             if result is None:  # abandoned: another shard answered first
+                abandoned.append((request.shard, request.names))
                 continue
-            got: dict[str, np.ndarray] = {}
-            rest = take(core, request, core.accept(request, result), held, got)
-            if not cached:  # a value came exactly where the version differs
-                out.update(got)
-                continue
-            entries = held[0] or [None] * len(request.names)
-            for name, entry in zip(request.names, entries):
-                value = got.get(name)
-                if value is not None and (entry is None or value is not entry[2]):
-                    out[name] = value
-            again += rest  # the shard restarted: what it holds is news too
+            again += _newer_taken(core, request, result, held, cached, out)
+        if abandoned and (out or again):
+            # The race's winner had news: what the other shards hold newer goes with it, asked
+            # for without waiting (a poll of 0 s answers at once).
+            batch, helds = _newer_batch(core, abandoned, newer_than, 0.0, False)
+            for request, result, held in zip(batch, (yield batch), helds):
+                again += _newer_taken(core, request, result, held, cached, out)
         if again:
             out.update((yield from pull(core, again)))
         if out or time.monotonic() >= end:
             return {n: out[n] for n in names if n in out}
+
+
+def _newer_batch(
+    core: Core,
+    parts: list[tuple[int, list[str]]],
+    newer_than: str | Mapping[str, int],
+    poll: float,
+    race: bool,
+) -> tuple[list[ShardRequest], list[Any]]:
+    """One newer-than poll per ``(shard, names)`` of ``parts``, each with what the client holds
+    of them (the cache's entries, or none)."""
+    batch, helds = [], []
+    for shard, group in parts:
+        if newer_than == "cached":
+            held = core.cache.held(group, core.fleet.incarnation(shard))
+            entries = held[0] or [None] * len(group)
+            versions = [None if c is None else c[1] for c in entries]
+        else:
+            assert isinstance(newer_than, Mapping)
+            held, versions = (None, None), [newer_than.get(n) for n in group]
+        helds.append(held)
+        batch.append(_request(core, shard, group, versions, {}, poll, Abort() if race else None))
+    return batch, helds
+
+
+def _newer_taken(
+    core: Core,
+    request: ShardRequest,
+    result: Any,
+    held: Any,
+    cached: bool,
+    out: dict[str, np.ndarray],
+) -> list[str]:
+    """The values of a newer-than poll's reply that are news, into ``out``; the names to pull
+    again (their shard restarted: what it holds is news too)."""
+    got: dict[str, np.ndarray] = {}
+    rest = take(core, request, core.accept(request, result), held, got)
+    if not cached:  # a value came exactly where the version differs
+        out.update(got)
+        return []
+    entries = held[0] or [None] * len(request.names)
+    for name, entry in zip(request.names, entries):
+        value = got.get(name)
+        if value is not None and (entry is None or value is not entry[2]):
+            out[name] = value
+    return rest
 
 
 def reached(

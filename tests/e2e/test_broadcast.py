@@ -143,6 +143,23 @@ def test_a_change_on_one_shard_ends_a_wait_across_two(client, learner, fleet2, p
     until(lambda: polls_waiting(fleet2.urls) == before, "the other shard's poll ends", 15.0)
 
 
+def test_changes_on_two_shards_all_come_back_not_the_first_shards_alone(client, learner):
+    """Names on two shards, both newer than the client holds: the call returns both, each
+    time (the first shard to answer wins the race; the other is then asked without waiting)."""
+    a, b = named_on(0, 2, "a"), named_on(1, 2, "b")
+    learner.init({a: np.zeros(2, np.float32), b: np.zeros(3, np.float32)}, optimizer=Add())
+    client.pull([a, b])
+    for step in range(1, 6):
+        pushed = learner.push({a: np.ones(2, np.float32), b: np.ones(3, np.float32)})
+        got = client.pull([a, b], newer_than="cached", timeout=25)
+        assert sorted(got) == sorted([a, b]), f"push {step}: got only {list(got)}"
+        np.testing.assert_array_equal(got[a], np.full(2, step))
+        np.testing.assert_array_equal(got[b], np.full(3, step))
+        held = {a: pushed[a]["version"] - 1, b: pushed[b]["version"] - 1}
+        got = client.pull([a, b], newer_than=held, timeout=25)
+        assert sorted(got) == sorted([a, b]), f"push {step}, a map: got only {list(got)}"
+
+
 # -- min_version -----------------------------------------------------------------------------
 
 

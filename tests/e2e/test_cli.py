@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import queue
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -298,6 +299,46 @@ def test_up_sigterm_stops_cleanly(start_up, tmp_path):
     up.proc.send_signal(signal.SIGTERM)
     assert up.proc.wait(30) == 0, up.stderr()
     assert all(_gone(pid) for pid in pids)
+
+
+def test_status_probes_the_shards_straight_whatever_proxy_the_environment_sets(fleet_factory):
+    """HTTP_PROXY and the like (here a proxy that refuses connections) are for reaching the
+    outside: `status` still reaches the fleet; `--proxy` is how to ask for one."""
+    fleet = fleet_factory(1)
+    with refused_port() as port:
+        proxy = f"http://127.0.0.1:{port}"
+        env = {k: proxy for k in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")}
+        done = run_cli(
+            "status", "--shards", fleet.urls[0], env={**env, "NO_PROXY": "", "no_proxy": ""}
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.splitlines()[1].split()[-1] == "yes"
+        done = run_cli("status", "--shards", fleet.urls[0], "--proxy", proxy)
+        assert done.returncode == 1 and done.stdout.splitlines()[1].split()[-1] == "down"
+    done = run_cli("status", "--shards", fleet.urls[0], "--proxy", "socks://x")
+    assert done.returncode == 2 and "--proxy" in done.stderr
+
+
+def test_up_exits_1_naming_the_shard_whose_final_snapshot_failed(start_up, tmp_path):
+    """Shard 1's data dir is replaced by a file while it runs (root writes anywhere, but not
+    into a file): its final snapshot fails, and `up`, told to stop, says so and exits 1;
+    shard 0's is written."""
+    data = tmp_path / "fleet"
+    up = start_up(
+        "--shards", "2", "--base-port", "0", "--data-dir", str(data), "--snapshot-interval", "0"
+    )
+    urls = up.read_until("export PARAMSHARD_SHARDS=").split("=", 1)[1].split(",")
+    with PSClient(urls) as ps:  # a change on each shard: each has a final snapshot to write
+        ps.init({name_on(0, "final"): np.zeros(2, np.float32)})
+        ps.init({name_on(1, "final"): np.zeros(2, np.float32)})
+    shutil.rmtree(data / "shard-1")
+    (data / "shard-1").write_text("not a directory")
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(60) == 1, up.stderr()
+    errors = [line for line in up.stderr().splitlines() if line.startswith("paramshard up: error")]
+    assert len(errors) == 1, up.stderr()
+    assert "shard 1" in errors[0] and urls[1] in errors[0] and "final snapshot" in errors[0]
+    assert any(p.name.endswith(".json") for p in (data / "shard-0").iterdir())
 
 
 def test_up_with_restart_limit_0_reports_a_dead_shard_and_stops_the_rest(start_up):

@@ -273,6 +273,40 @@ def test_pull_and_push_use_tables_where_the_shard_has_them(fleet2, older):
     )
 
 
+@pytest.mark.parametrize(
+    ("verb", "call"),
+    [
+        ("set_optimizer", lambda ps, names: ps.set_optimizer(names, SGD(lr=0.5))),
+        ("set_optimizer", lambda ps, names: ps.set_optimizer(names[0][:4], SGD(lr=0.5))),
+        ("delete", lambda ps, names: ps.delete(names)),
+        ("delete", lambda ps, names: ps.delete(names[0][:4])),
+        ("poll", lambda ps, names: ps.pull(names, newer_than="cached", timeout=1)),
+        ("poll", lambda ps, names: ps.pull(names, min_version=0, timeout=1)),
+    ],
+    ids=["set_optimizer", "set_optimizer-prefix", "delete", "delete-prefix", "newer", "min"],
+)
+def test_a_verb_a_shard_lacks_is_refused_naming_the_shard_before_anything_is_sent(
+    fleet2, verb, call
+):
+    """A shard whose /v1/cluster does not list a verb's feature (an older shard) gets no such
+    request: the call raises ProtocolError naming that shard and saying to upgrade, and the
+    variables are as they were on every shard."""
+    names = two_shard_names(f"lacks-{verb}-")
+    transport = AsIfOlder(False, drop_features=(verb,))
+    with PSClient(fleet2.urls, transport=transport) as ps:
+        ps.init({n: np.ones(2, np.float32) for n in names}, optimizer=SGD(lr=1.0))
+        ps.pull(names)
+        with pytest.raises(ProtocolError) as caught:
+            call(ps, names)
+        assert caught.value.shard == fleet2.urls[0]
+        assert fleet2.urls[0] in str(caught.value) and "upgrade" in str(caught.value)
+        assert repr(verb) in str(caught.value)
+    with PSClient(fleet2.urls) as ps:  # every shard still has them, as they were
+        shown = {v["name"]: v for v in ps.variables() if v["name"] in names}
+    assert sorted(shown) == sorted(names)
+    assert all(v["optimizer"]["lr"] == 1.0 and v["optimizer_version"] == 0 for v in shown.values())
+
+
 @pytest.mark.parametrize("packing", [True, False])  # False: a shard that predates it
 def test_a_pull_of_same_shaped_variables_gets_their_dtype_and_shape_once(fleet2, packing):
     """The SDK asks for `uniform` tables, packed: a pull whose every row holds a tensor of
