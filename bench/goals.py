@@ -13,7 +13,9 @@
   10^5 float32 or bigger);
 * rows of an embedding table of 10^6 x 64 float32, batches of 4,096 ids: ``pull_rows`` and
   ``push_rows`` through 1 and through 2 shards, each >= 2 x the rows/s of TensorFlow's gRPC
-  parameter server doing the same lookup and sparse update.
+  parameter server doing the same lookup and sparse update;
+* a pull of a 100 MB float32 variable with ``wire_dtype="float16"``: >= 1.6 x the float32
+  pull's MB/s, both counted in the float32 bytes delivered.
 
 :func:`evaluate` returns one dict per goal (JSON-ready); :func:`render` prints them. A goal
 whose figures were not measured in this run says what would measure it (``--peers`` for the
@@ -28,7 +30,7 @@ from . import broadcast, optimizers
 from . import rows as row_case
 from .peers import PEERS
 from .syncround import ASYNC, SYNC
-from .transfer import RAW, SDK
+from .transfer import RAW, SDK, SDK_F16
 
 __all__ = ["evaluate", "render"]
 
@@ -130,6 +132,20 @@ def evaluate(rows: Sequence[dict]) -> list[dict]:
                     "needs --peers",
                 )
             )
+    half = 25_000_000  # 100 MB of float32
+    out.append(
+        _goal(
+            "float16 pull of 100 MB",
+            SDK,
+            "MB/s",
+            _find(rows, "transfer", "pull", half, SDK_F16),
+            _find(rows, "transfer", "pull", half, SDK),
+            "mb_per_s",
+            True,
+            1.6,
+            "not measured: run with the size 25000000",
+        )
+    )
     out.append(
         _goal(
             "4 KB pull latency",

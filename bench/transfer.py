@@ -13,7 +13,10 @@ to the value: the cheapest apply there is). In each repetition the SDK does:
    SDK's version cache never short-cuts a timed pull, yet it is used exactly as in training.
 
 The raw socket does the same (a push of the same array, then a pull of as many bytes),
-and each peer too, through its driver (:mod:`bench.peers.driver`), which times it.
+and each peer too, through its driver (:mod:`bench.peers.driver`), which times it. So do two
+more clients, made with ``wire_dtype="float16"`` and ``"bfloat16"`` (:data:`SDK_F16`,
+:data:`SDK_BF16`), each on a float32 variable of its own beside the first: it travels in half
+precision both ways, its MB/s counted in the float32 bytes delivered.
 
 Interleaving the systems rep by rep lets all see the same background load; the order of the
 turns rotates from one repetition to the next. The first ``ctx.warmup`` repetitions of each
@@ -43,6 +46,8 @@ __all__ = [
     "DESCRIPTION",
     "RAW",
     "SDK",
+    "SDK_BF16",
+    "SDK_F16",
     "SDK_TLS",
     "cpu_fields",
     "push_label",
@@ -58,6 +63,9 @@ DEFAULT_SIZES = (1_000, 100_000, 1_000_000, 10_000_000, 25_000_000)
 SDK, RAW = "paramshard", "raw socket"
 #: The same SDK and shard over https (TLS with a certificate made for the run).
 SDK_TLS = "paramshard https"
+#: The SDK with ``wire_dtype`` (client_sdk/wire/halves.py), by the dtype it pulls and pushes in.
+SDK_F16, SDK_BF16 = "paramshard float16", "paramshard bfloat16"
+_HALF = {SDK_F16: "float16", SDK_BF16: "bfloat16"}
 
 
 T = TypeVar("T")
@@ -119,17 +127,23 @@ def run(ctx: Context) -> list[dict]:
     with (
         PSClient(fleet.urls, worker_id="bench-transfer") as ps,
         PSClient(tls_fleet.urls, worker_id="bench-transfer-tls", verify=ca) as tls,
+        PSClient(fleet.urls, worker_id="bench-transfer-f16", wire_dtype="float16") as f16,
+        PSClient(fleet.urls, worker_id="bench-transfer-bf16", wire_dtype="bfloat16") as bf16,
         RawClient(raw_server.host, raw_server.port) as raw,
     ):
         pids = {
             SDK: fleet.pids,
             SDK_TLS: tls_fleet.pids,
+            SDK_F16: fleet.pids,
+            SDK_BF16: fleet.pids,
             RAW: [raw_server.pid],
             **{p.label: p.server_pids for p in peers},
         }
         for n in ctx.sizes_for(DEFAULT_SIZES):
-            rows += _one_size(ctx, n, {SDK: ps, SDK_TLS: tls}, raw, peers, pids)
-    order = {system: k for k, system in enumerate([RAW, SDK, SDK_TLS, *(p.label for p in peers)])}
+            clients = {SDK: ps, SDK_TLS: tls, SDK_F16: f16, SDK_BF16: bf16}
+            rows += _one_size(ctx, n, clients, raw, peers, pids)
+    systems = [RAW, SDK, SDK_TLS, SDK_F16, SDK_BF16, *(p.label for p in peers)]
+    order = {system: k for k, system in enumerate(systems)}
     rows.sort(
         key=lambda r: (
             r["op"] != "pull",
@@ -154,8 +168,10 @@ def _one_size(
     value = np.random.default_rng(n).random(n, dtype=np.float32)
     grad = np.zeros(n, dtype=np.float32)
     nbytes = value.nbytes
-    for ps in clients.values():
-        ps.init({name: value}, optimizer=Add())
+    # A half-precision client on a variable of its own: each system's versions go up by one
+    names = {s: f"{name}/{_HALF[s]}" if s in _HALF else name for s in clients}
+    for system, ps in clients.items():
+        ps.init({names[system]: value}, optimizer=Add())
     for peer in peers:
         peer.init([name], n)
     reps = reps_for(nbytes, ctx.reps, ctx.min_reps)
@@ -167,11 +183,11 @@ def _one_size(
     last_version: dict[str, int] = {}
 
     def sdk_turn(system: str, i: int) -> None:
-        ps = clients[system]
+        ps, own = clients[system], names[system]
         with series["push", system].timed():
-            version = ps.push({name: grad})[name]["version"]
+            version = ps.push({own: grad})[own]["version"]
         with series["pull", system].timed():
-            pulled = ps.pull([name])[name]
+            pulled = ps.pull([own])[own]
         last = last_version.get(system)
         if last is not None and version != last + 1:
             raise RuntimeError(
@@ -210,7 +226,8 @@ def _one_size(
         for turn in rotated(turns, i):
             turn(i)
     for system, ps in clients.items():
-        if not np.array_equal(ps.pull([name])[name], value):
+        reader = clients[SDK] if system in _HALF else ps  # the value as kept, in float32
+        if not np.array_equal(reader.pull([names[system]])[names[system]], value):
             raise RuntimeError(f"{name} ({system}): value changed by pushing zeros through Add")
     for peer in peers:
         peer.check([name])

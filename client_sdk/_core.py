@@ -130,6 +130,7 @@ class Core:
         tensors: bool = False,
         table: dict[str, Any] | None = None,
         arrays: list[np.ndarray] | None = None,
+        dtypes: list[str | None] | None = None,
         max_reply: int | None = None,
         abort: Abort | None = None,
     ) -> ShardRequest:
@@ -137,14 +138,21 @@ class Core:
         it is packed as it is, without looking for any). With ``table`` (a map inside
         ``msg``) and ``arrays``, encoded as a framed body whose tensor table ``table`` holds
         ``arrays`` (where the shard takes it, arrays of one dtype and shape as a packed
-        uniform table: docs/PROTOCOL.md §2). Its reply is bounded by ``max_reply``, by
-        default: the headroom and the room for its names (a reply without tensors). ``abort``
-        makes it one request of a race (:class:`~client_sdk._flow.ShardRequest`)."""
+        uniform table: docs/PROTOCOL.md §2), their type strings ``dtypes`` when given (a
+        bfloat16 row travels as its bits: :mod:`client_sdk.wire.halves`). Its reply is
+        bounded by ``max_reply``, by default: the headroom and the room for its names (a reply
+        without tensors). ``abort`` makes it one request of a race
+        (:class:`~client_sdk._flow.ShardRequest`)."""
         try:
             if table is not None:
                 assert arrays is not None, "a table comes with its arrays"
                 packed = self.fleet.packed[shard]
-                body = wire.encode_table(msg, table, arrays, uniform=packed, packed=packed)
+                shapes: list[list[int] | None] | None = None
+                if dtypes is not None:
+                    shapes = [list(a.shape) for a in arrays]
+                body = wire.encode_table(
+                    msg, table, arrays, dtypes, shapes, uniform=packed, packed=packed
+                )
             else:
                 body = wire.encode(msg, tensors=tensors)
         except wire.WireError as exc:

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from . import wire
 from ._exceptions import ConfigError
+from .wire import halves
 
 __all__ = ["DEFAULT_MAX_REPLY_BYTES", "Settings", "load_settings"]
 
@@ -42,6 +43,8 @@ class Settings:
     #: How ``https://`` shards are verified: the system's CAs (True), a CA bundle's path, or
     #: not at all (False).
     verify: bool | str = True
+    #: ``None`` (float32 travels as float32) or the half precision it travels in.
+    wire_dtype: str | None = None
 
 
 def load_settings(
@@ -54,6 +57,7 @@ def load_settings(
     max_inflight: int = 2,
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
     verify: bool | str = True,
+    wire_dtype: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Settings:
     """Resolve arguments, falling back to ``PARAMSHARD_*`` environment variables.
@@ -133,6 +137,10 @@ def load_settings(
             f"verify must be True (the system's CAs), False (no verification) or the path of "
             f"a CA bundle (PEM), got {verify!r}"
         )
+    try:
+        wire_dtype = halves.check_wire_dtype(wire_dtype)
+    except wire.WireError as exc:
+        raise ConfigError(exc.message) from None
     return Settings(
         urls,
         worker_id,
@@ -142,6 +150,7 @@ def load_settings(
         max_inflight,
         max_reply_bytes,
         verify,
+        wire_dtype,
     )
 
 

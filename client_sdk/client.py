@@ -74,6 +74,15 @@ class PSClient(TableMethods):
     :class:`ProtocolError`, refused before it is read. ``transport`` replaces httpx2's network
     transport (e.g. ``httpx2.MockTransport`` in tests).
 
+    ``wire_dtype`` (``"float16"`` or ``"bfloat16"``; default ``None``: as they are) makes the
+    values of float32 variables travel in half the bytes: pulls get them narrowed by the shard
+    and widened back to float32 here, pushes send float32 gradients narrowed here and widened
+    by the shard, which keeps values and optimizer slots in float32. Rounding is to nearest
+    (ties to even); a value or gradient beyond float16's range (65504) raises
+    :class:`BadTensorError` instead of travelling as an infinity. bfloat16 keeps float32's
+    range with 8 significant bits and needs ``pip install 'paramshard[bfloat16]'``
+    (``ml_dtypes``). Other dtypes travel as they are.
+
     A shard that restarts comes back with a new incarnation: the client logs one warning (the
     shard and the state version it came back at), forgets the values it cached from it, and
     carries on.
@@ -96,6 +105,7 @@ class PSClient(TableMethods):
         retry_deadline: float = 30.0,
         max_inflight: int = 2,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        wire_dtype: Literal["float16", "bfloat16"] | None = None,
         transport: httpx2.BaseTransport | None = None,
         verify: bool | str = True,
     ) -> None:
@@ -108,6 +118,7 @@ class PSClient(TableMethods):
             max_inflight=max_inflight,
             max_reply_bytes=max_reply_bytes,
             verify=verify,
+            wire_dtype=wire_dtype,
         )
         self._core = Core(settings)
         n = len(settings.shards)
@@ -437,6 +448,7 @@ class AsyncPSClient(AsyncTableMethods):
         retry_deadline: float = 30.0,
         max_inflight: int = 2,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        wire_dtype: Literal["float16", "bfloat16"] | None = None,
         transport: httpx2.AsyncBaseTransport | None = None,
         verify: bool | str = True,
     ) -> None:
@@ -449,6 +461,7 @@ class AsyncPSClient(AsyncTableMethods):
             max_inflight=max_inflight,
             max_reply_bytes=max_reply_bytes,
             verify=verify,
+            wire_dtype=wire_dtype,
         )
         self._core = Core(settings)
         self._sender = _transport.async_sender(settings, transport)

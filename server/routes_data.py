@@ -27,6 +27,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from client_sdk import wire
+from client_sdk.wire import halves
 
 from .bodies import EncodedResponse, read_body
 from .errors import ShardError
@@ -38,6 +39,7 @@ from .store import (
     MAX_SEQ,
     MAX_WAIT_SECONDS,
     ParameterStore,
+    PullRows,
     finite_rows,
 )
 
@@ -220,8 +222,12 @@ async def pull(request: Request) -> Response:
     the current version are left out."""
     msg, _ = await _message(request)
     names, versions, table, layout = _pull_args(msg, _accepts_frame(request))
+    narrow = _wire_dtype(msg, "pull", table)
     store = _store(request)
     await store.readable(names)
+    if narrow is not None:
+        gather = gathers(request.scope)
+        return EncodedResponse(await _narrowed(store, names, versions, layout, gather, narrow))
     if table:
         return EncodedResponse(_pull_table(store, names, versions, layout, gathers(request.scope)))
     return _reply(request, {"variables": store.pull(names, versions)}, tensors=True)
@@ -251,7 +257,7 @@ def pull_now(
         if not isinstance(msg, dict):
             return None
         names, versions, table, layout = _pull_args(msg, True)
-        if not table or not store.settled_now(names):
+        if not table or "wire_dtype" in msg or not store.settled_now(names):
             return None
         return _pull_table(store, names, versions, layout, True)
     except (ShardError, wire.WireError):
@@ -291,6 +297,58 @@ def _pull_args(
     return names, versions, table, (uniform, uniform and packed)
 
 
+def _wire_dtype(msg: Mapping[str, Any], verb: str, table: bool) -> str | None:
+    """A pull's (or poll's) ``wire_dtype``: ``None`` (float32 as it is), or the half
+    precision its float32 values travel in (:mod:`client_sdk.wire.halves`), checked."""
+    value = msg.get("wire_dtype")
+    if value is None:
+        return None
+    try:
+        wire_dtype = halves.check_wire_dtype(value)
+    except wire.WireError as exc:
+        raise ShardError("bad_request", f"{verb}: {exc.message}", {"field": "wire_dtype"}) from None
+    if wire_dtype is not None and not table:
+        raise ShardError(
+            "bad_request",
+            f"{verb}: 'wire_dtype' needs the table layout: send 'layout': 'table' and accept "
+            f"{wire.FRAME} (docs/PROTOCOL.md, pull)",
+            {"field": "wire_dtype"},
+        )
+    return wire_dtype
+
+
+#: Bytes of float32 values a pull narrows on the event loop; more are narrowed in a thread.
+NARROW_ON_LOOP = 1 << 20
+
+
+async def _narrowed(
+    store: ParameterStore,
+    names: list[str],
+    versions: Mapping[str, int] | list[int | None] | None,
+    layout: tuple[bool, bool],
+    gather: bool,
+    wire_dtype: str,
+    ready: bool | None = None,
+) -> wire.Encoded:
+    """:func:`_pull_table` with its float32 values narrowed to ``wire_dtype`` (the rows'
+    indices in the table's ``narrowed``); 422 ``bad_tensor`` for a value beyond float16's
+    range. The values are views a later write does not change (:meth:`Variable.export
+    <server.store.variable.Variable.export>`), so big ones are narrowed off the loop."""
+    rows = store.pull_rows(names, versions)
+    size = sum(v.nbytes for v in rows.values if v is not None)
+    args = (names, rows.values, rows.dtypes, wire_dtype)
+    try:
+        if size <= NARROW_ON_LOOP:
+            narrowed = halves.narrow_rows(*args)
+        else:
+            narrowed = await asyncio.to_thread(halves.narrow_rows, *args)
+    except wire.WireError as exc:
+        raise ShardError(exc.code, exc.message, {"wire_dtype": wire_dtype}) from None
+    if narrowed:
+        rows.whole = None
+    return _pull_table(store, names, versions, layout, gather, ready, rows, narrowed)
+
+
 def _pull_table(
     store: ParameterStore,
     names: list[str],
@@ -298,11 +356,17 @@ def _pull_table(
     layout: tuple[bool, bool],
     gather: bool,
     ready: bool | None = None,
+    rows: PullRows | None = None,
+    narrowed: list[int] | None = None,
 ) -> wire.Encoded:
-    """The pull reply in the table layout; with ``ready``, a poll's (its ``ready`` beside)."""
-    rows = store.pull_rows(names, versions)
+    """The pull reply in the table layout; with ``ready``, a poll's (its ``ready`` beside).
+    ``rows``: the rows already read (``narrowed``: the indices of those narrowed)."""
+    if rows is None:
+        rows = store.pull_rows(names, versions)
     # No "names" column: the rows are the requested names, in request order.
-    table = {"versions": rows.versions}
+    table: dict[str, Any] = {"versions": rows.versions}
+    if narrowed:
+        table["narrowed"] = narrowed
     msg: dict[str, Any] = {"table": table} if ready is None else {"ready": ready, "table": table}
     # Served by the shard's own protocol, the body goes out in one vectored write of its
     # pieces (EncodedResponse, on the same condition), which may then be the arrays.
@@ -475,6 +539,7 @@ async def poll(request: Request) -> Response:
     `versions` (or, with `min_version`, once every one reached it), or at the timeout."""
     msg, _ = await _message(request)
     names, versions, table, layout = _pull_args(msg, _accepts_frame(request), "poll")
+    narrow = _wire_dtype(msg, "poll", table)
     min_version = msg.get("min_version")
     if min_version is not None and (not _int(min_version) or not 0 <= min_version <= MAX_VERSION):
         raise _bad_field("poll", "min_version", "an int in 0..2**63-1 (or absent)", min_version)
@@ -482,6 +547,11 @@ async def poll(request: Request) -> Response:
     store = _store(request)
     ready = await store.poll(names, versions, min_version, timeout, _disconnected(request))
     await store.readable(names)
+    if narrow is not None:
+        gather = gathers(request.scope)
+        return EncodedResponse(
+            await _narrowed(store, names, versions, layout, gather, narrow, ready)
+        )
     if table:
         return EncodedResponse(
             _pull_table(store, names, versions, layout, gathers(request.scope), ready)

@@ -92,6 +92,7 @@ async def cluster(request: Request) -> dict[str, Any]:
             wire.FEATURE_SET_OPTIMIZER,
             wire.FEATURE_DELETE,
             wire.FEATURE_EMBEDDING_TABLES,
+            wire.FEATURE_WIRE_DTYPE,
         ],
         "version": __version__,
         "started_at": state.started_at,

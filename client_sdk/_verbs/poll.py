@@ -34,7 +34,7 @@ from .._core import Core
 from .._exceptions import BadRequestError, NotReadyError, ProtocolError
 from .._flow import Flow, ShardRequest
 from .._replies import Message
-from .pull import plan, pull, reply_bound, take
+from .pull import half_on, plan, pull, reply_bound, take
 from .wait import WAIT_READ_SLACK
 
 __all__ = ["POLL_SECONDS", "newer", "poll", "reached"]
@@ -121,6 +121,8 @@ def _request(
         "packed": True,
         **extra,
     }
+    if core.settings.wire_dtype is not None:
+        msg["wire_dtype"] = half_on(core, shard)
     if any(v is not None for v in held):
         msg["versions"] = held  # a list parallel to "names": every poll shard takes tables
     return core.post(

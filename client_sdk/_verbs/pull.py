@@ -28,8 +28,9 @@ from .._core import REPLY_HEADROOM, REPLY_PER_NAME, Core
 from .._exceptions import ProtocolError
 from .._flow import Body, Flow, ShardRequest
 from .._replies import Message
+from ..wire import halves
 
-__all__ = ["plan", "pull", "reply_bound", "take"]
+__all__ = ["half_on", "plan", "pull", "reply_bound", "take"]
 
 #: Lists of names whose pull plans are kept (all dropped when full).
 MAX_PLANS = 64
@@ -42,6 +43,7 @@ def pull(core: Core, names: Any) -> Flow[dict[str, np.ndarray]]:
     deadline = core.deadline()
     yield from core.require_fleet(deadline)
     fleet, cache = core.fleet, core.cache
+    wire_dtype = core.settings.wire_dtype
     out: dict[str, np.ndarray] = {}
     for use_cache in (True, False):
         batch, held = [], []
@@ -52,6 +54,11 @@ def pull(core: Core, names: Any) -> Flow[dict[str, np.ndarray]]:
                 "uniform": True,
                 "packed": True,
             }
+            if wire_dtype is not None:
+                fleet.require(
+                    shard, wire.FEATURE_WIRE_DTYPE, f"PSClient(wire_dtype={wire_dtype!r})"
+                )
+                msg["wire_dtype"] = wire_dtype
             if use_cache:
                 entries, writes = cache.held(group, fleet.incarnation(shard))
                 held.append((entries, writes))
@@ -83,6 +90,15 @@ def pull(core: Core, names: Any) -> Flow[dict[str, np.ndarray]]:
     if list(out) == names:
         return out  # already in the caller's order (one shard, one round)
     return {name: out[name] for name in names}
+
+
+def half_on(core: Core, shard: int) -> str:
+    """The client's ``wire_dtype``, once ``shard`` is known to take it (else
+    :class:`~client_sdk.ProtocolError` naming the shard, before anything is sent)."""
+    wire_dtype = core.settings.wire_dtype
+    assert wire_dtype is not None
+    core.fleet.require(shard, wire.FEATURE_WIRE_DTYPE, f"PSClient(wire_dtype={wire_dtype!r})")
+    return wire_dtype
 
 
 def plan(core: Core, names: Any) -> tuple[list[str], dict[int, list[str]]]:
@@ -147,6 +163,8 @@ def _take_table(
         names, values = wire.table_rows(table, body, native=True, names=asked)
     except wire.WireError as exc:
         raise ProtocolError(f"shard {url} sent a bad pull table: {exc.message}", shard=url) from exc
+    if "narrowed" in table:
+        values = _widened(url, table["narrowed"], values)
     versions = table.get("versions")
     if (
         type(versions) is not list
@@ -176,6 +194,18 @@ def _take_table(
     return _rows(
         core, request, names, versions, values, table["dtype"].count(None), reply, held, out
     )
+
+
+def _widened(url: str, narrowed: Any, values: list[np.ndarray | None]) -> list[np.ndarray | None]:
+    """``values`` with the rows the shard narrowed (``wire_dtype``) widened back to float32."""
+    if type(narrowed) is not list or not all(
+        type(i) is int and 0 <= i < len(values) and values[i] is not None for i in narrowed
+    ):
+        raise ProtocolError(f"shard {url} sent a pull table with a bad 'narrowed' list", shard=url)
+    values = list(values)
+    for i in narrowed:
+        values[i] = halves.widen(values[i])  # type: ignore[arg-type]
+    return values
 
 
 def _rows(

@@ -19,12 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from .. import _args, _replies
+from .. import _args, _replies, wire
 from .._core import Core
 from .._exceptions import BadRequestError, BadTensorError
 from .._flow import Flow
 from .._parts import fold_results
 from ..partitions import Layout
+from ..wire import halves
+from ..wire.tensors import dtype_str
+from .pull import half_on
 
 __all__ = ["PushJob", "check_push", "merge_push", "prepare_push", "push"]
 
@@ -120,6 +123,10 @@ def push(core: Core, job: PushJob) -> Flow[dict[str, dict[str, Any]]]:
     worker_id = core.settings.worker_id
     batch = []
     grads = job.grads
+    wire_dtype = core.settings.wire_dtype
+    types: dict[str, str] | None = None
+    if wire_dtype is not None:
+        grads, types = _narrowed(core, grads, wire_dtype)
     first = set()
     for shard, names in fleet.chunks(fleet.split(grads)):
         # A shard's further requests (a batch above its max_request_names) are writes of
@@ -145,6 +152,7 @@ def push(core: Core, job: PushJob) -> Flow[dict[str, dict[str, Any]]]:
                     retry_safe=True,
                     table=table,
                     arrays=[grads[k] for k in names],
+                    dtypes=None if types is None else [types[k] for k in names],
                 )
             )
             continue
@@ -164,3 +172,28 @@ def push(core: Core, job: PushJob) -> Flow[dict[str, dict[str, Any]]]:
     replies = core.collect(batch, (yield batch))
     results = _replies.per_variable(batch, replies, "variables", core.shards)
     return fold_results(results, job.layouts) if job.layouts else results
+
+
+def _narrowed(
+    core: Core, grads: dict[str, np.ndarray], wire_dtype: str
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """``grads`` as they go on the wire with ``PSClient(wire_dtype=)``: each float32 one
+    narrowed to ``wire_dtype``, the others as they are; and each one's type string. The
+    shards are checked for the feature first; :class:`BadTensorError` for a gradient beyond
+    float16's range, before anything is sent."""
+    for shard in core.fleet.split(grads):
+        half_on(core, shard)
+    out, types = {}, {}
+    for name, grad in grads.items():
+        if grad.dtype == np.float32:
+            try:
+                out[name], types[name] = halves.narrow(
+                    grad, wire_dtype, f"push: gradient of {name!r}"
+                )
+            except wire.WireError as exc:
+                raise BadTensorError(
+                    exc.message, code="bad_tensor", details={"variable": name}
+                ) from None
+        else:
+            out[name], types[name] = grad, dtype_str(grad.dtype)
+    return out, types

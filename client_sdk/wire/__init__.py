@@ -11,7 +11,9 @@ of it, written so a client in another language can be built from that page alone
 * ``tensors.py``: one tensor: dtype and shape checked, its map decoded as a view;
 * ``messages.py``: a message's body, one msgpack map or framed (a small msgpack header, then
   the tensors' own bytes, aligned), encoded, unpacked, its tensor fields decoded;
-* ``tables.py``: many tensors as one tensor table of a framed body.
+* ``tables.py``: many tensors as one tensor table of a framed body;
+* ``halves.py``: float32 values and gradients narrowed to float16 or bfloat16 for the wire, and
+  widened back (a pull's ``wire_dtype``).
 
 Which fields of a message are tensors is fixed by each verb's schema (docs/PROTOCOL.md); the
 decoder is told, it does not guess.

@@ -23,6 +23,7 @@ __all__ = [
     "FEATURE_POLL",
     "FEATURE_SET_OPTIMIZER",
     "FEATURE_TABLES",
+    "FEATURE_WIRE_DTYPE",
     "FRAME",
     "FRAME_MAGIC",
     "FRAME_PREFIX",
@@ -87,6 +88,8 @@ FEATURE_SET_OPTIMIZER = "set_optimizer"
 FEATURE_DELETE = "delete"
 #: A shard has embedding tables: ``create_table``, ``pull_rows``, ``push_rows`` (§3).
 FEATURE_EMBEDDING_TABLES = "embedding_tables"
+#: A shard's pull and poll take ``wire_dtype``: float32 values narrowed to half precision (§3).
+FEATURE_WIRE_DTYPE = "wire_dtype"
 
 FRAME_MAGIC = b"PSF1"
 #: A framed body's prefix: :data:`FRAME_MAGIC` and the header's length, a little-endian uint32.

@@ -6,10 +6,11 @@ A tensor inside a message is a map::
     {"dtype": "<f4", "shape": [2, 3], "offset": 128, "nbytes": 24}  # framed
 
 ``dtype`` is a numpy array-interface type string (byte order + kind + item size), restricted to
-:data:`~client_sdk.wire.constants.DTYPES`. Decoding is one ``np.frombuffer`` over the received
-bytes (:func:`decode_tensor`; :func:`framed_view` for the common framed case with as little
-Python as possible): no per-element work, and never pickle. :func:`dtype_str` is the other way:
-the type string of an array's dtype, refused when the protocol has no name for it.
+:data:`~client_sdk.wire.constants.DTYPES`, or ``"<bf2"``, bfloat16 (:data:`BFLOAT16`, through
+ml_dtypes). Decoding is one ``np.frombuffer`` over the received bytes (:func:`decode_tensor`;
+:func:`framed_view` for the common framed case with as little Python as possible): no
+per-element work, and never pickle. :func:`dtype_str` is the other way: the type string of an
+array's dtype, refused when the protocol has no name for it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .constants import ALIGN, DTYPES, MAX_NDIM
 from .errors import WireError
 
 __all__ = [
+    "BFLOAT16",
     "MAX_ARRAY_BYTES",
     "PARSED",
     "PARSED_NATIVE",
@@ -44,6 +46,28 @@ _DTYPE_RE = re.compile(r"([<>|])([fiu])([1248])")
 MAX_ARRAY_BYTES = np.iinfo(np.intp).max
 
 
+#: The type string of bfloat16 (ml_dtypes' ``bfloat16``, little-endian), the one dtype off
+#: :data:`~client_sdk.wire.constants.DTYPES` (:mod:`client_sdk.wire.halves`).
+BFLOAT16 = "<bf2"
+
+
+def _bfloat16() -> np.dtype:
+    """ml_dtypes' bfloat16, noted as parsed; :class:`WireError` saying how to install it."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise WireError(
+            "a tensor of dtype '<bf2' (bfloat16) needs the ml_dtypes package: pip install "
+            "'paramshard[bfloat16]' (or pip install ml_dtypes)",
+            code="bad_tensor",
+        ) from None
+    dtype: np.dtype = np.dtype(ml_dtypes.bfloat16)
+    PARSED[BFLOAT16] = dtype
+    if dtype.isnative:
+        PARSED_NATIVE[BFLOAT16] = dtype
+    return dtype
+
+
 #: Type strings already parsed (only valid ones: at most the 11 kinds in each byte order).
 PARSED: dict[str, np.dtype] = {}
 #: The ones of them in this machine's byte order.
@@ -56,6 +80,8 @@ def parse_dtype(text: Any) -> np.dtype:
         known = PARSED.get(text)
         if known is not None:
             return known
+        if text == BFLOAT16:
+            return _bfloat16()
     m = _DTYPE_RE.fullmatch(text) if isinstance(text, str) else None
     if m is None or (m.group(2) + m.group(3)) not in DTYPES:
         raise WireError(
@@ -203,6 +229,9 @@ SENDABLE: dict[np.dtype, str] = {}
 def dtype_str(dtype: np.dtype) -> str:
     text = SENDABLE.get(dtype)
     if text is None:
+        if dtype.name == "bfloat16" and dtype == _bfloat16():
+            SENDABLE[dtype] = BFLOAT16
+            return BFLOAT16
         if dtype.kind not in "fiu":
             raise WireError(
                 f"cannot send arrays of dtype {dtype}: use a float or int dtype", code="bad_tensor"

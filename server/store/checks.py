@@ -141,9 +141,14 @@ def _finite_quiet(a: np.ndarray) -> bool:
 
 def check_dtypes_and_shapes(variables: Sequence[Variable], grads: Sequence[np.ndarray]) -> None:
     """Refuse a push (422) unless every variable is a float one and its gradient (``grads``,
-    in order) is of a float dtype and the variable's shape."""
+    in order) is of a float dtype (bfloat16 included: :mod:`client_sdk.wire.halves`) and the
+    variable's shape."""
     for var, grad in zip(variables, grads):
-        if var.value.dtype.kind != "f" or grad.dtype.kind != "f" or grad.shape != var.value.shape:
+        if (
+            var.value.dtype.kind != "f"
+            or (grad.dtype.kind != "f" and grad.dtype.name != "bfloat16")
+            or grad.shape != var.value.shape
+        ):
             raise _grad_error(var, grad)
 
 
@@ -156,9 +161,10 @@ def _grad_error(var: Variable, grad: np.ndarray) -> ShardError:
             f"variable has integer dtype {var.value.dtype.str}; gradients apply "
             "to float variables only (use increment or assign to change it)",
         )
-    if grad.dtype.kind != "f":
+    if grad.dtype.kind != "f" and grad.dtype.name != "bfloat16":
         return tensor_error(
-            var.name, f"gradient dtype {grad.dtype.str} is not a float type: send f2, f4 or f8"
+            var.name,
+            f"gradient dtype {grad.dtype.str} is not a float type: send f2, f4, f8 or bf2",
         )
     return tensor_error(
         var.name,

@@ -17,7 +17,7 @@ import pytest
 
 from bench import broadcast, goals, optimizers, scale, syncround, timing
 from bench import rows as rows_case
-from bench.transfer import RAW, SDK, SDK_TLS
+from bench.transfer import RAW, SDK, SDK_BF16, SDK_F16, SDK_TLS
 from tests.conftest import ROOT
 
 
@@ -63,7 +63,7 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         if r["case"] in ("transfer", "step"):  # small: ten times --quick's 5 repetitions
             assert r["reps"] == 5 * timing.SMALL_FACTOR, r
     for op in ("pull", "push"):
-        assert systems["transfer", op] == {SDK, SDK_TLS, RAW}
+        assert systems["transfer", op] == {SDK, SDK_TLS, SDK_F16, SDK_BF16, RAW}
         assert systems["step", op] == {SDK, RAW}
     assert systems["workers", "push"] == {RAW, goals.ONE_SHARD, goals.TWO_SHARDS}
     assert {"paramshard", "raw file"} <= systems["snapshot", "write"]

@@ -534,6 +534,7 @@ def test_push_with_a_gradient_table(fleet2, http):
         wire.FEATURE_SET_OPTIMIZER,
         wire.FEATURE_DELETE,
         wire.FEATURE_EMBEDDING_TABLES,
+        wire.FEATURE_WIRE_DTYPE,
     ]
 
 

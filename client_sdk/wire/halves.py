@@ -1,0 +1,134 @@
+"""Half precision on the wire: float32 values and gradients sent as float16 or bfloat16.
+
+A client that asks for it (a pull's ``wire_dtype``, docs/PROTOCOL.md §3) gets the float32
+values it pulls narrowed to that dtype by the shard, and narrows the float32 gradients it
+pushes itself; the receiver widens them back to float32. The shard keeps values and slots in
+float32: only the bytes on the wire are halved. Tensors of any other dtype travel as they are.
+
+* float16 (``<f2``): IEEE 754 half precision, 11 significant bits, finite up to 65504. numpy
+  narrows it, rounding to nearest, ties to even.
+* bfloat16 (``<bf2``): float32's exponent with 8 significant bits, so float32's range. It comes
+  from ml_dtypes (the SDK's optional extra ``paramshard[bfloat16]``; the shards' dependency),
+  which rounds to nearest, ties to even, too.
+
+A finite float32 beyond the wire dtype's range would arrive as an infinity: :func:`narrow`
+refuses it instead (:class:`~client_sdk.wire.errors.WireError`, ``bad_tensor``), naming the
+tensor and the largest magnitude the dtype holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import WireError
+from .tensors import BFLOAT16 as BFLOAT16_STR
+from .tensors import parse_dtype
+
+__all__ = [
+    "BFLOAT16",
+    "FLOAT16",
+    "WIRE_DTYPES",
+    "bfloat16",
+    "check_wire_dtype",
+    "narrow",
+    "narrow_rows",
+    "widen",
+]
+
+FLOAT16 = "float16"
+BFLOAT16 = "bfloat16"
+#: The values a pull's ``wire_dtype`` (and ``PSClient(wire_dtype=...)``) may take.
+WIRE_DTYPES = (FLOAT16, BFLOAT16)
+#: Elements narrowed at a time: a block and its check stay in the cache.
+_BLOCK = 1 << 18
+_F4 = np.dtype("<f4")
+_F2 = np.dtype("<f2")
+
+#: How to install bfloat16 support where ml_dtypes is missing.
+INSTALL_BFLOAT16 = (
+    "bfloat16 on the wire needs the ml_dtypes package: pip install 'paramshard[bfloat16]' "
+    "(or pip install ml_dtypes)"
+)
+
+
+def bfloat16() -> np.dtype:
+    """ml_dtypes' bfloat16 dtype; :class:`WireError` saying how to install it when missing."""
+    try:
+        return parse_dtype(BFLOAT16_STR)
+    except WireError:
+        raise WireError(INSTALL_BFLOAT16, code="bad_request") from None
+
+
+def check_wire_dtype(value: Any) -> str | None:
+    """``value`` as a wire dtype name (``None``, or one of :data:`WIRE_DTYPES`), checked:
+    :class:`WireError` ``bad_request`` for anything else, or for bfloat16 without ml_dtypes."""
+    if value is None or value == "float32":
+        return None
+    if value not in WIRE_DTYPES:
+        raise WireError(
+            f"wire_dtype must be 'float16' or 'bfloat16' (or absent: float32), got {value!r}",
+            code="bad_request",
+        )
+    if value == BFLOAT16:
+        bfloat16()
+    return str(value)
+
+
+def _dtype(wire_dtype: str) -> np.dtype:
+    return _F2 if wire_dtype == FLOAT16 else bfloat16()
+
+
+def narrow(value: np.ndarray, wire_dtype: str, name: str = "tensor") -> tuple[np.ndarray, str]:
+    """``value`` (float32) rounded to nearest in ``wire_dtype``, as it goes on the wire: a new
+    array and its type string (``"<f2"``; or ``"<bf2"`` for bfloat16, whose array then holds
+    its bits as ``uint16``, the form a socket and a memoryview take). Refuses
+    (:class:`WireError` ``bad_tensor``) a finite entry beyond the dtype's range, which would
+    become an infinity."""
+    dtype = _dtype(wire_dtype)
+    out = np.empty(value.shape, dtype)
+    src, dst = value.reshape(-1), out.reshape(-1)
+    check = dtype == _F2  # bfloat16 holds float32's range
+    for start in range(0, src.size, _BLOCK):
+        part = dst[start : start + _BLOCK]
+        with np.errstate(over="ignore"):  # an overflow is found below, and refused
+            np.copyto(part, src[start : start + _BLOCK], casting="unsafe")
+        if check and np.isinf(part).any():
+            whole = src[start : start + _BLOCK]
+            if np.isfinite(whole[np.isinf(part)]).any():
+                raise WireError(
+                    f"{name} holds values beyond float16's range (|x| > 65504, here up to "
+                    f"{float(np.abs(whole[np.isfinite(whole)]).max()):.6g}): they would travel "
+                    "as infinities, so nothing was sent; use wire_dtype='bfloat16' (float32's "
+                    "range) or float32 for it",
+                    code="bad_tensor",
+                )
+    if check:
+        return out, "<f2"
+    return out.view(np.uint16), BFLOAT16_STR
+
+
+def widen(value: np.ndarray) -> np.ndarray:
+    """A narrowed ``value`` (float16 or bfloat16, as decoded) back in float32 (exact: every
+    float16 and bfloat16 is a float32), read-only."""
+    out = value.astype(_F4)
+    out.flags.writeable = False
+    return out
+
+
+def narrow_rows(
+    names: list[str],
+    values: list[np.ndarray | None],
+    dtypes: list[str | None],
+    wire_dtype: str,
+) -> list[int]:
+    """Narrow, in place in these parallel lists, every float32 value to ``wire_dtype`` as it
+    goes on the wire (:func:`narrow`; its type string too); return the indices of the rows
+    narrowed."""
+    narrowed = []
+    for i, value in enumerate(values):
+        if value is not None and value.dtype == _F4:
+            values[i], dtypes[i] = narrow(value, wire_dtype, f"variable {names[i]!r}")
+            narrowed.append(i)
+    return narrowed

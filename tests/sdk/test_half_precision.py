@@ -1,0 +1,227 @@
+"""``PSClient(wire_dtype=...)``: float32 values and gradients travel as float16 or bfloat16
+(docs/PROTOCOL.md §3 pull, "Half precision"), against a real 2-shard fleet.
+
+What a half-precision pull gives is compared with the float32 value rounded to the wire dtype
+(numpy's float16 cast and ml_dtypes' bfloat16 cast round to nearest, ties to even) and back:
+equal bit for bit. A push's gradient arrives as that rounding of it, which an SGD step with
+lr 1 shows exactly. The bytes on the wire are read off the replies (their Content-Length), and
+what a refused request leaves is read back with a float32 client.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+
+import httpx2
+import numpy as np
+import pytest
+
+from client_sdk import (
+    AsyncPSClient,
+    BadTensorError,
+    ConfigError,
+    PSClient,
+    wire,
+)
+from client_sdk.optimizers import SGD
+from client_sdk.placement import shard_for
+from client_sdk.wire import halves, tensors
+from tests.conftest import OnLoop
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def fresh(prefix: str = "h") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def on_both(prefix: str) -> list[str]:
+    """Two fresh names, one on each shard of a 2-shard fleet."""
+    names: dict[int, str] = {}
+    while len(names) < 2:
+        name = fresh(prefix)
+        names.setdefault(shard_for(name, 2), name)
+    return [names[0], names[1]]
+
+
+def rounded(value: np.ndarray, wire_dtype: str) -> np.ndarray:
+    return value.astype(DTYPES[wire_dtype]).astype(np.float32)
+
+
+class Sizes(httpx2.BaseTransport):
+    """Real HTTP, recording the Content-Length of every pull or poll reply."""
+
+    def __init__(self) -> None:
+        self.inner = httpx2.HTTPTransport()
+        self.replies: list[int] = []
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = self.inner.handle_request(request)
+        if request.url.path in ("/v1/pull", "/v1/poll"):
+            self.replies.append(int(response.headers["content-length"]))
+        return response
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("wire_dtype", ["float16", "bfloat16"])
+def test_a_pull_gets_the_values_rounded_to_the_wire_dtype_in_half_the_bytes(fleet2, wire_dtype):
+    names = on_both(f"pull-{wire_dtype}")
+    rng = np.random.default_rng(1)
+    values = {n: (rng.standard_normal((300, 100)) * 100).astype(np.float32) for n in names}
+    with PSClient(fleet2.urls, worker_id=fresh("w")) as ps:
+        ps.init(values, optimizer=SGD(lr=1.0))
+        whole = Sizes()
+        with PSClient(fleet2.urls, worker_id=fresh("w"), transport=whole) as plain:
+            plain.pull(names)
+        half = Sizes()
+        with PSClient(
+            fleet2.urls, worker_id=fresh("w"), wire_dtype=wire_dtype, transport=half
+        ) as hp:
+            got = hp.pull(names)
+            for n in names:
+                assert got[n].dtype == np.float32 and not got[n].flags.writeable
+                np.testing.assert_array_equal(got[n], rounded(values[n], wire_dtype))
+            assert hp.pull(names)[names[0]] is got[names[0]]  # unchanged: from the cache
+    # 120,000 bytes of float32 per shard: about half of it on the wire
+    assert all(h < w * 0.55 for h, w in zip(sorted(half.replies[:2]), sorted(whole.replies)))
+
+
+@pytest.mark.parametrize("wire_dtype", ["float16", "bfloat16"])
+def test_a_push_applies_the_gradient_rounded_to_the_wire_dtype(fleet2, wire_dtype):
+    names = on_both(f"push-{wire_dtype}")
+    rng = np.random.default_rng(2)
+    grads = {n: rng.standard_normal(1000).astype(np.float32) for n in names}
+    with PSClient(fleet2.urls, worker_id=fresh("w"), wire_dtype=wire_dtype) as ps:
+        ps.init({n: np.zeros(1000, np.float32) for n in names}, optimizer=SGD(lr=1.0))
+        result = ps.push(grads)
+        assert all(result[n]["status"] == "applied" for n in names)
+    with PSClient(fleet2.urls, worker_id=fresh("w")) as plain:
+        got = plain.pull(names)
+    for n in names:
+        np.testing.assert_array_equal(got[n], -rounded(grads[n], wire_dtype))
+
+
+def test_other_dtypes_travel_as_they_are(fleet2):
+    f64, i64 = fresh("f64"), fresh("i64")
+    value = np.random.default_rng(3).standard_normal(50)
+    with PSClient(fleet2.urls, worker_id=fresh("w"), wire_dtype="float16") as ps:
+        ps.init({f64: value}, optimizer=SGD(lr=1.0))
+        ps.increment(i64, 7)
+        ps.push({f64: np.ones(50)})
+        got = ps.pull([f64, i64])
+    np.testing.assert_array_equal(got[f64], value - 1)
+    assert got[f64].dtype == np.float64 and got[i64] == 7 and got[i64].dtype == np.int64
+
+
+def test_a_gradient_beyond_float16_is_refused_before_sending_and_nothing_changes(fleet2):
+    names = on_both("over-push")
+    with PSClient(fleet2.urls, worker_id=fresh("w"), wire_dtype="float16") as ps:
+        ps.init({n: np.zeros(4, np.float32) for n in names}, optimizer=SGD(lr=1.0))
+        big = np.array([1.0, 2.0, 7e4, 3.0], np.float32)
+        with pytest.raises(BadTensorError) as caught:
+            ps.push({names[0]: np.ones(4, np.float32), names[1]: big})
+        assert repr(names[1]) in str(caught.value) and "65504" in str(caught.value)
+        assert "bfloat16" in str(caught.value)  # what to do instead
+    with PSClient(fleet2.urls, worker_id=fresh("w"), wire_dtype="bfloat16") as ps:
+        ps.push({names[1]: big})  # bfloat16 has float32's range
+    with PSClient(fleet2.urls, worker_id=fresh("w")) as plain:
+        got = plain.pull(names)
+        shown = {v["name"]: v["version"] for v in plain.variables() if v["name"] in names}
+    np.testing.assert_array_equal(got[names[0]], np.zeros(4))
+    assert shown == {names[0]: 0, names[1]: 1}
+    np.testing.assert_array_equal(got[names[1]], -rounded(big, "bfloat16"))
+
+
+def test_a_value_beyond_float16_is_a_clear_error_not_an_infinity(fleet2):
+    name, other = on_both("over-pull")
+    big = np.array([1.0, -1e6], np.float32)
+    with PSClient(fleet2.urls, worker_id=fresh("w")) as plain:
+        plain.init({name: big, other: np.ones(2, np.float32)})
+    with PSClient(fleet2.urls, worker_id=fresh("w"), wire_dtype="float16") as ps:
+        with pytest.raises(BadTensorError) as caught:
+            ps.pull([name, other])
+        assert repr(name) in str(caught.value) and "float16" in str(caught.value)
+        np.testing.assert_array_equal(ps.pull([other])[other], np.ones(2))
+    with PSClient(fleet2.urls, worker_id=fresh("w"), wire_dtype="bfloat16") as ps:
+        np.testing.assert_array_equal(ps.pull([name])[name], rounded(big, "bfloat16"))
+
+
+def test_the_asyncio_client_and_a_poll_use_it_too(fleet2):
+    names = on_both("async")
+    value = np.linspace(-3, 3, 200, dtype=np.float32)
+    ps = OnLoop(AsyncPSClient(fleet2.urls, worker_id=fresh("w"), wire_dtype="float16"))
+    try:
+        ps.init({n: value for n in names}, optimizer=SGD(lr=1.0))
+        got = ps.pull(names)
+        for n in names:
+            np.testing.assert_array_equal(got[n], rounded(value, "float16"))
+        ps.push({names[1]: np.full(200, 0.1, np.float32)})
+        newer = ps.pull(names, newer_than="cached", timeout=20)
+        assert list(newer) == [names[1]]
+        step = np.float32(np.float16(0.1))
+        np.testing.assert_array_equal(newer[names[1]], rounded(value - step, "float16"))
+    finally:
+        ps.close()
+
+
+def test_bad_wire_dtypes_are_refused_saying_what_is_allowed(fleet2, monkeypatch):
+    for bad in ("float8", "f2", 16, True):
+        with pytest.raises(ConfigError, match="float16"):
+            PSClient(fleet2.urls, wire_dtype=bad)
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # as if it were not installed
+    for parsed in (tensors.PARSED, tensors.PARSED_NATIVE):
+        monkeypatch.delitem(parsed, tensors.BFLOAT16, raising=False)
+    with pytest.raises(ConfigError, match=r"paramshard\[bfloat16\]"):
+        PSClient(fleet2.urls, wire_dtype="bfloat16")
+    PSClient(fleet2.urls, wire_dtype="float16").close()  # float16 needs nothing more
+
+
+@pytest.mark.parametrize(
+    ("msg", "accept"),
+    [
+        ({"wire_dtype": "float8"}, True),
+        ({"wire_dtype": 2}, True),
+        ({"wire_dtype": "float16", "layout": "map"}, True),
+        ({"wire_dtype": "float16"}, False),  # no framed reply accepted: no table
+    ],
+    ids=["unknown", "not-a-string", "map-layout", "not-framed"],
+)
+@pytest.mark.parametrize("verb", ["pull", "poll"])
+def test_the_shard_refuses_a_bad_wire_dtype_naming_the_field(fleet2, msg, accept, verb):
+    name = fresh("raw")
+    with PSClient(fleet2.urls, worker_id=fresh("w")) as ps:
+        ps.init({name: np.ones(3, np.float32)})
+    url = fleet2.urls[shard_for(name, 2)]
+    body = {"names": [name], "layout": "table", **msg}
+    if verb == "poll":
+        body["timeout"] = 0
+    enc = wire.encode(body)
+    headers = {"content-type": enc.content_type}
+    if accept:
+        headers["accept"] = f"{wire.FRAME}, {wire.MSGPACK}"
+    r = httpx2.post(f"{url}/v1/{verb}", content=enc.join(), headers=headers, timeout=30)
+    reply = wire.unpack(bytearray(r.content), r.headers["content-type"])
+    assert r.status_code == 400, reply
+    assert reply["error"]["code"] == "bad_request"
+    assert reply["error"]["details"]["field"] == "wire_dtype"
+
+
+def test_narrow_and_widen_round_to_nearest_even():
+    # 1 + 2**-11 lies halfway between two float16s: ties to the even one (1.0)
+    x = np.array([1 + 2**-11, 1 + 3 * 2**-11, 65504, -65504, 0.0], np.float32)
+    f16, text = halves.narrow(x, "float16")
+    assert f16.dtype == np.float16 and text == "<f2"
+    np.testing.assert_array_equal(halves.widen(f16), [1.0, 1 + 2**-9, 65504, -65504, 0.0])
+    with pytest.raises(wire.WireError) as caught:
+        halves.narrow(np.array([65520.0], np.float32), "float16", "g")
+    assert caught.value.code == "bad_tensor"
+    # bfloat16 goes as its bits: the top 16 of the float32's, rounded to nearest even
+    y = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, -3e38], np.float32)
+    bits, text = halves.narrow(y, "bfloat16")
+    assert bits.dtype == np.uint16 and text == "<bf2"
+    back = halves.widen(bits.view(DTYPES["bfloat16"]))
+    np.testing.assert_array_equal(back, [1.0, 1.0, 1 + 2**-6, rounded(y[3:], "bfloat16")[0]])
