@@ -1,8 +1,9 @@
 """``create_app(config)``: one shard as an ASGI application (FastAPI).
 
 The app holds one :class:`~server.store.ParameterStore` and serves the msgpack data plane
-(``server/routes_data.py``), the fleet-checkpoint verbs (``server/routes_checkpoint.py``) and the
-JSON inspection endpoints (``server/routes_inspect.py``). Its lifespan runs
+(``server/routes_data.py``, ``server/routes_control.py``, ``server/routes_tables.py``), the
+fleet-checkpoint verbs (``server/routes_checkpoint.py``) and the JSON inspection endpoints
+(``server/routes_inspect.py``). Its lifespan runs
 :class:`~server.durability.Durability` (restore, periodic and final snapshots) and the task
 that closes the sync rounds that time out (:func:`server.store.rounds.close_when_due`), and
 :class:`~server.admission.AdmissionMiddleware` decides what gets in (restore, drain, pauses,
@@ -426,6 +427,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     from .metrics.export import router as metrics_router
     from .pages import router as pages_router
     from .routes_checkpoint import router as checkpoint_router
+    from .routes_control import router as control_router
     from .routes_data import router as data_router
     from .routes_inspect import router as inspect_router
     from .routes_tables import router as tables_router
@@ -467,6 +469,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     app.state.traffic = Traffic()
     _install_error_handlers(app)
     app.include_router(data_router)
+    app.include_router(control_router)
     app.include_router(checkpoint_router)
     app.include_router(inspect_router)
     app.include_router(tables_router)

@@ -1,5 +1,6 @@
-"""The data plane: ``POST /v1/{init,pull,push,assign,increment,wait,poll,set_optimizer,delete}``
-(docs/PROTOCOL.md §3).
+"""The data plane: ``POST /v1/{init,pull,push,assign,increment,wait,poll}`` (docs/PROTOCOL.md §3);
+``set_optimizer`` and ``delete`` are :mod:`server.routes_control`'s, the embedding tables'
+verbs :mod:`server.routes_tables`'s, both built on the helpers this module shares with them.
 
 Each handler reads the body once into one buffer (:func:`server.bodies.read_body`), decodes the
 message (tensors become views of that buffer, never copied out), checks the verb's fields (the
@@ -9,8 +10,8 @@ memory as it is. Handlers are coroutines on the event loop; the store calls they
 synchronous, except a push (which may compute off the loop,
 :meth:`~server.store.ParameterStore.push_async`), ``set_optimizer`` and ``delete`` (which first
 wait for such a push of their variables to finish), and the wait before an assign or increment
-for such a push to finish (:meth:`~server.store.ParameterStore.settled`). ``set_optimizer`` and
-``delete`` refuse fields they do not know; the other verbs ignore them. On a shard the handlers
+for such a push to finish (:meth:`~server.store.ParameterStore.settled`). These verbs ignore
+fields they do not know. On a shard the handlers
 are reached straight from :mod:`server.direct_routes`, and a small pull in the table layout is
 answered by :func:`pull_now` from the shard's HTTP protocol itself when it can be
 (:func:`server.app.immediate_routes`), with the same code and bytes.
@@ -569,96 +570,13 @@ async def _disconnected(request: Request) -> None:
     await asyncio.Event().wait()
 
 
-# -- changing and removing variables --------------------------------------------------------
-
-#: The fields of ``set_optimizer`` and ``delete``; they refuse any other (docs/PROTOCOL.md §3):
-#: a change asked for under a misspelt field must not pass as done.
-_SET_OPTIMIZER_FIELDS = frozenset({"names", "prefix", "optimizer", "frozen", "worker_id", "seq"})
-_DELETE_FIELDS = frozenset({"names", "prefix", "worker_id", "seq"})
-
-
-def _only(msg: Mapping[str, Any], fields: frozenset[str], verb: str) -> None:
-    for key in msg:
-        if key not in fields:
-            shown = key if isinstance(key, str) else repr(key)
-            raise ShardError(
-                "bad_request",
-                f"{verb}: unknown field {shown!r}; it takes {', '.join(sorted(fields))} "
-                "(docs/PROTOCOL.md)",
-                {"field": shown},
-            )
-
-
-def _target(msg: Mapping[str, Any], verb: str) -> tuple[list[str] | None, str | None]:
-    """``(names, None)`` or ``(None, prefix)``: which variables a request means, its types
-    checked (the store checks the names and the prefix themselves). A nil field is absent."""
-    names, prefix = msg.get("names"), msg.get("prefix")
-    if prefix is None:
-        if names is None:
-            raise ShardError(
-                "bad_request",
-                f"{verb}: missing field 'names' (a list of variable names) or 'prefix' (the start "
-                "of the names to match) (docs/PROTOCOL.md)",
-                {"field": "names"},
-            )
-        return _name_list(msg, "names", verb), None
-    if names is not None:
-        raise ShardError(
-            "bad_request",
-            f"{verb}: 'names' and 'prefix' both: send one of them (docs/PROTOCOL.md)",
-            {"field": "prefix"},
-        )
-    if type(prefix) is not str:
-        raise _bad_field(verb, "prefix", "a string, the start of the names to match", prefix)
-    return None, prefix
-
-
-@router.post("/set_optimizer", openapi_extra=_BODY_DOC)
-async def set_optimizer(request: Request) -> Response:
-    """Change variables' optimizer or freeze them, once per (worker_id, seq): `{"names" |
-    "prefix", "optimizer"?, "frozen"?, "worker_id", "seq"}` -> `{"variables": {name:
-    {"status", "version", "optimizer", "optimizer_version", "frozen", "slots"}}}`."""
-    msg, _ = await _message(request)
-    _only(msg, _SET_OPTIMIZER_FIELDS, "set_optimizer")
-    worker_id, seq = _writer(msg, "set_optimizer", required=True)
-    names, prefix = _target(msg, "set_optimizer")
-    frozen = msg.get("frozen")
-    if frozen is not None and type(frozen) is not bool:
-        raise _bad_field("set_optimizer", "frozen", "true or false (or absent)", frozen)
-    result = await _store(request).set_optimizer(
-        worker_id,
-        seq,
-        names=names,
-        prefix=prefix,
-        optimizer=msg.get("optimizer"),
-        frozen=frozen,
-        max_matched=request.app.state.config.max_request_names,
-    )
-    return _reply(request, {"variables": result})
-
-
-@router.post("/delete", openapi_extra=_BODY_DOC)
-async def delete(request: Request) -> Response:
-    """Remove variables, once per (worker_id, seq): `{"names" | "prefix", "worker_id", "seq"}`
-    -> `{"status", "deleted": [name, ...]}`."""
-    msg, _ = await _message(request)
-    _only(msg, _DELETE_FIELDS, "delete")
-    worker_id, seq = _writer(msg, "delete", required=True)
-    names, prefix = _target(msg, "delete")
-    result = await _store(request).delete(
-        worker_id,
-        seq,
-        names=names,
-        prefix=prefix,
-        max_matched=request.app.state.config.max_request_names,
-    )
-    return _reply(request, result)
-
-
-# What the data plane's other router (server/routes_tables.py) shares with this one.
+# What the data plane's other routers (server/routes_control.py, server/routes_tables.py) share
+# with this one.
 BODY_DOC = _BODY_DOC
 message = _message
 reply = _reply
 required = _required
 bad_field = _bad_field
 writer = _writer
+name_list = _name_list
+store_of = _store
