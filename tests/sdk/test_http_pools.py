@@ -371,9 +371,8 @@ def test_one_exchange_failing_ends_it_alone(scripted):
         return False
 
     hung_up, mute, fine = scripted(hang_up), scripted(silent), scripted(ok)
-    listener = socket.create_server(("127.0.0.1", 0))
-    refused = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    listener.close()
+    unlistened = _bound_not_listening()
+    refused = f"http://127.0.0.1:{unlistened.getsockname()[1]}"
     reader = socket.create_server(("127.0.0.1", 0))  # accepts, never reads
     stuck = f"http://127.0.0.1:{reader.getsockname()[1]}"
     p = pool()
@@ -396,6 +395,7 @@ def test_one_exchange_failing_ends_it_alone(scripted):
     finally:
         release.set()
         reader.close()
+        unlistened.close()
     assert [type(r) for r in out[:4]] == [
         httpx2.RemoteProtocolError,
         httpx2.ReadTimeout,
@@ -450,16 +450,27 @@ def test_async_pool_reuses_connections_and_closes_a_cancelled_one(scripted):
 
 
 def test_async_pool_connect_errors(scripted):
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    listener.close()  # nothing listens there now
+    unlistened = _bound_not_listening()
+    port = unlistened.getsockname()[1]
 
     async def main() -> None:
         p = AsyncHTTPPool(max_idle=2, connect_timeout=5.0, timeout=5.0, max_reply=1 << 30)
         with pytest.raises(httpx2.ConnectError):
             await p.request(Origin(f"http://127.0.0.1:{port}"), "GET", "/x", None)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        unlistened.close()
+
+
+def _bound_not_listening() -> socket.socket:
+    """A socket bound to a loopback port and never listening: a connection to that port is
+    refused for as long as the socket is open. (A port freed by closing a listener could be
+    taken again at once, e.g. by the next server this test makes, and then answer.)"""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 @settings(deadline=None, max_examples=60)
