@@ -5,9 +5,7 @@ holds the model and blocks in ``ps.pull([model], newer_than="cached")``; the lea
 process) waits until the shard holds all 8 polls (``polls_waiting`` in ``/v1/cluster``), pushes
 a gradient of ones (the model uses the ``Add`` optimizer, so element 0 of the value counts the
 pushes) and notes when the push's reply arrived. Each actor notes when its pull returned with
-the new value and says so on its stdout, which the learner reads only after staying idle for
-:data:`QUIET` seconds (so that the harness takes no CPU from the actors while they receive; the
-Ray harness waits the same). A round's latency is the last actor's time minus the
+the new value and says so on its stdout. A round's latency is the last actor's time minus the
 push's reply: the time until every actor holds the new version. The clocks are the machine's
 one monotonic clock (``time.monotonic``, the same in every process on Linux). The first
 ``--warmup`` rounds (at least one) are not counted.
@@ -39,7 +37,7 @@ from . import processes
 from .context import Context
 from .timing import summarize
 
-__all__ = ["ACTORS", "DEFAULT_SIZES", "DESCRIPTION", "QUIET", "RAY", "SDK", "run"]
+__all__ = ["ACTORS", "DEFAULT_SIZES", "DESCRIPTION", "RAY", "SDK", "run"]
 
 ACTORS = 8
 DESCRIPTION = (
@@ -49,11 +47,6 @@ DESCRIPTION = (
 DEFAULT_SIZES = (250_000,)  # float32: 1 MB
 SDK, RAY = "paramshard", "Ray put/get"
 _WAIT = 30.0  # s: the most an actor or the learner waits for one round
-#: Seconds the learner stays idle after each push's reply before it collects the actors' times
-#: (and, on Ray, before it asks whether they wait again): the harness's own reads must not take
-#: the machine's cores from the actors it times. The actors stamp their own times, so a round
-#: that takes longer is still counted whole.
-QUIET = 0.02
 
 
 def _polls_waiting(url: str) -> int:
@@ -95,7 +88,6 @@ def _sdk_rounds(ctx: Context, n: int, rounds: int) -> tuple[list[float], list[fl
                 pushed = time.monotonic()
                 ps.push({name: grad})
                 replied = time.monotonic()
-                time.sleep(QUIET)
                 held = [json.loads(reader.readline(_WAIT)) for reader in lines]
                 assert all(h["round"] == r for h in held), held
                 last = max(h["t"] for h in held)

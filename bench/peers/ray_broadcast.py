@@ -27,8 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from ..broadcast import QUIET
-
 __all__ = ["main"]
 
 _OBJECT_STORE_BYTES = 500_000_000
@@ -118,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
             ref = ray.put(model)
             ray.get(board.publish.remote([ref]))
             replied.append(time.monotonic())
-            time.sleep(QUIET)  # as the paramshard learner: no harness work while actors receive
         held = ray.get(results)
         latencies, from_push = [], []
         for r, (start, t) in enumerate(zip(pushed, replied), start=1):
