@@ -3,7 +3,9 @@
 Both are thin shells over one sans-I/O :class:`~client_sdk._core.Core` and differ only by
 ``await``: each verb is a flow over the core (``_verbs/``) that builds each shard's request and
 interprets the replies; a shell sends a batch (one request per shard, all shards concurrently)
-and hands the results back.
+and hands the results back. The two shells stay in one file, past the ~600 lines a module
+otherwise keeps to: they are one API twice, method for method, and a change to one is read next
+to its twin.
 
     with PSClient(["http://127.0.0.1:7100", "http://127.0.0.1:7101"], worker_id="w0") as ps:
         ps.init({"w": w0}, optimizer=Adagrad(lr=0.1))
