@@ -19,6 +19,7 @@ Needs root and iproute2 (CI has both); skipped with the reason otherwise. Everyt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -223,6 +225,23 @@ class Fleet:
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
+    @contextlib.contextmanager
+    def workers_paused(self) -> Iterator[None]:
+        """The workers stopped (SIGSTOP) for what the block does, then continued (SIGCONT).
+
+        The test's own steps (a checkpoint through a fresh interpreter, polls through ``ip netns
+        exec``) can take seconds on a loaded machine while the workers' steps take milliseconds:
+        without the pause, the workers could finish all their steps before the fault they are
+        meant to ride out. A stopped worker's connections stay open, as in a stalled container.
+        """
+        for host in self.workers:
+            self.procs[host].send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for host in self.workers:
+                self.procs[host].send_signal(signal.SIGCONT)
+
     def wait_for_step(self, at_least: int, timeout: float = 60.0) -> int:
         deadline = time.monotonic() + timeout
         while True:
@@ -276,13 +295,17 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_shard(lab, tmp_pa
 
     # 2. checkpoint the fleet, train on, then kill (SIGKILL, as `docker kill`) a shard that
     #    holds weights but no counter, and start it again on its volume
+    #    (the workers paused while the test does its slow parts, so that they are still
+    #    training when the shard dies)
     mine = [p for p in PARAMS if owner[p] == victim]
-    before_checkpoint = fleet.versions(victim)  # writes resume as soon as it returns
-    checkpoint = fleet.checkpoint()
+    with fleet.workers_paused():
+        before_checkpoint = fleet.versions(victim)
+        checkpoint = fleet.checkpoint()
+        old = fleet.cluster(victim)
     fleet.wait_for_step(fleet.counter("global_step") + WORKERS * 50)
-    old = fleet.cluster(victim)
-    fleet.procs[victim].send_signal(signal.SIGKILL)
-    fleet.procs[victim].wait(10)
+    with fleet.workers_paused():  # they go on against a dead shard until it is back
+        fleet.procs[victim].send_signal(signal.SIGKILL)
+        fleet.procs[victim].wait(10)
     fleet.start_shard(victim)
     fleet.wait_healthy(victim)
     new = fleet.cluster(victim)
