@@ -4,8 +4,9 @@
 (:mod:`server.launcher`: each shard binds port 0 and reports the port it got), waits until
 every ``/healthz`` answers, and returns a :class:`Fleet`. With ``data=True`` shard i
 gets ``--data-dir <workdir>/data/shard-i`` (``Fleet.data_dirs``) and the factory waits until every
-``/readyz`` answers (its snapshot is restored). Every process a test started is stopped when the
-test ends, killed if it does not stop in time.
+``/readyz`` answers (its snapshot is restored); ``data_dirs=[...]`` starts the shards on given
+dirs (a fleet on what ``paramshard reshard`` wrote: tests/helpers/reshard.py). Every process a
+test started is stopped when the test ends, killed if it does not stop in time.
 ``prelude=CODE`` runs CODE in each shard process before ``paramshard serve`` starts (e.g. to
 hide httptools, or to stand in for another release of a dependency); ``env=`` adds environment
 variables (``{"PARAMSHARD_HTTP": "stock"}``: the stock way of serving, :mod:`server.upstream`).
@@ -74,12 +75,16 @@ class Fleet(launcher.Fleet):
         env: dict[str, str] | None = None,
         data: bool = False,
         prelude: str = "",
+        data_dirs: list[Path] | None = None,
     ) -> None:
         self.workdir = workdir
         self.prelude = prelude
+        if data and data_dirs is None:
+            data_dirs = [workdir / "data" / f"shard-{i}" for i in range(n)]
+        data = data_dirs is not None
         super().__init__(
             n,
-            data_dirs=[workdir / "data" / f"shard-{i}" for i in range(n)] if data else None,
+            data_dirs=data_dirs,
             extra_args=extra_args,
             env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
             logdir=workdir,
@@ -125,10 +130,13 @@ def fleet_factory(tmp_path):
         env: dict[str, str] | None = None,
         data: bool = False,
         prelude: str = "",
+        data_dirs: list[Path] | None = None,
     ) -> Fleet:
+        """n shards; ``data`` gives each a fresh data dir, ``data_dirs`` the given ones (e.g.
+        what ``paramshard reshard`` wrote: each shard restores from its own at start)."""
         d = tmp_path / f"fleet{len(fleets)}"
         d.mkdir()
-        f = Fleet(n, d, extra_args, env, data, prelude)
+        f = Fleet(n, d, extra_args, env, data, prelude, data_dirs)
         fleets.append(f)
         return f
 

@@ -15,7 +15,6 @@ import asyncio
 import concurrent.futures
 import os
 import time
-import uuid
 from collections.abc import Callable
 
 import httpx2
@@ -26,10 +25,7 @@ from client_sdk import AsyncPSClient, BadRequestError, NotReadyError, PSClient
 from client_sdk.optimizers import Add
 from client_sdk.placement import shard_for
 from tests.conftest import OnLoop, http_json
-
-
-def fresh(prefix: str = "v") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+from tests.helpers.names import fresh
 
 
 def named_on(shard: int, num_shards: int, prefix: str) -> str:

@@ -12,10 +12,6 @@ admission counts, came across whole).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -26,7 +22,7 @@ from client_sdk.placement import row_shard
 from server import persistence
 from server.persistence.datadir import list_snapshots
 from server.persistence.tables import read_table_arrays
-from tests.conftest import ROOT
+from tests.helpers.reshard import reshard
 
 TABLES = {
     "emb/adam": dict(optimizer=Adam(lr=0.05), initializer=Normal(std=0.1)),
@@ -92,19 +88,9 @@ def test_a_checkpoint_with_tables_resharded_2_to_3_keeps_every_row_and_slot(
     for i in range(2):
         two.stop(i)
     old = [_newest(d) for d in two.data_dirs]
-    three_dir = tmp_path / "three"
-    args = ["reshard", "--from", *map(str, two.data_dirs), "--to", str(three_dir), "--shards", "3"]
-    run = subprocess.run(
-        [sys.executable, "-m", "server.cli", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
+    run, dirs = reshard(two.data_dirs, tmp_path / "three", 3)
     assert "embedding table(s)" in run.stdout
-    new = [_newest(three_dir / f"shard-{j}") for j in range(3)]
+    new = [_newest(d) for d in dirs]
 
     for name in TABLES:
         assert all(name in t for t in new)  # every new shard has every table
@@ -123,12 +109,7 @@ def test_a_checkpoint_with_tables_resharded_2_to_3_keeps_every_row_and_slot(
     assert len(_union(old, "emb/admitted", True)["pending.ids"]) > 0  # something pending
 
     # the same rows, and the same rows again after the same further pushes
-    fleet3 = fleet_factory(3)
-    for j in range(3):
-        fleet3.stop(j)
-    fleet3.data_dirs = [three_dir / f"shard-{j}" for j in range(3)]
-    for j in range(3):
-        fleet3.start(j)
+    fleet3 = fleet_factory(3, data_dirs=dirs)
     for i in range(2):
         two.start(i)
     every = {name: _union(old, name)["ids"] for name in TABLES}

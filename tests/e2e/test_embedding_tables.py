@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import uuid
 
 import numpy as np
 import pytest
@@ -32,6 +31,7 @@ from client_sdk.placement import row_shard
 from server import optim
 from tests.conftest import Fleet, http_json
 from tests.helpers.eventually import eventually
+from tests.helpers.names import fresh
 from tests.sdk.test_client import AsIfOlder
 
 DIM = 8
@@ -44,10 +44,6 @@ def fleets(tmp_path_factory):
     yield one, three
     one.close()
     three.close()
-
-
-def fresh(prefix: str = "t") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
 def batches(steps: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -118,7 +114,7 @@ OPTIMIZERS: list[Optimizer] = [
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: type(o).__name__)
 def test_rows_follow_the_optimizer_per_row(fleets, opt):
     one, three = fleets
-    name = fresh()
+    name = fresh("t")
     spec = TableSpec(dim=DIM, initializer=Normal(std=0.1), optimizer=opt, seed=7)
     pushes = batches(12)
     got = []
@@ -138,7 +134,7 @@ def test_rows_follow_the_optimizer_per_row(fleets, opt):
 
 def test_adam_corrects_each_row_by_its_own_step_count(fleets):
     one, _ = fleets
-    name = fresh()
+    name = fresh("t")
     pushes = batches(20, seed=3)
     spec = TableSpec(dim=DIM, optimizer=Adam(lr=0.02))
     with PSClient(one.urls, worker_id=fresh("w")) as ps:
@@ -153,7 +149,7 @@ def test_adam_corrects_each_row_by_its_own_step_count(fleets):
 
 def test_pull_rows_repeats_and_order_and_initial_rows(fleets):
     _, three = fleets
-    name = fresh()
+    name = fresh("t")
     with PSClient(three.urls, worker_id=fresh("w")) as ps:
         assert ps.create_table(name, DIM, seed=11) is True
         assert ps.create_table(name, DIM, seed=11) is False
@@ -171,7 +167,7 @@ def test_pull_rows_repeats_and_order_and_initial_rows(fleets):
 
 def test_sdk_refuses_bad_arguments_before_sending(fleets):
     one, _ = fleets
-    name = fresh()
+    name = fresh("t")
     with PSClient(one.urls, worker_id=fresh("w")) as ps:
         ps.create_table(name, DIM, initializer=Zeros())
         with pytest.raises(BadTensorError, match="integers"):
@@ -188,7 +184,7 @@ def test_sdk_refuses_bad_arguments_before_sending(fleets):
         with pytest.raises(ConflictError, match="dim"):
             ps.create_table(name, DIM + 1, initializer=Zeros())
         with pytest.raises(UnknownVariableError):
-            ps.pull_rows(fresh(), [1])
+            ps.pull_rows(fresh("t"), [1])
         var = fresh("v")
         ps.init({var: np.zeros(3)})
         with pytest.raises(ConflictError, match="dense variable"):
@@ -199,7 +195,7 @@ def test_sdk_refuses_bad_arguments_before_sending(fleets):
 
 def test_async_client(fleets):
     _, three = fleets
-    name = fresh()
+    name = fresh("t")
 
     async def run() -> np.ndarray:
         async with AsyncPSClient(three.urls, worker_id=fresh("w")) as ps:
@@ -213,7 +209,7 @@ def test_async_client(fleets):
 
 def test_rows_and_slots_come_back_after_kill_9(fleet_factory):
     fleet = fleet_factory(2, "--snapshot-interval", "0.2", data=True)
-    name = fresh()
+    name = fresh("t")
     pushes = batches(6, seed=5)
     opt = Adam(lr=0.05)
     with PSClient(fleet.urls, worker_id=fresh("w"), retry_deadline=60) as ps:
@@ -252,9 +248,9 @@ def test_shards_without_embedding_tables_are_named(fleets):
     transport = AsIfOlder(False, drop_features=("embedding_tables",))
     with PSClient(three.urls, worker_id=fresh("w"), transport=transport) as ps:
         for call in (
-            lambda: ps.create_table(fresh(), DIM),
-            lambda: ps.pull_rows(fresh(), [1]),
-            lambda: ps.push_rows(fresh(), [1], np.ones((1, DIM))),
+            lambda: ps.create_table(fresh("t"), DIM),
+            lambda: ps.pull_rows(fresh("t"), [1]),
+            lambda: ps.push_rows(fresh("t"), [1], np.ones((1, DIM))),
         ):
             with pytest.raises(ProtocolError, match="upgrade") as info:
                 call()
@@ -263,7 +259,7 @@ def test_shards_without_embedding_tables_are_named(fleets):
 
 def test_many_repeats_of_one_id_are_summed(fleets):
     one, _ = fleets
-    name = fresh()
+    name = fresh("t")
     with PSClient(one.urls, worker_id=fresh("w")) as ps:
         ps.create_table(name, DIM, initializer=Zeros(), optimizer=SGD(lr=1.0))
         ids = np.array([4] * 100 + [5] * 3, np.int64)

@@ -12,9 +12,6 @@ as if nothing had happened. A bad optimizer is refused whole, naming the field.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
 from typing import Any
 
@@ -37,7 +34,7 @@ from client_sdk.optimizers import (
 )
 from client_sdk.placement import shard_for
 from server.store.apply import OFFLOAD_BYTES
-from tests.conftest import ROOT
+from tests.helpers.reshard import reshard
 from tests.shard.test_optimizers import CASES, relative_error, run_in_place, run_reference
 
 STEPS = 20
@@ -168,24 +165,8 @@ def test_a_resharded_checkpoint_keeps_the_slots_and_the_step_count(fleet_factory
         ps.checkpoint()
     for i in range(2):
         fleet.stop(i)
-    three = tmp_path / "three"
-    sources = [str(d) for d in fleet.data_dirs]
-    args = ["reshard", "--from", *sources, "--to", str(three), "--shards", "3"]
-    resharded = subprocess.run(
-        [sys.executable, "-m", "server.cli", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert resharded.returncode == 0, resharded.stderr
-    fleet3 = fleet_factory(3)
-    for j in range(3):
-        fleet3.stop(j)
-    fleet3.data_dirs = [three / f"shard-{j}" for j in range(3)]
-    for j in range(3):
-        fleet3.start(j)
+    _, dirs = reshard(fleet.data_dirs, tmp_path / "three", 3)
+    fleet3 = fleet_factory(3, data_dirs=dirs)
     with PSClient(fleet3.urls, worker_id="t3") as ps:
         assert all(s["steps"] == 4 for s in _summaries(ps).values())
         for k in range(4, 8):

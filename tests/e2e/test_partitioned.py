@@ -12,9 +12,6 @@ input is refused naming the field, nothing applied.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import threading
 import uuid
 
@@ -34,7 +31,7 @@ from client_sdk import (
 from client_sdk.optimizers import SGD, Adagrad, Adam, AdamW, Add, Ftrl, RMSprop
 from client_sdk.partitions import part_name
 from client_sdk.placement import shard_for
-from tests.conftest import ROOT
+from tests.helpers.reshard import reshard
 
 OPTIMIZERS = [
     SGD(lr=0.1),
@@ -326,34 +323,8 @@ def test_a_checkpoint_resharded_2_to_3_is_equal_after_the_move(fleet_factory, tm
         ps.checkpoint()
     for i in range(2):
         fleet.stop(i)
-    three = tmp_path / "three"
-    sources = [str(d) for d in fleet.data_dirs]
-    resharded = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "server.cli",
-            "reshard",
-            "--from",
-            *sources,
-            "--to",
-            str(three),
-            "--shards",
-            "3",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert resharded.returncode == 0, resharded.stderr
-    fleet3 = fleet_factory(3)
-    for j in range(3):
-        fleet3.stop(j)
-    fleet3.data_dirs = [three / f"shard-{j}" for j in range(3)]
-    for j in range(3):
-        fleet3.start(j)
+    _, dirs = reshard(fleet.data_dirs, tmp_path / "three", 3)
+    fleet3 = fleet_factory(3, data_dirs=dirs)
     with PSClient(fleet3.urls, worker_id="t3") as ps:
         after = ps.pull(list(runs))
         listed = {s["name"]: s for s in ps.variables()}

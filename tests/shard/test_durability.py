@@ -31,6 +31,7 @@ from server.demo.reference import train_one_process
 from tests.conftest import ROOT, http_json
 from tests.helpers.dropproxy import DroppingProxy
 from tests.helpers.eventually import eventually
+from tests.helpers.reshard import run_reshard
 
 
 def names_on(shard: int, n: int, count: int, prefix: str = "v") -> list[str]:
@@ -224,21 +225,11 @@ def test_checkpoint_restore_and_reshard_2_3_2(fleet_factory, tmp_path):
         fleet.stop(i)
     sources = [str(d) for d in fleet.data_dirs]
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "server.cli", "reshard", *args],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-
     three, back = tmp_path / "three", tmp_path / "back"
-    r = run("--from", *sources[::-1], "--to", str(three), "--shards", "3")
+    r = run_reshard("--from", *sources[::-1], "--to", str(three), "--shards", "3")
     assert r.returncode == 0, r.stderr
     assert ckpt in r.stdout and "shard 2/3" in r.stdout
-    r = run(
+    r = run_reshard(
         "--from", *(str(three / f"shard-{j}") for j in range(3)), "--to", str(back), "--shards", "2"
     )
     assert r.returncode == 0, r.stderr
@@ -262,12 +253,7 @@ def test_checkpoint_restore_and_reshard_2_3_2(fleet_factory, tmp_path):
             np.testing.assert_array_equal(roundtrip[name][1][slot], a)
 
     # a 3-shard fleet runs on the resharded checkpoint: the values and versions it held then
-    fleet3 = fleet_factory(3, env={})
-    for j in range(3):
-        fleet3.stop(j)
-    fleet3.data_dirs = [three / f"shard-{j}" for j in range(3)]
-    for j in range(3):
-        fleet3.start(j)
+    fleet3 = fleet_factory(3, data_dirs=[three / f"shard-{j}" for j in range(3)])
     with PSClient(fleet3.urls, worker_id="t3") as ps:
         got = ps.pull([*names, "global_step"])
         for name in names:
@@ -296,17 +282,9 @@ def test_checkpoint_needs_a_data_dir_and_resumes_every_shard(fleet_factory):
 
 
 def test_reshard_refuses_what_it_cannot_do(fleet_factory, tmp_path):
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "server.cli", "reshard", *args],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-
-    r = run("--from", str(tmp_path / "nope"), "--to", str(tmp_path / "out"), "--shards", "2")
+    r = run_reshard(
+        "--from", str(tmp_path / "nope"), "--to", str(tmp_path / "out"), "--shards", "2"
+    )
     assert r.returncode == 2 and "no such directory" in r.stderr
     fleet = fleet_factory(2, data=True)
     with PSClient(fleet.urls, worker_id="t") as ps:
@@ -314,15 +292,15 @@ def test_reshard_refuses_what_it_cannot_do(fleet_factory, tmp_path):
     for i in range(2):
         fleet.stop(i)  # final snapshots, but no fleet checkpoint
     dirs = [str(d) for d in fleet.data_dirs]
-    r = run("--from", *dirs, "--to", str(tmp_path / "out"), "--shards", "3")
+    r = run_reshard("--from", *dirs, "--to", str(tmp_path / "out"), "--shards", "3")
     assert r.returncode == 2 and "no fleet checkpoint in common" in r.stderr
-    r = run("--from", dirs[0], "--to", str(tmp_path / "out"), "--shards", "3", "--latest")
+    r = run_reshard("--from", dirs[0], "--to", str(tmp_path / "out"), "--shards", "3", "--latest")
     assert r.returncode == 2 and "shard(s) [1] are missing" in r.stderr
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
-    r = run("--from", *dirs, "--to", str(tmp_path / "full"), "--shards", "3", "--latest")
+    r = run_reshard("--from", *dirs, "--to", str(tmp_path / "full"), "--shards", "3", "--latest")
     assert r.returncode == 2 and "not an empty directory" in r.stderr
-    r = run("--from", *dirs, "--to", str(tmp_path / "out"), "--shards", "3", "--latest")
+    r = run_reshard("--from", *dirs, "--to", str(tmp_path / "out"), "--shards", "3", "--latest")
     assert r.returncode == 0, r.stderr
 
 

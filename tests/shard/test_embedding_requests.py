@@ -8,7 +8,6 @@ tests/e2e/test_embedding_tables.py.
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import httpx2
@@ -20,6 +19,7 @@ from client_sdk.embedding import TableSpec, initial_rows
 from client_sdk.optimizers import SGD
 from client_sdk.placement import row_shard
 from tests.conftest import Fleet
+from tests.helpers.names import fresh
 
 DIM = 4
 SPEC = TableSpec(dim=DIM, optimizer=SGD(lr=0.5)).to_wire()
@@ -41,10 +41,6 @@ def fleet2(tmp_path_factory):
     fleet = Fleet(2, tmp_path_factory.mktemp("embedding-requests-2"))
     yield fleet
     fleet.close()
-
-
-def fresh(prefix: str = "t") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
 _WORKER = ["w"]
@@ -88,7 +84,7 @@ def refused(url: str, verb: str, msg: dict[str, Any], status: int, code: str) ->
 
 
 def made(url: str, spec: dict[str, Any] = SPEC) -> str:
-    name = fresh()
+    name = fresh("t")
     assert ok(url, "create_table", {"name": name, "spec": spec}) == {"created": True, "version": 0}
     return name
 
@@ -163,7 +159,7 @@ def test_rest_lists_tables_and_shows_rows(url):
     for bad in ("", "1,x", ",".join(map(str, range(1001))), str(2**63)):
         r = httpx2.get(f"{url}/v1/tables/{name}/rows", params={"ids": bad})
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text
-    r = httpx2.get(f"{url}/v1/tables/{fresh()}")
+    r = httpx2.get(f"{url}/v1/tables/{fresh('t')}")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
@@ -254,7 +250,7 @@ def test_names_are_a_variable_or_a_table(url):
     ):
         error = refused(url, verb, msg, 409, "conflict")
         assert "dense variable" in error["message"]
-    refused(url, "pull_rows", {"name": fresh(), "ids": np.array([1])}, 404, "not_found")
+    refused(url, "pull_rows", {"name": fresh("t"), "ids": np.array([1])}, 404, "not_found")
     refused(url, "pull_rows", {"name": "bad name!", "ids": np.array([1])}, 400, "bad_request")
 
 
@@ -297,7 +293,7 @@ def test_create_with_another_spec_names_the_field(url):
 
 
 def test_a_row_of_another_shard_is_421(fleet2):
-    name = fresh()
+    name = fresh("t")
     for u in fleet2.urls:
         ok(u, "create_table", {"name": name, "spec": SPEC})
     ids = np.arange(40, dtype=np.int64)

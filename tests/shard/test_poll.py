@@ -14,7 +14,6 @@ import concurrent.futures
 import signal
 import socket
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ import pytest
 
 from client_sdk import wire
 from tests.conftest import HTTP_MODES, Fleet, http_json
+from tests.helpers.names import fresh
 
 ACCEPT_FRAME = f"{wire.FRAME}, {wire.MSGPACK}"
 #: How far above a variable's current version a min_version may be (docs/PROTOCOL.md, Limits).
@@ -46,10 +46,6 @@ def url(fleet):
 def pool():
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         yield ex
-
-
-def fresh(prefix: str = "v") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
 def post(url: str, verb: str, msg: Any, accept_frame: bool = False) -> tuple[int, Any]:

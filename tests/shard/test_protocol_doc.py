@@ -8,7 +8,6 @@ a body the SDK never sends). The shard is one process (a fleet of one owns every
 from __future__ import annotations
 
 import struct
-import uuid
 from typing import Any
 
 import msgpack
@@ -17,6 +16,7 @@ import pytest
 
 from client_sdk import wire
 from tests.conftest import OnLoop
+from tests.helpers.names import fresh
 
 ACCEPT_FRAME = f"{wire.FRAME}, {wire.MSGPACK}"
 
@@ -24,10 +24,6 @@ ACCEPT_FRAME = f"{wire.FRAME}, {wire.MSGPACK}"
 @pytest.fixture(scope="module")
 def url(fleet1):
     return fleet1.urls[0]
-
-
-def fresh(prefix: str = "v") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
 def send(

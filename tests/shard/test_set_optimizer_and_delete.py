@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
 from typing import Any
 
 import httpx2
@@ -19,6 +18,7 @@ import pytest
 from client_sdk import PSClient, UnknownVariableError, wire
 from client_sdk.placement import shard_for
 from tests.conftest import Fleet
+from tests.helpers.names import fresh
 
 W0 = np.arange(4, dtype=np.float64)
 
@@ -28,10 +28,6 @@ def url(tmp_path_factory):
     fleet = Fleet(1, tmp_path_factory.mktemp("set-optimizer-delete"))
     yield fleet.urls[0]
     fleet.close()
-
-
-def fresh(prefix: str = "v") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
 def post(url: str, verb: str, msg: dict[str, Any]) -> tuple[int, Any]:

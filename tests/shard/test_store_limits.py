@@ -10,7 +10,6 @@ import itertools
 import math
 import threading
 import time
-import uuid
 from typing import Any
 
 import httpx2
@@ -19,16 +18,13 @@ import numpy as np
 import pytest
 
 from client_sdk import wire
+from tests.helpers.names import fresh
 
 
 @pytest.fixture(scope="module")
 def shard(fleet1):
     """One shard (it owns every name), shared by the tests that only add unique names."""
     return fleet1.urls[0]
-
-
-def fresh(prefix: str = "v") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
 def post(http, url: str, verb: str, msg: Any, *, frame: bool = False) -> tuple[int, Any]:

@@ -10,10 +10,6 @@ own with a data dir.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import uuid
 from typing import Any
 
 import httpx2
@@ -24,8 +20,10 @@ from client_sdk import BadRequestError, PSClient, wire
 from client_sdk.modes import ModeError, Sync
 from client_sdk.optimizers import SGD, Add
 from client_sdk.placement import shard_for
-from tests.conftest import ROOT, Fleet
+from tests.conftest import Fleet
 from tests.helpers.eventually import eventually
+from tests.helpers.names import fresh
+from tests.helpers.reshard import reshard
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +37,6 @@ def url(tmp_path_factory):
 def http():
     with httpx2.Client(timeout=30.0) as client:
         yield client
-
-
-def fresh(prefix: str = "v") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
 def post(http, url: str, verb: str, msg: Any) -> tuple[int, Any]:
@@ -297,25 +291,8 @@ def test_an_open_round_moves_with_its_variable_in_a_reshard(fleet_factory, tmp_p
         }
         ckpt = ps.checkpoint()
     fleet.stop(0)
-    dest = tmp_path / "two"
-    r = subprocess.run(
-        [
-            *(sys.executable, "-m", "server.cli", "reshard", "--from", str(fleet.data_dirs[0])),
-            *("--to", str(dest), "--shards", "2", "--checkpoint", ckpt),
-        ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
-    two = fleet_factory(2)
-    for j in range(2):
-        two.stop(j)
-    two.data_dirs = [dest / f"shard-{j}" for j in range(2)]
-    for j in range(2):
-        two.start(j)
+    _, dirs = reshard(fleet.data_dirs, tmp_path / "two", 2, "--checkpoint", ckpt)
+    two = fleet_factory(2, data_dirs=dirs)
     with httpx2.Client(timeout=30.0) as http:
         for n in names:
             url = two.urls[shard_for(n, 2)]
