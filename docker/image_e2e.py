@@ -224,21 +224,16 @@ def single_shard(eng: Engine, image: str, tag: str, cleanup: list[list[str]]) ->
     name = f"{tag}-single"
     cleanup.insert(0, ["rm", "-f", "-t", "0", name])
     env = ["-e", "PARAMSHARD_NUM_SHARDS=1", "-e", "PARAMSHARD_SHARD_INDEX=0"]
-    started = time.monotonic()
-    eng(
-        "run",
-        "-d",
-        "--name",
-        name,
-        "-p",
-        f"127.0.0.1:{port}:7100",
-        "-v",
-        f"{volume}:/data",
-        *env,
-        image,
-    )
-    wait_for(f"{url}/readyz", lambda: ready(url), 60, every=0.05)
-    start_s = time.monotonic() - started
+
+    def run_until_ready() -> float:
+        """``run -d`` the shard on its volume; seconds until its /readyz answers 200."""
+        started = time.monotonic()
+        publish, mount = f"127.0.0.1:{port}:7100", f"{volume}:/data"
+        eng("run", "-d", "--name", name, "-p", publish, "-v", mount, *env, image)
+        wait_for(f"{url}/readyz", lambda: ready(url), 60, every=0.05)
+        return time.monotonic() - started
+
+    start_s = run_until_ready()
     log(f"one shard: /readyz answered 200 {start_s:.2f} s after `{eng.name} run`")
     if eng.name == "podman":  # Podman 4 without systemd runs a HEALTHCHECK only when asked
         eng("healthcheck", "run", name)
@@ -261,21 +256,7 @@ def single_shard(eng: Engine, image: str, tag: str, cleanup: list[list[str]]) ->
     if not re.search(r"wrote snapshot \S+ \(shutdown", eng.logs(name)):
         raise Failed(f"no final snapshot in the shard's log:\n{eng.logs(name)[-3000:]}")
     eng("rm", name)
-    restarted = time.monotonic()
-    eng(
-        "run",
-        "-d",
-        "--name",
-        name,
-        "-p",
-        f"127.0.0.1:{port}:7100",
-        "-v",
-        f"{volume}:/data",
-        *env,
-        image,
-    )
-    wait_for(f"{url}/readyz", lambda: ready(url), 60, every=0.05)
-    restart_s = time.monotonic() - restarted
+    restart_s = run_until_ready()
     got = get_json(f"{url}/v1/variables/e2e/w?values=true")["body"]
     if got["version"] != version or got.get("values") != [4.0, 5.0, 6.0]:
         raise Failed(
