@@ -273,6 +273,25 @@ def _need(cond: bool, path: Path, message: str) -> None:
         raise SnapshotError(f"{path.name}: {message}")
 
 
+def _little_endian(kind: str) -> np.dtype:
+    """The numpy dtype of a safetensors tensor (always little-endian) of ``kind`` (e.g. "f4")."""
+    return np.dtype("<" + kind if kind[1] != "1" else "|" + kind)
+
+
+def _need_extent(offsets: Any, nbytes: int, start: int, size: int, path: Path, what: str) -> None:
+    """Refuse (:class:`SnapshotError`) a tensor's ``data_offsets`` that do not hold exactly
+    ``nbytes`` inside a values file of ``size`` bytes whose data begins at ``start``."""
+    _need(
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_int(o) for o in offsets)
+        and offsets[1] - offsets[0] == nbytes
+        and start + offsets[1] <= size,
+        path,
+        f"{what}: data out of the file's bounds (truncated?)",
+    )
+
+
 def _is_int(value: Any, lo: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= lo
 
@@ -459,17 +478,9 @@ def _planned(
             )
             st_dtype = {v: k for k, v in _ST_DTYPES.items()}.get(entry.get("dtype"))
             _need(st_dtype is not None, path, f"{t['key']!r}: unknown dtype")
-            slot_dtype = np.dtype("<" + st_dtype if st_dtype[1] != "1" else "|" + st_dtype)
+            slot_dtype = _little_endian(st_dtype)
             nbytes = math.prod(shape) * slot_dtype.itemsize
-            _need(
-                isinstance(offsets, list)
-                and len(offsets) == 2
-                and all(_is_int(o) for o in offsets)
-                and offsets[1] - offsets[0] == nbytes
-                and start + offsets[1] <= size,
-                path,
-                f"{t['key']!r}: data out of the file's bounds (truncated?)",
-            )
+            _need_extent(offsets, nbytes, start, size, path, repr(t["key"]))
             yield name, slot, slot_dtype, tuple(shape), start + offsets[0], t["crc32"]
 
 

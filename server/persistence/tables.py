@@ -34,7 +34,9 @@ from .snapshot import (
     SnapshotError,
     _crc,
     _is_int,
+    _little_endian,
     _need,
+    _need_extent,
     _read_checked,
     _values_header,
 )
@@ -154,17 +156,9 @@ def _read_one(
         f"{where}: {key!r}: bad dtype or shape",
     )
     assert kind is not None
-    dtype = np.dtype("<" + kind if kind[1] != "1" else "|" + kind)
+    dtype = _little_endian(kind)
     nbytes = math.prod(shape) * dtype.itemsize
-    _need(
-        isinstance(offsets, list)
-        and len(offsets) == 2
-        and all(_is_int(o) for o in offsets)
-        and offsets[1] - offsets[0] == nbytes
-        and start + offsets[1] <= size,
-        path,
-        f"{where}: {key!r}: data out of the file's bounds (truncated?)",
-    )
+    _need_extent(offsets, nbytes, start, size, path, f"{where}: {key!r}")
     if mmap and nbytes:
         array = np.memmap(
             path, dtype=dtype, mode="r", offset=start + offsets[0], shape=tuple(shape)

@@ -210,9 +210,23 @@ def damage_header_length(snap):
     snap.values_path.write_bytes(bytes(data))
 
 
+def damage_offsets_past_the_end(snap):
+    """A header that parses, whose first tensor's bytes run past the file's end (the file as
+    long as before: only the bounds check can tell)."""
+    data = snap.values_path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["data_offsets"][1] += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n, "the edited header no longer fits"
+    snap.values_path.write_bytes(data[:8] + text.ljust(n) + data[8 + n :])
+
+
 @pytest.mark.parametrize(
     "damage",
     [
+        damage_offsets_past_the_end,
         damage_truncate,
         damage_flip_value_byte,
         damage_garbage_values,
