@@ -28,7 +28,16 @@ from .placement import validate_name
 if TYPE_CHECKING:
     from ._fleet import Fleet
 
-__all__ = ["arrays", "as_array", "mode", "names", "optimizer_specs", "target", "valid_name"]
+__all__ = [
+    "arrays",
+    "as_array",
+    "host_view",
+    "mode",
+    "names",
+    "optimizer_specs",
+    "target",
+    "valid_name",
+]
 
 
 def valid_name(name: Any) -> str:
@@ -79,6 +88,11 @@ def arrays(values: Any, verb: str, fleet: Fleet, *, copy: bool = False) -> dict[
 def as_array(name: str, value: Any, *, copy: bool = False) -> np.ndarray:
     """Convert an array-like to a C-contiguous ndarray of a dtype the protocol carries.
 
+    What numpy can view is viewed, not copied (unless ``copy``): an ndarray, an object with the
+    buffer protocol or ``__array_interface__``, and a DLPack tensor in host memory (a torch CPU
+    tensor, a JAX CPU array; :func:`host_view`). Only a non-contiguous value is copied, into C
+    order.
+
     Raises :class:`BadTensorError` (saying which variable and what to send instead) for object,
     complex, bool, string and other dtypes the protocol has no name for.
     """
@@ -89,6 +103,8 @@ def as_array(name: str, value: Any, *, copy: bool = False) -> np.ndarray:
         and value.flags.c_contiguous
     ):
         return value  # the common case: nothing to check twice, nothing to convert
+    if not isinstance(value, np.ndarray) and hasattr(type(value), "__dlpack__"):
+        value = host_view(name, value)
     try:
         arr = np.array(value, copy=True) if copy else np.asarray(value)
     except (TypeError, ValueError) as exc:
@@ -112,6 +128,51 @@ def as_array(name: str, value: Any, *, copy: bool = False) -> np.ndarray:
     if not arr.flags.c_contiguous:
         arr = arr.copy(order="C")
     return arr
+
+
+#: DLPack's device types (``__dlpack_device__()[0]``), by name, for the error a tensor that is
+#: not in host memory gets; 1 (kDLCPU) is the one numpy can view.
+DLPACK_DEVICES = {2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 10: "rocm"}
+DLPACK_CPU = 1
+
+
+def host_view(name: str, value: Any) -> np.ndarray:
+    """An ndarray viewing a DLPack tensor's memory (no copy): ``value`` has ``__dlpack__``.
+
+    A tensor on another device than the host's memory (a GPU's) raises
+    :class:`BadTensorError` saying to move it to host first, before numpy is asked to view
+    it; so does one that cannot be exported (a torch tensor that requires grad, a dtype
+    numpy lacks such as torch's bfloat16), with the exporter's reason.
+    """
+    device = getattr(value, "__dlpack_device__", None)
+    kind: Any = DLPACK_CPU
+    if device is not None:
+        try:
+            kind, index = device()
+        except Exception as exc:  # a third-party method: anything it raises says why
+            raise BadTensorError(
+                f"{name}: cannot tell which device the tensor is on ({exc})",
+                code="bad_tensor",
+                details={"variable": name},
+            ) from None
+    if kind != DLPACK_CPU:
+        where = f"{DLPACK_DEVICES.get(int(kind), f'device type {kind}')}:{index}"
+        raise BadTensorError(
+            f"{name}: the tensor is on {where}, not in host memory: move it to the host first "
+            "(torch: tensor.cpu(); JAX: jax.device_get(x)); the SDK sends host memory only",
+            code="bad_tensor",
+            details={"variable": name, "device": where},
+        )
+    try:
+        return np.from_dlpack(value)
+    except Exception as exc:  # the exporter's own error class (torch raises RuntimeError)
+        raise BadTensorError(
+            f"{name}: numpy cannot view the tensor ({type(exc).__name__}: {exc}); pass a "
+            "CPU tensor of a float or int dtype numpy has (torch: tensor.detach() for one that "
+            "requires grad; bfloat16 travels as float32 with PSClient(wire_dtype='bfloat16'))",
+            code="bad_tensor",
+            details={"variable": name},
+        ) from None
 
 
 #: The dtypes :func:`as_array` passes through (every wire dtype, either byte order).

@@ -221,6 +221,7 @@ class PSClient(TableMethods):
         newer_than: Literal["cached"] | Mapping[str, int] | None = None,
         min_version: int | None = None,
         timeout: float | None = 60.0,
+        out: Mapping[str, Any] | None = None,
     ) -> dict[str, np.ndarray]:
         """Fetch the current values of ``names``: a dict name -> ndarray. Blocks.
 
@@ -247,11 +248,25 @@ class PSClient(TableMethods):
 
         ``timeout`` is in seconds (``None``: no limit; a shard holds one request at most 30 s,
         the client asks again as needed); a plain pull does not wait and ignores it.
+
+        ``out`` (name -> a buffer of the variable's shape and dtype, for some or all of
+        ``names``) writes those values into the caller's own memory, and the result holds an
+        ndarray view of each buffer under its name: a training loop then allocates nothing
+        parameter-sized per pull (one copy, from the reply's receive buffer into the buffer,
+        partitioned variables' parts straight into its rows; ``wire_dtype`` values widened).
+        A buffer is anything numpy can view writable without a copy: an ndarray, a torch CPU
+        tensor (``p.detach()``), any object with the buffer protocol or
+        ``__array_interface__``. Buffers are checked against what this client knows of the
+        variables before anything is sent, and every value against its buffer before any is
+        written: :class:`BadTensorError` (shape or dtype) or :class:`BadRequestError` (a
+        read-only buffer, a name not pulled) leaves every buffer as it was. Every pull writes
+        every buffer, unchanged variables from the cache. With ``newer_than``, only the
+        variables that changed are written.
         """
         if newer_than is None and min_version is None:
-            return self._drive(_verbs.partitioned.pull(self._core, names))
+            return self._drive(_verbs.partitioned.pull(self._core, names, out))
         return self._drive(
-            _verbs.partitioned.poll(self._core, names, newer_than, min_version, timeout)
+            _verbs.partitioned.poll(self._core, names, newer_than, min_version, timeout, out)
         )
 
     def versions(self, names: Sequence[str]) -> dict[str, int]:
@@ -287,10 +302,14 @@ class PSClient(TableMethods):
         versions: Mapping[str, int] | None = None,
         *,
         coalesce: bool = False,
+        copy: bool = True,
     ) -> concurrent.futures.Future[dict[str, dict[str, Any]]]:
         """Start a push in the background and return its ``concurrent.futures.Future``.
 
-        The gradients are copied first, so the caller may reuse its buffers at once. Returns
+        The gradients are copied first, so the caller may reuse its buffers at once; with
+        ``copy=False`` they are lent instead (sent from the caller's own memory, no copy): the
+        caller must not change them until the future is done (torch: hand them over, e.g.
+        ``p.grad = None`` so the next backward makes new ones; JAX arrays never change). Returns
         immediately unless ``max_inflight`` pushes are already running; then it blocks until
         one finishes, or, with ``coalesce=True``, returns at once and the push waits for a free
         slot, and later ``coalesce=True`` pushes are *added* into that waiting push (one push,
@@ -304,7 +323,7 @@ class PSClient(TableMethods):
         """
         if self._closed:
             raise closed_error()
-        job = self._drive(_verbs.partitioned.push_job(self._core, grads, versions, copy=True))
+        job = self._drive(_verbs.partitioned.push_job(self._core, grads, versions, copy=copy))
         _verbs.check_push(self._core, job)
         return self._pusher.submit(job, coalesce=coalesce)
 
@@ -529,13 +548,15 @@ class AsyncPSClient(AsyncTableMethods):
         newer_than: Literal["cached"] | Mapping[str, int] | None = None,
         min_version: int | None = None,
         timeout: float | None = 60.0,
+        out: Mapping[str, Any] | None = None,
     ) -> dict[str, np.ndarray]:
-        """See :meth:`PSClient.pull` (returned arrays are read-only); with ``newer_than`` or
-        ``min_version`` it waits without blocking the event loop."""
+        """See :meth:`PSClient.pull` (returned arrays are read-only, but for ``out``'s
+        buffers); with ``newer_than`` or ``min_version`` it waits without blocking the event
+        loop."""
         if newer_than is None and min_version is None:
-            return await self._drive(_verbs.partitioned.pull(self._core, names))
+            return await self._drive(_verbs.partitioned.pull(self._core, names, out))
         return await self._drive(
-            _verbs.partitioned.poll(self._core, names, newer_than, min_version, timeout)
+            _verbs.partitioned.poll(self._core, names, newer_than, min_version, timeout, out)
         )
 
     async def push(
@@ -550,14 +571,16 @@ class AsyncPSClient(AsyncTableMethods):
         versions: Mapping[str, int] | None = None,
         *,
         coalesce: bool = False,
+        copy: bool = True,
     ) -> asyncio.Task[dict[str, dict[str, Any]]]:
         """Start a push as an ``asyncio.Task`` and return it; waits only while
         ``max_inflight`` pushes are running, and not even then with ``coalesce=True``.
-        Failures surface on the task, on the next :meth:`flush` and on :meth:`close` (see
+        Failures surface on the task, on the next :meth:`flush` and on :meth:`close`;
+        ``copy=False`` lends the buffers until the task is done (see
         :meth:`PSClient.push_async`)."""
         if self._closed:
             raise closed_error()
-        job = await self._drive(_verbs.partitioned.push_job(self._core, grads, versions, copy=True))
+        job = await self._drive(_verbs.partitioned.push_job(self._core, grads, versions, copy=copy))
         _verbs.check_push(self._core, job)
         return await self._pusher.submit(job, coalesce=coalesce)
 

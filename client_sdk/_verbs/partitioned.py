@@ -7,7 +7,8 @@ variable's parts.
   that owns its name (which decides it: a different one is 409 naming the field), then its
   parts as variables of their own, with the variable's optimizer.
 * ``pull`` / ``poll``: the parts are pulled (each one only if it changed, as any variable) and
-  put together along axis 0; the whole is rebuilt only when a part changed.
+  put together along axis 0; the whole is rebuilt only when a part changed. Pulled into a
+  caller's buffer (``out=``), each part is written straight into the buffer's rows instead.
 * ``push`` / ``assign``: the gradient or value, of the variable's full shape, is split into
   views of the parts, one per part, in the same requests as the rest.
 * ``versions``: a partitioned variable's version is the lowest of its parts' (each push and
@@ -23,11 +24,11 @@ made again with the parts.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from .. import _args, _replies
+from .. import _args, _into, _replies
 from .._core import Core
 from .._exceptions import BadRequestError, BadTensorError, PartitionedError, UnknownVariableError
 from .._flow import Flow
@@ -55,6 +56,7 @@ __all__ = [
     "versions",
 ]
 
+Arrays = dict[str, np.ndarray]
 #: How often a read learns a layout and starts again before the error is raised.
 _RELEARN = 3
 
@@ -161,17 +163,41 @@ def _expand(names: list[str], layouts: Mapping[str, Layout]) -> list[str]:
 # -- reads ----------------------------------------------------------------------------------
 
 
-def pull(core: Core, names: Any) -> Flow[dict[str, np.ndarray]]:
+def pull(core: Core, names: Any, out: Any = None) -> Flow[dict[str, np.ndarray]]:
+    """A pull; with ``out`` (name -> the caller's buffer) each of those values is written into
+    its buffer (:mod:`client_sdk._into`) and a partitioned one's parts straight into its rows."""
+    views = _targets(core, names, out)
     for attempt in range(_RELEARN + 1):
         layouts = core.parts.of(names)
         try:
             if not layouts:
-                return (yield from _pull(core, names))
-            return (yield from _pull_parts(core, _args.names(names, "pull", core.fleet), layouts))
+                got = yield from _pull(core, names)
+                return got if views is None else _written(views, got)
+            checked = _args.names(names, "pull", core.fleet)
+            whole = yield from _pull_parts(core, checked, layouts, views or {})
+            return _written(views, whole) if views is not None else cast(Arrays, whole)
         except (PartitionedError, UnknownVariableError, _Stale) as exc:
             if attempt == _RELEARN or not (isinstance(exc, _Stale) or _relearned(core, exc)):
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _targets(core: Core, names: Any, out: Any) -> dict[str, np.ndarray] | None:
+    """``out``'s buffers checked against what this client knows of the names (none: None)."""
+    if out is None:
+        return None
+    checked = _args.names(names, "pull", core.fleet)
+    known = core.cache.shapes(checked)
+    for name, layout in core.parts.of(checked).items():
+        known[name] = (layout.shape, np.dtype(layout.dtype))
+    return _into.targets(out, checked, known)
+
+
+def _written(
+    views: Mapping[str, np.ndarray], got: Mapping[str, _into.Value]
+) -> dict[str, np.ndarray]:
+    _into.check(views, got)
+    return _into.write(views, got)
 
 
 class _Stale(Exception):
@@ -179,22 +205,41 @@ class _Stale(Exception):
 
 
 def _pull_parts(
-    core: Core, names: list[str], layouts: Mapping[str, Layout]
-) -> Flow[dict[str, np.ndarray]]:
+    core: Core,
+    names: list[str],
+    layouts: Mapping[str, Layout],
+    views: Mapping[str, np.ndarray],
+) -> Flow[dict[str, _into.Value]]:
     got = yield from _pull(core, _expand(names, layouts))
-    return _assembled(core, names, layouts, got)
+    return _assembled(core, names, layouts, got, views)
 
 
 def _assembled(
-    core: Core, names: list[str], layouts: Mapping[str, Layout], got: Mapping[str, np.ndarray]
-) -> dict[str, np.ndarray]:
-    out = {}
+    core: Core,
+    names: list[str],
+    layouts: Mapping[str, Layout],
+    got: Mapping[str, np.ndarray],
+    views: Mapping[str, np.ndarray],
+) -> dict[str, _into.Value]:
+    """Each variable's value; a partitioned one put together from its parts, or, when it has
+    a buffer in ``views``, its parts as they are (written into the buffer's rows later)."""
+    out: dict[str, _into.Value] = {}
     for name in names:
         layout = layouts.get(name)
         if layout is None:
             out[name] = got[name]
             continue
-        full = core.parts.assemble(layout, [got[p] for p in layout.part_names()])
+        parts = [got[p] for p in layout.part_names()]
+        if name in views:
+            dtype = np.dtype(layout.dtype)
+            if [p.shape for p in parts] != layout.part_shapes() or any(
+                p.dtype != dtype for p in parts
+            ):
+                _drop(core, [name])
+                raise _Stale(name)
+            out[name] = (layout, parts)
+            continue
+        full = core.parts.assemble(layout, parts)
         if full is None:
             _drop(core, [name])
             raise _Stale(name)
@@ -203,14 +248,17 @@ def _assembled(
 
 
 def poll(
-    core: Core, names: Any, newer_than: Any, min_version: Any, timeout: Any
+    core: Core, names: Any, newer_than: Any, min_version: Any, timeout: Any, out: Any = None
 ) -> Flow[dict[str, np.ndarray]]:
+    views = _targets(core, names, out)
     for attempt in range(_RELEARN + 1):
         layouts = core.parts.of(names)
         try:
             if not layouts:
-                return (yield from _poll(core, names, newer_than, min_version, timeout))
-            return (yield from _poll_parts(core, names, layouts, newer_than, min_version, timeout))
+                got = yield from _poll(core, names, newer_than, min_version, timeout)
+            else:
+                got = yield from _poll_parts(core, names, layouts, newer_than, min_version, timeout)
+            return got if views is None else _written(views, got)
         except (PartitionedError, UnknownVariableError, _Stale) as exc:
             if attempt == _RELEARN or not (isinstance(exc, _Stale) or _relearned(core, exc)):
                 raise
@@ -240,8 +288,9 @@ def _poll_parts(
         if name in got or (name in layouts and any(p in got for p in layouts[name].part_names()))
     ]
     partitioned = [name for name in changed if name in layouts]
-    whole = (yield from _pull_parts(core, partitioned, layouts)) if partitioned else {}
-    return {name: whole[name] if name in layouts else got[name] for name in changed}
+    whole = (yield from _pull_parts(core, partitioned, layouts, {})) if partitioned else {}
+    arrays = cast(Arrays, whole)  # no buffers given: every partitioned one was put together
+    return {name: arrays[name] if name in layouts else got[name] for name in changed}
 
 
 def versions(core: Core, names: Any) -> dict[str, int]:

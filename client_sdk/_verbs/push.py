@@ -41,6 +41,9 @@ class PushJob:
     seq: int
     #: The partitioned variables whose parts it pushes: their results are folded into one.
     layouts: dict[str, Layout] = field(default_factory=dict)
+    #: Whether every gradient is the job's own copy (so coalescing may add into it in place);
+    #: False once one is the caller's own buffer, lent (``push_async(copy=False)``).
+    owned: bool = True
 
 
 def prepare_push(
@@ -63,7 +66,7 @@ def prepare_push(
                 if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                     raise BadRequestError(f"push: version of {k!r} must be an int >= 0, got {v!r}")
                 chosen[k] = int(v)
-    return PushJob(arrays, chosen, core.next_seq())
+    return PushJob(arrays, chosen, core.next_seq(), owned=copy)
 
 
 def check_push(core: Core, job: PushJob) -> None:
@@ -89,8 +92,11 @@ def check_push(core: Core, job: PushJob) -> None:
 
 def merge_push(into: PushJob, new: PushJob) -> None:
     """Add ``new``'s gradients into ``into`` (a push not yet sent), for coalescing. A
-    variable's version becomes the older of the two, so staleness is never understated."""
+    variable's version becomes the older of the two, so staleness is never understated. A
+    caller's lent buffer is never added into: the sum is a new array then."""
     into.layouts.update(new.layouts)
+    owned = into.owned
+    into.owned = owned and new.owned
     for name, grad in new.grads.items():
         have = into.grads.get(name)
         if have is None:
@@ -103,7 +109,7 @@ def merge_push(into: PushJob, new: PushJob) -> None:
                 code="bad_tensor",
                 details={"variable": name},
             )
-        elif have.dtype == grad.dtype:
+        elif owned and have.dtype == grad.dtype:
             np.add(have, grad, out=have)
         else:
             into.grads[name] = np.add(have, grad)
