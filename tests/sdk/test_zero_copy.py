@@ -12,7 +12,6 @@ address. A refused call is shown to change nothing by reading the variables back
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import numpy as np
 import pytest
@@ -21,12 +20,9 @@ from client_sdk import AsyncPSClient, BadRequestError, BadTensorError, PSClient,
 from client_sdk._verbs.push import PushJob, merge_push
 from client_sdk.optimizers import SGD
 from client_sdk.placement import shard_for
+from tests.helpers.names import fresh
 
 torch = pytest.importorskip("torch")
-
-
-def fresh(prefix: str = "z") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
 def on_both(prefix: str) -> list[str]:
