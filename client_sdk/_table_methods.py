@@ -81,7 +81,9 @@ class TableMethods:
 
     def pull_rows(self, name: str, ids: Any) -> np.ndarray:
         """The rows of ``ids`` (int64, repeats allowed) as a new float32 array [len(ids),
-        dim]. Blocks. An id never pushed gets its initializer's row (nothing is stored)."""
+        dim]. Blocks. An id never pushed gets its initializer's row (nothing is stored). With
+        ``PSClient(wire_dtype=)`` the rows travel in that dtype (rounded to nearest); a row
+        beyond float16's range is :class:`BadTensorError` naming the table."""
         return self._drive(_verbs.pull_rows(self._core, name, ids))
 
     def push_rows(self, name: str, ids: Any, grads: Any) -> dict[str, Any]:
@@ -92,7 +94,8 @@ class TableMethods:
         "created", "counted", "duplicate"}`` (``counted``: ids not admitted yet, whose
         gradients were dropped: the table's ``Admission.min_count``). Raises
         :class:`BadTensorError` for ids that are not integers, grads of the wrong shape, NaN or
-        infinities (nothing applied on that shard).
+        infinities (nothing applied on that shard), or, with ``PSClient(wire_dtype=
+        "float16")``, a summed gradient beyond float16's range (nothing sent).
         """
         return self._drive(_verbs.push_rows(self._core, name, ids, grads))
 

@@ -77,11 +77,12 @@ class PSClient(TableMethods):
     transport (e.g. ``httpx2.MockTransport`` in tests).
 
     ``wire_dtype`` (``"float16"`` or ``"bfloat16"``; default ``None``: as they are) makes the
-    values of float32 variables travel in half the bytes: pulls get them narrowed by the shard
-    and widened back to float32 here, pushes send float32 gradients narrowed here and widened
-    by the shard, which keeps values and optimizer slots in float32. Rounding is to nearest
-    (ties to even); a value or gradient beyond float16's range (65504) raises
-    :class:`BadTensorError` instead of travelling as an infinity. bfloat16 keeps float32's
+    values of float32 variables and the rows of embedding tables travel in half the bytes:
+    pulls (and ``pull_rows``) get them narrowed by the shard and widened back to float32 here,
+    pushes (and ``push_rows``, after summing repeated ids) send float32 gradients narrowed here
+    and widened by the shard, which keeps values, rows and optimizer slots in float32.
+    Rounding is to nearest (ties to even); a value or gradient beyond float16's range (65504)
+    raises :class:`BadTensorError` instead of travelling as an infinity. bfloat16 keeps float32's
     range with 8 significant bits and needs ``pip install 'paramshard[bfloat16]'``
     (``ml_dtypes``). Other dtypes travel as they are.
 

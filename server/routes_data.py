@@ -44,7 +44,17 @@ from .store import (
     finite_rows,
 )
 
-__all__ = ["BODY_DOC", "bad_field", "message", "pull_now", "reply", "required", "router", "writer"]
+__all__ = [
+    "BODY_DOC",
+    "NARROW_ON_LOOP",
+    "bad_field",
+    "message",
+    "pull_now",
+    "reply",
+    "required",
+    "router",
+    "writer",
+]
 
 _BODY_DOC = {
     "requestBody": {

@@ -93,6 +93,7 @@ async def cluster(request: Request) -> dict[str, Any]:
             wire.FEATURE_DELETE,
             wire.FEATURE_EMBEDDING_TABLES,
             wire.FEATURE_WIRE_DTYPE,
+            wire.FEATURE_ROWS_WIRE_DTYPE,
         ],
         "version": __version__,
         "started_at": state.started_at,

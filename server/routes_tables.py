@@ -2,6 +2,10 @@
 ``/v1/push_rows`` (msgpack or framed bodies, as the other verbs: docs/PROTOCOL.md §3), and the
 JSON ``GET /v1/tables``, ``/v1/tables/{name}``, ``/v1/tables/{name}/rows?ids=...`` for people.
 
+With ``wire_dtype`` a pull's rows travel narrowed to float16 or bfloat16
+(:mod:`client_sdk.wire.halves`; big ones narrowed off the loop, the gathered rows being the
+request's own), and a push's half-precision gradients are widened to float32 by its operation.
+
 Each data-plane handler reads its body once (:func:`server.routes_data.message`; the tensors
 ``ids`` and ``grads`` stay views of that buffer), checks the fields it needs (400 naming the
 field), and calls the shard's :class:`~server.embedding.EmbeddingTables` (``app.state.tables``)
@@ -11,6 +15,7 @@ synchronously on the event loop: a pull's rows are gathered and a push's applied
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -18,10 +23,19 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from client_sdk import wire
+from client_sdk.wire import halves
 
 from .embedding import EmbeddingTables
 from .errors import ShardError
-from .routes_data import BODY_DOC, bad_field, message, reply, required, writer
+from .routes_data import (
+    BODY_DOC,
+    NARROW_ON_LOOP,
+    bad_field,
+    message,
+    reply,
+    required,
+    writer,
+)
 
 __all__ = ["MAX_INSPECT_IDS", "router"]
 
@@ -60,13 +74,43 @@ async def create_table(request: Request) -> Response:
 
 @router.post("/pull_rows", openapi_extra=BODY_DOC)
 async def pull_rows(request: Request) -> Response:
-    """Read rows: `{"name", "ids": int64 tensor [n]}` -> `{"rows": float32 tensor [n, dim],
-    "version"}` (repeats allowed; an id without a row gets its initializer's row)."""
+    """Read rows: `{"name", "ids": int64 tensor [n], "wire_dtype"?}` -> `{"rows": float32
+    tensor [n, dim] (float16 or bfloat16 with `wire_dtype`), "version"}` (repeats allowed; an
+    id without a row gets its initializer's row)."""
     msg, body = await message(request, tensors=True)
     name = _name(msg, "pull_rows")
+    narrow = _wire_dtype(msg)
     ids = _whole(msg, ("ids",), "pull_rows", body)["ids"]
     table, rows = _tables(request).pull(name, ids)
+    if narrow is not None:
+        rows = await _narrowed(table.name, rows, narrow)
     return reply(request, {"rows": rows, "version": table.version}, tensors=True)
+
+
+def _wire_dtype(msg: dict[str, Any]) -> str | None:
+    """A pull_rows' ``wire_dtype``: ``None`` (float32), or the half precision its rows travel
+    in; 400 naming the field for anything else."""
+    value = msg.get("wire_dtype")
+    if value is None:
+        return None
+    try:
+        return halves.check_wire_dtype(value)
+    except wire.WireError as exc:
+        raise ShardError(
+            "bad_request", f"pull_rows: {exc.message}", {"field": "wire_dtype"}
+        ) from None
+
+
+async def _narrowed(name: str, rows: np.ndarray, wire_dtype: str) -> np.ndarray:
+    """``rows`` (this request's own array) narrowed to ``wire_dtype``; 422 ``bad_tensor``
+    naming the table for a row beyond float16's range."""
+    args = (rows, wire_dtype, f"embedding table {name!r}: the rows pulled")
+    try:
+        if rows.nbytes <= NARROW_ON_LOOP:
+            return halves.narrow_array(*args)
+        return await asyncio.to_thread(halves.narrow_array, *args)
+    except wire.WireError as exc:
+        raise ShardError(exc.code, exc.message, {"table": name, "wire_dtype": wire_dtype}) from None
 
 
 @router.post("/push_rows", openapi_extra=BODY_DOC)

@@ -8,6 +8,11 @@ before any shard creates the table), then to all the others at once. ``pull_rows
 :data:`MAX_IDS_PER_REQUEST` ids), all shards at once; the ids go deduplicated: a pull's rows
 are expanded back to the order asked for, a push's repeated ids have their gradients summed
 before sending (the shard would sum them the same way: sorted by id, in the order given).
+
+With ``PSClient(wire_dtype=)`` a pull asks for its rows narrowed to that dtype (widened back
+to float32 here, as they are put in place), and a push narrows the summed gradients it sends
+(:mod:`client_sdk.wire.halves`: one beyond float16's range is :class:`BadTensorError` before
+anything is sent); every shard must list ``rows_wire_dtype``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from .._flow import Flow, ShardRequest
 from .._replies import Message
 from ..embedding import TableSpec, segment_sum
 from ..placement import row_shard
+from ..wire import halves
 
 __all__ = ["MAX_IDS_PER_REQUEST", "check_ids", "create_table", "pull_rows", "push_rows"]
 
@@ -98,6 +104,18 @@ def check_ids(ids: Any, verb: str) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.int64)
 
 
+def _half(core: Core, parts: list[tuple[int, np.ndarray]], verb: str) -> str | None:
+    """The client's ``wire_dtype`` (``None``: float32), once every shard of ``parts`` is known
+    to take it for rows (else :class:`ProtocolError` naming the shard, nothing sent)."""
+    wire_dtype = core.settings.wire_dtype
+    if wire_dtype is not None:
+        for shard in {shard for shard, _ in parts}:
+            core.fleet.require(
+                shard, wire.FEATURE_ROWS_WIRE_DTYPE, f"{verb} with wire_dtype={wire_dtype!r}"
+            )
+    return wire_dtype
+
+
 def _parts(core: Core, name: str, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
     """``(shard, positions in ids)`` of every request: each shard's rows, in runs of at most
     the shard's ``max_table_ids`` (:data:`MAX_IDS_PER_REQUEST` at most); one empty request to
@@ -126,11 +144,15 @@ def pull_rows(core: Core, name: Any, ids: Any) -> Flow[np.ndarray]:
     unique, inverse = np.unique(ids, return_inverse=True)
     parts = _parts(core, name, unique)
     dim = core.table_dims.get(name)
+    msg: dict[str, Any] = {"name": name}
+    wire_dtype = _half(core, parts, "pull_rows")
+    if wire_dtype is not None:
+        msg["wire_dtype"] = wire_dtype
     batch = [
         core.post(
             shard,
             "pull_rows",
-            {"name": name, "ids": unique if len(parts) == 1 else unique[positions]},
+            {**msg, "ids": unique if len(parts) == 1 else unique[positions]},
             deadline,
             mutating=False,
             retry_safe=True,
@@ -162,7 +184,7 @@ def _rows(core: Core, request: ShardRequest, reply: Message, n: int, dim: int | 
     except wire.WireError as exc:
         raise _bad_reply(core, request, f"a 'rows' tensor ({exc.message})") from exc
     if (
-        rows.dtype.kind != "f"
+        (rows.dtype.kind != "f" and rows.dtype.name != "bfloat16")
         or rows.ndim != 2
         or rows.shape[0] != n
         or (dim is not None and rows.shape[1] != dim)
@@ -204,6 +226,16 @@ def push_rows(core: Core, name: Any, ids: Any, grads: Any) -> Flow[dict[str, Any
     _require_tables(core)
     worker_id = core.settings.worker_id
     parts = _parts(core, name, unique)
+    wire_dtype = _half(core, parts, "push_rows")
+    if wire_dtype is not None:
+        try:
+            summed = halves.narrow_array(
+                summed, wire_dtype, f"push_rows: the gradients of table {name!r}"
+            )
+        except wire.WireError as exc:
+            raise BadTensorError(
+                exc.message, code="bad_tensor", details={"table": name, "field": "grads"}
+            ) from None
     whole = len(parts) == 1  # one request: the arrays as they are
     batch = [
         core.post(

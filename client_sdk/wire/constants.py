@@ -21,6 +21,7 @@ __all__ = [
     "FEATURE_EMBEDDING_TABLES",
     "FEATURE_PACKED",
     "FEATURE_POLL",
+    "FEATURE_ROWS_WIRE_DTYPE",
     "FEATURE_SET_OPTIMIZER",
     "FEATURE_TABLES",
     "FEATURE_WIRE_DTYPE",
@@ -90,6 +91,8 @@ FEATURE_DELETE = "delete"
 FEATURE_EMBEDDING_TABLES = "embedding_tables"
 #: A shard's pull and poll take ``wire_dtype``: float32 values narrowed to half precision (§3).
 FEATURE_WIRE_DTYPE = "wire_dtype"
+#: A shard's pull_rows takes ``wire_dtype``, and its push_rows half-precision gradients (§3).
+FEATURE_ROWS_WIRE_DTYPE = "rows_wire_dtype"
 
 FRAME_MAGIC = b"PSF1"
 #: A framed body's prefix: :data:`FRAME_MAGIC` and the header's length, a little-endian uint32.

@@ -33,6 +33,7 @@ __all__ = [
     "bfloat16",
     "check_wire_dtype",
     "narrow",
+    "narrow_array",
     "narrow_rows",
     "widen",
 ]
@@ -107,6 +108,13 @@ def narrow(value: np.ndarray, wire_dtype: str, name: str = "tensor") -> tuple[np
     if check:
         return out, "<f2"
     return out.view(np.uint16), BFLOAT16_STR
+
+
+def narrow_array(value: np.ndarray, wire_dtype: str, name: str = "tensor") -> np.ndarray:
+    """:func:`narrow`'s array in its own dtype (float16, or ml_dtypes' bfloat16, which
+    :func:`~client_sdk.wire.encode` sends as ``"<bf2"``), for a message's tensor."""
+    out, text = narrow(value, wire_dtype, name)
+    return out if text == "<f2" else out.view(bfloat16())
 
 
 def widen(value: np.ndarray) -> np.ndarray:

@@ -136,7 +136,7 @@ def encode(msg: Any, frame: bool | None = None, *, tensors: bool = True) -> Enco
         frame = sum(a.nbytes for _, a in found) >= FRAME_THRESHOLD
     if not frame:
         for d, a in found:
-            d["data"] = a.data.cast("B") if a.nbytes else b""
+            d["data"] = _raw(a) if a.nbytes else b""
         body = msgpack.packb(header_obj, use_bin_type=True)
         return Encoded(MSGPACK, [body], len(body))
 
@@ -162,9 +162,17 @@ def encode(msg: Any, frame: bool | None = None, *, tensors: bool = True) -> Enco
             append(_PADDING[: offset - at] if offset - at <= ALIGN else bytes(offset - at))
         size = d["nbytes"]
         if size:
-            append(a.data.cast("B"))
+            append(_raw(a))
         at = offset + size
     return Encoded(FRAME, chunks, at)
+
+
+def _raw(a: np.ndarray) -> memoryview:
+    """The bytes of C-contiguous ``a``, uncopied. ml_dtypes' bfloat16 has no buffer format
+    of its own: its bytes are read through a view as ``uint16``."""
+    if a.dtype.kind == "V":
+        a = a.view(np.uint16)
+    return a.data.cast("B")
 
 
 def align(n: int) -> int:

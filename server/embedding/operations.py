@@ -150,10 +150,13 @@ def push_rows(
     ids: np.ndarray,
     grads: Any,
 ) -> PushRows:
-    """A push of ``grads`` (float [len(ids), dim], finite; 422 otherwise) to rows ``ids``
-    (checked by :func:`check_ids`) of ``table``: repeated ids' gradients summed."""
+    """A push of ``grads`` (float [len(ids), dim], bfloat16 included, finite; 422 otherwise)
+    to rows ``ids`` (checked by :func:`check_ids`) of ``table``: widened to float32, repeated
+    ids' gradients summed."""
     name, dim = table.name, table.dim
-    if not isinstance(grads, np.ndarray) or grads.dtype.kind != "f":
+    if not isinstance(grads, np.ndarray) or (
+        grads.dtype.kind != "f" and grads.dtype.name != "bfloat16"
+    ):
         kind = grads.dtype.str if isinstance(grads, np.ndarray) else type(grads).__name__
         raise ShardError(
             "bad_tensor",

@@ -1,5 +1,6 @@
-"""``PSClient(wire_dtype=...)``: float32 values and gradients travel as float16 or bfloat16
-(docs/PROTOCOL.md §3 pull, "Half precision"), against a real 2-shard fleet.
+"""``PSClient(wire_dtype=...)``: float32 values and gradients, and embedding-table rows and
+their gradients, travel as float16 or bfloat16 (docs/PROTOCOL.md §3 pull, "Half precision";
+§3 Embedding tables, "Half precision for rows"), against a real 2-shard fleet.
 
 What a half-precision pull gives is compared with the float32 value rounded to the wire dtype
 (numpy's float16 cast and ml_dtypes' bfloat16 cast round to nearest, ties to even) and back:
@@ -21,13 +22,16 @@ from client_sdk import (
     AsyncPSClient,
     BadTensorError,
     ConfigError,
+    ProtocolError,
     PSClient,
     wire,
 )
+from client_sdk.embedding import Normal, segment_sum
 from client_sdk.optimizers import SGD
 from client_sdk.placement import shard_for
 from client_sdk.wire import halves, tensors
 from tests.conftest import OnLoop
+from tests.sdk.test_client import AsIfOlder
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -51,15 +55,16 @@ def rounded(value: np.ndarray, wire_dtype: str) -> np.ndarray:
 
 
 class Sizes(httpx2.BaseTransport):
-    """Real HTTP, recording the Content-Length of every pull or poll reply."""
+    """Real HTTP, recording the Content-Length of every reply to ``paths``."""
 
-    def __init__(self) -> None:
+    def __init__(self, paths: tuple[str, ...] = ("/v1/pull", "/v1/poll")) -> None:
         self.inner = httpx2.HTTPTransport()
+        self.paths = paths
         self.replies: list[int] = []
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
         response = self.inner.handle_request(request)
-        if request.url.path in ("/v1/pull", "/v1/poll"):
+        if request.url.path in self.paths:
             self.replies.append(int(response.headers["content-length"]))
         return response
 
@@ -225,3 +230,111 @@ def test_narrow_and_widen_round_to_nearest_even():
     assert bits.dtype == np.uint16 and text == "<bf2"
     back = halves.widen(bits.view(DTYPES["bfloat16"]))
     np.testing.assert_array_equal(back, [1.0, 1.0, 1 + 2**-6, rounded(y[3:], "bfloat16")[0]])
+
+
+# -- embedding-table rows -------------------------------------------------------------------
+
+
+class LoseReply(httpx2.BaseTransport):
+    """Real HTTP; the reply to the first push_rows is lost after the shard applied it."""
+
+    def __init__(self) -> None:
+        self.inner = httpx2.HTTPTransport()
+        self.lost = 0
+        self.sent: list[str] = []  # the dtype of each push_rows' grads
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = self.inner.handle_request(request)
+        if request.url.path == "/v1/push_rows":
+            msg = wire.unpack(bytearray(request.read()), request.headers["content-type"])
+            self.sent.append(msg["grads"]["dtype"])
+            if not self.lost:
+                self.lost += 1
+                response.read()
+                raise httpx2.ReadTimeout("the reply was lost", request=request)
+        return response
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("wire_dtype", ["float16", "bfloat16"])
+def test_table_rows_travel_in_the_wire_dtype_both_ways(fleet2, wire_dtype):
+    table = fresh(f"rows-{wire_dtype}")
+    rng = np.random.default_rng(4)
+    ids = rng.integers(-(2**62), 2**62, 120)
+    ids = np.concatenate([ids, ids[:40]])  # repeats; the rows placed on both shards
+    grads = (rng.standard_normal((len(ids), 16)) * 3).astype(np.float32)
+    whole, half, lossy = Sizes(("/v1/pull_rows",)), Sizes(("/v1/pull_rows",)), LoseReply()
+    with PSClient(fleet2.urls, worker_id=fresh("w"), transport=whole) as plain:
+        plain.create_table(table, 16, initializer=Normal(std=50.0), optimizer=SGD(lr=1.0))
+        first = plain.pull_rows(table, ids)
+        with PSClient(
+            fleet2.urls, worker_id=fresh("w"), wire_dtype=wire_dtype, transport=half
+        ) as hp:
+            got = hp.pull_rows(table, ids)
+        assert got.dtype == np.float32 and got.shape == (160, 16)
+        np.testing.assert_array_equal(got, rounded(first, wire_dtype))
+        # 120 rows of 64 bytes of float32 over the 2 shards: about half of it on the wire
+        assert all(h < w * 0.6 for h, w in zip(sorted(half.replies), sorted(whole.replies[:2])))
+        with PSClient(
+            fleet2.urls, worker_id=fresh("w"), wire_dtype=wire_dtype, transport=lossy
+        ) as retried:
+            result = retried.push_rows(table, ids, grads)
+        assert lossy.lost == 1 and result["duplicate"] == 1  # the retry was not applied again
+        assert set(lossy.sent) == {halves.narrow(grads[:1], wire_dtype)[1]}
+        unique, summed = segment_sum(ids, grads)  # what the SDK sums, then narrows
+        where = {int(i): k for k, i in enumerate(ids)}
+        before = first[[where[int(i)] for i in unique]]
+        after = plain.pull_rows(table, unique)
+    np.testing.assert_array_equal(after, before - rounded(summed, wire_dtype))
+
+
+def test_table_rows_beyond_float16_are_refused_and_nothing_changes(fleet2, http):
+    table = fresh("rows-over")
+    ids = np.arange(40)  # on both shards
+    with PSClient(fleet2.urls, worker_id=fresh("w")) as plain:
+        plain.create_table(table, 4, optimizer=SGD(lr=1.0))
+        before = plain.pull_rows(table, ids)
+    ps = OnLoop(AsyncPSClient(fleet2.urls, worker_id=fresh("w"), wire_dtype="float16"))
+    try:
+        # each gradient fits float16, but id 7's two sum to 8e4: refused before sending
+        grads = np.full((41, 4), 4e4, np.float32)
+        with pytest.raises(BadTensorError) as caught:
+            ps.push_rows(table, np.append(ids, 7), grads)
+        assert repr(table) in str(caught.value) and "65504" in str(caught.value)
+        versions = [http.get(f"{u}/v1/tables/{table}").json()["version"] for u in fleet2.urls]
+        assert versions == [0, 0]
+        np.testing.assert_array_equal(ps.pull_rows(table, ids), rounded(before, "float16"))
+        with PSClient(fleet2.urls, worker_id=fresh("w")) as plain:
+            plain.push_rows(table, [3], np.full((1, 4), -1e5, np.float32))  # row 3: ~1e5
+            stored = plain.pull_rows(table, ids)
+        with pytest.raises(BadTensorError) as caught:
+            ps.pull_rows(table, ids)
+        assert repr(table) in str(caught.value) and "float16" in str(caught.value)
+    finally:
+        ps.close()
+    with PSClient(fleet2.urls, worker_id=fresh("w"), wire_dtype="bfloat16") as bf:
+        np.testing.assert_array_equal(bf.pull_rows(table, ids), rounded(stored, "bfloat16"))
+    bad = wire.encode({"name": table, "ids": ids, "wire_dtype": "float8"})
+    r = http.post(
+        f"{fleet2.urls[0]}/v1/pull_rows",
+        content=bad.join(),
+        headers={"content-type": bad.content_type},
+    )
+    assert r.status_code == 400
+    assert wire.unpack(bytearray(r.content), r.headers["content-type"])["error"]["details"] == {
+        "field": "wire_dtype"
+    }
+
+
+def test_table_rows_in_a_wire_dtype_need_shards_that_take_it(fleet2):
+    table = fresh("rows-old")
+    with PSClient(fleet2.urls, worker_id=fresh("w")) as plain:
+        plain.create_table(table, 4)
+    older = AsIfOlder(False, drop_features=(wire.FEATURE_ROWS_WIRE_DTYPE,))
+    with PSClient(fleet2.urls, worker_id=fresh("w"), wire_dtype="float16", transport=older) as ps:
+        with pytest.raises(ProtocolError, match=wire.FEATURE_ROWS_WIRE_DTYPE):
+            ps.pull_rows(table, [1, 2])
+        with pytest.raises(ProtocolError, match=wire.FEATURE_ROWS_WIRE_DTYPE):
+            ps.push_rows(table, [1, 2], np.ones((2, 4), np.float32))

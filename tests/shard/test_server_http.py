@@ -535,6 +535,7 @@ def test_push_with_a_gradient_table(fleet2, http):
         wire.FEATURE_DELETE,
         wire.FEATURE_EMBEDDING_TABLES,
         wire.FEATURE_WIRE_DTYPE,
+        wire.FEATURE_ROWS_WIRE_DTYPE,
     ]
 
 
