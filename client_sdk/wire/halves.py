@@ -18,6 +18,10 @@ tensor and the largest magnitude the dtype holds.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,7 +47,15 @@ BFLOAT16 = "bfloat16"
 #: The values a pull's ``wire_dtype`` (and ``PSClient(wire_dtype=...)``) may take.
 WIRE_DTYPES = (FLOAT16, BFLOAT16)
 #: Elements narrowed at a time: a block and its check stay in the cache.
-_BLOCK = 1 << 18
+_BLOCK = 1 << 16
+#: Arrays of at least this many elements are converted by :data:`THREADS` threads at once.
+THREADS_FROM = 1 << 21
+#: Threads that convert one big array (at most 4: the conversion is bound by memory soon).
+THREADS = max(1, min(4, os.cpu_count() or 1))
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+#: The smallest float32 magnitude that rounds to an infinity in float16 (65504 + half a step).
+_F16_INF = np.float32(65520.0)
 _F4 = np.dtype("<f4")
 _F2 = np.dtype("<f2")
 
@@ -86,28 +98,67 @@ def narrow(value: np.ndarray, wire_dtype: str, name: str = "tensor") -> tuple[np
     array and its type string (``"<f2"``; or ``"<bf2"`` for bfloat16, whose array then holds
     its bits as ``uint16``, the form a socket and a memoryview take). Refuses
     (:class:`WireError` ``bad_tensor``) a finite entry beyond the dtype's range, which would
-    become an infinity."""
+    become an infinity. A big array is converted by several threads (:func:`_blocks`)."""
     dtype = _dtype(wire_dtype)
     out = np.empty(value.shape, dtype)
     src, dst = value.reshape(-1), out.reshape(-1)
     check = dtype == _F2  # bfloat16 holds float32's range
-    for start in range(0, src.size, _BLOCK):
-        part = dst[start : start + _BLOCK]
-        with np.errstate(over="ignore"):  # an overflow is found below, and refused
-            np.copyto(part, src[start : start + _BLOCK], casting="unsafe")
-        if check and np.isinf(part).any():
-            whole = src[start : start + _BLOCK]
-            if np.isfinite(whole[np.isinf(part)]).any():
-                raise WireError(
-                    f"{name} holds values beyond float16's range (|x| > 65504, here up to "
-                    f"{float(np.abs(whole[np.isfinite(whole)]).max()):.6g}): they would travel "
-                    "as infinities, so nothing was sent; use wire_dtype='bfloat16' (float32's "
-                    "range) or float32 for it",
-                    code="bad_tensor",
-                )
+
+    def part(start: int, stop: int) -> None:
+        for at in range(start, stop, _BLOCK):
+            block = src[at : min(at + _BLOCK, stop)]
+            with np.errstate(over="ignore"):  # an overflow is found below, and refused
+                np.copyto(dst[at : at + block.size], block, casting="unsafe")
+            # max and min read the block while it is in the cache; NaN fails both tests
+            if check and block.size and not (block.max() < _F16_INF and block.min() > -_F16_INF):
+                _refuse_overflow(block, dst[at : at + block.size], name)
+
+    _blocks(src.size, part)
     if check:
         return out, "<f2"
     return out.view(np.uint16), BFLOAT16_STR
+
+
+def _refuse_overflow(block: np.ndarray, narrowed: np.ndarray, name: str) -> None:
+    """:class:`WireError` if a finite entry of ``block`` became an infinity in ``narrowed``."""
+    inf = np.isinf(narrowed)
+    if np.isfinite(block[inf]).any():
+        raise WireError(
+            f"{name} holds values beyond float16's range (|x| > 65504, here up to "
+            f"{float(np.abs(block[np.isfinite(block)]).max()):.6g}): they would travel "
+            "as infinities, so nothing was sent; use wire_dtype='bfloat16' (float32's "
+            "range) or float32 for it",
+            code="bad_tensor",
+        )
+
+
+def _blocks(size: int, part: Callable[[int, int], None]) -> None:
+    """Run ``part(start, stop)`` over ``range(size)``: at once below :data:`THREADS_FROM`
+    elements, else in :data:`THREADS` slices at the same time (numpy releases the GIL while
+    it casts), each on a thread of a pool this module keeps; the first exception raised in a
+    slice is raised here once all are done."""
+    if size < THREADS_FROM or THREADS < 2:
+        part(0, size)
+        return
+    step = -(-size // THREADS // _BLOCK) * _BLOCK
+    slices = [(at, min(at + step, size)) for at in range(0, size, step)]
+    futures = [_pool().submit(part, *s) for s in slices[1:]]
+    try:
+        part(*slices[0])
+    finally:
+        concurrent.futures.wait(futures)
+    for future in futures:
+        future.result()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(
+                THREADS - 1, thread_name_prefix="paramshard-halves"
+            )
+        return _POOL
 
 
 def narrow_array(value: np.ndarray, wire_dtype: str, name: str = "tensor") -> np.ndarray:
@@ -119,8 +170,15 @@ def narrow_array(value: np.ndarray, wire_dtype: str, name: str = "tensor") -> np
 
 def widen(value: np.ndarray) -> np.ndarray:
     """A narrowed ``value`` (float16 or bfloat16, as decoded) back in float32 (exact: every
-    float16 and bfloat16 is a float32), read-only."""
-    out = value.astype(_F4)
+    float16 and bfloat16 is a float32), read-only. A big array is converted by several
+    threads (:func:`_blocks`)."""
+    out = np.empty(value.shape, _F4)
+    src, dst = value.reshape(-1), out.reshape(-1)
+
+    def part(start: int, stop: int) -> None:
+        np.copyto(dst[start:stop], src[start:stop])
+
+    _blocks(src.size, part)
     out.flags.writeable = False
     return out
 

@@ -12,6 +12,7 @@ what a refused request leaves is read back with a float32 client.
 from __future__ import annotations
 
 import sys
+import threading
 import uuid
 
 import httpx2
@@ -338,3 +339,20 @@ def test_table_rows_in_a_wire_dtype_need_shards_that_take_it(fleet2):
             ps.pull_rows(table, [1, 2])
         with pytest.raises(ProtocolError, match=wire.FEATURE_ROWS_WIRE_DTYPE):
             ps.push_rows(table, [1, 2], np.ones((2, 4), np.float32))
+
+
+def test_big_arrays_are_converted_by_several_threads_with_the_same_result(monkeypatch):
+    monkeypatch.setattr(halves, "THREADS", 2)
+    monkeypatch.setattr(halves, "THREADS_FROM", 1 << 17)
+    x = (np.random.default_rng(5).standard_normal(3 * (1 << 17) + 5) * 1e3).astype(np.float32)
+    x[[0, -1]] = [65519.0, np.nan]  # the largest that rounds to 65504; NaN travels as NaN
+    f16, _ = halves.narrow(x, "float16")
+    assert any(t.name.startswith("paramshard-halves") for t in threading.enumerate())
+    np.testing.assert_array_equal(f16.view(np.uint16), x.astype(np.float16).view(np.uint16))
+    np.testing.assert_array_equal(halves.widen(f16), x.astype(np.float16).astype(np.float32))
+    bits, _ = halves.narrow(x, "bfloat16")
+    back = halves.widen(bits.view(DTYPES["bfloat16"]))
+    np.testing.assert_array_equal(back, rounded(x, "bfloat16"))
+    x[-2] = 65520.0  # in the last slice: rounds to an infinity
+    with pytest.raises(wire.WireError, match="65520"):
+        halves.narrow(x, "float16")
