@@ -161,6 +161,17 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
         return _POOL
 
 
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool threads do not exist there (work given to them
+    would never run), so the child makes its own."""
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def narrow_array(value: np.ndarray, wire_dtype: str, name: str = "tensor") -> np.ndarray:
     """:func:`narrow`'s array in its own dtype (float16, or ml_dtypes' bfloat16, which
     :func:`~client_sdk.wire.encode` sends as ``"<bf2"``), for a message's tensor."""

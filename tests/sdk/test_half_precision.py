@@ -356,3 +356,29 @@ def test_big_arrays_are_converted_by_several_threads_with_the_same_result(monkey
     x[-2] = 65520.0  # in the last slice: rounds to an infinity
     with pytest.raises(wire.WireError, match="65520"):
         halves.narrow(x, "float16")
+
+
+def _narrow_big_in_a_child(queue) -> None:
+    x = np.arange(1 << 18, dtype=np.float32) % 60_000
+    try:
+        queue.put(bool(np.array_equal(halves.narrow(x, "float16")[0], x.astype(np.float16))))
+    except BaseException as exc:
+        queue.put(repr(exc))
+
+
+def test_a_forked_child_converts_big_arrays_on_threads_of_its_own(monkeypatch):
+    import multiprocessing
+
+    monkeypatch.setattr(halves, "THREADS", 2)
+    monkeypatch.setattr(halves, "THREADS_FROM", 1 << 17)
+    halves.narrow(np.ones(1 << 18, np.float32), "float16")  # the parent's pool is running
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_narrow_big_in_a_child, args=(queue,))
+    child.start()
+    try:
+        assert queue.get(timeout=60) is True
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
