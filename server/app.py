@@ -34,7 +34,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import msgpack
@@ -495,43 +495,55 @@ def serving_app(app: FastAPI) -> ASGIApp:
 
 def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     """What the shard's HTTP protocol may answer without an ASGI request cycle
-    (:data:`server.httptools_protocol.IMMEDIATE`): ``POST /v1/pull`` in the table layout, when the
-    request passes the fleet check as sent by the SDK, carries a token that may read (when the
-    shard has tokens), the gate would admit it at once, and
-    :func:`~server.routes_data.pull_now` can answer it. The reply is the one the usual way
-    gives, byte for byte: the same handler code, the same headers (the shard's, from
+    (:data:`server.httptools_protocol.IMMEDIATE`): ``POST /v1/pull`` in the table layout and
+    ``POST /v1/pull_rows`` of float32 rows, when the request passes the fleet check as sent by
+    the SDK, carries a token that may read (when the shard has tokens), the gate would admit it
+    at once, and :func:`~server.routes_data.pull_now` (or
+    :func:`~server.routes_tables.pull_rows_now`) can answer it. The reply is the one the usual
+    way gives, byte for byte: the same handler code, the same headers (the shard's, from
     :class:`ShardMiddleware`). Anything else (every refusal and error included) returns
     ``None`` and goes the usual way, which answers it."""
     from .routes_data import pull_now
+    from .routes_tables import pull_rows_now
 
     state = app.state
-    store, gate, limit = state.store, state.gate, state.config.max_request_bytes
-    max_names = state.config.max_request_names
+    store, tables, gate = state.store, state.tables, state.gate
+    limit, max_names = state.config.max_request_bytes, state.config.max_request_names
     shard = ShardMiddleware(app, state.config, state.incarnation, state)
     guard: Guard = state.auth
     traffic: Traffic | None = getattr(state, "traffic", None)
 
-    def pull(headers: Mapping[bytes, bytes], body: bytes) -> Immediate | None:
-        if (
-            not shard.meant_for_me(headers.get(_FLEET_KEY))
-            or not guard.allows(headers, READ)
-            or not gate.room_now(len(body))
-        ):
-            return None
-        since = time.perf_counter()
-        encoded = pull_now(store, limit, headers, body, max_names)
-        if encoded is None:
-            return None
-        if traffic is not None:
-            traffic.count("pull", 200, time.perf_counter() - since, len(body), encoded.nbytes)
-        return Immediate(
-            [
-                (b"content-type", encoded.content_type.encode("latin-1")),
-                (b"content-length", str(encoded.nbytes).encode("latin-1")),
-                *shard.reply_headers(),
-            ],
-            encoded.chunks,
-            encoded.nbytes,
-        )
+    def answerer(
+        verb: str, now: Callable[[Mapping[bytes, bytes], bytes], wire.Encoded | None]
+    ) -> Answerer:
+        def answer(headers: Mapping[bytes, bytes], body: bytes) -> Immediate | None:
+            if (
+                not shard.meant_for_me(headers.get(_FLEET_KEY))
+                or not guard.allows(headers, READ)
+                or not gate.room_now(len(body))
+            ):
+                return None
+            since = time.perf_counter()
+            encoded = now(headers, body)
+            if encoded is None:
+                return None
+            if traffic is not None:
+                traffic.count(verb, 200, time.perf_counter() - since, len(body), encoded.nbytes)
+            return Immediate(
+                [
+                    (b"content-type", encoded.content_type.encode("latin-1")),
+                    (b"content-length", str(encoded.nbytes).encode("latin-1")),
+                    *shard.reply_headers(),
+                ],
+                encoded.chunks,
+                encoded.nbytes,
+            )
 
-    return {b"/v1/pull": pull}
+        return answer
+
+    return {
+        b"/v1/pull": answerer("pull", lambda h, b: pull_now(store, limit, h, b, max_names)),
+        b"/v1/pull_rows": answerer(
+            "pull_rows", lambda h, b: pull_rows_now(tables, limit, h, b, max_names)
+        ),
+    }

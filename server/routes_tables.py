@@ -10,12 +10,15 @@ Each data-plane handler reads its body once (:func:`server.routes_data.message`;
 ``ids`` and ``grads`` stay views of that buffer), checks the fields it needs (400 naming the
 field), and calls the shard's :class:`~server.embedding.EmbeddingTables` (``app.state.tables``)
 synchronously on the event loop: a pull's rows are gathered and a push's applied with no
-``await`` between check and write.
+``await`` between check and write. A small pull of float32 rows is answered by
+:func:`pull_rows_now` from the shard's HTTP protocol itself when it can be
+(:func:`server.app.immediate_routes`), with the same code and bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -37,7 +40,7 @@ from .routes_data import (
     writer,
 )
 
-__all__ = ["MAX_INSPECT_IDS", "router"]
+__all__ = ["MAX_INSPECT_IDS", "pull_rows_now", "router"]
 
 #: Ids ``GET /v1/tables/{name}/rows`` shows at most.
 MAX_INSPECT_IDS = 1000
@@ -111,6 +114,38 @@ async def _narrowed(name: str, rows: np.ndarray, wire_dtype: str) -> np.ndarray:
         return await asyncio.to_thread(halves.narrow_array, *args)
     except wire.WireError as exc:
         raise ShardError(exc.code, exc.message, {"table": name, "wire_dtype": wire_dtype}) from None
+
+
+def pull_rows_now(
+    tables: EmbeddingTables,
+    limit: int,
+    headers: Mapping[bytes, bytes],
+    body: bytes,
+    max_names: int = wire.MAX_REQUEST_NAMES,
+) -> wire.Encoded | None:
+    """The reply to a pull_rows, without waiting: what :func:`pull_rows` answers for the same
+    request, its rows as the reply's own piece; or ``None`` where :func:`pull_rows` would do
+    more than that (a body above ``limit`` or of another content type, a ``wire_dtype``, any
+    error to answer), which it must then answer itself. ``headers``: the request's, names
+    lower-case; ``max_names``: the shard's ``--max-request-names``. Synchronous; on the event
+    loop."""
+    kind = _KINDS.get(headers.get(b"content-type", b""))
+    if kind is None or len(body) > limit:
+        return None
+    try:
+        msg = wire.unpack(body, kind, max_names)
+        if not isinstance(msg, dict) or "wire_dtype" in msg:
+            return None
+        name = _name(msg, "pull_rows")
+        ids = _whole(msg, ("ids",), "pull_rows", body if kind == wire.FRAME else None)["ids"]
+        table, rows = tables.pull(name, ids)
+    except (ShardError, wire.WireError):
+        return None
+    frame = wire.FRAME.encode() in headers.get(b"accept", b"").lower()
+    return wire.encode({"rows": rows, "version": table.version}, frame=None if frame else False)
+
+
+_KINDS = {wire.MSGPACK.encode(): wire.MSGPACK, wire.FRAME.encode(): wire.FRAME}
 
 
 @router.post("/push_rows", openapi_extra=BODY_DOC)

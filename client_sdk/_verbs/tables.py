@@ -27,7 +27,7 @@ from .._exceptions import BadTensorError, ProtocolError
 from .._fleet import MAX_TABLE_IDS
 from .._flow import Flow, ShardRequest
 from .._replies import Message
-from ..embedding import TableSpec, segment_sum
+from ..embedding import TableSpec, distinct, segment_sum
 from ..placement import row_shard
 from ..wire import halves
 
@@ -141,7 +141,7 @@ def pull_rows(core: Core, name: Any, ids: Any) -> Flow[np.ndarray]:
     deadline = core.deadline()
     yield from core.require_fleet(deadline)
     _require_tables(core)
-    unique, inverse = np.unique(ids, return_inverse=True)
+    unique, inverse = distinct(ids)
     parts = _parts(core, name, unique)
     dim = core.table_dims.get(name)
     msg: dict[str, Any] = {"name": name}
@@ -174,7 +174,7 @@ def pull_rows(core: Core, name: Any, ids: Any) -> Flow[np.ndarray]:
         if rows.shape[1] != width:
             raise _bad_reply(core, batch[0], f"rows of one width, got {width} and {rows.shape[1]}")
         out[positions] = rows
-    return out[inverse.reshape(-1)]
+    return np.take(out, inverse, axis=0)
 
 
 def _rows(core: Core, request: ShardRequest, reply: Message, n: int, dim: int | None) -> np.ndarray:

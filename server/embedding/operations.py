@@ -25,6 +25,7 @@ from client_sdk.placement import row_shard
 
 from .. import optim
 from ..errors import ShardError
+from ..store.checks import all_finite
 from .table import EmbeddingTable
 
 __all__ = ["CreateTable", "PushRows", "check_ids", "create_table", "push_rows"]
@@ -177,8 +178,8 @@ def push_rows(
         )
     with np.errstate(all="ignore"):
         grads32 = grads.astype(np.float32, copy=False)
-        total = float(np.sum(grads32, dtype=np.float64)) if grads32.size else 0.0
-    if not np.isfinite(total) or not bool(np.isfinite(grads32).all()):
+        finite = all_finite(grads32)
+    if not finite:
         bad = np.flatnonzero(~np.isfinite(grads32).all(axis=1))
         raise ShardError(
             "bad_tensor",

@@ -20,7 +20,6 @@ and writing them back only once the result is found finite: a refused update cha
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -29,6 +28,7 @@ from client_sdk.embedding import TableSpec, initial_rows
 
 from .. import optim
 from ..errors import ShardError
+from ..store.checks import all_finite
 from . import admission
 from .index import IdIndex
 
@@ -172,9 +172,7 @@ class EmbeddingTable:
         grads = np.array(grads, dtype=np.float32)  # our own: the rule may write into it
         with np.errstate(all="ignore"):
             optim.apply(self.spec.optimizer, value, grads, state, step=step, scratch=True)
-            finite = math.isfinite(float(np.sum(value, dtype=np.float64))) and all(
-                math.isfinite(float(np.sum(s, dtype=np.float64))) for s in state.values()
-            )
+            finite = all_finite(value) and all(all_finite(s) for s in state.values())
         if not finite:
             raise ShardError(
                 "bad_tensor",

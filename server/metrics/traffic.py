@@ -57,6 +57,9 @@ _DATA_PLANE = (
     "pause",
     "snapshot",
     "resume",
+    "create_table",
+    "pull_rows",
+    "push_rows",
 )
 _PAGES = {
     "/": "dashboard",

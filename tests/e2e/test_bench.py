@@ -240,3 +240,18 @@ def test_the_step_cost_diagnostic_runs():
     assert len(figures) == len(lines) == 6
     assert all(us > 0 for us in figures.values())
     assert any("the shard's protocol and app" in line for line in lines)
+
+
+def test_the_row_cost_diagnostic_runs():
+    """python -m bench.rowcost (not part of make bench): every figure it prints, tiny."""
+    from bench import rowcost
+
+    lines: list[str] = []
+    figures = rowcost.run(300, 3, out=lines.append, fleets=(1,))
+    assert len(lines) == len(figures) + 1  # and the column titles
+    assert [k for k in figures if k.startswith("PSClient.") and ":" not in k] == [
+        "PSClient.push_rows, 1 shard",
+        "PSClient.pull_rows, 1 shard",
+    ]
+    in_process = [cpu for k, (_, cpu) in figures.items() if k.startswith("the ")]
+    assert len(in_process) == 4 and all(cpu > 0 for cpu in in_process)

@@ -1,5 +1,5 @@
 """server.embedding without HTTP: the id -> row map against a dict under random inserts
-(growth, rebuild, any int64 id), and a table's update refusing whole (limits, overflow)."""
+(growth, rebuild, any int64 id) and along long probe runs, and a table's update refusing whole (limits, overflow)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from client_sdk.embedding import TableSpec
 from client_sdk.optimizers import SGD, Ftrl
 from server.embedding import EmbeddingTable
-from server.embedding.index import IdIndex
+from server.embedding.index import WINDOW, IdIndex
 from server.errors import ShardError
 
 
@@ -31,6 +31,27 @@ def test_index_is_a_map_from_any_id_to_its_row():
     index.rebuild(keep)
     assert index.lookup(keep).tolist() == list(range(len(keep)))
     assert (index.lookup(np.array(list(model)[1::3], np.int64)) == -1).all()
+
+
+def test_index_finds_ids_at_the_end_of_long_probe_runs():
+    """Ids sharing one first slot make a run longer than a lookup's windows (index.WINDOW):
+    each is found, and an absent id of that slot walks the whole run to say so."""
+    index = IdIndex()
+    candidates = np.arange(1, 200_000, dtype=np.int64) * 7919
+    homes = index._home(candidates)
+    slot = np.bincount(homes).argmax()
+    same = candidates[homes == slot]
+    assert len(same) > 4 * WINDOW + 2
+    stored, absent = same[: 4 * WINDOW], same[4 * WINDOW :]
+    others = candidates[homes != slot][:300]
+    index.add(np.concatenate([others[:150], stored, others[150:]]))
+    rows = index.lookup(np.concatenate([stored[::-1], absent, others]))
+    assert rows.tolist() == [
+        *range(150 + len(stored) - 1, 149, -1),
+        *[-1] * len(absent),
+        *range(150),
+        *range(150 + len(stored), 300 + len(stored)),
+    ]
 
 
 def test_an_update_is_refused_whole():

@@ -1,6 +1,6 @@
-"""Small table pulls answered by the shard's HTTP protocol itself (server.httptools_protocol,
-IMMEDIATE; server.app.immediate_routes): the same bytes as the app's answer, and every request it
-does not take handed to the app, which answers it the usual way.
+"""Small table pulls and pull_rows answered by the shard's HTTP protocol itself
+(server.httptools_protocol, IMMEDIATE; server.app.immediate_routes): the same bytes as the app's
+answer, and every request it does not take handed to the app, which answers it the usual way.
 
 The shard's real app runs in this process, served twice over one store: once as a shard
 serves it, once with nothing answered immediately (``immediate = {}``); each request goes to
@@ -23,7 +23,8 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from client_sdk import wire
-from client_sdk.optimizers import Add
+from client_sdk.embedding import TableSpec
+from client_sdk.optimizers import SGD, Add
 from server import admission
 from server.app import create_app, serving_app
 from server.config import ShardConfig
@@ -112,8 +113,9 @@ def _complete(transport: Recorder, before: int) -> int:
 
 @contextlib.asynccontextmanager
 async def shard(config: ShardConfig | None = None):
-    """The shard's app with variables a, b (float32, 3) and c (int64, 2 x 2), and two ways to
-    serve it: ``(immediate, usual)``, each a :class:`Counting`."""
+    """The shard's app with variables a, b (float32, 3) and c (int64, 2 x 2) and embedding
+    table t (dim 4, rows 5 and -7 stored), and two ways to serve it: ``(immediate, usual)``,
+    each a :class:`Counting`."""
     app = create_app(config or ShardConfig())
     async with app.router.lifespan_context(app):
         app.state.store.init(
@@ -123,6 +125,9 @@ async def shard(config: ShardConfig | None = None):
                 "c": (np.arange(4, dtype=np.int64).reshape(2, 2), None),
             }
         )
+        tables = app.state.tables
+        tables.create("t", TableSpec(dim=4, optimizer=SGD(lr=1.0), seed=3).to_wire())
+        tables.push("t", "w0", 1, np.array([5, -7], np.int64), np.ones((2, 4), np.float32))
         immediate = Counting(serving_app(app))
         plain = serving_app(app)
         plain.immediate = {}
@@ -369,6 +374,58 @@ def test_with_an_access_log_every_request_goes_to_the_app():
         async with shard() as (_app, immediate, _usual):
             conn = Connection(immediate, access_log=True)
             _table(await conn.send(request()))
+            assert immediate.calls == 1
+
+    asyncio.run(run())
+
+
+def rows_request(msg: dict, *, framed: bool = False, accept: str = wire.FRAME) -> bytes:
+    """A pull_rows request: ``msg`` (its ndarrays as tensors) msgpack or framed."""
+    enc = wire.encode(msg, frame=framed)
+    return request(path="/v1/pull_rows", body=enc.join(), ctype=enc.content_type, accept=accept)
+
+
+def test_a_small_pull_rows_is_answered_at_once_with_the_apps_bytes():
+    ids = np.array([5, 9, 5, -7, 1 << 62], np.int64)  # stored, not stored, repeated
+
+    async def run() -> None:
+        async with shard() as (app, immediate, usual):
+            table = app.state.tables.get("t")
+            for framed in (False, True):
+                for accept in (wire.FRAME, wire.MSGPACK):
+                    data = rows_request({"name": "t", "ids": ids}, framed=framed, accept=accept)
+                    mine, theirs = await both(immediate, usual, data)
+                    assert mine == theirs
+                    assert immediate.calls == 0 and usual.calls > 0
+                    head, _, body = mine.partition(b"\r\n\r\n")
+                    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+                    kind = wire.FRAME if wire.FRAME.encode() in head else wire.MSGPACK
+                    msg = wire.unpack(body, kind)
+                    rows = wire.decode_tensor(msg["rows"], body if kind == wire.FRAME else None)
+                    np.testing.assert_array_equal(rows, table.gather(ids))
+                    assert msg["version"] == 1
+            assert len(table) == 2  # a pull stores nothing
+
+    asyncio.run(run())
+
+
+ROWS_CASES = {
+    "unknown table": {"name": "nope", "ids": np.array([1], np.int64)},
+    "a dense variable's name": {"name": "a", "ids": np.array([1], np.int64)},
+    "no ids": {"name": "t"},
+    "float ids": {"name": "t", "ids": np.array([1.0])},
+    "2-d ids": {"name": "t", "ids": np.zeros((2, 2), np.int64)},
+    "a name that is not a string": {"name": 7, "ids": np.array([1], np.int64)},
+    "wire_dtype": {"name": "t", "ids": np.array([5], np.int64), "wire_dtype": "float16"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROWS_CASES))
+def test_a_pull_rows_not_taken_goes_to_the_app_and_gets_its_answer(case):
+    async def run() -> None:
+        async with shard() as (_app, immediate, usual):
+            data = rows_request(ROWS_CASES[case])
+            assert await Connection(immediate).send(data) == await Connection(usual).send(data)
             assert immediate.calls == 1
 
     asyncio.run(run())
