@@ -54,6 +54,7 @@ __all__ = [
     "initial_rows",
     "initializer_from_wire",
     "mix64",
+    "put_rows",
     "segment_sum",
     "spec_from_wire",
     "table_key",
@@ -424,10 +425,31 @@ def initial_rows(spec: TableSpec, name: str, ids: np.ndarray) -> np.ndarray:
 _MAX_LEVELS = 64
 
 
+_LOW16 = np.uint64(0xFFFF)
+
+
+def _stable_order(ids: np.ndarray) -> np.ndarray:
+    """``np.argsort(ids, kind="stable")`` of int64 ``ids`` [n >= 1], sorted 16 bits at a time
+    from the lowest (LSD radix: numpy sorts 16-bit keys stably by counting, in one pass) over
+    the bits the ids' span needs: 1 pass for ids within 65,536 of each other, 2 within 2^32,
+    at most 4; quicker than a comparison sort of the int64s, by 4x for a batch of 4,096 ids
+    spanning 10^6."""
+    low = ids.min()
+    span = int(ids.max()) - int(low)
+    offset = ids.view(np.uint64) - np.asarray(low).view(np.uint64)  # modulo 2^64: exact
+    order = np.argsort((offset & _LOW16).astype(np.uint16), kind="stable")
+    shift = 16
+    while shift < 64 and span >> shift:
+        key = ((offset >> _M(shift)) & _LOW16).astype(np.uint16)
+        order = order[np.argsort(key[order], kind="stable")]
+        shift += 16
+    return order
+
+
 def _segments(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(order, first, starts)`` of int64 ``ids`` [n >= 1]: the stable sorting permutation,
     whether each sorted position starts a run of one id, and where the runs start."""
-    order = np.argsort(ids, kind="stable")
+    order = _stable_order(ids)
     ordered = ids[order]
     first = np.empty(len(ids), dtype=bool)
     first[0] = True
@@ -470,8 +492,31 @@ def segment_sum(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndar
     levels = int(rank.max())
     if levels > _MAX_LEVELS:
         return unique, np.add.reduceat(grads[order], starts, axis=0)
-    summed = grads[order[starts]]
+    summed = np.take(grads, order[starts], axis=0)
     for level in range(1, levels + 1):
         at = np.flatnonzero(rank == level)
-        summed[segment[at]] += grads[order[at]]
+        to = segment[at]
+        part = np.take(summed, to, axis=0)
+        part += np.take(grads, order[at], axis=0)
+        put_rows(summed, to, part)
     return unique, summed
+
+
+def put_rows(dest: np.ndarray, where: np.ndarray, rows: np.ndarray) -> None:
+    """``dest[where] = rows``: rows ``where`` (distinct, valid row numbers) of the 2-d array
+    ``dest`` set to ``rows`` (of its dtype and width). Where both are C-contiguous, each row
+    is copied as one item (a void of the row's bytes), which numpy does with one ``memcpy``
+    per row instead of a loop over its columns: about twice as fast for rows of 64 float32.
+    (Reading rows is ``np.take(a, where, axis=0)``, as fast; with ``out=``, pass
+    ``mode="clip"``, or numpy gathers into a copy of ``out`` first.)"""
+    if not (
+        dest.ndim == rows.ndim == 2
+        and dest.shape[1] == rows.shape[1] > 0
+        and dest.dtype == rows.dtype
+        and dest.flags.c_contiguous
+        and rows.flags.c_contiguous
+    ):
+        dest[where] = rows
+        return
+    item = np.dtype((np.void, dest.shape[1] * dest.itemsize))
+    np.put(dest.view(item).reshape(-1), where, rows.view(item).reshape(-1), mode="clip")

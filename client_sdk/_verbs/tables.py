@@ -168,7 +168,7 @@ def pull_rows(core: Core, name: Any, ids: Any) -> Flow[np.ndarray]:
     ]
     core.table_dims[name] = width = got[0].shape[1]
     if len(got) == 1:  # every row from one request, in the order of unique: no merge
-        return np.asarray(got[0][inverse.reshape(-1)], dtype=np.float32)
+        return np.asarray(np.take(got[0], inverse, axis=0), dtype=np.float32)
     out = np.empty((len(unique), width), np.float32)
     for rows, (_, positions) in zip(got, parts):
         if rows.shape[1] != width:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from client_sdk.embedding import TableSpec, initial_rows
+from client_sdk.embedding import TableSpec, initial_rows, put_rows
 
 from .. import optim
 from ..errors import ShardError
@@ -94,7 +94,7 @@ class EmbeddingTable:
         out = np.empty((len(ids), self.dim), np.float32)
         have = where >= 0
         if have.all():
-            np.take(self.rows, where, axis=0, out=out)
+            np.take(self.rows, where, axis=0, out=out, mode="clip")  # clip: no copy of out
             return out
         out[have] = self.rows[where[have]]
         missing = ~have
@@ -163,11 +163,11 @@ class EmbeddingTable:
                 slot[new] = self._slot_start[key]
             step[old, 0] = self.steps[have]
             step[new, 0] = 0
-        else:
-            np.take(self.rows, have, axis=0, out=value)
+        else:  # mode="clip": numpy takes into ``out`` itself (with "raise", into a copy)
+            np.take(self.rows, have, axis=0, out=value, mode="clip")
             for key, slot in state.items():
-                np.take(self.slots[key], have, axis=0, out=slot)
-            np.take(self.steps, have, out=step[:, 0])
+                np.take(self.slots[key], have, axis=0, out=slot, mode="clip")
+            np.take(self.steps, have, out=step[:, 0], mode="clip")
         step += 1
         grads = np.array(grads, dtype=np.float32)  # our own: the rule may write into it
         with np.errstate(all="ignore"):
@@ -194,9 +194,9 @@ class EmbeddingTable:
             numbers[new] = self._append(ids[new])
         else:
             numbers = have
-        self.rows[numbers] = value
+        put_rows(self.rows, numbers, value)
         for key, slot in state.items():
-            self.slots[key][numbers] = slot
+            put_rows(self.slots[key], numbers, slot)
         self.steps[numbers] = step[:, 0]
         self.touches[numbers] += 1
         self.last_update[numbers] = self.version

@@ -1,5 +1,6 @@
 """server.embedding without HTTP: the id -> row map against a dict under random inserts
-(growth, rebuild, any int64 id) and along long probe runs, and a table's update refusing whole (limits, overflow)."""
+(growth, rebuild, any int64 id) and along long probe runs, and a table's update refusing whole
+(limits, overflow)."""
 
 from __future__ import annotations
 
