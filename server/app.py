@@ -21,8 +21,8 @@ exception that escapes a handler (a bug, never bad input) into a logged 500 ``in
 :func:`serving_app` is what a shard serves: the app, except that data-plane ``POST`` requests go
 through the app's middleware (:class:`ShardMiddleware`, admission) straight to their endpoints
 (:mod:`server.direct_routes`), past FastAPI's per-request routing (the routes stay registered, and
-in ``/docs``), and a small pull in the table layout is answered by the shard's HTTP protocol itself
-when nothing stands in its way (:func:`immediate_routes`).
+in ``/docs``), and a small pull in the table layout (or a pull_rows) is answered by the shard's
+HTTP protocol itself when nothing stands in its way (:func:`immediate_routes`).
 """
 
 from __future__ import annotations

@@ -45,10 +45,10 @@ the app: a 100-variable pull reply is one ``writev``, not two writes and a joini
 
 And some requests never become a request cycle: the served app may name requests it can answer
 at once (its :data:`IMMEDIATE` attribute: raw path -> :data:`Answerer`; on a shard, a small
-``POST /v1/pull`` in the table layout, :func:`server.app.immediate_routes`). For such a path,
-a ``POST`` with a ``Content-Length`` below :data:`ANSWER_BELOW` on a keep-alive HTTP/1.1
-connection, with no other response under way, no ``Expect``, no access log and writing not
-paused, is collected whole by the parser callbacks and given to the answerer there: no ASGI
+``POST /v1/pull`` in the table layout or ``/v1/pull_rows``, :func:`server.app.immediate_routes`).
+For such a path, a ``POST`` with a ``Content-Length`` below :data:`ANSWER_BELOW` on a keep-alive
+HTTP/1.1 connection, with no other response under way, no ``Expect``, no access log and writing
+not paused, is collected whole by the parser callbacks and given to the answerer there: no ASGI
 scope handed on, no task, no middleware, no ``receive``/``send`` messages. Its answer is written
 as a shard's responses are (head with body, one vectored write) and the connection goes on as
 after any response (keep-alive timer, reading). When the answerer declines (``None``: any
