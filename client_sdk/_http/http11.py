@@ -16,11 +16,11 @@ waiting, which lives here and in ``connection.py``:
   connection does the receiving. A ``Content-Length`` body that is not already in the receive
   buffer is received straight into one ``np.empty`` buffer of that size (framed tensors become
   views into it, with no further copy; ``np.empty`` rather than ``bytearray``, which would
-  zero-fill it first). Chunked bodies and bodies delimited by the end of the connection are
-  read too, for servers that are not shards. A body larger than the caller says its reply could
-  need (``max_size``) is refused before anything is allocated for it (:class:`ReplyTooLarge`): a
-  declared ``Content-Length`` at once, a chunked or close-delimited body as soon as what came
-  passes the bound.
+  zero-fill it first), starting at a multiple of 64 bytes (:func:`body_buffer`). Chunked
+  bodies and bodies delimited by the end of the connection are read too, for servers that are
+  not shards. A body larger than the caller says its reply could need (``max_size``) is refused
+  before anything is allocated for it (:class:`ReplyTooLarge`): a declared ``Content-Length``
+  at once, a chunked or close-delimited body as soon as what came passes the bound.
 
 Failures are httpx2's exception classes (the connections add the connect/read/write ones), so
 ``_transport.py`` translates them and the retry policy tells "never sent" from "may have
@@ -40,6 +40,7 @@ import numpy as np
 from .._abort import Abort
 
 __all__ = [
+    "BODY_ALIGNMENT",
     "HEAD_BUFFER",
     "IDLE_EXPIRY",
     "MAX_IOV",
@@ -49,6 +50,7 @@ __all__ = [
     "ReplyTooLarge",
     "Response",
     "advance",
+    "body_buffer",
     "next_send",
     "read_response",
     "request_head",
@@ -110,6 +112,22 @@ class Origin:
     @property
     def key(self) -> tuple[str, int]:
         return self.host, self.port
+
+
+#: A body buffer's start is a multiple of this many bytes (:func:`body_buffer`).
+BODY_ALIGNMENT = 64
+
+
+def body_buffer(size: int) -> memoryview:
+    """``size`` uninitialised bytes starting at a multiple of :data:`BODY_ALIGNMENT`.
+
+    A framed body's tensors start at multiples of 64 from the body's start (docs/PROTOCOL.md,
+    Tensor tables), so theirs do too: JAX makes an array of host memory without copying it
+    only where it is 64-byte aligned (client_sdk/jax.py), and vector loads like it too.
+    """
+    raw = np.empty(size + BODY_ALIGNMENT - 1, np.uint8)
+    skip = -raw.ctypes.data % BODY_ALIGNMENT
+    return memoryview(raw[skip : skip + size])  # type: ignore[arg-type]  # numpy types ndarray as a buffer for Python >= 3.12 only
 
 
 class Response:
@@ -246,7 +264,7 @@ def read_response(buf: bytearray, max_size: int) -> Reading:
         return Response(
             status, headers, bytes(view[start : start + size])
         ), reusable and have == size
-    content = memoryview(np.empty(size, np.uint8))  # type: ignore[arg-type]  # numpy types ndarray as a buffer for Python >= 3.12 only
+    content = body_buffer(size)
     content[:have] = view[start:end]
     pos = have
     while pos < size:

@@ -5,9 +5,10 @@
 (``httpx2.MockTransport`` in tests). Request bodies are handed to httpx2 as the encoder left
 them (the msgpack header and memoryviews of the arrays, in 1 MiB slices) with an explicit
 ``Content-Length`` (so httpx2 does not switch to chunked encoding). A reply body is read into
-one ``np.empty`` buffer sized by its ``Content-Length`` (a ``bytearray`` would be zero-filled
-first, which for 100 MB costs as much as copying the body in), refused before a byte of it is
-read when it is bigger than the request's reply can need (:class:`_Body`, for both).
+one ``np.empty`` buffer sized by its ``Content-Length`` (64-byte aligned; a ``bytearray`` would
+be zero-filled first, which for 100 MB costs as much as copying the body in), refused before a
+byte of it is read when it is bigger than the request's reply can need (:class:`_Body`, for
+both).
 
 Each exchange ends by its deadline: httpx2's timeouts bound each wait for bytes, so the sync
 sender also gives each connection's reads and writes only what is left of the deadline
@@ -23,7 +24,6 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx2
-import numpy as np
 
 from .. import _replies
 from .._exceptions import ProtocolError
@@ -31,7 +31,7 @@ from .._flow import Reply, ShardRequest, request_headers
 from .._settings import Settings
 from ..wire import Encoded
 from .connection import CONNECT_TIMEOUT, idle_per_shard
-from .http11 import IDLE_EXPIRY
+from .http11 import IDLE_EXPIRY, body_buffer
 from .httpx_deadline import Deadlines
 from .tls import context as tls_context
 
@@ -133,7 +133,7 @@ class _Body:
         if length is not None and length.isdigit():
             if int(length) > limit:
                 raise _replies.too_large(int(length), limit, True, url)
-            self.buf = memoryview(np.empty(int(length), np.uint8))  # type: ignore[arg-type]  # numpy types ndarray as a buffer for Python >= 3.12 only
+            self.buf = body_buffer(int(length))
         else:
             self.whole = bytearray()
 

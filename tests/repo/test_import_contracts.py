@@ -52,6 +52,14 @@ CONTRACTS = (
         ("server", "fastapi", "starlette", "uvicorn"),
     ),
     Contract(
+        "the SDK imports JAX only in its JAX binding",
+        "`import client_sdk` needs httpx2, msgpack and numpy alone; jax comes with the "
+        "paramshard[jax] extra, for the users who import client_sdk.jax",
+        ("client_sdk.*",),
+        ("jax", "jaxlib", "flax"),
+        exempt=(("client_sdk.jax", "the binding itself: it imports jax"),),
+    ),
+    Contract(
         "the store, optimizers and persistence never import the web stack",
         "they are the shard's state and its files, testable and reusable without HTTP "
         "(reshard runs offline); the web stack reaches them, not the other way round",
