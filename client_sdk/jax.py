@@ -121,7 +121,6 @@ class Binding:
         #: Each leaf's path in the tree, as ``jax.tree_util.keystr`` writes it.
         self.paths: tuple[str, ...] = tuple(jax.tree_util.keystr(path) for path, _ in flat)
         self._shapes = {name: leaf.shape for name, leaf in leaves.items()}
-        self._dtypes = {name: leaf.dtype for name, leaf in leaves.items()}
         self._initial = leaves
         self._specs = _optimizers(optimizer, self.names)
         self._cpu = jax.devices("cpu")[0]
