@@ -67,7 +67,7 @@ def run_example(script: str, *args: str) -> float:
 
 @pytest.mark.slow
 def test_async_jax_workers_match_one_process(fleet):
-    workers, steps, seed = 2, 400, 1
+    workers, steps, seed = 2, 800, 1
     shards = ",".join(fleet.urls)
     acc_fleet = run_example(
         "jax_worker.py", f"--workers={workers}", f"--steps={steps}", f"--seed={seed}",
