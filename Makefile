@@ -31,8 +31,14 @@ $(VENV)/.stamp-%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.stamp-demo
 	$(BIN)/paramshard demo
 
+# The suite runs in one pytest process per core (pytest-xdist), each test file whole in one of
+# them (--dist loadfile: a module's shared fleet is started once). Most of a test's time is spent
+# waiting on the shard processes it starts, so two files at once on two cores take about half
+# the time of one after the other. `PYTEST_ARGS=-n0 make test` runs them one at a time.
+PYTEST_ARGS ?= -n auto --dist loadfile
+
 test: lint typecheck chromium
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Debian's chromium and its driver, for the browser tests (tests/e2e/test_dashboard.py);
 # installed with apt-get when missing and we are root. Otherwise this says what to install,
@@ -62,7 +68,7 @@ $(LOWEST_VENV)/.stamp: pyproject.toml constraints-lowest.txt
 	@touch $@
 
 test-lowest: $(LOWEST_VENV)/.stamp chromium
-	$(LOWEST_BIN)/python -m pytest -q
+	$(LOWEST_BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 image:
 	$(PYTHON) docker/images.py build
