@@ -105,6 +105,8 @@ class Control(StoreState):
             if var.mode is not ASYNC:
                 self._moded -= 1
             deletion.release(var)
+        if variables:
+            self.collector.released()
         self._deletions += 1
         self.mutations += 1
         self.dedup.record(worker_id, seq)

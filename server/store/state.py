@@ -27,6 +27,7 @@ from client_sdk.placement import shard_for, validate_name
 
 from ..errors import ShardError
 from . import apply, layouts
+from .collector import Freezer
 from .dedup import DedupTable
 from .rounds import Deadlines
 from .variable import Variable
@@ -71,6 +72,9 @@ class StoreState:
         #: The shard's embedding tables by name (:mod:`server.embedding` fills it): a name is
         #: a variable or a table, never both (init and the variable verbs refuse a table's).
         self.embedding_tables: Mapping[str, Any] = MappingProxyType({})
+        #: Keeps the cycle collector's full collections off the variables held
+        #: (:mod:`server.store.collector`): told of every variable made and let go.
+        self.collector = Freezer()
 
     # -- names ------------------------------------------------------------------------------
 
@@ -182,6 +186,7 @@ class StoreState:
             self._moded += 1
         for event in self._waiters.pop(var.name, ()):
             event.set()
+        self.collector.made()
 
     def _touch(self, var: Variable, writer: str | None) -> None:
         var.touch(writer)

@@ -111,6 +111,7 @@ class ParameterStore(Reads, Writes, Control):
         (:func:`~server.store.slab.into_slabs`). The state version becomes the sum of their
         versions; the table keeps this store's bounds (:meth:`DedupTable.bound`)."""
         self._vars.clear()
+        self.collector.released()
         self.layouts.replace(partitioned)
         self._nbytes = 0
         self._frozen = 0
