@@ -35,4 +35,7 @@ CASES: dict[str, str] = {
     "broadcast": "bench.broadcast",
     "syncround": "bench.syncround",
     "rows": "bench.rows",
+    "shardsize": "bench.shardsize",
+    "concurrency": "bench.concurrency",
+    "fanout": "bench.fanout",
 }

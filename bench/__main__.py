@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         peer_names=args.peers,
         seconds=args.seconds or (0.3 if args.quick else 1.5),
         rounds=args.rounds or (1 if args.quick else 2),
+        quick=args.quick,
     )
     rows: list[dict] = []
     started = time.time()
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             "peers": args.peers,
             "seconds": ctx.seconds,
             "rounds": ctx.rounds,
+            "quick": args.quick,
         },
         "machine": machine(),
         "goals": goal_list,
@@ -207,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, descriptions))
     print(cpu_table(rows))
     print(busy_table(rows))
+    for module in modules.values():
+        if hasattr(module, "notes"):
+            print(module.notes(rows))
     print(goals.render(goal_list))
     print(scale.render(estimate))
     print(f"\nwrote {path}")

@@ -21,8 +21,10 @@ class Context:
     ``sizes`` is ``None`` unless ``--sizes`` was given (a case then uses its ``DEFAULT_SIZES``).
     ``reps``/``min_reps`` feed :func:`bench.timing.reps_for`. ``peer_names`` are the peers
     asked for with ``--peers`` (empty: none). ``seconds`` is how long one timed phase of a
-    load case runs, ``rounds`` how often each is repeated. Processes are started on first use
-    and stopped by :meth:`close`. Not thread-safe: call it from the main thread.
+    load case runs, ``rounds`` how often each is repeated. ``quick`` is ``--quick``: a case whose
+    content has a scale (how many variables a shard holds, how many workers or shards) runs a
+    smaller one. Processes are started on first use and stopped by :meth:`close`. Not
+    thread-safe: call it from the main thread.
     """
 
     sizes: tuple[int, ...] | None
@@ -32,6 +34,7 @@ class Context:
     peer_names: tuple[str, ...] = ()
     seconds: float = 1.5
     rounds: int = 2
+    quick: bool = False
     logdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="paramshard-bench-")))
     _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)
     _fleets: dict[int, processes.Fleet] = field(default_factory=dict, repr=False)

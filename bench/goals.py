@@ -15,7 +15,12 @@
   ``push_rows`` through 1 and through 2 shards, each >= 2 x the rows/s of TensorFlow's gRPC
   parameter server doing the same lookup and sparse update;
 * a pull of a 100 MB float32 variable with ``wire_dtype="float16"``: >= 1.6 x the float32
-  pull's MB/s, both counted in the float32 bytes delivered.
+  pull's MB/s, both counted in the float32 bytes delivered;
+* costs that stay flat as a fleet grows (:func:`_scale_goals`): a push and a pull of 100 x 4 KB
+  on a shard holding 10^4 and 10^6 variables <= 1.2 x the time on one holding 10^2; 64
+  workers on one shard: aggregate steps/s >= 0.8 x the best of 1, 4, 16 and 64, their p99 <=
+  10 x their p50, no step failed; one SDK call over 16 shards <= 4 x the time of the same call
+  to 1 shard, and <= 0.5 x the 16 shards called one after another.
 
 :func:`evaluate` returns one dict per goal (JSON-ready); :func:`render` prints them. A goal
 whose figures were not measured in this run says what would measure it (``--peers`` for the
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import broadcast, optimizers
+from . import broadcast, concurrency, fanout, optimizers, shardsize
 from . import rows as row_case
 from .peers import PEERS
 from .syncround import ASYNC, SYNC
@@ -223,6 +228,7 @@ def evaluate(rows: Sequence[dict]) -> list[dict]:
             )
         )
     out += _rows_goals(rows)
+    out += _scale_goals(rows)
     return out
 
 
@@ -243,6 +249,101 @@ def _rows_goals(rows: Sequence[dict]) -> list[dict]:
                     True,
                     2.0,
                     "needs --peers" if mine else f"not measured: run the rows case at {n:.0e}",
+                )
+            )
+    return out
+
+
+#: A call over 16 shards, at most this many times the same call to 1 shard (bench/README.md,
+#: GOALS, says why on 2 cores), and at most this share of the 16 shards called in turn.
+FANOUT_VS_ONE = 4.0
+FANOUT_VS_IN_TURN = 0.5
+
+
+def _scale_goals(rows: Sequence[dict]) -> list[dict]:
+    """The goals of the shardsize, concurrency and fanout cases (at their default sizes)."""
+    out = []
+    n = shardsize.DEFAULT_SIZES[0]
+    base = shardsize.HELD[0]
+    for op in ("push", "pull"):
+        theirs = _find(rows, "shardsize", op, n, shardsize.label(base))
+        for held in shardsize.HELD[1:]:
+            out.append(
+                _goal(
+                    f"{op} 100 x 4 KB, {held:,} vars held",
+                    f"{base:,} held",
+                    "median time",
+                    _find(rows, "shardsize", op, n, shardsize.label(held)),
+                    theirs,
+                    "median_s",
+                    False,
+                    1.2,
+                    "not measured: run the shardsize case at its defaults, without --quick",
+                )
+            )
+    n = concurrency.DEFAULT_SIZES[0]
+    most = concurrency.WORKERS[-1]
+    phases = [r for r in rows if r["case"] == "concurrency" and r.get("size") == n]
+    crowd = _find(rows, "concurrency", "step", n, concurrency.label(most))
+    missing = "not measured: run the concurrency case at its defaults, without --quick"
+    best = max(phases, key=lambda r: r["ops_per_s"], default=None)
+    out.append(
+        _goal(
+            f"{most} workers on one shard",
+            "best of 1-64",
+            "steps/s",
+            crowd,
+            best,
+            "ops_per_s",
+            True,
+            0.8,
+            missing,
+        )
+    )
+    out.append(
+        _goal(
+            f"{most} workers on one shard",
+            "their p50",
+            "p99",
+            crowd and {"ms": crowd["p99_ms"]},
+            crowd and {"ms": crowd["p50_ms"]},
+            "ms",
+            False,
+            10.0,
+            missing,
+        )
+    )
+    errors = None if crowd is None else crowd["errors"]
+    out.append(
+        {
+            "goal": f"{most} workers on one shard",
+            "versus": "none",
+            "measure": "failed steps",
+            "target": "= 0",
+            "ratio": errors,
+            "met": None if errors is None else errors == 0,
+            "note": missing if errors is None else ("" if not errors else f"{errors} failed"),
+        }
+    )
+    n = fanout.DEFAULT_SIZES[0]
+    most = fanout.SHARDS[-1]
+    for op in ("push", "pull"):
+        mine = _find(rows, "fanout", op, n, fanout.label(most))
+        for versus, target in (
+            (fanout.label(1), FANOUT_VS_ONE),
+            (fanout.label(most, True), FANOUT_VS_IN_TURN),
+        ):
+            out.append(
+                _goal(
+                    f"{op} in one call over {most} shards",
+                    versus,
+                    "median time",
+                    mine,
+                    _find(rows, "fanout", op, n, versus),
+                    "median_s",
+                    False,
+                    target,
+                    "not measured: run the fanout case at its defaults, without --quick",
                 )
             )
     return out
