@@ -131,43 +131,56 @@ def init(
     made_modes: list[Mode] = []
     conflicts: dict[str, dict[str, Any]] = {}
     settings: dict[str, dict[str, Any]] = {}
-    for name, (value, spec, *rest) in entries.items():
-        dtype = native(value.dtype)
-        fields = rest[0] if rest else None
-        mode = _mode(name, fields)
-        have = existing.get(name)
-        if have is not None:
-            if have.value.shape != value.shape or have.value.dtype != dtype:
-                conflicts[name] = {
-                    "existing": {"shape": list(have.value.shape), "dtype": have.value.dtype.str},
-                    "requested": {"shape": list(value.shape), "dtype": dtype.str},
-                }
-            else:
-                differ = dict(have.mode.conflicts(fields)) if fields else {}
-                if spec is not None and (stated := _optimizer(name, spec, dtype)) != have.optimizer:
-                    optimizer = {
-                        "existing": have.optimizer.to_wire(),
-                        "requested": stated.to_wire(),
+    parsed: dict[tuple[str, str], Optimizer] = {}
+    with np.errstate(all="ignore"):  # once per request, not per variable (it is not free)
+        for name, (value, spec, *rest) in entries.items():
+            dtype = native(value.dtype)
+            fields = rest[0] if rest else None
+            mode = _mode(name, fields)
+            have = existing.get(name)
+            if have is not None:
+                if have.value.shape != value.shape or have.value.dtype != dtype:
+                    conflicts[name] = {
+                        "existing": {
+                            "shape": list(have.value.shape),
+                            "dtype": have.value.dtype.str,
+                        },
+                        "requested": {"shape": list(value.shape), "dtype": dtype.str},
                     }
-                    differ = {"optimizer": optimizer, **differ}
-                if differ:
-                    settings[name] = {
-                        "existing": {k: d["existing"] for k, d in differ.items()},
-                        "requested": {k: d["requested"] for k, d in differ.items()},
-                    }
-                    if "optimizer" in differ:
-                        settings[name]["existing"]["optimizer_version"] = have.optimizer_version
-            continue
-        with np.errstate(all="ignore"):
+                else:
+                    differ = dict(have.mode.conflicts(fields)) if fields else {}
+                    if (
+                        spec is not None
+                        and (stated := _optimizer(name, spec, dtype)) != have.optimizer
+                    ):
+                        optimizer = {
+                            "existing": have.optimizer.to_wire(),
+                            "requested": stated.to_wire(),
+                        }
+                        differ = {"optimizer": optimizer, **differ}
+                    if differ:
+                        settings[name] = {
+                            "existing": {k: d["existing"] for k, d in differ.items()},
+                            "requested": {k: d["requested"] for k, d in differ.items()},
+                        }
+                        if "optimizer" in differ:
+                            settings[name]["existing"]["optimizer_version"] = have.optimizer_version
+                continue
             squares = finite_squares(value)
-        if squares is None:
-            raise tensor_error(name, "initial value has NaN or infinite entries")
-        opt = DEFAULT_OPTIMIZER if spec is None else _optimizer(name, spec, dtype)
-        # One object per distinct optimizer of the request (they are immutable): a push
-        # to all of a slab's members tells that they share one by identity.
-        plans.append((name, value, optimizers.setdefault(opt, opt)))
-        bounds.append(math.sqrt(squares))
-        made_modes.append(mode)
+            if squares is None:
+                raise tensor_error(name, "initial value has NaN or infinite entries")
+            if spec is None:
+                opt = DEFAULT_OPTIMIZER
+            else:  # parsed once per distinct spec and dtype (repr: 1, 1.0 and True stay apart)
+                key = (repr(spec), dtype.str)
+                opt = parsed.get(key)
+                if opt is None:
+                    opt = parsed[key] = _optimizer(name, spec, dtype)
+            # One object per distinct optimizer of the request (they are immutable): a push
+            # to all of a slab's members tells that they share one by identity.
+            plans.append((name, value, optimizers.setdefault(opt, opt)))
+            bounds.append(math.sqrt(squares))
+            made_modes.append(mode)
     if conflicts:
         first = next(iter(conflicts))
         c = conflicts[first]
