@@ -15,7 +15,17 @@ import sys
 import numpy as np
 import pytest
 
-from bench import broadcast, goals, optimizers, scale, syncround, timing
+from bench import (
+    broadcast,
+    concurrency,
+    fanout,
+    goals,
+    optimizers,
+    scale,
+    shardsize,
+    syncround,
+    timing,
+)
 from bench import rows as rows_case
 from bench.transfer import RAW, SDK, SDK_BF16, SDK_F16, SDK_TLS
 from tests.conftest import ROOT
@@ -49,6 +59,9 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         "broadcast:",
         "syncround:",
         "rows:",
+        "shardsize:",
+        "concurrency:",
+        "fanout:",
     ):
         assert case in out
     assert "GOALS" in out and "SCALE: not estimated" in out
@@ -60,7 +73,7 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         systems[r["case"], r["op"]].add(r["system"])
         # A broadcast may reach its actors before the learner reads its push's reply (< 0).
         assert r["reps"] >= 1 and (r["p50_ms"] > 0 or r["case"] == "broadcast")
-        if r["case"] in ("transfer", "step"):  # small: ten times --quick's 5 repetitions
+        if r["case"] in ("transfer", "step", "shardsize"):  # small: ten times --quick's 5
             assert r["reps"] == 5 * timing.SMALL_FACTOR, r
     for op in ("pull", "push"):
         assert systems["transfer", op] == {SDK, SDK_TLS, SDK_F16, SDK_BF16, RAW}
@@ -77,6 +90,24 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         if r["case"] == "rows":  # a 1,000-row table: batches of 2,000 ids, 1,000 distinct
             assert r["size"] == 1000 and r["ids"] == 2000 and r["bytes"] == 2000 * rows_case.DIM * 4
             assert r["rows_per_s"] == pytest.approx(2000 * r["ops_per_s"])
+    # --quick scales the scale cases down: shards of 10^2 and 10^3 variables, 1 and 4 workers,
+    # fleets of 1 and 2 shards (and the smaller one called in turn)
+    for op in ("push", "pull"):
+        assert systems["shardsize", op] == {shardsize.label(100), shardsize.label(1000)}
+        assert systems["fanout", op] == {
+            fanout.label(1),
+            fanout.label(2),
+            fanout.label(2, in_turn=True),
+        }
+    assert systems["concurrency", "step"] == {concurrency.label(1), concurrency.label(4)}
+    for r in rows:
+        if r["case"] == "concurrency":
+            assert (
+                r["errors"] == 0 and r["idle"]["connections"] == concurrency.IDLE_CONNECTIONS_QUICK
+            )
+        if r["case"] == "shardsize":
+            assert r["fill_s"] >= 0 and r["bytes"] == shardsize.HOT * 1000 * 4
+    assert "KB per connection" in out and "variables/s" in out
     assert [g["met"] for g in data["meta"]["goals"]] == [None] * len(data["meta"]["goals"])
     assert data["meta"]["scale"] is None
 
@@ -199,6 +230,70 @@ def test_the_rows_goals_compare_each_fleet_with_tensorflow():
     assert "not measured" in by["push_rows 1,000,000x64, 2 shards"]["note"]
     small = rows_goals([_row("rows", "pull", 1000, rows_case.ONE_SHARD, ops_per_s=1.0)])
     assert all(g["met"] is None for g in small.values())  # only the 10^6-row table counts
+
+
+def test_the_scale_goals_bound_growth_in_variables_workers_and_shards():
+    """Shard size: each bigger shard's time / the 10^2 shard's; workers: 64 against the best
+    phase, p99 against p50, failed steps; fan-out: 16 shards against 1 and against in turn."""
+    n = 1000
+    rows = [
+        _row("shardsize", "push", n, shardsize.label(100), median_s=0.010),
+        _row("shardsize", "push", n, shardsize.label(10**4), median_s=0.011),
+        _row("shardsize", "push", n, shardsize.label(10**6), median_s=0.0125),
+        _row("concurrency", "step", n, concurrency.label(1), ops_per_s=500.0),
+        _row("concurrency", "step", n, concurrency.label(16), ops_per_s=1000.0),
+        _row(
+            "concurrency",
+            "step",
+            n,
+            concurrency.label(64),
+            ops_per_s=900.0,
+            p50_ms=60.0,
+            p99_ms=700.0,
+            errors=2,
+        ),
+        _row("fanout", "pull", n, fanout.label(1), median_s=0.001),
+        _row("fanout", "pull", n, fanout.label(16), median_s=0.003),
+        _row("fanout", "pull", n, fanout.label(16, in_turn=True), median_s=0.005),
+    ]
+    by = {(g["goal"], g["versus"], g["measure"]): g for g in goals.evaluate(rows)}
+    small = by["push 100 x 4 KB, 10,000 vars held", "100 held", "median time"]
+    assert small["met"] and small["ratio"] == pytest.approx(1.1)
+    big = by["push 100 x 4 KB, 1,000,000 vars held", "100 held", "median time"]
+    assert big["met"] is False and big["ratio"] == pytest.approx(1.25)
+    assert by["pull 100 x 4 KB, 10,000 vars held", "100 held", "median time"]["met"] is None
+    crowd = by["64 workers on one shard", "best of 1-64", "steps/s"]
+    assert crowd["met"] and crowd["ratio"] == pytest.approx(0.9)
+    tail = by["64 workers on one shard", "their p50", "p99"]
+    assert tail["met"] is False and tail["ratio"] == pytest.approx(700 / 60)
+    failed = by["64 workers on one shard", "none", "failed steps"]
+    assert failed["met"] is False and failed["ratio"] == 2
+    one = by["pull in one call over 16 shards", fanout.label(1), "median time"]
+    assert one["met"] and one["ratio"] == pytest.approx(3.0)
+    in_turn = by["pull in one call over 16 shards", fanout.label(16, True), "median time"]
+    assert in_turn["met"] is False and in_turn["ratio"] == pytest.approx(0.6)
+    assert by["push in one call over 16 shards", fanout.label(1), "median time"]["met"] is None
+
+
+def test_the_workers_goal_says_what_this_machines_cores_allow():
+    """1 shard: 0.32 CPU ms per MB (one core: <= 3,125 MB/s); 2 shards: 0.4 ms/MB in the
+    shards and 0.3 in the workers, so 2 cores allow 2 / 0.7 x 0.32 = 0.91x and 8 cores the two
+    shards' own bound, 2 / 0.4 x 0.32 = 1.6x."""
+    one = _row("workers", "push", 10**6, goals.ONE_SHARD, mb_per_s=2500.0, servers_cores_busy=0.8)
+    two = _row(
+        "workers",
+        "push",
+        10**6,
+        goals.TWO_SHARDS,
+        mb_per_s=2500.0,
+        servers_cores_busy=1.0,
+        workers_cores_busy=0.75,
+    )
+    assert goals.workers_ceiling(two, one, cores=2)["ratio"] == pytest.approx(0.32 * 2 / 0.7)
+    assert goals.workers_ceiling(two, one, cores=8)["ratio"] == pytest.approx(1.6)
+    assert goals.workers_ceiling(two, None) is None
+    (goal,) = [g for g in goals.evaluate([one, two]) if g["goal"].startswith("4 workers")]
+    assert goal["met"] is False and "allow at most" in goal["note"]
 
 
 def test_scale_turns_measured_cpu_per_gb_into_shards_and_hosts():
