@@ -2,20 +2,25 @@
 health and readiness.
 
 All are coroutines that run on the event loop and read the store synchronously, so what they
-report is one consistent state. Statistics are computed in float64 over blocks, so inspecting a
-huge variable does not allocate a copy of it, and scaled so that they are finite for any finite
-value (JSON has no NaN or infinity: a statistic that is not finite is null).
+report is one consistent state; but for the listing of every variable, which a shard makes in
+pieces with the loop free between them, so that one holding millions of variables goes on
+answering its data plane meanwhile. Statistics are computed in float64 over blocks, so
+inspecting a huge variable does not allocate a copy of it, and scaled so that they are finite
+for any finite value (JSON has no NaN or infinity: a statistic that is not finite is null).
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
 import math
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Query, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from client_sdk import wire
 from client_sdk.partitions import Layout
@@ -27,6 +32,8 @@ from .store import ParameterStore, Variable
 
 __all__ = ["MAX_JSON_VALUES", "router", "value_stats"]
 
+#: Summaries ``GET /v1/variables`` makes between two turns of the event loop.
+LISTING_PIECE = 256
 #: ``?values=true`` returns variables up to this many elements as JSON.
 MAX_JSON_VALUES = 65_536
 _BLOCK = 1 << 20
@@ -138,14 +145,36 @@ def _summary(var: Variable) -> dict[str, Any]:
     return summary
 
 
-@router.get("/v1/variables")
-async def variables(request: Request) -> dict[str, Any]:
+@router.get("/v1/variables", response_model=None)
+async def variables(request: Request) -> StreamingResponse:
     """A summary of every variable on this shard, sorted by name; a counter's with its value;
     a partitioned variable's layout with its parts."""
-    store = _store(request)
-    summaries = [_summary(v) for v in store]
-    summaries += [_layout_summary(store, layout) for layout in store.layouts]
-    return {"variables": sorted(summaries, key=lambda s: s["name"])}
+    return StreamingResponse(_listing(_store(request)), media_type="application/json")
+
+
+async def _listing(store: ParameterStore) -> AsyncIterator[bytes]:
+    """``{"variables": [...]}`` in pieces of :data:`LISTING_PIECE` summaries, the event loop
+    free between two: a shard of a million variables keeps answering its data plane while it
+    lists them. The names are those of the request's start; each summary is its variable's
+    when its piece is made (one deleted meanwhile is left out)."""
+    names = store.sorted_names()
+    yield b'{"variables":['
+    comma = b""
+    for start in range(0, len(names), LISTING_PIECE):
+        if start:
+            await asyncio.sleep(0)
+        piece = []
+        for name in names[start : start + LISTING_PIECE]:
+            var = store.lookup(name)
+            if var is not None:
+                piece.append(_summary(var))
+            elif (layout := store.layouts.get(name)) is not None:
+                piece.append(_layout_summary(store, layout))
+        if piece:
+            yield comma + json.dumps(piece, separators=(",", ":"))[1:-1].encode()
+            comma = b","
+
+    yield b"]}"
 
 
 def _layout_summary(store: ParameterStore, layout: Layout) -> dict[str, Any]:

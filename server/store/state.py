@@ -75,6 +75,9 @@ class StoreState:
         #: Keeps the cycle collector's full collections off the variables held
         #: (:mod:`server.store.collector`): told of every variable made and let go.
         self.collector = Freezer()
+        #: The names of the variables and partitioned variables, sorted, and what they were
+        #: sorted at (:meth:`sorted_names`).
+        self._sorted: tuple[tuple[int, int, int], list[str]] | None = None
 
     # -- names ------------------------------------------------------------------------------
 
@@ -169,6 +172,18 @@ class StoreState:
                 {"missing": missing},
             )
         return found
+
+    def sorted_names(self) -> list[str]:
+        """Every variable's and partitioned variable's name, sorted; sorted again only after
+        names came or went (do not modify the list)."""
+        key = (len(self._vars), len(self.layouts), self._deletions)
+        if self._sorted is None or self._sorted[0] != key:
+            self._sorted = key, sorted([*self._vars, *(layout.name for layout in self.layouts)])
+        return self._sorted[1]
+
+    def lookup(self, name: str) -> Variable | None:
+        """The variable ``name``, or ``None`` (no checks: for inspection)."""
+        return self._vars.get(name)
 
     def get(self, name: str) -> Variable:
         """The variable ``name``; 400/421/404 as for any verb."""
