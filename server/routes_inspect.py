@@ -15,12 +15,11 @@ import asyncio
 import io
 import json
 import math
-from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Query, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from client_sdk import wire
 from client_sdk.partitions import Layout
@@ -146,20 +145,19 @@ def _summary(var: Variable) -> dict[str, Any]:
 
 
 @router.get("/v1/variables", response_model=None)
-async def variables(request: Request) -> StreamingResponse:
+async def variables(request: Request) -> Response:
     """A summary of every variable on this shard, sorted by name; a counter's with its value;
     a partitioned variable's layout with its parts."""
-    return StreamingResponse(_listing(_store(request)), media_type="application/json")
+    return Response(await _listing(_store(request)), media_type="application/json")
 
 
-async def _listing(store: ParameterStore) -> AsyncIterator[bytes]:
-    """``{"variables": [...]}`` in pieces of :data:`LISTING_PIECE` summaries, the event loop
-    free between two: a shard of a million variables keeps answering its data plane while it
-    lists them. The names are those of the request's start; each summary is its variable's
-    when its piece is made (one deleted meanwhile is left out)."""
+async def _listing(store: ParameterStore) -> bytes:
+    """``{"variables": [...]}``, made in pieces of :data:`LISTING_PIECE` summaries with the
+    event loop free between two: a shard of a million variables goes on answering its data
+    plane while it lists them. The names are those of the request's start; each summary is its
+    variable's when its piece is made (one deleted meanwhile is left out)."""
     names = store.sorted_names()
-    yield b'{"variables":['
-    comma = b""
+    pieces = [b'{"variables":[']
     for start in range(0, len(names), LISTING_PIECE):
         if start:
             await asyncio.sleep(0)
@@ -171,10 +169,11 @@ async def _listing(store: ParameterStore) -> AsyncIterator[bytes]:
             elif (layout := store.layouts.get(name)) is not None:
                 piece.append(_layout_summary(store, layout))
         if piece:
-            yield comma + json.dumps(piece, separators=(",", ":"))[1:-1].encode()
-            comma = b","
-
-    yield b"]}"
+            if len(pieces) > 1:
+                pieces.append(b",")
+            pieces.append(json.dumps(piece, separators=(",", ":"))[1:-1].encode())
+    pieces.append(b"]}")
+    return b"".join(pieces)
 
 
 def _layout_summary(store: ParameterStore, layout: Layout) -> dict[str, Any]:
