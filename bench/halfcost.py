@@ -6,7 +6,9 @@ faster (the goal is in :mod:`bench.goals`). It starts one shard, inits one float
 and times (medians of ``--reps``; each pull after a push of zeros, so the whole value travels):
 
 pull
-    * ``PSClient.pull`` in float32, float16 and bfloat16, as a user sees it;
+    * ``PSClient.pull`` in float32, float16 and bfloat16, as a user sees it; and in float16
+      by a worker pulling a version another one pulled just before (the shard narrows a big
+      value once per version: server/narrowed.py);
     * the same requests over a bare socket (no client library, no widening): the time until
       the reply's head arrives (the shard reads the value and, for a half dtype, narrows it,
       then starts sending) and the time to read the body into one buffer;
@@ -139,6 +141,17 @@ def run(n: int, reps: int) -> list[tuple[str, str, float]]:
                         "pull",
                         f"PSClient.pull, {dtype}",
                         _median_ms(functools.partial(ps.pull, ["x"]), reps, bump),
+                    )
+                with PSClient(fleet.urls, worker_id="halfcost-next", wire_dtype="float16") as nxt:
+
+                    def bump_and_narrow() -> None:  # the shard keeps this version narrowed
+                        bump()
+                        clients["float16"].pull(["x"])
+
+                    add(
+                        "pull",
+                        "PSClient.pull, float16, the version's narrowing kept",
+                        _median_ms(functools.partial(nxt.pull, ["x"]), reps, bump_and_narrow),
                     )
                 for dtype in ("float32", *HALVES):
                     msg: dict = {"names": ["x"], "layout": "table", "uniform": True, "packed": True}

@@ -58,6 +58,7 @@ from .headers import header, request_headers
 from .httptools_protocol import Answerer, Immediate
 from .logs import RateLimited
 from .metrics import Traffic
+from .narrowed import NarrowedCache
 from .store import DedupTable, ParameterStore
 from .store.heap import trim_heap
 from .store.rounds import close_when_due
@@ -459,6 +460,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     app.state.tables = EmbeddingTables(
         store, config.max_table_ids, config.max_table_rows, config.max_pending_ids
     )
+    app.state.narrowed = NarrowedCache(config.half_cache_bytes)
     app.state.gate = gate
     app.state.durability = Durability(config, store, gate, incarnation)
     app.state.durability.tables = app.state.tables

@@ -123,6 +123,7 @@ _PASSED_ON = (
     "max_table_ids",
     "max_table_rows",
     "max_pending_ids",
+    "half_cache_bytes",
 )
 
 

@@ -188,6 +188,13 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
         f"[{env_name('max_pending_ids')}, default {ShardConfig.max_pending_ids}]",
     )
     p.add_argument(
+        "--half-cache-bytes",
+        dest="half_cache_bytes",
+        metavar="BYTES",
+        help="bytes of big float32 values kept narrowed for the next float16/bfloat16 puller "
+        f"of the same version; 0: none [{env_name('half_cache_bytes')}, default 256MiB]",
+    )
+    p.add_argument(
         "--dedup-max-workers",
         dest="dedup_max_workers",
         metavar="N",

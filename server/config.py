@@ -308,6 +308,9 @@ class ShardConfig:
     #: Ids one embedding table counts on this shard while they wait for admission (its
     #: ``Admission.min_count``); past it, the least recently pushed are forgotten.
     max_pending_ids: int = 1 << 20
+    #: Bytes of big float32 values kept narrowed for the next half-precision puller of the same
+    #: version (server/narrowed.py); 0: none kept.
+    half_cache_bytes: int = 256 << 20
     #: How the shard serves HTTP (:data:`server.upstream.MODES`): ``auto`` (the fast path
     #: when the installed web stack offers what it needs) or ``stock``.
     http: str = "auto"
@@ -476,4 +479,5 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "max_table_ids": _int(1, 1 << 24),
     "max_table_rows": _int(1, 1 << 40),
     "max_pending_ids": _int(16, 1 << 32),
+    "half_cache_bytes": _size_or_off,
 }

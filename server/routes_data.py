@@ -34,6 +34,7 @@ from .bodies import EncodedResponse, read_body
 from .errors import ShardError
 from .headers import header
 from .httptools_protocol import gathers
+from .narrowed import narrow_pull
 from .store import (
     COUNTER_KINDS,
     MAX_POLL_SECONDS,
@@ -46,7 +47,6 @@ from .store import (
 
 __all__ = [
     "BODY_DOC",
-    "NARROW_ON_LOOP",
     "bad_field",
     "message",
     "pull_now",
@@ -237,8 +237,7 @@ async def pull(request: Request) -> Response:
     store = _store(request)
     await store.readable(names)
     if narrow is not None:
-        gather = gathers(request.scope)
-        return EncodedResponse(await _narrowed(store, names, versions, layout, gather, narrow))
+        return EncodedResponse(await _narrowed(request, names, versions, layout, narrow))
     if table:
         return EncodedResponse(_pull_table(store, names, versions, layout, gathers(request.scope)))
     return _reply(request, {"variables": store.pull(names, versions)}, tensors=True)
@@ -328,35 +327,23 @@ def _wire_dtype(msg: Mapping[str, Any], verb: str, table: bool) -> str | None:
     return wire_dtype
 
 
-#: Bytes of float32 values a pull narrows on the event loop; more are narrowed in a thread.
-NARROW_ON_LOOP = 1 << 20
-
-
 async def _narrowed(
-    store: ParameterStore,
+    request: Request,
     names: list[str],
     versions: Mapping[str, int] | list[int | None] | None,
     layout: tuple[bool, bool],
-    gather: bool,
     wire_dtype: str,
     ready: bool | None = None,
 ) -> wire.Encoded:
     """:func:`_pull_table` with its float32 values narrowed to ``wire_dtype`` (the rows'
-    indices in the table's ``narrowed``); 422 ``bad_tensor`` for a value beyond float16's
-    range. The values are views a later write does not change (:meth:`Variable.export
-    <server.store.variable.Variable.export>`), so big ones are narrowed off the loop."""
+    indices in the table's ``narrowed``; :func:`server.narrowed.narrow_pull`); 422
+    ``bad_tensor`` for a value beyond float16's range."""
+    store = _store(request)
     rows = store.pull_rows(names, versions)
-    size = sum(v.nbytes for v in rows.values if v is not None)
-    args = (names, rows.values, rows.dtypes, wire_dtype)
-    try:
-        if size <= NARROW_ON_LOOP:
-            narrowed = halves.narrow_rows(*args)
-        else:
-            narrowed = await asyncio.to_thread(halves.narrow_rows, *args)
-    except wire.WireError as exc:
-        raise ShardError(exc.code, exc.message, {"wire_dtype": wire_dtype}) from None
+    narrowed = await narrow_pull(rows, wire_dtype, request.app.state.narrowed)
     if narrowed:
         rows.whole = None
+    gather = gathers(request.scope)
     return _pull_table(store, names, versions, layout, gather, ready, rows, narrowed)
 
 
@@ -559,10 +546,7 @@ async def poll(request: Request) -> Response:
     ready = await store.poll(names, versions, min_version, timeout, _disconnected(request))
     await store.readable(names)
     if narrow is not None:
-        gather = gathers(request.scope)
-        return EncodedResponse(
-            await _narrowed(store, names, versions, layout, gather, narrow, ready)
-        )
+        return EncodedResponse(await _narrowed(request, names, versions, layout, narrow, ready))
     if table:
         return EncodedResponse(
             _pull_table(store, names, versions, layout, gathers(request.scope), ready)

@@ -124,6 +124,7 @@ async def cluster(request: Request) -> dict[str, Any]:
         # Since the start, for rates (``paramshard status``): pushes applied, pulls answered 200.
         "pushes_applied": store.dedup.totals.pushes,
         "pulls_answered": state.traffic.statuses("pull").get(200, 0),
+        "half_cache": state.narrowed.stats(),
     }
 
 

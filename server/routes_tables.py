@@ -30,15 +30,8 @@ from client_sdk.wire import halves
 
 from .embedding import EmbeddingTables
 from .errors import ShardError
-from .routes_data import (
-    BODY_DOC,
-    NARROW_ON_LOOP,
-    bad_field,
-    message,
-    reply,
-    required,
-    writer,
-)
+from .narrowed import NARROW_ON_LOOP
+from .routes_data import BODY_DOC, bad_field, message, reply, required, writer
 
 __all__ = ["MAX_INSPECT_IDS", "pull_rows_now", "router"]
 

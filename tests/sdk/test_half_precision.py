@@ -382,3 +382,46 @@ def test_a_forked_child_converts_big_arrays_on_threads_of_its_own(monkeypatch):
         child.join(10)
         if child.is_alive():
             child.kill()
+
+
+# -- the shard's narrowed values (server/narrowed.py) ---------------------------------------
+
+
+def cache_of(url: str) -> dict:
+    return httpx2.get(f"{url}/v1/cluster", timeout=30).json()["half_cache"]
+
+
+def test_the_next_puller_of_a_version_gets_the_kept_narrowing_never_an_old_one(fleet1):
+    url, name = fleet1.urls[0], fresh("kept")
+    rng = np.random.default_rng(6)
+    first, second = (rng.standard_normal(300_000).astype(np.float32) for _ in range(2))
+
+    def pull_f16() -> np.ndarray:  # a new worker each time: nothing cached in the SDK
+        with PSClient(fleet1.urls, worker_id=fresh("w"), wire_dtype="float16") as hp:
+            return hp.pull([name])[name]
+
+    before = cache_of(url)
+    with PSClient(fleet1.urls, worker_id=fresh("w")) as plain:
+        plain.init({name: first}, optimizer=SGD(lr=1.0))
+        for _ in range(2):  # the second pull is served from the kept bytes
+            np.testing.assert_array_equal(pull_f16(), rounded(first, "float16"))
+        after = cache_of(url)
+        assert (after["misses"] - before["misses"], after["hits"] - before["hits"]) == (1, 1)
+        plain.delete([name])  # made again: at version 0, as the first was when kept
+        plain.init({name: second}, optimizer=SGD(lr=1.0))
+        np.testing.assert_array_equal(pull_f16(), rounded(second, "float16"))
+        plain.push({name: np.ones(300_000, np.float32)})  # a new version
+        np.testing.assert_array_equal(pull_f16(), rounded(second - 1, "float16"))
+    assert cache_of(url)["hits"] == after["hits"]
+
+
+def test_the_kept_narrowings_stay_within_half_cache_bytes(fleet_factory):
+    fleet = fleet_factory(1, "--half-cache-bytes", "1MiB")
+    names = [fresh("lru") for _ in range(3)]
+    value = np.ones(300_000, np.float32)  # 600 KB narrowed: one fits in 1 MiB
+    with PSClient(fleet.urls, worker_id=fresh("w"), wire_dtype="bfloat16") as ps:
+        ps.init({n: value for n in names})
+        for n in names:
+            ps.pull([n])
+    kept = cache_of(fleet.urls[0])
+    assert kept["entries"] == 1 and kept["bytes"] == 600_000 <= kept["max_bytes"] == 1 << 20
