@@ -149,7 +149,7 @@ def _summary(var: Variable) -> dict[str, Any]:
 async def variables(request: Request) -> Response:
     """A summary of every variable on this shard, sorted by name; a counter's with its value;
     a partitioned variable's layout with its parts."""
-    return Response(await _listing(_store(request)), media_type="application/json")
+    return Response(await _listing(_store(request)), media_type=wire.JSON)
 
 
 async def _listing(store: ParameterStore) -> bytes:
