@@ -46,8 +46,9 @@ FLOAT16 = "float16"
 BFLOAT16 = "bfloat16"
 #: The values a pull's ``wire_dtype`` (and ``PSClient(wire_dtype=...)``) may take.
 WIRE_DTYPES = (FLOAT16, BFLOAT16)
-#: Elements narrowed at a time: a block and its check stay in the cache.
-_BLOCK = 1 << 16
+#: Elements narrowed per numpy call: numpy casts small pieces much more slowly, so blocks are
+#: big; the overflow check reads each block right after its cast.
+_BLOCK = 1 << 20
 #: Arrays of at least this many elements are converted by :data:`THREADS` threads at once.
 THREADS_FROM = 1 << 21
 #: Threads that convert one big array (at most 4: the conversion is bound by memory soon).

@@ -344,6 +344,7 @@ def test_table_rows_in_a_wire_dtype_need_shards_that_take_it(fleet2):
 def test_big_arrays_are_converted_by_several_threads_with_the_same_result(monkeypatch):
     monkeypatch.setattr(halves, "THREADS", 2)
     monkeypatch.setattr(halves, "THREADS_FROM", 1 << 17)
+    monkeypatch.setattr(halves, "_BLOCK", 1 << 16)
     x = (np.random.default_rng(5).standard_normal(3 * (1 << 17) + 5) * 1e3).astype(np.float32)
     x[[0, -1]] = [65519.0, np.nan]  # the largest that rounds to 65504; NaN travels as NaN
     f16, _ = halves.narrow(x, "float16")
@@ -371,6 +372,7 @@ def test_a_forked_child_converts_big_arrays_on_threads_of_its_own(monkeypatch):
 
     monkeypatch.setattr(halves, "THREADS", 2)
     monkeypatch.setattr(halves, "THREADS_FROM", 1 << 17)
+    monkeypatch.setattr(halves, "_BLOCK", 1 << 16)
     halves.narrow(np.ones(1 << 18, np.float32), "float16")  # the parent's pool is running
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
