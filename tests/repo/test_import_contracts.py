@@ -52,12 +52,15 @@ CONTRACTS = (
         ("server", "fastapi", "starlette", "uvicorn"),
     ),
     Contract(
-        "the SDK imports JAX only in its JAX binding",
-        "`import client_sdk` needs httpx2, msgpack and numpy alone; jax comes with the "
-        "paramshard[jax] extra, for the users who import client_sdk.jax",
+        "the SDK's core never imports the frameworks",
+        "`import client_sdk` needs httpx2, msgpack and numpy alone: torch and jax come with the "
+        "paramshard[torch] and [jax] extras, for the users who import their binding by name",
         ("client_sdk.*",),
-        ("jax", "jaxlib", "flax"),
-        exempt=(("client_sdk.jax", "the binding itself: it imports jax"),),
+        ("torch", "jax", "jaxlib", "flax", "keras"),
+        exempt=(
+            ("client_sdk.jax", "the JAX binding: it imports jax"),
+            ("client_sdk.torch", "the torch binding: it imports torch when bind() runs"),
+        ),
     ),
     Contract(
         "the store, optimizers and persistence never import the web stack",
