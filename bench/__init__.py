@@ -38,4 +38,5 @@ CASES: dict[str, str] = {
     "shardsize": "bench.shardsize",
     "concurrency": "bench.concurrency",
     "fanout": "bench.fanout",
+    "frameworks": "bench.frameworks",
 }

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import CASES, goals, scale
+from . import CASES, frameworks, goals, scale
 from .context import Context
 from .peers import missing, parse_peers
 from .report import add_ratios, cpu_table, machine, table, write_json
@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     path = write_json(rows, meta, args.out)  # first: the measurements outlive a printing bug
     print(table(rows, descriptions))
+    print(frameworks.render(rows))
     print(cpu_table(rows))
     print(busy_table(rows))
     for module in modules.values():

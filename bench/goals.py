@@ -20,7 +20,10 @@
   on a shard holding 10^4 and 10^6 variables <= 1.2 x the time on one holding 10^2; 64
   workers on one shard: aggregate steps/s >= 0.8 x the best of 1, 4, 16 and 64, their p99 <=
   10 x their p50, no step failed; one SDK call over 16 shards <= 4 x the time of the same call
-  to 1 shard, and <= 0.5 x the 16 shards called one after another.
+  to 1 shard, and <= 0.5 x the 16 shards called one after another;
+* a framework worker's step (pull, forward/backward, push; :mod:`bench.frameworks`): the
+  bytes the SDK copies outside the socket <= 0.01 x the parameters' bytes (no
+  parameter-sized copy), for the numpy worker and for torch's.
 
 :func:`evaluate` returns one dict per goal (JSON-ready); :func:`render` prints them. A goal
 whose figures were not measured in this run says what would measure it (``--peers`` for the
@@ -32,7 +35,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from . import broadcast, concurrency, fanout, optimizers, shardsize
+from . import broadcast, concurrency, fanout, frameworks, optimizers, shardsize
 from . import rows as row_case
 from .peers import PEERS
 from .syncround import ASYNC, SYNC
@@ -239,6 +242,30 @@ def evaluate(rows: Sequence[dict]) -> list[dict]:
         )
     out += _rows_goals(rows)
     out += _scale_goals(rows)
+    out += _copy_goals(rows)
+    return out
+
+
+def _copy_goals(rows: Sequence[dict]) -> list[dict]:
+    out = []
+    for system in (frameworks.NUMPY, frameworks.TORCH):
+        r = next((r for r in rows if r["case"] == "frameworks" and r["system"] == system), None)
+        goal = {
+            "goal": f"{system} step: copies",
+            "versus": "parameters",
+            "measure": "bytes copied",
+            "target": "<= 0.01x",
+        }
+        if r is None:
+            note = "not measured: run the frameworks case" + (
+                " with torch installed" if system == frameworks.TORCH else ""
+            )
+            out.append({**goal, "ratio": None, "met": None, "note": note})
+            continue
+        ratio = r["copied_bytes"] / r["param_bytes"]
+        met = ratio <= 0.01
+        note = "" if met else f"missed: {r['copied_bytes']:,} bytes copied per step"
+        out.append({**goal, "ratio": ratio, "met": met, "note": note})
     return out
 
 
