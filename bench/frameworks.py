@@ -167,7 +167,7 @@ def _torch_worker(ps: Any, X: np.ndarray, y: np.ndarray) -> Callable[[], None]:
     from client_sdk.torch import bind
 
     torch.manual_seed(1)
-    torch.set_num_threads(1)  # as numpy's step: one core each, the other for the shard
+    torch.set_num_threads(1)  # leave the other core to the shard
     layers: list[torch.nn.Module] = []
     for a, b in itertools.pairwise(LAYERS):
         layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
