@@ -39,4 +39,5 @@ CASES: dict[str, str] = {
     "concurrency": "bench.concurrency",
     "fanout": "bench.fanout",
     "frameworks": "bench.frameworks",
+    "floor": "bench.floor",
 }

@@ -23,7 +23,11 @@
   to 1 shard, and <= 0.5 x the 16 shards called one after another;
 * a framework worker's step (pull, forward/backward, push; :mod:`bench.frameworks`): the
   bytes the SDK copies outside the socket <= 0.01 x the parameters' bytes (no
-  parameter-sized copy), for the numpy worker and for torch's.
+  parameter-sized copy), for the numpy worker and for torch's;
+* small requests against the raw socket (:mod:`bench.floor`, :mod:`bench.step`): a 4 KB
+  pull's p50 <= 4 x the raw socket's round trip of the same bytes; 100 x 4 KB in one step
+  >= 0.9 x the raw socket's rate moving the same 400 KB in one message for a pull, and
+  >= 0.75 x for a push+apply.
 
 :func:`evaluate` returns one dict per goal (JSON-ready); :func:`render` prints them. A goal
 whose figures were not measured in this run says what would measure it (``--peers`` for the
@@ -35,7 +39,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from . import broadcast, concurrency, fanout, frameworks, optimizers, shardsize
+from . import broadcast, concurrency, fanout, floor, frameworks, optimizers, shardsize
 from . import rows as row_case
 from .peers import PEERS
 from .syncround import ASYNC, SYNC
@@ -243,6 +247,7 @@ def evaluate(rows: Sequence[dict]) -> list[dict]:
     out += _rows_goals(rows)
     out += _scale_goals(rows)
     out += _copy_goals(rows)
+    out += _floor_goals(rows)
     return out
 
 
@@ -267,6 +272,39 @@ def _copy_goals(rows: Sequence[dict]) -> list[dict]:
         note = "" if met else f"missed: {r['copied_bytes']:,} bytes copied per step"
         out.append({**goal, "ratio": ratio, "met": met, "note": note})
     return out
+
+
+def _floor_goals(rows: Sequence[dict]) -> list[dict]:
+    """Small requests next to the raw socket: the floor case's 4 KB pull, the step case's
+    100 x 4 KB pull and push+apply."""
+    n = floor.DEFAULT_SIZES[0]
+    return [
+        _goal(
+            "4 KB pull latency",
+            RAW,
+            "p50",
+            _find(rows, "floor", "pull", n, SDK),
+            _find(rows, "floor", "pull", n, RAW),
+            "p50_ms",
+            False,
+            4.0,
+            "not measured: run the floor case at its default size",
+        ),
+        *(
+            _goal(
+                f"100 x 4 KB {label} in one step",
+                RAW,
+                "steps/s",
+                _find(rows, "step", op, 1000, SDK),
+                _find(rows, "step", op, 1000, RAW),
+                "ops_per_s",
+                True,
+                target,
+                "not measured: run the step case at its default size",
+            )
+            for op, label, target in (("pull", "pull", 0.9), ("push", "push+apply", 0.75))
+        ),
+    ]
 
 
 def _rows_goals(rows: Sequence[dict]) -> list[dict]:

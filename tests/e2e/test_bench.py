@@ -20,6 +20,7 @@ from bench import (
     concurrency,
     fanout,
     frameworks,
+    floor,
     goals,
     optimizers,
     scale,
@@ -64,6 +65,7 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         "concurrency:",
         "fanout:",
         "frameworks:",
+        "floor:",
     ):
         assert case in out
     assert "GOALS" in out and "SCALE: not estimated" in out
@@ -75,7 +77,7 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         systems[r["case"], r["op"]].add(r["system"])
         # A broadcast may reach its actors before the learner reads its push's reply (< 0).
         assert r["reps"] >= 1 and (r["p50_ms"] > 0 or r["case"] == "broadcast")
-        if r["case"] in ("transfer", "step", "shardsize"):  # small: ten times --quick's 5
+        if r["case"] in ("transfer", "step", "shardsize", "floor"):  # small: ten times --quick's 5
             assert r["reps"] == 5 * timing.SMALL_FACTOR, r
     for op in ("pull", "push"):
         assert systems["transfer", op] == {SDK, SDK_TLS, SDK_F16, SDK_BF16, RAW}
@@ -115,10 +117,17 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
     assert systems["frameworks", "step"] == {frameworks.NUMPY, frameworks.TORCH}
     copies = {r["system"]: r["copied_bytes"] / r["param_bytes"] for r in rows if "param_bytes" in r}
     assert copies[frameworks.NUMPY] <= 0.01 and copies[frameworks.TORCH] <= 1.01, copies
+    for op in floor.OPS:
+        assert systems["floor", op] == {RAW, floor.APP, floor.IN_PROTOCOL, SDK}
+    # the frameworks' goals and the small-request goals against the raw socket have their
+    # figures at this size
     measured = [g for g in data["meta"]["goals"] if g["met"] is not None]
     assert {g["goal"] for g in measured} == {
         f"{frameworks.NUMPY} step: copies",
         f"{frameworks.TORCH} step: copies",
+        "4 KB pull latency",
+        "100 x 4 KB pull in one step",
+        "100 x 4 KB push+apply in one step",
     }
     assert data["meta"]["scale"] is None
 
@@ -361,3 +370,47 @@ def test_the_row_cost_diagnostic_runs():
     ]
     in_process = [cpu for k, (_, cpu) in figures.items() if k.startswith("the ")]
     assert len(in_process) == 4 and all(cpu > 0 for cpu in in_process)
+
+
+def test_the_small_request_goals_compare_with_the_raw_socket():
+    """The floor case's 4 KB pull (p50, at most 4x the raw socket's) and the step case's
+    100 x 4 KB pull and push+apply (steps/s, at least 0.9x and 0.75x the raw socket's)."""
+    rows = [
+        _row("floor", "pull", floor.DEFAULT_SIZES[0], SDK, p50_ms=0.2),
+        _row("floor", "pull", floor.DEFAULT_SIZES[0], RAW, p50_ms=0.04),
+        _row("floor", "pull", floor.DEFAULT_SIZES[0], floor.IN_PROTOCOL, p50_ms=0.1),
+        _row("step", "pull", 1000, SDK, ops_per_s=950.0),
+        _row("step", "pull", 1000, RAW, ops_per_s=1000.0),
+        _row("step", "push", 1000, SDK, ops_per_s=500.0),
+        _row("step", "push", 1000, RAW, ops_per_s=1000.0),
+    ]
+    by = {g["goal"]: g for g in goals.evaluate(rows) if g["versus"] == RAW}
+    latency = by["4 KB pull latency"]
+    assert latency["met"] is False and latency["ratio"] == pytest.approx(5.0)
+    assert latency["note"] == "missed: needs 1.25x less p50"
+    pull = by["100 x 4 KB pull in one step"]
+    assert pull["met"] and pull["ratio"] == pytest.approx(0.95)
+    push = by["100 x 4 KB push+apply in one step"]
+    assert push["met"] is False and push["target"] == ">= 0.75x"
+    missing = {g["goal"]: g for g in goals.evaluate([]) if g["versus"] == RAW}
+    assert missing["4 KB pull latency"]["met"] is None
+    assert "floor case" in missing["4 KB pull latency"]["note"]
+
+
+def test_the_small_request_diagnostic_runs_in_one_process():
+    """python -m bench.smallcost's in-process part (not part of make bench), tiny: the SDK's
+    and the server's share of each small request, for the floor and the shard, and a profile
+    of each side naming its own modules."""
+    from bench import smallcost
+
+    lines: list[str] = []
+    figures = smallcost.run_in_process(20, profile=3, out=lines.append, layers=False)
+    assert set(figures) == {
+        (op, variant)
+        for op in smallcost.OPS
+        for variant in ("floor (in protocol)" if op == "pull" else "floor (app)", "paramshard")
+    }
+    assert all(sdk > 0 and server > 0 for sdk, server in figures.values())
+    text = "\n".join(lines)
+    assert "client_sdk" not in text.split("server side")[-1]
+    assert text.count("server side:") == text.count("client side:") == 6
