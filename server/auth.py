@@ -19,6 +19,15 @@ one, or a token the shard does not accept; with ``WWW-Authenticate: Bearer``) or
 the token. Tokens are compared as SHA-256 digests with :func:`hmac.compare_digest`, against
 every accepted token, so the time taken says nothing about a token's contents or length.
 
+A request that sends an accepted token the way the SDK does (``Bearer <token>``, one space) is
+let through on one dict lookup of its header's value (:attr:`Guard.exact`, made from the
+accepted tokens whenever they change): the data plane pays a hash of a short string, not a
+SHA-256 and a comparison per token. The lookup says nothing about a token it does not hold:
+a dict compares a key's bytes only after its hash matched, and ``bytes`` hashes are keyed
+with a secret random per process (SipHash), so a guess's timing does not depend on how much of
+it matches an accepted token. Any other value (a wrong token, other spacing or case) takes
+the digest comparison above.
+
 Several tokens may be accepted at once (a list), which is how a token is rotated: the shards
 take the old and the new, the workers move to the new, the old is removed. A token file is
 read again when it changes (:meth:`Guard.watch`), so a mounted secret rotates without a
@@ -121,10 +130,21 @@ class Guard:
         if token_file is not None:
             self._file_tokens = read_token_file(token_file)
             self._file_stamp = self._stamp()
+        self._read_given = tuple(read_tokens)
         self._write = _digests((*self._given, *self._file_tokens))
-        self._read = _digests(read_tokens)
+        self._read = _digests(self._read_given)
+        #: ``b"Bearer <token>" -> READ or WRITE`` for every accepted token (see the module).
+        self.exact: dict[bytes, str] = {}
+        self._make_exact()
         self.refused = {"missing": 0, "malformed": 0, "wrong": 0, "forbidden": 0}
         self._log = RateLimited(logger, LOG_EVERY)
+
+    def _make_exact(self) -> None:
+        exact = {b"Bearer " + t.encode("ascii"): READ for t in self._read_given}
+        exact.update(
+            {b"Bearer " + t.encode("ascii"): WRITE for t in (*self._given, *self._file_tokens)}
+        )
+        self.exact = exact
 
     @property
     def on(self) -> bool:
@@ -147,6 +167,9 @@ class Guard:
         raw = headers.get(_AUTHORIZATION)
         if raw is None:
             return "missing"
+        level = self.exact.get(raw)
+        if level is WRITE or (level is READ and need == READ):
+            return None
         if len(raw) > MAX_AUTHORIZATION:
             return "malformed"
         scheme, _, token = raw.strip().partition(b" ")
@@ -236,6 +259,7 @@ class Guard:
             return False
         self._file_tokens = tokens
         self._write = _digests((*self._given, *tokens))
+        self._make_exact()
         logger.warning(
             "auth: the token file %s changed: %d token(s) accepted now",
             self.token_file,

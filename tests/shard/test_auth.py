@@ -11,6 +11,7 @@ changes; a shard refuses to start with a bad token setting, without printing the
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -402,3 +403,39 @@ def test_paramshard_status_sends_the_token(shard, monkeypatch):
 
     assert status({wire.ENV_TOKEN: READ}).returncode == 0
     assert status({}).returncode != 0
+
+
+def test_the_one_lookup_check_and_the_digest_check_agree(tmp_path):
+    """A header that spells an accepted token as the SDK does is judged by one dict lookup
+    (Guard.exact); every other value by the digests. Both give the same verdicts, and a
+    token dropped from the token file leaves the lookup too."""
+    from server.auth import READ as NEED_READ
+    from server.auth import WRITE as NEED_WRITE
+    from server.auth import Guard
+
+    path = tmp_path / "token"
+    path.write_text(f"{TOKEN2}\n")
+    guard = Guard([TOKEN], [READ], str(path))
+    digests_only = Guard([TOKEN], [READ], str(path))
+    digests_only.exact = {}
+    values = [
+        f"Bearer {TOKEN}",
+        f"Bearer {TOKEN2}",
+        f"Bearer {READ}",
+        f"Bearer {WRONG}",
+        f"bearer  {TOKEN}",
+        f"Bearer {TOKEN} ",
+        f"Basic {TOKEN}",
+        "Bearer",
+    ]
+    for value in values:
+        for need in (NEED_READ, NEED_WRITE):
+            headers = {b"authorization": value.encode()}
+            assert guard._judge(headers, need) == digests_only._judge(headers, need), value
+    assert guard._judge({b"authorization": f"Bearer {READ}".encode()}, NEED_WRITE) == "forbidden"
+    assert set(guard.exact.values()) == {NEED_READ, NEED_WRITE} and len(guard.exact) == 3
+    path.write_text(f"{TOKEN}\n")
+    os.utime(path, (1, 1))  # a new stamp whatever the clock's resolution
+    assert guard.reload()
+    assert guard._judge({b"authorization": f"Bearer {TOKEN2}".encode()}, NEED_READ) == "wrong"
+    assert f"Bearer {TOKEN2}".encode() not in guard.exact
