@@ -277,6 +277,8 @@ def _judge(
     if isinstance(outcome, ReplyTooLarge):  # the same request would get it again
         return _chain(_translate(outcome, core, req, attempt, started), outcome)
     if isinstance(outcome, Reply):
+        if outcome.status < 300:  # the common case, answered: nothing to retry
+            return outcome
         delay = retry_delay(
             req, attempt - 1, status=outcome.status, retry_after=outcome.headers.get("retry-after")
         )

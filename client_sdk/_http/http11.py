@@ -300,6 +300,25 @@ def _head(
     return at + 4, end, status, version, headers
 
 
+#: Header lines already parsed, each to its (lower-cased name, stripped value): a shard sends
+#: nearly the same lines in every response, so most lines of a head are found here. Bounded:
+#: emptied when it holds :data:`_LINES_KEPT` lines.
+_lines: dict[str, tuple[str, str]] = {}
+_LINES_KEPT = 512
+
+
+def _header_line(line: str) -> tuple[str, str]:
+    """A header line's (lower-cased name, value without surrounding spaces and tabs)."""
+    name, sep, value = line.partition(":")
+    if not sep or not name or name[0] in " \t" or name[-1] in " \t":
+        raise httpx2.RemoteProtocolError(f"malformed response header line {line[:80]!r}")
+    parsed = name.lower(), value.strip(" \t")
+    if len(_lines) >= _LINES_KEPT:
+        _lines.clear()
+    _lines[line] = parsed
+    return parsed
+
+
 def _parse_head(raw: bytes) -> tuple[int, str, dict[str, str]]:
     lines = raw.decode("latin-1").split("\r\n")
     version, _, rest = lines[0].partition(" ")
@@ -307,12 +326,9 @@ def _parse_head(raw: bytes) -> tuple[int, str, dict[str, str]]:
     if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
         raise httpx2.RemoteProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
     headers: dict[str, str] = {}
+    known = _lines.get
     for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name[0] in " \t" or name[-1] in " \t":
-            raise httpx2.RemoteProtocolError(f"malformed response header line {line[:80]!r}")
-        name = name.lower()
-        value = value.strip(" \t")
+        name, value = known(line) or _header_line(line)
         if name in headers:
             if name == "content-length" and headers[name] != value:
                 raise httpx2.RemoteProtocolError("conflicting Content-Length headers")

@@ -87,7 +87,14 @@ class BlockingConnection(Connection):
 
     def receive(self, deadline: float, max_size: int) -> tuple[Response, bool]:
         """Read one response, all of it by ``deadline`` (``time.monotonic()`` seconds), its
-        body at most ``max_size`` bytes; return it and whether the connection may be reused."""
+        body at most ``max_size`` bytes; return it and whether the connection may be reused.
+
+        On a plain socket it first waits until the socket is readable: a reply is never
+        there the moment its request went out, and a receive that finds nothing costs a
+        system call and an exception. (Over TLS, bytes may wait in the TLS layer while the
+        socket is not readable: it receives first.)"""
+        if not self.tls:
+            self._wait(False, deadline)  # past the deadline: the receive below says so
         steps = self.receiving(max_size)
         try:
             while True:

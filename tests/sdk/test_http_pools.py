@@ -492,3 +492,31 @@ def test_bodies_go_out_whole_and_in_order_a_slice_per_sendmsg(sizes, rnd):
         out += joined[:sent]
         first = advance(views, first, sent)
     assert bytes(out) == b"HEAD" + b"".join(pieces)
+
+
+def test_header_lines_seen_before_parse_as_the_first_time_and_bad_ones_never_pass():
+    """Response heads reuse the header lines they parsed before (http11._lines): the same
+    headers however often a head comes, repeats joined, a bad line refused every time, and
+    the lines kept bounded."""
+    from client_sdk._http import http11
+
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\nx-a:  1 \r\nX-A: 2\r\n"
+        b"content-length: 3\r\nCONTENT-LENGTH: 3"
+    )
+    first = http11._parse_head(head)
+    assert first == (
+        200,
+        "HTTP/1.1",
+        {"content-type": "application/msgpack", "x-a": "1, 2", "content-length": "3"},
+    )
+    assert http11._parse_head(head) == first
+    for bad in (b"HTTP/1.1 200 OK\r\n x-a: 1", b"HTTP/1.1 200 OK\r\nno colon"):
+        for _ in range(2):
+            with pytest.raises(httpx2.RemoteProtocolError, match="malformed"):
+                http11._parse_head(bad)
+    with pytest.raises(httpx2.RemoteProtocolError, match="conflicting"):
+        http11._parse_head(head + b"\r\ncontent-length: 4")
+    for i in range(http11._LINES_KEPT * 2):
+        http11._parse_head(b"HTTP/1.1 200 OK\r\nx-n: %d" % i)
+    assert len(http11._lines) <= http11._LINES_KEPT
