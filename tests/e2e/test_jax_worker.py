@@ -15,14 +15,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from client_sdk import PSClient
 from tests.conftest import ROOT
+from tests.helpers.examples import run_example
 
 pytest.importorskip("jax")
 
@@ -40,26 +38,10 @@ def fleet(module_fleet_factory):
     return module_fleet_factory(2)
 
 
-def run_example(script: str, *args: str) -> float:
+def run_script(script: str, *args: str) -> float:
     """Run ``examples/<script> run *args``; its fleet's held-out accuracy."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PARAMSHARD_", "KERAS_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples" / script), "run", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # the workers it starts are killed with it
-    )
-    try:
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == 0, out[-3000:]
+    out = run_example(ROOT / "examples" / script, ["run", *args], env, timeout=240)
     found = _RESULT.search(out)
     assert found, out[-3000:]
     return float(found.group(1))
@@ -69,7 +51,7 @@ def run_example(script: str, *args: str) -> float:
 def test_async_jax_workers_match_one_process(fleet):
     workers, steps, seed = 2, 800, 1
     shards = ",".join(fleet.urls)
-    acc_fleet = run_example(
+    acc_fleet = run_script(
         "jax_worker.py", f"--workers={workers}", f"--steps={steps}", f"--seed={seed}",
         "--prefix=jx", f"--shards={shards}",
     )  # fmt: skip
@@ -93,7 +75,7 @@ def test_a_keras_model_trains_through_the_fleet(fleet):
     if importlib.util.find_spec("keras") is None:  # imported by the example's workers only
         pytest.skip("keras is not installed: pip install -e '.[test]'")
     shards = ",".join(fleet.urls)
-    acc = run_example("keras_worker.py", "--workers=1", "--steps=400", f"--shards={shards}")
+    acc = run_script("keras_worker.py", "--workers=1", "--steps=400", f"--shards={shards}")
     assert acc > 0.93, acc
     with PSClient(fleet.urls, worker_id="test") as ps:
         summaries = {v["name"]: v for v in ps.variables() if v["name"].startswith("digits-keras/")}

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers.examples import run_example
 
 torch = pytest.importorskip("torch")
 
@@ -31,24 +29,8 @@ WORKERS, STEPS = 3, 400
 def test_three_torch_workers_match_one_process_within_a_point(fleet_factory):
     fleet = fleet_factory(2)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARAMSHARD_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     args = ["run", "--shards", ",".join(fleet.urls), f"--workers={WORKERS}", f"--steps={STEPS}"]
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # the workers it starts are killed with it
-    )
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert proc.returncode == 0, out[-3000:]
+    out = run_example(SCRIPT, args, env, timeout=300)
     for k in range(WORKERS):
         assert f"[w{k}] step {STEPS}/{STEPS} loss" in out, out[-3000:]
     found = _RESULT.search(out)
