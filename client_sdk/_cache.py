@@ -2,8 +2,11 @@
 
 A pull tells each shard the version it holds of each name, and the shard sends only the
 values that changed since; the cached array stands for each of the others. An entry is
-``(shard incarnation, version, value)``: a value is only ever reused for the incarnation of
-the shard it came from, and when a shard restarts its entries go (:meth:`drop_shard`).
+``(shard incarnation, version, value)``, where the incarnation is the shard's era
+(:func:`client_sdk._fleet.era`: its incarnation, and how many deletes it ran): a value is only
+ever reused for the era of the shard it came from, since a restarted shard, or a variable
+deleted and made again, may reach the same version with another value. When a shard restarts
+its entries go (:meth:`drop_shard`).
 
 The rules, each written once:
 

@@ -44,7 +44,7 @@ from ._exceptions import (
     PSError,
     ShardUnavailableError,
 )
-from ._fleet import Fleet
+from ._fleet import Fleet, era
 from ._flow import Result, ShardRequest
 from ._parts import Parts
 from ._replies import Message
@@ -205,9 +205,12 @@ class Core:
         fleet = self.fleet
         fleet.check_identity(shard, headers)
         incarnation = headers.get(wire.HEADER_INCARNATION)
-        fleet.note_incarnation(shard, incarnation, headers.get(wire.HEADER_STATE_VERSION))
+        cached_as = era(incarnation, headers.get(wire.HEADER_DELETIONS))
+        fleet.note_incarnation(
+            shard, incarnation, headers.get(wire.HEADER_STATE_VERSION), cached_as
+        )
         try:
-            return _replies.decode(request, result, self.shards[shard], self.n, incarnation)
+            return _replies.decode(request, result, self.shards[shard], self.n, cached_as)
         except FleetMismatchError as exc:
             if exc.status == 421:  # the shard says it is not the one: check it again
                 fleet.recheck(shard)

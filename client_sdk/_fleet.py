@@ -2,9 +2,10 @@
 
 The shard URLs in shard-index order and, for each shard: which names it owns (placement,
 remembered per name), what its verbs take (the features and the ``max_request_names`` its
-``/v1/cluster`` lists), whether it was checked against the list, and its incarnation and state
-version. A shard's first reply, and its first after a restart, is checked here: another index,
-fleet size or protocol version is a :class:`FleetMismatchError` or :class:`ProtocolError`.
+``/v1/cluster`` lists), whether it was checked against the list, and its incarnation, state
+version and era (:func:`era`: what the values cached from it are keyed by). A shard's first
+reply, and its first after a restart, is checked here: another index, fleet size or protocol
+version is a :class:`FleetMismatchError` or :class:`ProtocolError`.
 
 When a shard's incarnation changes (it restarted), the fleet logs one warning naming the shard
 and the state version it came back at, has the values cached from it forgotten (``on_restart``)
@@ -25,7 +26,7 @@ from ._args import valid_name
 from ._exceptions import FleetMismatchError, ProtocolError
 from .placement import shard_for
 
-__all__ = ["PLACEMENT_CACHE", "Fleet", "mismatch_message"]
+__all__ = ["PLACEMENT_CACHE", "Fleet", "era", "mismatch_message"]
 
 #: Most names whose validation and placement a fleet remembers (then it starts over).
 PLACEMENT_CACHE = 1 << 20
@@ -35,6 +36,16 @@ logger = logging.getLogger("client_sdk")
 
 #: The most ids the SDK puts in one pull_rows or push_rows request.
 MAX_TABLE_IDS = 1 << 16
+
+
+def era(incarnation: str | None, deletions: str | None) -> str | None:
+    """What values a shard sent are cached under: its incarnation (``x-paramshard-incarnation``),
+    with its deletions count (``x-paramshard-deletions``) once it deleted anything. A version
+    names one value only within an era: a restarted shard, or a variable deleted and made
+    again, may reach the same version with another value."""
+    if incarnation is None or not deletions:
+        return incarnation
+    return f"{incarnation}/{deletions}"
 
 
 class Fleet:
@@ -69,6 +80,7 @@ class Fleet:
         #: Whether a shard held a partitioned variable's layout when it was checked.
         self.partitioned = False
         self._incarnation: list[str | None] = [None] * n
+        self._era: list[str | None] = [None] * n
         #: Per shard: the last state version seen, and (old incarnation, that version) while
         #: a restart is noticed but not yet reported.
         self._state_version: list[int | None] = [None] * n
@@ -222,18 +234,29 @@ class Fleet:
         """The shard's incarnation as last seen (``None`` before its first reply)."""
         return self._incarnation[shard]
 
+    def era(self, shard: int) -> str | None:
+        """The shard's era (:func:`era`) as last seen: the one to look cached values up by."""
+        return self._era[shard]
+
     def note_incarnation(
-        self, shard: int, incarnation: str | None, state_version: str | None = None
+        self,
+        shard: int,
+        incarnation: str | None,
+        state_version: str | None = None,
+        era: str | None = None,
     ) -> None:
-        """Track the shard's incarnation and state version; on a restart have what was cached
-        from it dropped, check it again before the next call, and log one warning once the
-        restarted shard has said which state version it came back at."""
+        """Track the shard's incarnation, state version and era (``None``: not said); on a
+        restart have what was cached from it dropped, check it again before the next call,
+        and log one warning once the restarted shard has said which state version it came
+        back at."""
         if incarnation is None:
             return
         version = int(state_version) if state_version and state_version.isdigit() else None
         report = None
         with self._lock:
             known = self._incarnation[shard]
+            if era is not None or known != incarnation:
+                self._era[shard] = era
             if known != incarnation:
                 self._incarnation[shard] = incarnation
                 if known is not None:

@@ -49,6 +49,7 @@ class Message:
 
     msg: Any
     body: Body
+    #: the answering shard's era (client_sdk._fleet.era): what its values are cached under
     incarnation: str | None
 
 

@@ -80,6 +80,7 @@ _LOGGED_ELSEWHERE = frozenset({"unauthorized", "forbidden", "internal"})
 #: Request header a client may send to say which shard it means: ``"<index>/<num_shards>"``.
 _FLEET_KEY = wire.HEADER_FLEET.encode()
 _STATE_VERSION = wire.HEADER_STATE_VERSION.encode()
+_DELETIONS = wire.HEADER_DELETIONS.encode()
 #: ``<index>/<num_shards>``: ASCII digits, at most 9 each (a fleet has at most 65,536 shards),
 #: so that no header value turns into an unbounded ``int``.
 _FLEET_RE = re.compile(r"\s*([0-9]{1,9})\s*/\s*([0-9]{1,9})\s*")
@@ -194,7 +195,11 @@ class ShardMiddleware:
     """Pure ASGI middleware around the whole app (inside Starlette's own error middleware).
 
     * adds ``x-paramshard-shard``, ``x-paramshard-incarnation``, ``x-paramshard-protocol`` to
-      every response, and ``x-paramshard-state-version`` once the shard's state is restored;
+      every response, and ``x-paramshard-state-version`` once the shard's state is restored,
+      with ``x-paramshard-deletions`` once a delete removed something: the count as the request
+      came in, so never newer than the values a reply holds (a client keys cached values by
+      it: an older count costs it a pull again, a newer one could make it reuse a value of a
+      deleted variable);
     * answers 421 ``fleet_mismatch`` (400 if malformed) when ``x-paramshard-fleet`` names
       another shard or fleet size;
     * logs any exception that escapes the app and answers 500 ``internal`` if no response has
@@ -223,13 +228,14 @@ class ShardMiddleware:
         started = False
         status = sent = 0
         since = time.perf_counter()
+        deletions = self._deletions()
 
         async def send_with_headers(message: Message) -> None:
             nonlocal started, status, sent
             if message["type"] == "http.response.start":
                 started = True
                 status = message["status"]
-                message["headers"] = [*message.get("headers", ()), *self.reply_headers()]
+                message["headers"] = [*message.get("headers", ()), *self.reply_headers(deletions)]
             else:
                 sent += len(message.get("body", b""))
             await send(message)
@@ -262,12 +268,25 @@ class ShardMiddleware:
                     sent,
                 )
 
-    def reply_headers(self) -> list[tuple[bytes, bytes]]:
-        """The headers this adds to a response sent now."""
+    def reply_headers(self, deletions: int | None = None) -> list[tuple[bytes, bytes]]:
+        """The headers this adds to a response sent now, to a request that came in when the
+        store's deletions count was ``deletions`` (``None``: now; a reply made without
+        waiting, whose values are read in the same step)."""
         state = self.state
         if state is None or state.gate.phase not in ("ready", "draining"):
             return self.headers
-        return [*self.headers, (_STATE_VERSION, str(state.store.state_version).encode())]
+        store = state.store
+        headers = [*self.headers, (_STATE_VERSION, str(store.state_version).encode())]
+        if deletions is None:
+            deletions = store.deletions
+        if deletions:
+            headers.append((_DELETIONS, str(deletions).encode()))
+        return headers
+
+    def _deletions(self) -> int:
+        """The store's deletions count now (0 before there is a store)."""
+        store = getattr(self.state, "store", None)
+        return 0 if store is None else store.deletions
 
     def meant_for_me(self, fleet: bytes | None) -> bool:
         """Whether a request whose ``x-paramshard-fleet`` is ``fleet`` (raw, ``None`` when

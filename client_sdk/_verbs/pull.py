@@ -60,7 +60,7 @@ def pull(core: Core, names: Any) -> Flow[dict[str, np.ndarray]]:
                 )
                 msg["wire_dtype"] = wire_dtype
             if use_cache:
-                entries, writes = cache.held(group, fleet.incarnation(shard))
+                entries, writes = cache.held(group, fleet.era(shard))
                 held.append((entries, writes))
                 if entries is not None:
                     if fleet.tables[shard]:  # a list parallel to "names" (tables' form)

@@ -29,6 +29,7 @@ __all__ = [
     "FRAME_MAGIC",
     "FRAME_PREFIX",
     "FRAME_THRESHOLD",
+    "HEADER_DELETIONS",
     "HEADER_FLEET",
     "HEADER_FORWARDED",
     "HEADER_INCARNATION",
@@ -56,6 +57,10 @@ HEADER_INCARNATION = "x-paramshard-incarnation"
 HEADER_PROTOCOL = "x-paramshard-protocol"
 #: The shard's state version (sum of its variables' versions), once it has restored its state.
 HEADER_STATE_VERSION = "x-paramshard-state-version"
+#: How many deletes removed something on the shard since it started (absent while none did):
+#: a variable deleted and made again may reach the version a client cached of the old one, so
+#: a client keys cached values by incarnation and this count together.
+HEADER_DELETIONS = "x-paramshard-deletions"
 #: A data-plane request names the shard it is meant for, ``"<index>/<num_shards>"``; a shard
 #: that is not that one answers 421 ``fleet_mismatch``.
 HEADER_FLEET = "x-paramshard-fleet"

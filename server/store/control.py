@@ -107,7 +107,8 @@ class Control(StoreState):
             deletion.release(var)
         if variables:
             self.collector.released()
-        self._deletions += 1
+        if variables or removed:
+            self._deletions += 1
         self.mutations += 1
         self.dedup.record(worker_id, seq)
         if self.waiters.waiting:  # a poll on a deleted variable answers 404 at once

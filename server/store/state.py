@@ -66,8 +66,9 @@ class StoreState:
         self.deadlines = Deadlines()
         #: How many variables are frozen: while none is, a push looks at no variable's flag.
         self._frozen = 0
-        #: Deletes so far: a push that waited for another to finish looks its names up again
-        #: when this moved meanwhile.
+        #: Deletes that removed something so far: a push that waited for another to finish
+        #: looks its names up again when this moved meanwhile, and a reply says it (a client
+        #: keys the values it caches by it: :attr:`deletions`).
         self._deletions = 0
         #: The shard's embedding tables by name (:mod:`server.embedding` fills it): a name is
         #: a variable or a table, never both (init and the variable verbs refuse a table's).
@@ -180,6 +181,15 @@ class StoreState:
         if self._sorted is None or self._sorted[0] != key:
             self._sorted = key, sorted([*self._vars, *(layout.name for layout in self.layouts)])
         return self._sorted[1]
+
+    @property
+    def deletions(self) -> int:
+        """How many deletes removed a variable or a partitioned variable since the shard
+        started. A name deleted and made again may reach the version a client cached of the old
+        variable; a value pulled while this count was ``d`` is of the variable that holds the
+        name now only if the count is still ``d``, so clients key cached values by it
+        (``x-paramshard-deletions``, docs/PROTOCOL.md §2)."""
+        return self._deletions
 
     def lookup(self, name: str) -> Variable | None:
         """The variable ``name``, or ``None`` (no checks: for inspection)."""

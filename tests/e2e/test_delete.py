@@ -53,6 +53,46 @@ def test_a_deleted_variable_is_unknown_until_created_again_afresh(ps3):
     np.testing.assert_allclose(ps3.pull([name])[name], new - 0.5)
 
 
+def test_a_value_cached_before_a_delete_is_not_served_for_the_variable_made_again(fleet3):
+    # Client a caches version 1 of the name; client b deletes it, makes it again with another
+    # value and brings it to version 1 too: a's pulls (plain, into out=, waiting) must see b's.
+    name = fresh("again")
+    with (
+        PSClient(fleet3.urls, worker_id=fresh("a")) as a,
+        PSClient(fleet3.urls, worker_id=fresh("b")) as b,
+    ):
+        a.init({name: W0}, optimizer=SGD(lr=1.0))
+        a.push({name: np.ones(8)})
+        np.testing.assert_array_equal(a.pull([name])[name], W0 - 1)
+
+        assert b.delete([name]) == [name]
+        b.init({name: W0 * 10}, optimizer=SGD(lr=1.0))
+        assert b.push({name: np.ones(8)})[name]["version"] == 1
+
+        np.testing.assert_array_equal(a.pull([name])[name], W0 * 10 - 1)
+        np.testing.assert_array_equal(a.pull([name])[name], W0 * 10 - 1)  # now cached
+        buf = np.zeros(8)
+        a.pull([name], out={name: buf})
+        np.testing.assert_array_equal(buf, W0 * 10 - 1)
+        assert a.pull([name], min_version=1)[name][0] == -1
+
+
+def test_the_asyncio_client_does_not_serve_a_deleted_variables_value_either(fleet3):
+    name = fresh("again")
+    a = OnLoop(AsyncPSClient(fleet3.urls, worker_id=fresh("a")))
+    try:
+        with PSClient(fleet3.urls, worker_id=fresh("b")) as b:
+            a.init({name: W0}, optimizer=SGD(lr=1.0))
+            a.push({name: np.ones(8)})
+            a.pull([name])
+            b.delete([name])
+            b.init({name: W0 * 10}, optimizer=SGD(lr=1.0))
+            b.push({name: np.ones(8)})
+        np.testing.assert_array_equal(a.pull([name])[name], W0 * 10 - 1)
+    finally:
+        a.close()
+
+
 def test_deleting_what_is_not_there_succeeds_listing_nothing(ps3):
     name = fresh("gone")
     ps3.init({name: W0})
