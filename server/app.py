@@ -21,8 +21,8 @@ exception that escapes a handler (a bug, never bad input) into a logged 500 ``in
 :func:`serving_app` is what a shard serves: the app, except that data-plane ``POST`` requests go
 through the app's middleware (:class:`ShardMiddleware`, admission) straight to their endpoints
 (:mod:`server.direct_routes`), past FastAPI's per-request routing (the routes stay registered, and
-in ``/docs``), and a small pull in the table layout (or a pull_rows) is answered by the shard's
-HTTP protocol itself when nothing stands in its way (:func:`immediate_routes`).
+in ``/docs``), and a small pull in the table layout, pull_rows, push or increment is answered
+by the shard's HTTP protocol itself when nothing stands in its way (:func:`immediate_routes`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from client_sdk import wire
 
 from . import __version__
 from .admission import AdmissionMiddleware, Gate
-from .auth import READ, AuthMiddleware, Guard
+from .auth import READ, WRITE, AuthMiddleware, Guard
 from .config import ShardConfig
 from .direct_routes import DirectRoutes
 from .durability import Durability
@@ -507,8 +507,8 @@ def create_app(config: ShardConfig) -> FastAPI:
 def serving_app(app: FastAPI) -> ASGIApp:
     """The ASGI app to serve for ``app`` (made by :func:`create_app`): the same responses, with
     the data plane's ``POST`` requests handed straight to their endpoints
-    (:mod:`server.direct_routes`), and the small pulls that can be answered at once answered by the
-    shard's HTTP protocol itself (:func:`immediate_routes`)."""
+    (:mod:`server.direct_routes`), and the small pulls and writes that can be answered at once
+    answered by the shard's HTTP protocol itself (:func:`immediate_routes`)."""
     served = DirectRoutes(app)
     served.immediate = immediate_routes(app)
     return served
@@ -516,15 +516,17 @@ def serving_app(app: FastAPI) -> ASGIApp:
 
 def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     """What the shard's HTTP protocol may answer without an ASGI request cycle
-    (:data:`server.httptools_protocol.IMMEDIATE`): ``POST /v1/pull`` in the table layout and
-    ``POST /v1/pull_rows`` of float32 rows, when the request passes the fleet check as sent by
-    the SDK, carries a token that may read (when the shard has tokens), the gate would admit it
-    at once, and :func:`~server.routes_data.pull_now` (or
-    :func:`~server.routes_tables.pull_rows_now`) can answer it. The reply is the one the usual
+    (:data:`server.httptools_protocol.IMMEDIATE`): ``POST /v1/pull`` in the table layout,
+    ``POST /v1/pull_rows`` of float32 rows, ``POST /v1/push`` and ``POST /v1/increment``, when
+    the request passes the fleet check as sent by the SDK, carries a token that may read (a
+    pull) or write (a push, an increment) when the shard has tokens, the gate would admit it at
+    once (a write: and :func:`_writes_at_once`), and :func:`~server.routes_data.pull_now`
+    (:func:`~server.routes_tables.pull_rows_now`, :func:`~server.routes_data.push_now`,
+    :func:`~server.routes_data.increment_now`) can answer it. The reply is the one the usual
     way gives, byte for byte: the same handler code, the same headers (the shard's, from
     :class:`ShardMiddleware`). Anything else (every refusal and error included) returns
-    ``None`` and goes the usual way, which answers it."""
-    from .routes_data import pull_now
+    ``None`` and goes the usual way, which answers it; nothing has changed before that."""
+    from .routes_data import increment_now, pull_now, push_now
     from .routes_tables import pull_rows_now
 
     state = app.state
@@ -535,13 +537,18 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     traffic: Traffic | None = getattr(state, "traffic", None)
 
     def answerer(
-        verb: str, now: Callable[[Mapping[bytes, bytes], bytes], wire.Encoded | None]
+        verb: str,
+        now: Callable[[Mapping[bytes, bytes], bytes], wire.Encoded | None],
+        access: str = READ,
     ) -> Answerer:
+        writes = access == WRITE
+
         def answer(headers: Mapping[bytes, bytes], body: bytes) -> Immediate | None:
             if (
                 not shard.meant_for_me(headers.get(_FLEET_KEY))
-                or not guard.allows(headers, READ)
+                or not guard.allows(headers, access)
                 or not gate.room_now(len(body))
+                or (writes and not _writes_at_once(state))
             ):
                 return None
             since = time.perf_counter()
@@ -567,4 +574,16 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
         b"/v1/pull_rows": answerer(
             "pull_rows", lambda h, b: pull_rows_now(tables, limit, h, b, max_names)
         ),
+        b"/v1/push": answerer("push", lambda h, b: push_now(store, limit, h, b, max_names), WRITE),
+        b"/v1/increment": answerer(
+            "increment", lambda h, b: increment_now(store, limit, h, b, max_names), WRITE
+        ),
     }
+
+
+def _writes_at_once(state: Any) -> bool:
+    """Whether a write may be applied and acknowledged right now, with no wait and no refusal
+    to give: what :class:`~server.admission.AdmissionMiddleware` would let straight through
+    (the shard is ready, takes writes, no fleet checkpoint pauses or holds them)."""
+    gate: Gate = state.gate
+    return gate.write_refusal() is None and gate.paused_for is None and not gate.closed

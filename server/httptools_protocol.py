@@ -45,13 +45,16 @@ the app: a 100-variable pull reply is one ``writev``, not two writes and a joini
 
 And some requests never become a request cycle: the served app may name requests it can answer
 at once (its :data:`IMMEDIATE` attribute: raw path -> :data:`Answerer`; on a shard, a small
-``POST /v1/pull`` in the table layout or ``/v1/pull_rows``, :func:`server.app.immediate_routes`).
-For such a path, a ``POST`` with a ``Content-Length`` below :data:`ANSWER_BELOW` on a keep-alive
-HTTP/1.1 connection, with no other response under way, no ``Expect``, no access log and writing
-not paused, is collected whole by the parser callbacks and given to the answerer there: no ASGI
-scope handed on, no task, no middleware, no ``receive``/``send`` messages. Its answer is written
-as a shard's responses are (head with body, one vectored write) and the connection goes on as
-after any response (keep-alive timer, reading). When the answerer declines (``None``: any
+``POST /v1/pull`` in the table layout or ``/v1/pull_rows``, ``POST /v1/push`` and
+``POST /v1/increment``, :func:`server.app.immediate_routes`). For such a path, a ``POST`` with
+a ``Content-Length`` below :data:`ANSWER_BELOW` on a keep-alive HTTP/1.1 connection, with no
+other response under way, no ``Expect``, no access log and writing not paused, whose body comes
+whole in the read that brings its head (else it goes the usual way from the end of that read,
+counted in flight like any request), is collected by the parser callbacks and given to the
+answerer there: no ASGI scope handed on, no task, no middleware, no ``receive``/``send``
+messages. Its answer is written as a shard's responses are (head with body, one vectored
+write) and the connection goes on as after any response (keep-alive timer, reading). When the
+answerer declines (``None``: any
 error, refusal or wait is the app's to answer) or fails, the request goes to the app as if the
 parser had just reached its head, body and end. The work saved is a sizeable part of a small
 pull's time in the shard (``python -m bench.stepcost`` shows the shard's part).
@@ -396,6 +399,16 @@ if HttpToolsProtocol is not None:
             out.write(Gathered(answer.chunks, answer.nbytes))
             self.on_response_complete()
 
+        def _usual_after_all(self) -> None:
+            """A request to answer immediately whose body did not come whole in the read that
+            brought its head goes the usual way, from here on: it is counted in flight and a
+            shutdown waits for it, as for any request that takes more than one read."""
+            pieces = self._now[1]  # type: ignore[index]
+            self._now = None
+            self._usual_headers_complete()
+            for piece in pieces:
+                self.on_body(piece)
+
         def _usual_headers_complete(self) -> None:
             previous = self.cycle
             super().on_headers_complete()
@@ -457,6 +470,8 @@ if HttpToolsProtocol is not None:
                 self._head_high += size
             self._read = size
             self._take(data)
+            if self._now is not None:
+                self._usual_after_all()
             if (
                 self._phase == HEAD
                 and self._head_low > self.limits.max_head_bytes

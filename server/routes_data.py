@@ -12,8 +12,9 @@ synchronous, except a push (which may compute off the loop,
 wait for such a push of their variables to finish), and the wait before an assign or increment
 for such a push to finish (:meth:`~server.store.ParameterStore.settled`). These verbs ignore
 fields they do not know. On a shard the handlers
-are reached straight from :mod:`server.direct_routes`, and a small pull in the table layout is
-answered by :func:`pull_now` from the shard's HTTP protocol itself when it can be
+are reached straight from :mod:`server.direct_routes`, and a small pull in the table layout, a
+small push and an increment are answered by :func:`pull_now`, :func:`push_now` and
+:func:`increment_now` from the shard's HTTP protocol itself when they can be
 (:func:`server.app.immediate_routes`), with the same code and bytes.
 """
 
@@ -48,8 +49,10 @@ from .store import (
 __all__ = [
     "BODY_DOC",
     "bad_field",
+    "increment_now",
     "message",
     "pull_now",
+    "push_now",
     "reply",
     "required",
     "router",
@@ -414,12 +417,12 @@ def _layout(msg: Mapping[str, Any], verb: str) -> str:
 
 
 def _table_map(
-    request: Request, msg: Mapping[str, Any], key: str, verb: str, body: wire.Buffer | None
+    kind: str, msg: Mapping[str, Any], key: str, verb: str, body: wire.Buffer | None
 ) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
     """A verb's tensor field sent as a tensor table: ``{name: tensor}``, every row a tensor;
-    and the rows as one block when they have one dtype and shape (``wire.table_rows``)."""
+    and the rows as one block when they have one dtype and shape (``wire.table_rows``).
+    ``kind``: the request's content type, lower-case, without parameters."""
     value = _required(msg, key, verb)
-    kind = header(request.scope, b"content-type", "").split(";")[0].strip().lower()
     if kind != wire.FRAME:
         raise ShardError(
             "bad_request",
@@ -448,10 +451,23 @@ async def push(request: Request) -> Response:
     (status `applied`, `accepted` into a sync round, `dropped` with a `reason`, `duplicate`).
     With `"layout": "table"` (framed bodies), `grads` is one tensor table."""
     msg, body = await _message(request, scan=True, tensors=True)
-    worker_id, seq = _writer(msg, "push", required=True)
-    versions = _versions(msg, "push")
+    kind = header(request.scope, b"content-type", "").split(";")[0].strip().lower()
     # Gradients a FiniteScan found finite while the body arrived (same header, same bytes).
     finite = getattr(request.state, "finite", None) or {}
+    worker_id, seq, grads, versions, finite, block = _push_args(msg, kind, body, finite)
+    result = await _store(request).push_async(
+        worker_id, seq, grads, versions, finite=finite, block=block
+    )
+    return _reply(request, {"variables": result})
+
+
+def _push_args(
+    msg: Mapping[str, Any], kind: str, body: wire.Buffer | None, finite: Mapping[str, float]
+) -> tuple[str, int, dict[str, Any], dict[str, int] | None, Mapping[str, float], Any]:
+    """A push's ``(worker_id, seq, grads, versions, finite, block)``, checked: ``finite``
+    as given, or found by one pass over a table of same-shaped gradients."""
+    worker_id, seq = _writer(msg, "push", required=True)
+    versions = _versions(msg, "push")
     block = None
     if _layout(msg, "push") == "table":
         if isinstance(msg.get("grads"), dict) and "versions" in msg["grads"]:
@@ -462,15 +478,44 @@ async def push(request: Request) -> Response:
                 "{name: version} (docs/PROTOCOL.md, push)",
                 {"field": "grads.versions"},
             )
-        grads, block = _table_map(request, msg, "grads", "push", body)
+        grads, block = _table_map(kind, msg, "grads", "push", body)
         if not finite:  # a table of same-shaped gradients is checked in one pass
             finite = finite_rows(list(grads), block)
     else:
         grads = _tensor_map(msg, "grads", "push", body)
-    result = await _store(request).push_async(
-        worker_id, seq, grads, versions, finite=finite, block=block
-    )
-    return _reply(request, {"variables": result})
+    return worker_id, seq, grads, versions, finite, block
+
+
+def push_now(
+    store: ParameterStore,
+    limit: int,
+    headers: Mapping[bytes, bytes],
+    body: bytes,
+    max_names: int = wire.MAX_REQUEST_NAMES,
+) -> wire.Encoded | None:
+    """The reply to a push, without waiting: what :func:`push` answers for the same request;
+    or ``None`` where :func:`push` would do more (a content type other than the SDK's, a
+    body above ``limit``, any error to answer, a push computing off the loop on one of the
+    names), which it must then answer itself. Nothing has changed when it returns ``None``:
+    the store checks a push whole before it changes anything. ``headers``: the request's,
+    names lower-case. Synchronous; on the event loop (a body this small is applied on it, as
+    :meth:`~server.store.ParameterStore.push_async` would)."""
+    ctype = headers.get(b"content-type")
+    if len(body) > limit or (ctype != _MSGPACK and ctype != _FRAME):
+        return None
+    kind = wire.FRAME if ctype == _FRAME else wire.MSGPACK
+    try:
+        msg = wire.unpack(body, kind, max_names)
+        if not isinstance(msg, dict):
+            return None
+        framed = body if kind == wire.FRAME else None
+        worker_id, seq, grads, versions, finite, block = _push_args(msg, kind, framed, {})
+        if store.settling(grads):
+            return None
+        result = store.push(worker_id, seq, grads, versions, finite=finite, block=block)
+        return wire.encode({"variables": result}, tensors=False)
+    except (ShardError, wire.WireError):
+        return None
 
 
 @router.post("/assign", openapi_extra=_BODY_DOC)
@@ -490,6 +535,14 @@ async def increment(request: Request) -> Response:
     """Atomic fetch-and-add: `{"name", "delta"?, "kind"?, "worker_id"?, "seq"?}` ->
     `{"value", "version", "status"}`."""
     msg, _ = await _message(request)
+    name, delta, worker_id, seq, kind = _increment_args(msg)
+    store = _store(request)
+    await store.settled([name])
+    return _reply(request, store.increment(name, delta, worker_id, seq, kind))
+
+
+def _increment_args(msg: Mapping[str, Any]) -> tuple[str, int | float, Any, Any, str | None]:
+    """An increment's ``(name, delta, worker_id, seq, kind)``, checked."""
     worker_id, seq = _writer(msg, "increment", required=False)
     name = _required(msg, "name", "increment")
     if not isinstance(name, str):
@@ -502,9 +555,34 @@ async def increment(request: Request) -> Response:
     kind = msg.get("kind")
     if kind is not None and kind not in COUNTER_KINDS:
         raise _bad_field("increment", "kind", "'int' or 'float' (or absent)", kind)
-    store = _store(request)
-    await store.settled([name])
-    return _reply(request, store.increment(name, delta, worker_id, seq, kind))
+    return name, delta, worker_id, seq, kind
+
+
+def increment_now(
+    store: ParameterStore,
+    limit: int,
+    headers: Mapping[bytes, bytes],
+    body: bytes,
+    max_names: int = wire.MAX_REQUEST_NAMES,
+) -> wire.Encoded | None:
+    """The reply to an increment, without waiting: what :func:`increment` answers for the same
+    request; or ``None`` where :func:`increment` would do more (a content type other than
+    msgpack, a body above ``limit``, any error to answer, a push writing that name off the
+    loop), which it must then answer itself. Nothing has changed when it returns ``None``:
+    the store checks an increment whole before it changes anything. ``headers``: the
+    request's, names lower-case. Synchronous; on the event loop."""
+    if len(body) > limit or headers.get(b"content-type") != _MSGPACK:
+        return None
+    try:
+        msg = wire.unpack(body, wire.MSGPACK, max_names)
+        if not isinstance(msg, dict):
+            return None
+        name, delta, worker_id, seq, kind = _increment_args(msg)
+        if store.settling([name]):
+            return None
+        return wire.encode(store.increment(name, delta, worker_id, seq, kind), tensors=False)
+    except (ShardError, wire.WireError):
+        return None
 
 
 @router.post("/wait", openapi_extra=_BODY_DOC)

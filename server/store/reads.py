@@ -169,6 +169,16 @@ class Reads(StoreState):
         known = self._vars
         await self._off_loop.settled([known[n] for n in names if type(n) is str and n in known])
 
+    def settling(self, names: Iterable[str]) -> bool:
+        """Whether :meth:`settled` would wait for ``names`` now: a push computing off the loop
+        writes one of them."""
+        known = self._vars
+        return any(
+            v.writing is not None
+            for n in names
+            if type(n) is str and (v := known.get(n)) is not None
+        )
+
     async def readable(self, names: Iterable[str]) -> None:
         """Return once no push is writing the live arrays of a variable in ``names`` in place
         off the loop (unknown names are ignored). The loop awaits this before reading values

@@ -1,6 +1,7 @@
-"""Small table pulls and pull_rows answered by the shard's HTTP protocol itself
-(server.httptools_protocol, IMMEDIATE; server.app.immediate_routes): the same bytes as the app's
-answer, and every request it does not take handed to the app, which answers it the usual way.
+"""Small table pulls, pull_rows, pushes and increments answered by the shard's HTTP protocol
+itself (server.httptools_protocol, IMMEDIATE; server.app.immediate_routes): the same bytes as the
+app's answer, and every request it does not take handed to the app, which answers it the usual
+way.
 
 The shard's real app runs in this process, served twice over one store: once as a shard
 serves it, once with nothing answered immediately (``immediate = {}``); each request goes to
@@ -317,16 +318,16 @@ def test_an_answerer_that_fails_hands_the_request_to_the_app(caplog):
 
 
 def test_immediate_answers_keep_the_connection_and_the_order_of_replies():
-    """On one connection: pulls answered at once, a push through the app in between, and
-    pipelined requests answered in the order they came (a pull behind a push in flight waits
-    for it, as uvicorn queues pipelined requests)."""
+    """On one connection: pulls answered at once, an assign through the app in between, and
+    pipelined requests answered in the order they came (a pull behind an assign in flight
+    waits for it, as uvicorn queues pipelined requests)."""
 
-    def push(seq: int) -> bytes:
-        grads = {n: np.ones(3, np.float32) for n in ("a", "b")}
-        enc = wire.encode({"grads": grads, "worker_id": "w", "seq": seq})
+    def push(seq: int) -> bytes:  # an assign: a write the app answers
+        values = {n: np.ones(3, np.float32) for n in ("a", "b")}
+        enc = wire.encode({"values": values, "worker_id": "w", "seq": seq})
         body = enc.join()
         return (
-            f"POST /v1/push HTTP/1.1\r\nhost: shard\r\ncontent-type: {enc.content_type}\r\n"
+            f"POST /v1/assign HTTP/1.1\r\nhost: shard\r\ncontent-type: {enc.content_type}\r\n"
             f"accept: {wire.FRAME}\r\ncontent-length: {len(body)}\r\n\r\n"
         ).encode() + body
 
@@ -340,7 +341,7 @@ def test_immediate_answers_keep_the_connection_and_the_order_of_replies():
             assert _table(await conn.send(pull))[0]["table"]["versions"] == [1, 1, 0]
             calls = immediate.calls
             both_ways = await conn.send(push(2) + pull + pull, replies=3)
-            assert immediate.calls == calls + 3  # the push, and the pulls queued behind it
+            assert immediate.calls == calls + 3  # the assign, and the pulls queued behind it
             first, _, rest = both_ways.partition(b"\r\n\r\n")
             assert first.startswith(b"HTTP/1.1 200") and b"x-paramshard" in first
             replies = rest.split(b"HTTP/1.1 200 OK\r\n")[1:]
@@ -427,5 +428,166 @@ def test_a_pull_rows_not_taken_goes_to_the_app_and_gets_its_answer(case):
             data = rows_request(ROWS_CASES[case])
             assert await Connection(immediate).send(data) == await Connection(usual).send(data)
             assert immediate.calls == 1
+
+    asyncio.run(run())
+
+
+def _increment(msg: dict) -> bytes:
+    return request(msg, path="/v1/increment", accept=f"{wire.FRAME}, {wire.MSGPACK}")
+
+
+#: Increments in order: fresh counters, a keyed one and its retry, a float counter, a kind
+#: taken as stated; then ones the app must answer (errors), which change nothing.
+INCREMENTS = [
+    {"name": "n"},
+    {"name": "n", "delta": 2, "worker_id": "w", "seq": 5},
+    {"name": "n", "delta": 2, "worker_id": "w", "seq": 5},
+    {"name": "f", "delta": 0.5},
+    {"name": "n", "kind": "int", "delta": 3.0},
+]
+REFUSED_INCREMENTS = [
+    {"name": "a"},  # a float32 vector, not a counter
+    {"name": "n", "kind": "float"},  # an int counter
+    {"name": "n", "delta": "1"},
+    {"name": "nope/" + "x" * 300},
+    {"name": "n", "worker_id": "w"},  # worker_id without seq
+]
+
+
+def test_an_increment_is_answered_at_once_with_the_apps_bytes():
+    """Two shards from the same state, one answering increments in the protocol and one
+    through the app: the same bytes (but each one's incarnation) for every increment, in
+    order; refused ones go to the app, and change nothing."""
+
+    async def run() -> None:
+        async with shard() as (one, immediate, _), shard() as (other, _, usual):
+            incarnations = (one.state.incarnation.encode(), other.state.incarnation.encode())
+            for msg in INCREMENTS + REFUSED_INCREMENTS:
+                data = _increment(msg)
+                mine = await Connection(immediate).send(data)
+                theirs = await Connection(usual).send(data)
+                assert mine.replace(incarnations[0], b"") == theirs.replace(incarnations[1], b"")
+                taken = msg in INCREMENTS
+                assert mine.startswith(b"HTTP/1.1 200 " if taken else b"HTTP/1.1 4"), msg
+                assert immediate.calls == (0 if taken else REFUSED_INCREMENTS.index(msg) + 1)
+            for app in (one, other):
+                got = app.state.store.pull(["n", "f", "a"])
+                assert got["n"]["value"] == 6 and got["f"]["value"] == 0.5
+                assert got["a"]["version"] == 0
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("why", ["paused", "held", "cannot persist", "draining", "read token"])
+def test_an_increment_the_gate_or_a_token_would_stop_goes_to_the_app(why, monkeypatch):
+    monkeypatch.setattr(admission, "PAUSE_WAIT", 0.05)
+    token = "t" * 24
+
+    async def run() -> None:
+        config = (
+            ShardConfig(token=(token,), read_token=("r" * 24,)) if why == "read token" else None
+        )
+        async with shard(config) as (app, immediate, _usual):
+            gate = app.state.gate
+            extra = ""
+            if why == "paused":
+                gate.paused_for = "ckpt"
+            elif why == "held":
+                gate._hold()
+            elif why == "cannot persist":
+                gate.cannot_persist("disk full")
+            elif why == "draining":
+                gate.set_phase("draining")
+            else:
+                extra = f"authorization: Bearer {'r' * 24}\r\n"
+            conn = Connection(immediate)
+            pending = asyncio.ensure_future(
+                conn.send(request({"name": "n"}, path="/v1/increment", extra=extra))
+            )
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert immediate.calls == 1
+            if why == "held":
+                assert not pending.done()  # the app waits until the gate opens
+                gate._unhold()
+            mine = await pending
+            status = {"held": b"200", "read token": b"403"}.get(why, b"503")
+            assert mine.split(b" ", 2)[1] == status, mine[:200]
+
+    asyncio.run(run())
+
+
+def _push(msg: dict, layout: str, grads: dict) -> bytes:
+    """A push as the SDK sends it: a tensor table (framed), or a map of tensors, framed or
+    plain msgpack."""
+    if layout == "table":
+        table = {"names": list(grads)}
+        enc = wire.encode_table(
+            {**msg, "layout": "table", "grads": table}, table, list(grads.values())
+        )
+    else:
+        enc = wire.encode({**msg, "grads": grads}, frame=layout == "framed")
+    return request(path="/v1/push", body=enc.join(), ctype=enc.content_type, accept=wire.FRAME)
+
+
+A3 = np.ones(3, np.float32)
+#: Pushes in order, each (message, layout, grads): applied ones, a retry, stale versions;
+#: then ones the app must answer (errors), which change nothing.
+PUSHES = [
+    ({"worker_id": "w", "seq": 1}, "table", {"a": A3, "b": A3}),
+    ({"worker_id": "w", "seq": 2}, "framed", {"a": A3}),
+    ({"worker_id": "w", "seq": 3}, "msgpack", {"b": 2 * A3}),
+    ({"worker_id": "w", "seq": 3}, "msgpack", {"b": 2 * A3}),  # a retry: duplicate
+    ({"worker_id": "v", "seq": 1, "versions": {"a": 0}}, "table", {"a": A3}),
+]
+REFUSED_PUSHES = [
+    ({"worker_id": "w", "seq": 9}, "table", {"a": A3, "nope": A3}),  # unknown variable
+    ({"worker_id": "w", "seq": 9}, "framed", {"a": np.ones(4, np.float32)}),  # wrong shape
+    ({"worker_id": "w", "seq": 9}, "table", {"a": np.array([1, np.nan, 0], np.float32)}),
+    ({"worker_id": "w"}, "table", {"a": A3}),  # no seq
+    ({"worker_id": "w", "seq": 9, "versions": {"a": -1}}, "msgpack", {"a": A3}),
+]
+
+
+def test_a_push_is_answered_at_once_with_the_apps_bytes():
+    """Two shards from the same state, one answering pushes in the protocol and one through
+    the app: the same bytes (but each one's incarnation) for every push, in order, in every
+    layout the SDK sends; refused ones go to the app, and change nothing."""
+
+    async def run() -> None:
+        async with shard() as (one, immediate, _), shard() as (other, _, usual):
+            incarnations = (one.state.incarnation.encode(), other.state.incarnation.encode())
+            for k, (msg, layout, grads) in enumerate(PUSHES + REFUSED_PUSHES):
+                data = _push(msg, layout, grads)
+                mine = await Connection(immediate).send(data)
+                theirs = await Connection(usual).send(data)
+                assert mine.replace(incarnations[0], b"") == theirs.replace(incarnations[1], b"")
+                taken = k < len(PUSHES)
+                assert mine.startswith(b"HTTP/1.1 200 " if taken else b"HTTP/1.1 4"), k
+                assert immediate.calls == (0 if taken else k - len(PUSHES) + 1)
+            for app in (one, other):
+                got = app.state.store.pull(["a", "b"])
+                assert got["a"]["version"] == 3 and got["b"]["version"] == 2
+                assert got["a"]["value"].tolist() == [3.0, 4.0, 5.0]
+                assert got["b"]["value"].tolist() == [4.0, 4.0, 4.0]
+
+    asyncio.run(run())
+
+
+def test_a_push_to_a_name_written_off_the_loop_goes_to_the_app():
+    async def run() -> None:
+        async with shard() as (app, immediate, _usual):
+            var = app.state.store._vars["a"]
+            var.writing = asyncio.get_running_loop().create_future()
+            conn = Connection(immediate)
+            pending = asyncio.ensure_future(
+                conn.send(_push({"worker_id": "w", "seq": 1}, "table", {"a": A3}))
+            )
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert not pending.done() and immediate.calls == 1  # the app waits for the writer
+            var.writing.set_result(None)
+            var.writing = None
+            assert (await pending).startswith(b"HTTP/1.1 200 ")
 
     asyncio.run(run())
