@@ -27,7 +27,7 @@ from .._exceptions import BadTensorError, ProtocolError
 from .._fleet import MAX_TABLE_IDS
 from .._flow import Flow, ShardRequest
 from .._replies import Message
-from ..embedding import TableSpec, distinct, segment_sum
+from ..embedding import TableSpec, distinct, put_rows, segment_sum
 from ..placement import row_shard
 from ..wire import halves
 
@@ -173,7 +173,7 @@ def pull_rows(core: Core, name: Any, ids: Any) -> Flow[np.ndarray]:
     for rows, (_, positions) in zip(got, parts):
         if rows.shape[1] != width:
             raise _bad_reply(core, batch[0], f"rows of one width, got {width} and {rows.shape[1]}")
-        out[positions] = rows
+        put_rows(out, positions, rows)  # a half-precision part: assigned, widened
     return np.take(out, inverse, axis=0)
 
 
@@ -244,7 +244,7 @@ def push_rows(core: Core, name: Any, ids: Any, grads: Any) -> Flow[dict[str, Any
             {
                 "name": name,
                 "ids": unique if whole else unique[positions],
-                "grads": summed if whole else summed[positions],
+                "grads": summed if whole else np.take(summed, positions, axis=0),
                 "worker_id": worker_id,
                 "seq": core.next_seq(),
             },

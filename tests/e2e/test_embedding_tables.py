@@ -268,3 +268,30 @@ def test_many_repeats_of_one_id_are_summed(fleets):
         got = ps.pull_rows(name, [4, 5])
     want = -np.stack([grads[:100].astype(np.float64).sum(0), grads[100:].astype(np.float64).sum(0)])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_over_several_shards_in_any_order_with_repeats_and_an_empty_shard(fleets):
+    """On 3 shards: pushes and pulls of ids given in any order, with repeats, whose rows lie on
+    two of the shards (the third has no part of the request), and then on all three; each
+    pulled row is the one pushed to its own id (SGD lr 1 from zeros: minus the sum of its
+    gradients), in the order the ids were given."""
+    _, three = fleets
+    name = fresh("t")
+    rng = np.random.default_rng(5)
+    candidates = rng.integers(-(2**62), 2**62, size=400, dtype=np.int64)
+    placed = row_shard(name, candidates, 3)
+    two = candidates[placed != 2][:30]  # rows on shards 0 and 1 only
+    assert set(row_shard(name, two, 3).tolist()) == {0, 1}
+    with PSClient(three.urls, worker_id=fresh("w")) as ps:
+        ps.create_table(name, DIM, initializer=Zeros(), optimizer=SGD(lr=1.0))
+        want: dict[int, np.ndarray] = {}
+        for pool in (two, candidates[:60]):
+            ids = rng.choice(pool, size=3 * len(pool))  # shuffled, each id about 3 times
+            grads = rng.standard_normal((len(ids), DIM)).astype(np.float32)
+            ps.push_rows(name, ids, grads)
+            for i, g in zip(ids.tolist(), grads.astype(np.float64)):
+                want[i] = want.get(i, np.zeros(DIM)) - g
+            asked = rng.permutation(np.concatenate([pool, pool[:7], pool[::-4]]))
+            got = ps.pull_rows(name, asked)
+            expected = np.stack([want.get(i, np.zeros(DIM)) for i in asked.tolist()])
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
