@@ -9,7 +9,13 @@ semantics of PyTorch's ``torch.optim`` (SGD, Adam, AdamW, RMSprop, Adagrad) and 
   that would divide by zero in the variable's dtype;
 * :func:`apply` applies one gradient. Its ``step`` is the number of this update among the ones
   the optimizer has applied to the variable (1 for the first): Adam's bias correction, Adagrad's
-  ``lr_decay``, SGD's first momentum step and every learning-rate schedule read it.
+  ``lr_decay``, SGD's first momentum step and every learning-rate schedule read it. For the
+  rows of an embedding table ``step`` is a column of each row's own number; the factors made
+  from it (Adagrad's decayed rate, Adam's corrections) are computed in float64 like a dense
+  variable's and rounded to the value's dtype before they meet the rows, as numpy rounds a
+  dense variable's Python-float factor: a row gets the bits a dense variable of its shape gets
+  at the same step (and a float32 column is three times cheaper to broadcast than a float64
+  one).
 
 The order of one update: the gradient is clipped (``clip_norm``: scaled by
 ``min(1, clip_norm / ||g||)``, its L2 norm summed in float64 a block at a time), then weight
@@ -414,14 +420,14 @@ def _adam(
     np.sqrt(v, out=tmp)
     folded = opt.epsilon * root2
     if (folded if type(step) is int else np.min(folded)) >= _TINY[value.dtype.itemsize]:
-        np.add(tmp, folded, out=tmp)
+        np.add(tmp, _per_row(folded, value), out=tmp)
         factor = lr * root2 / correction1
     else:
-        np.multiply(tmp, 1.0 / root2, out=tmp)
+        np.multiply(tmp, _per_row(1.0 / root2, value), out=tmp)
         np.add(tmp, opt.epsilon, out=tmp)
         factor = lr / correction1
     np.divide(m, tmp, out=tmp)
-    np.multiply(tmp, factor, out=tmp)
+    np.multiply(tmp, _per_row(factor, value), out=tmp)
     if decoupled and opt.weight_decay:
         np.multiply(value, 1.0 - lr * opt.weight_decay, out=out)
         np.subtract(out, tmp, out=out)
@@ -473,6 +479,12 @@ def _rmsprop(
     np.subtract(value, tmp, out=out)
 
 
+def _per_row(factor: float | np.ndarray, value: np.ndarray) -> float | np.ndarray:
+    """``factor`` as it meets ``value``: a per-row column (from per-row steps) rounded to the
+    value's dtype, as numpy rounds a Python float (see the module); a number as it is."""
+    return factor.astype(value.dtype) if isinstance(factor, np.ndarray) else factor
+
+
 def _adagrad(
     opt: Adagrad,
     value: np.ndarray,
@@ -485,7 +497,8 @@ def _adagrad(
     clip: float,
     scratch: bool,
 ) -> None:
-    lr = lr / (1.0 + (step - 1) * opt.lr_decay)
+    if opt.lr_decay:
+        lr = _per_row(lr / (1.0 + (step - 1) * opt.lr_decay), value)
     g, tmp = _gradient(value, grad, scratch, clip, opt.weight_decay)
     acc = new["accumulator"]
     np.multiply(g, g, out=tmp)

@@ -628,3 +628,40 @@ def test_a_scaled_update_is_the_update_at_that_fraction_of_the_learning_rate(opt
     np.testing.assert_array_equal(scaled, want)
     for name, slot in state.items():
         np.testing.assert_array_equal(slot, want_state[name])
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [
+        o
+        for o in CASES
+        if not isinstance(o, Add)
+        and o.clip_norm is None
+        and isinstance(o.schedule, Constant)  # what a table's optimizer may be
+    ],
+    ids=lambda o: type(o).__name__,
+)
+def test_rows_with_their_own_step_counts_get_a_dense_variables_bits(opt):
+    """An embedding table updates its rows together, each at its own step (a column of step
+    numbers): every row gets the bits a dense variable of the row's shape gets from the same
+    history (the per-row factors rounded to float32 as a dense variable's are)."""
+    rng = np.random.default_rng(3)
+    rows, dim = 24, 8
+    steps = rng.integers(1, 7, rows)
+    values, states = [], []
+    for r in range(rows):  # each row's history, as a dense variable of its own
+        w = rng.standard_normal(dim).astype(np.float32)
+        state = optim.init_state(opt, w)
+        for t in range(1, int(steps[r])):
+            optim.apply(opt, w, rng.standard_normal(dim).astype(np.float32), state, step=t)
+        values.append(w)
+        states.append(state)
+    grads = rng.standard_normal((rows, dim)).astype(np.float32)
+    together = np.stack(values)
+    state = {key: np.stack([s[key] for s in states]) for key in states[0]}
+    optim.apply(opt, together, grads.copy(), state, step=steps.reshape(-1, 1), scratch=True)
+    for r in range(rows):
+        optim.apply(opt, values[r], grads[r].copy(), states[r], step=int(steps[r]))
+        np.testing.assert_array_equal(together[r], values[r])
+        for key, slot in state.items():
+            np.testing.assert_array_equal(slot[r], states[r][key])
