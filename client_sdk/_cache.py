@@ -14,7 +14,12 @@ The rules, each written once:
   cached one is of the same incarnation and newer (another thread's pull finished first);
 * **reusing** (:func:`reuse`): a row a shard sent without a value is the value the pull held
   for it when it asked, if that is of the version and incarnation the shard reports; else the
-  name is pulled again, without a version.
+  name is pulled again, without a version;
+* **lending** (:func:`lent`): a value received into a caller's buffer (``pull(out=)``,
+  ``_into.py``) is not kept, since the buffer is its owner's to change and a copy would double
+  the parameters' memory: its entry holds a stand-in of its shape and dtype without memory, so
+  its version still goes with a push and its size bounds a reply, but it never stands for a
+  value (a pull into buffers does not offer its version, and :func:`reuse` pulls it again).
 
 The cache also knows the shape and dtype of the variables this client initialised and never
 pulled. With the cached values, they bound a pull's reply (:meth:`value_bytes`) and catch a
@@ -34,7 +39,7 @@ import numpy as np
 
 from .placement import shard_for
 
-__all__ = ["NOT_HELD", "Entry", "Held", "VersionCache", "reuse"]
+__all__ = ["NOT_HELD", "Entry", "Held", "Lent", "VersionCache", "lent", "reuse"]
 
 #: A pulled value as the cache keeps it: ``(shard incarnation, version, value)``. A plain tuple:
 #: a pull of many variables makes one per variable, and a tuple is the cheapest record to make.
@@ -49,6 +54,16 @@ MAX_KNOWN = 1 << 20
 MAX_SIZES = 64
 #: A shape and a dtype.
 Layout = tuple[tuple[int, ...], np.dtype]
+
+
+class Lent(np.ndarray):
+    """The stand-in a cache entry holds for a value lent to a caller's buffer (:func:`lent`)."""
+
+
+def lent(value: np.ndarray) -> np.ndarray:
+    """A read-only stand-in of ``value``'s shape and dtype (``nbytes`` too) that holds no
+    memory, for the cache entry of a value received into a caller's buffer."""
+    return np.broadcast_to(np.zeros((), value.dtype).view(Lent), value.shape, subok=True)
 
 
 class VersionCache:
@@ -205,12 +220,17 @@ def reuse(
     """The rows of a pull reply without a value (``values[i]`` is ``None``: unchanged since
     the version the pull told the shard): put into ``out`` the value ``held`` for each (what
     the cache held when the pull asked) if it is of the version and ``incarnation`` the shard
-    reports; return the others' names, to pull again without versions."""
+    reports, and not :func:`lent`; return the others' names, to pull again without versions."""
     again = []
     for name, version, value in zip(names, versions, values):
         if value is None:
             cached = held.get(name)
-            if cached is None or cached[1] != version or cached[0] != incarnation:
+            if (
+                cached is None
+                or cached[1] != version
+                or cached[0] != incarnation
+                or type(cached[2]) is Lent
+            ):
                 again.append(name)
             else:
                 out[name] = cached[2]

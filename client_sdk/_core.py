@@ -30,7 +30,7 @@ import itertools
 import threading
 import time
 from collections.abc import Generator, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,6 +49,9 @@ from ._flow import Result, ShardRequest
 from ._parts import Parts
 from ._replies import Message
 from ._settings import Settings
+
+if TYPE_CHECKING:
+    from ._http.http11 import Into
 
 __all__ = ["REPLY_HEADROOM", "REPLY_PER_NAME", "Core"]
 
@@ -133,6 +136,7 @@ class Core:
         dtypes: list[str | None] | None = None,
         max_reply: int | None = None,
         abort: Abort | None = None,
+        into: Into | None = None,
     ) -> ShardRequest:
         """A POST of ``msg`` to ``/v1/<verb>``; ``tensors`` if ``msg`` holds ndarrays (else
         it is packed as it is, without looking for any). With ``table`` (a map inside
@@ -141,8 +145,8 @@ class Core:
         uniform table: docs/PROTOCOL.md §2), their type strings ``dtypes`` when given (a
         bfloat16 row travels as its bits: :mod:`client_sdk.wire.halves`). Its reply is
         bounded by ``max_reply``, by default: the headroom and the room for its names (a reply
-        without tensors). ``abort`` makes it one request of a race
-        (:class:`~client_sdk._flow.ShardRequest`)."""
+        without tensors). ``abort`` makes it one request of a race, ``into`` receives its
+        reply's body (:class:`~client_sdk._flow.ShardRequest`)."""
         try:
             if table is not None:
                 assert arrays is not None, "a table comes with its arrays"
@@ -178,6 +182,7 @@ class Core:
             retry_safe,
             max_reply,
             abort,
+            into,
         )
 
     def get(self, shard: int, path: str, deadline: float, verb: str) -> ShardRequest:

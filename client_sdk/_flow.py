@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from . import wire
 from ._abort import Abort
 from ._exceptions import PSError
+
+if TYPE_CHECKING:
+    from ._http.http11 import Into
 
 __all__ = ["Body", "Flow", "Reply", "Result", "ShardRequest", "request_headers"]
 
@@ -57,6 +60,10 @@ class ShardRequest:
     #: ``_verbs/poll.py``): the shells return once one of them is settled and abandon the
     #: others through it.
     abort: Abort | None = None
+    #: Where the reply's body goes as it arrives, for a sender that can put it there (the
+    #: native ones: ``_http/http11.py``); others read it whole as usual. A pull into the
+    #: caller's buffers (``_into.py``).
+    into: Into | None = None
 
 
 def request_headers(req: ShardRequest) -> Mapping[str, str]:

@@ -7,23 +7,47 @@ CPU tensor); its shape and dtype must be the variable's as far as this client kn
 its init or last pull; a partitioned variable's whole shape). Once the pull's replies are in,
 :func:`check` compares every value with its buffer again (a variable made again with another
 shape since) before :func:`write` writes any of them, so a refused pull leaves every buffer as
-it was. Writing is one ``np.copyto`` per variable (per part of a partitioned one, straight into
-the buffer's rows): the pulled bytes are copied once, from the reply's receive buffer into the
-caller's, and nothing parameter-sized is allocated for them on the way.
+it was.
+Over the SDK's own connections a reply is received straight into the buffers: each shard's
+pull request carries a :class:`Sink` of the buffers its names have, and once the reply's
+header is in (the framed body's msgpack header, docs/PROTOCOL.md) the sink lays the body out
+(:func:`client_sdk.wire.table_spans`): a row of at least :data:`DIRECT_BYTES` whose buffer
+has its dtype and shape and is C-contiguous is received into the buffer itself; everything
+else (the smaller rows, those of a narrowed ``wire_dtype``, the padding) into one buffer of
+its own, as it lies in the body. Nothing of the value is copied but by the kernel, into the
+buffer. A reply the sink does not lay out so (not a table, a row of another dtype or shape
+than its buffer, anything malformed) is received whole as usual, and the pull decodes and
+checks it as it does any reply. The rest, and replies through an injected transport, are
+written by :func:`write`: one ``np.copyto`` per variable (per part of a partitioned one,
+straight into the buffer's rows), from the reply's receive buffer into the caller's.
+
+Since values arrive straight into the buffers, a pull that fails (a shard lost mid-reply, a
+value of another shape from one shard while another's went in) may leave some buffers with
+this pull's values and the others as they were; a pull that succeeds has written every one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from . import wire
 from ._args import SENDABLE_DTYPES, host_view
 from ._exceptions import BadRequestError, BadTensorError
+from ._http.http11 import body_buffer
 from .partitions import Layout
 
-__all__ = ["check", "targets", "write"]
+__all__ = ["DIRECT_BYTES", "Sink", "check", "same", "targets", "write"]
+
+#: A row of a pull reply this big or bigger is received straight into its buffer; a smaller one
+#: goes with the padding into the sink's own buffer and is copied (a receive per row would cost
+#: more than the copy).
+DIRECT_BYTES = 16 * 1024
+#: Rows of a narrowed wire dtype are widened into their float32 buffer (``_verbs/pull.py``).
+_WIDENED = np.dtype(np.float32)
 
 #: A pulled value as :func:`write` takes it: the whole array, or a partitioned variable's
 #: parts with its layout (written into the buffer's rows, never put together first).
@@ -134,11 +158,172 @@ def write(views: Mapping[str, np.ndarray], got: Mapping[str, Value]) -> dict[str
             assert view is not None  # parts come back apart only for a name with a buffer
             layout, parts = value
             for rows, part in zip(layout.split(view), parts):
-                np.copyto(rows, part)
+                if not same(rows, part):
+                    np.copyto(rows, part)
             out[name] = view
         elif view is not None:
-            np.copyto(view, value)
+            if not same(view, value):
+                np.copyto(view, value)
             out[name] = view
         else:
             out[name] = value
     return out
+
+
+def same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``b`` is ``a``'s own memory seen alike (a value received into its buffer)."""
+    return a is b or (
+        a.ctypes.data == b.ctypes.data
+        and a.shape == b.shape
+        and a.strides == b.strides
+        and a.dtype == b.dtype
+    )
+
+
+class Sink:
+    """Receives one shard's pull reply, its rows straight into the buffers ``views`` (name ->
+    writable ndarray) where they fit (see the module). ``names`` are the request's (a reply's
+    table may leave its names column out); ``narrowed`` says the pull asked for a
+    ``wire_dtype``. After a reply it took apart, :attr:`rows` is the reply's rows as
+    :func:`client_sdk.wire.table_rows` gives them (a row received into its buffer: the
+    buffer's ndarray), else ``None``. One reply at a time."""
+
+    __slots__ = ("views", "names", "narrowed", "rows")
+
+    def __init__(self, views: dict[str, np.ndarray], names: list[str], narrowed: bool) -> None:
+        self.views = views
+        self.names = names
+        self.narrowed = narrowed
+        self.rows: tuple[list[str], list[np.ndarray | None]] | None = None
+
+    def receive(self, got: memoryview, size: int) -> Generator[memoryview, int, wire.Buffer]:
+        """See :class:`client_sdk._http.http11.Into`: the body is the framed header (prefix
+        and msgpack map) when the rows went where :attr:`rows` says, else the whole body."""
+        self.rows = None
+        prefix = wire.FRAME_PREFIX.size
+        head = bytearray(min(prefix, size))
+        used = yield from _fill(memoryview(head), got)
+        if len(head) < prefix:
+            return bytes(head)
+        magic, hlen = wire.FRAME_PREFIX.unpack_from(head)
+        start = prefix + hlen
+        if magic != wire.FRAME_MAGIC or start > size:
+            return (yield from _whole(head, got[used:], size))
+        header = bytearray(start)
+        header[:prefix] = head
+        used += yield from _fill(memoryview(header)[prefix:], got[used:])
+        plan = self._plan(header, start, size)
+        if plan is None:
+            return (yield from _whole(header, got[used:], size))
+        targets, rows = plan
+        left = got[used:]
+        for target in targets:
+            take = min(len(target), len(left))
+            target[:take] = left[:take]
+            left = left[take:]
+            while take < len(target):
+                take += yield target[take:]
+        self.rows = rows
+        return bytes(header)
+
+    def _plan(
+        self, header: bytearray, start: int, size: int
+    ) -> tuple[list[memoryview], tuple[list[str], list[np.ndarray | None]]] | None:
+        """Where each byte of the body after its header goes (memoryviews in body order) and
+        the rows they make; ``None`` to receive the body whole instead."""
+        try:
+            table = wire.unpack(header, wire.FRAME).get("table")
+            names, spans = wire.table_spans(table, start, size, self.names)
+        except wire.WireError:
+            return None
+        views = self.views
+        direct: list[tuple[int, int, memoryview]] = []  # (row, its offset, its buffer's bytes)
+        widened = False
+        for i, (name, span) in enumerate(zip(names, spans)):
+            view = views.get(name) if span is not None else None
+            if view is None:
+                continue
+            _, dtype, shape = span  # type: ignore[misc]  # span is not None here
+            if not dtype.isnative or view.shape != shape:
+                return None  # checked, and refused, as received whole
+            if view.dtype != dtype:
+                if self.narrowed and view.dtype == _WIDENED and dtype.itemsize == 2:
+                    widened = True  # into its buffer once in (pull.py)
+                    continue
+                return None
+            if view.nbytes >= DIRECT_BYTES and view.flags.c_contiguous:
+                direct.append((i, span[0], view.data.cast("B")))  # type: ignore[index]
+        if not direct and not widened:
+            return None
+        # The bytes between the rows received into buffers, each stretch kept at its offset's
+        # place in a multiple of ALIGN (the rows in it stay aligned), in one buffer.
+        stretches: list[tuple[int, int, int]] = []  # (body start, body end, offset in rest)
+        at, room = start, 0
+        for _, offset, target in direct:
+            if offset > at:
+                place = _align(room) + at % wire.ALIGN
+                stretches.append((at, offset, place))
+                room = place + offset - at
+            at = offset + len(target)
+        if at < size:
+            place = _align(room) + at % wire.ALIGN
+            stretches.append((at, size, place))
+            room = place + size - at
+        rest = body_buffer(room) if room else memoryview(b"")
+        targets: list[memoryview] = []
+        stretch = iter(stretches)
+        pending = next(stretch, None)
+        for _, offset, target in direct:
+            if pending is not None and pending[0] < offset:
+                targets.append(rest[pending[2] : pending[2] + pending[1] - pending[0]])
+                pending = next(stretch, None)
+            targets.append(target)
+        if pending is not None:
+            targets.append(rest[pending[2] : pending[2] + pending[1] - pending[0]])
+        values: list[np.ndarray | None] = [None] * len(names)
+        for i, _, _ in direct:
+            values[i] = views[names[i]]
+        readonly = rest.toreadonly()
+        k = 0  # the stretch holding the row (rows and stretches are both in body order)
+        for i, span in enumerate(spans):
+            if span is None or values[i] is not None:
+                continue
+            offset, dtype, shape = span
+            count = math.prod(shape)
+            if not count:
+                value = np.empty(shape, dtype)
+            else:
+                while stretches[k][1] <= offset:
+                    k += 1
+                a, _, place = stretches[k]
+                value = np.frombuffer(readonly, dtype, count, place + offset - a).reshape(shape)
+                if not dtype.isnative:
+                    value = value.astype(dtype.newbyteorder("="))
+            value.flags.writeable = False
+            values[i] = value
+        return targets, (names, values)
+
+
+def _align(n: int) -> int:
+    return (n + wire.ALIGN - 1) // wire.ALIGN * wire.ALIGN
+
+
+def _fill(dst: memoryview, got: memoryview) -> Generator[memoryview, int, int]:
+    """Fill ``dst`` from ``got`` and then the socket; how many bytes of ``got`` it took."""
+    take = min(len(dst), len(got))
+    dst[:take] = got[:take]
+    pos = take
+    while pos < len(dst):
+        pos += yield dst[pos:]
+    return take
+
+
+def _whole(head: bytearray, got: memoryview, size: int) -> Generator[memoryview, int, memoryview]:
+    """The whole body of ``size`` bytes in one buffer, as a reply is received without a sink:
+    ``head`` (its first bytes, taken already), ``got`` (the next ones) and the rest."""
+    body = body_buffer(size)
+    at = len(head)
+    body[:at] = head
+    body[at : at + len(got)] = got
+    yield from _fill(body[at + len(got) :], memoryview(b""))
+    return body

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 import httpx2
 
 from .connection import CONNECT_TIMEOUT, Connection, PoolBase
-from .http11 import Buffer, Exchange, Origin, Response
+from .http11 import Buffer, Exchange, Into, Origin, Response
 from .tls import context, refused
 
 __all__ = ["AsyncConnection", "AsyncHTTPPool"]
@@ -147,9 +147,11 @@ class AsyncConnection(Connection):
             except TimeoutError as exc:
                 raise httpx2.WriteTimeout("timed out sending the request") from exc
 
-    async def receive(self, deadline: float, max_size: int) -> tuple[Response, bool]:
+    async def receive(
+        self, deadline: float, max_size: int, into: Into | None = None
+    ) -> tuple[Response, bool]:
         """See :meth:`client_sdk._http.pool.BlockingConnection.receive`."""
-        steps = self.receiving(max_size)
+        steps = self.receiving(max_size, into)
         try:
             while True:
                 next(steps)
@@ -174,7 +176,9 @@ class AsyncHTTPPool(PoolBase[AsyncConnection]):
         conn = await self._acquire(origin, deadline)
         try:
             await conn.send(views, deadline)
-            response, reusable = await conn.receive(deadline, self.reply_limit(exchange))
+            response, reusable = await conn.receive(
+                deadline, self.reply_limit(exchange), exchange.into
+            )
         except BaseException:  # cancelled too: the connection is mid-exchange
             conn.close()
             raise

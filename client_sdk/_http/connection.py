@@ -42,6 +42,7 @@ from .http11 import (
     IDLE_EXPIRY,
     Buffer,
     Exchange,
+    Into,
     Origin,
     Response,
     advance,
@@ -113,11 +114,14 @@ class Connection:
         except OSError as exc:
             raise httpx2.WriteError(str(exc) or type(exc).__name__) from exc
 
-    def receiving(self, max_size: int) -> Generator[None, None, tuple[Response, bool]]:
-        """Receive one response, its body at most ``max_size`` bytes; yields whenever nothing
-        is there to read (resume it once the socket is readable). Returns the response and
-        whether the connection may carry another request."""
-        reading = parse_response(self.buf, max_size)
+    def receiving(
+        self, max_size: int, into: Into | None = None
+    ) -> Generator[None, None, tuple[Response, bool]]:
+        """Receive one response, its body at most ``max_size`` bytes (a ``200``'s body
+        through ``into`` if given: :func:`~client_sdk._http.http11.read_response`); yields
+        whenever nothing is there to read (resume it once the socket is readable). Returns the
+        response and whether the connection may carry another request."""
+        reading = parse_response(self.buf, max_size, into)
         recv_into = self.sock.recv_into
         try:
             target = next(reading)

@@ -48,7 +48,7 @@ _Selector = getattr(selectors, "PollSelector", selectors.SelectSelector)
 class _Flight:
     """One exchange under way on its connection: sending, then receiving."""
 
-    __slots__ = ("index", "origin", "conn", "steps", "receiving", "deadline", "max_reply")
+    __slots__ = ("index", "origin", "conn", "steps", "receiving", "deadline", "max_reply", "into")
 
     def __init__(
         self,
@@ -65,13 +65,14 @@ class _Flight:
         self.receiving = False
         self.deadline = deadline  # for the whole exchange
         self.max_reply = max_reply
+        self.into = exchange.into
 
     def step(self) -> tuple[Response, bool] | None:
         """Send, or receive, what the socket takes or has now (it said it is ready); once the
         response is whole, it and whether the connection may be reused, else ``None``
         (:attr:`receiving` then says whether to wait for the socket to be readable)."""
         if self.steps is None:  # the request is out and the socket readable: receive
-            self.steps = self.conn.receiving(self.max_reply)
+            self.steps = self.conn.receiving(self.max_reply, self.into)
         try:
             next(self.steps)
         except StopIteration as done:

@@ -21,6 +21,9 @@ waiting, which lives here and in ``connection.py``:
   not shards. A body larger than the caller says its reply could need (``max_size``) is refused
   before anything is allocated for it (:class:`ReplyTooLarge`): a declared ``Content-Length``
   at once, a chunked or close-delimited body as soon as what came passes the bound.
+  An exchange may carry a *receiver* (:class:`Into`) for its reply's body: a ``200`` with a
+  ``Content-Length`` body not already in the receive buffer is then received where the
+  receiver says, piece by piece (a pull into the caller's own buffers, ``client_sdk._into``).
 
 Failures are httpx2's exception classes (the connections add the connect/read/write ones), so
 ``_transport.py`` translates them and the retry policy tells "never sent" from "may have
@@ -33,6 +36,7 @@ arrived" exactly as it does for httpx2 itself: :class:`httpx2.ConnectError` and
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping, Sequence
+from typing import Protocol
 
 import httpx2
 import numpy as np
@@ -46,6 +50,7 @@ __all__ = [
     "MAX_IOV",
     "SEND_SLICE",
     "Exchange",
+    "Into",
     "Origin",
     "ReplyTooLarge",
     "Response",
@@ -59,6 +64,18 @@ __all__ = [
 Buffer = bytes | bytearray | memoryview
 #: What :func:`read_response` yields (where to receive) and is sent (how many bytes came).
 Reading = Generator[memoryview, int, "tuple[Response, bool]"]
+
+
+class Into(Protocol):
+    """Where a reply body goes as it arrives, for a receiver that wants it somewhere of its
+    own (``client_sdk._into.Sink``)."""
+
+    def receive(self, got: memoryview, size: int) -> Generator[memoryview, int, Buffer]:
+        """Take a body of ``size`` bytes whose first ``len(got)`` bytes are ``got`` (valid
+        until this returns): yield each memoryview to receive into next, be sent how many
+        bytes came (never 0), and return what stands for the body in the response."""
+        ...
+
 
 #: Size of each connection's receive buffer, and the most a response head may take.
 HEAD_BUFFER = 64 * 1024
@@ -149,9 +166,20 @@ class Exchange:
     the whole response by ``deadline`` (``time.monotonic()`` seconds; ``None``: the pool's
     timeout from when it starts), the response's body at most ``max_reply`` bytes (``None``:
     the pool's bound). ``abort``, fired from another thread, cuts the exchange short (the
-    blocking pool shuts its socket down: it fails at once)."""
+    blocking pool shuts its socket down: it fails at once). ``into`` receives the reply's body
+    (see :func:`read_response`)."""
 
-    __slots__ = ("origin", "method", "target", "headers", "body", "deadline", "max_reply", "abort")
+    __slots__ = (
+        "origin",
+        "method",
+        "target",
+        "headers",
+        "body",
+        "deadline",
+        "max_reply",
+        "abort",
+        "into",
+    )
 
     def __init__(
         self,
@@ -164,6 +192,7 @@ class Exchange:
         deadline: float | None = None,
         max_reply: int | None = None,
         abort: Abort | None = None,
+        into: Into | None = None,
     ) -> None:
         self.origin = origin
         self.method = method
@@ -173,6 +202,7 @@ class Exchange:
         self.deadline = deadline
         self.max_reply = max_reply
         self.abort = abort
+        self.into = into
 
     def views(self) -> list[Buffer]:
         """What goes on the wire, in order: the head, then the body's buffers (a new list:
@@ -226,11 +256,13 @@ def advance(views: list[Buffer], first: int, sent: int) -> int:
     return first
 
 
-def read_response(buf: bytearray, max_size: int) -> Reading:
+def read_response(buf: bytearray, max_size: int, into: Into | None = None) -> Reading:
     """Parse one response (not to a ``HEAD``: its body is taken by its headers) received
     through ``buf``, the connection's receive buffer; return it and whether the connection may
     carry another request. A body of more than ``max_size`` bytes raises
-    :class:`ReplyTooLarge` before it is read (a chunked one, once that much came)."""
+    :class:`ReplyTooLarge` before it is read (a chunked one, once that much came). ``into``
+    receives a ``200``'s ``Content-Length`` body that is not all in ``buf`` already; any
+    other body is read as without it."""
     view = memoryview(buf)
     end = 0
     while True:  # skip interim (1xx) responses
@@ -264,6 +296,8 @@ def read_response(buf: bytearray, max_size: int) -> Reading:
         return Response(
             status, headers, bytes(view[start : start + size])
         ), reusable and have == size
+    if into is not None and status == 200:
+        return Response(status, headers, (yield from _into(into, view[start:end], size))), reusable
     content = body_buffer(size)
     content[:have] = view[start:end]
     pos = have
@@ -275,6 +309,25 @@ def read_response(buf: bytearray, max_size: int) -> Reading:
             )
         pos += n
     return Response(status, headers, content), reusable
+
+
+def _into(into: Into, got: memoryview, size: int) -> Generator[memoryview, int, Buffer]:
+    """Drive ``into``'s receiving of a body of ``size`` bytes (``got``: its first bytes)."""
+    steps = into.receive(got, size)
+    pos = len(got)
+    try:
+        target = next(steps)
+        while True:
+            n = yield target
+            if n == 0:
+                raise httpx2.RemoteProtocolError(
+                    f"the server closed the connection after {pos} of {size} body bytes"
+                )
+            pos += n
+            target = steps.send(n)
+    except StopIteration as done:
+        content: Buffer = done.value
+        return content
 
 
 def _head(

@@ -65,6 +65,7 @@ class _Native:
             deadline=deadline,
             max_reply=req.max_reply,
             abort=req.abort,
+            into=req.into,
         )
 
     def reply(self, req: ShardRequest, r: Response) -> Reply:

@@ -28,7 +28,7 @@ import httpx2
 
 from .._abort import Abort
 from .connection import Connection, PoolBase
-from .http11 import Buffer, Exchange, Origin, Response
+from .http11 import Buffer, Exchange, Into, Origin, Response
 from .tls import context, wrap
 
 __all__ = ["BlockingConnection", "HTTPPool"]
@@ -85,9 +85,12 @@ class BlockingConnection(Connection):
             if not self._wait(True, deadline):
                 raise httpx2.WriteTimeout("timed out sending the request")
 
-    def receive(self, deadline: float, max_size: int) -> tuple[Response, bool]:
+    def receive(
+        self, deadline: float, max_size: int, into: Into | None = None
+    ) -> tuple[Response, bool]:
         """Read one response, all of it by ``deadline`` (``time.monotonic()`` seconds), its
-        body at most ``max_size`` bytes; return it and whether the connection may be reused.
+        body at most ``max_size`` bytes (through ``into`` if given: ``connection.py``); return
+        it and whether the connection may be reused.
 
         On a plain socket it first waits until the socket is readable: a reply is never
         there the moment its request went out, and a receive that finds nothing costs a
@@ -95,7 +98,7 @@ class BlockingConnection(Connection):
         socket is not readable: it receives first.)"""
         if not self.tls:
             self._wait(False, deadline)  # past the deadline: the receive below says so
-        steps = self.receiving(max_size)
+        steps = self.receiving(max_size, into)
         try:
             while True:
                 next(steps)
@@ -144,7 +147,7 @@ class HTTPPool(PoolBase[BlockingConnection]):
             abort.hold(id(conn), lambda: sock.shutdown(socket.SHUT_RDWR))
         try:
             conn.send(views, deadline)
-            response, reusable = conn.receive(deadline, self.reply_limit(exchange))
+            response, reusable = conn.receive(deadline, self.reply_limit(exchange), exchange.into)
         except BaseException:
             conn.close()
             raise

@@ -8,7 +8,8 @@ variable's parts.
   parts as variables of their own, with the variable's optimizer.
 * ``pull`` / ``poll``: the parts are pulled (each one only if it changed, as any variable) and
   put together along axis 0; the whole is rebuilt only when a part changed. Pulled into a
-  caller's buffer (``out=``), each part is written straight into the buffer's rows instead.
+  caller's buffer (``out=``), each part is received (or written) straight into the buffer's
+  rows instead (``_into.py``).
 * ``push`` / ``assign``: the gradient or value, of the variable's full shape, is split into
   views of the parts, one per part, in the same requests as the rest.
 * ``versions``: a partitioned variable's version is the lowest of its parts' (each push and
@@ -171,10 +172,10 @@ def pull(core: Core, names: Any, out: Any = None) -> Flow[dict[str, np.ndarray]]
         layouts = core.parts.of(names)
         try:
             if not layouts:
-                got = yield from _pull(core, names)
+                got = yield from _pull(core, names, views)
                 return got if views is None else _written(views, got)
             checked = _args.names(names, "pull", core.fleet)
-            whole = yield from _pull_parts(core, checked, layouts, views or {})
+            whole = yield from _pull_parts(core, checked, layouts, views or {}, True)
             return _written(views, whole) if views is not None else cast(Arrays, whole)
         except (PartitionedError, UnknownVariableError, _Stale) as exc:
             if attempt == _RELEARN or not (isinstance(exc, _Stale) or _relearned(core, exc)):
@@ -209,8 +210,21 @@ def _pull_parts(
     names: list[str],
     layouts: Mapping[str, Layout],
     views: Mapping[str, np.ndarray],
+    receive: bool = False,
 ) -> Flow[dict[str, _into.Value]]:
-    got = yield from _pull(core, _expand(names, layouts))
+    """Pull ``names`` (partitioned ones by their parts); with ``receive``, each value with a
+    buffer in ``views`` received into it where it fits, a partitioned one's parts into its
+    rows (``_into.py``)."""
+    into: dict[str, np.ndarray] | None = None
+    if receive and views:
+        into = {}
+        for name, view in views.items():
+            layout = layouts.get(name)
+            if layout is None:
+                into[name] = view
+            elif view.shape == layout.shape:
+                into.update(zip(layout.part_names(), layout.split(view)))
+    got = yield from _pull(core, _expand(names, layouts), into)
     return _assembled(core, names, layouts, got, views)
 
 

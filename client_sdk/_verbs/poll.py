@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import wire
 from .._abort import Abort
+from .._cache import Lent
 from .._core import Core
 from .._exceptions import BadRequestError, NotReadyError, ProtocolError
 from .._flow import Flow, ShardRequest
@@ -207,7 +208,8 @@ def _newer_taken(
     """The values of a newer-than poll's reply that are news, into ``out``; the names to pull
     again (their shard restarted: what it holds is news too)."""
     got: dict[str, np.ndarray] = {}
-    rest = take(core, request, core.accept(request, result), held, got)
+    message = core.accept(request, result)
+    rest = take(core, request, message, held, got)
     if not cached:  # a value came exactly where the version differs
         out.update(got)
         return []
@@ -216,6 +218,15 @@ def _newer_taken(
         value = got.get(name)
         if value is not None and (entry is None or value is not entry[2]):
             out[name] = value
+    if rest and any(e is not None and type(e[2]) is Lent for e in entries):
+        # A value the cache lends (pulled into a buffer) is not news at the version it has.
+        versions = _versions(core, request, message)
+        unchanged = {
+            name
+            for name, entry, version in zip(request.names, entries, versions)
+            if entry is not None and type(entry[2]) is Lent and entry[1] == version
+        }
+        rest = [name for name in rest if name not in unchanged]
     return rest
 
 

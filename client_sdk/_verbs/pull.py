@@ -8,6 +8,11 @@ asked for is current, for which the cached array stands. A row without a value t
 cannot stand for (the shard restarted meanwhile) is pulled again, without versions. Values
 arrive as read-only views of the reply's body: no copy after the socket's.
 
+Given the caller's buffers (``into``: ``pull(out=)``, ``_verbs/partitioned.py``), each request
+to a shard carries a :class:`~client_sdk._into.Sink` of its names' buffers, and the values
+arrive in the buffers themselves (``_into.py``); what the cache keeps of those is
+:func:`~client_sdk._cache.lent`, so a pull into buffers offers no version the cache only lends.
+
 A shard that does not answer in tables answers a map name -> ``{version, value}`` instead
 (:func:`_take_map`); both end in the cache's one storing rule.
 
@@ -17,16 +22,17 @@ names per shard) is kept per list, and the bound on each reply per list of names
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import _args, wire
-from .._cache import NOT_HELD, Held, reuse
+from .._cache import NOT_HELD, Held, Lent, lent, reuse
 from .._core import REPLY_HEADROOM, REPLY_PER_NAME, Core
 from .._exceptions import ProtocolError
 from .._flow import Body, Flow, ShardRequest
+from .._into import Sink
 from .._replies import Message
 from ..wire import halves
 
@@ -36,7 +42,12 @@ __all__ = ["half_on", "plan", "pull", "reply_bound", "take"]
 MAX_PLANS = 64
 
 
-def pull(core: Core, names: Any) -> Flow[dict[str, np.ndarray]]:
+def pull(
+    core: Core, names: Any, into: Mapping[str, np.ndarray] | None = None
+) -> Flow[dict[str, np.ndarray]]:
+    """The values of ``names``; those named in ``into`` (name -> the caller's writable
+    ndarray) received into it where the reply allows, their value then that very ndarray
+    (the others are written by ``_into.write``)."""
     names, groups = plan(core, names)
     if not names:
         return {}
@@ -59,8 +70,15 @@ def pull(core: Core, names: Any) -> Flow[dict[str, np.ndarray]]:
                     shard, wire.FEATURE_WIRE_DTYPE, f"PSClient(wire_dtype={wire_dtype!r})"
                 )
                 msg["wire_dtype"] = wire_dtype
+            sink = None
+            if into:
+                views = {n: into[n] for n in group if n in into}
+                if views:
+                    sink = Sink(views, group, wire_dtype is not None)
             if use_cache:
                 entries, writes = cache.held(group, fleet.era(shard))
+                if sink is not None and entries is not None:
+                    entries = _unlent(entries)
                 held.append((entries, writes))
                 if entries is not None:
                     if fleet.tables[shard]:  # a list parallel to "names" (tables' form)
@@ -76,6 +94,7 @@ def pull(core: Core, names: Any) -> Flow[dict[str, np.ndarray]]:
                     mutating=False,
                     names=group,
                     max_reply=reply_bound(core, group),
+                    into=sink,
                 )
             )
         replies = core.collect(batch, (yield batch))
@@ -90,6 +109,12 @@ def pull(core: Core, names: Any) -> Flow[dict[str, np.ndarray]]:
     if list(out) == names:
         return out  # already in the caller's order (one shard, one round)
     return {name: out[name] for name in names}
+
+
+def _unlent(entries: list[Any]) -> list[Any] | None:
+    """``entries`` (a pull's held ones) without those the cache lends (no version offered)."""
+    entries = [None if c is not None and type(c[2]) is Lent else c for c in entries]
+    return None if entries.count(None) == len(entries) else entries
 
 
 def half_on(core: Core, shard: int) -> str:
@@ -159,12 +184,21 @@ def _take_table(
     """:func:`take` for a reply in the table layout (docs/PROTOCOL.md, pull)."""
     url = core.url(request.shard)
     asked = list(request.names)
-    try:
-        names, values = wire.table_rows(table, body, native=True, names=asked)
-    except wire.WireError as exc:
-        raise ProtocolError(f"shard {url} sent a bad pull table: {exc.message}", shard=url) from exc
+    sink = request.into
+    views: Mapping[str, np.ndarray] = {}
+    values: Any
+    if isinstance(sink, Sink) and sink.rows is not None:
+        names, values = sink.rows  # received into the buffers (and the sink's own)
+        views = sink.views
+    else:
+        try:
+            names, values = wire.table_rows(table, body, native=True, names=asked)
+        except wire.WireError as exc:
+            raise ProtocolError(
+                f"shard {url} sent a bad pull table: {exc.message}", shard=url
+            ) from exc
     if "narrowed" in table:
-        values = _widened(url, table["narrowed"], values)
+        values = _widened(url, table["narrowed"], values, names, views)
     versions = table.get("versions")
     if (
         type(versions) is not list
@@ -182,7 +216,7 @@ def _take_table(
         # Every row holds a value (a row has one exactly when its dtype is not nil): the
         # same as below, without a statement per row.
         out.update(zip(names, values))
-        core.cache.store(names, versions, values, incarnation, held[1])
+        core.cache.store(names, versions, _kept(views, names, values), incarnation, held[1])
         return []
     if set(map(type, versions)) != {int}:
         for name, version in zip(names, versions):
@@ -192,19 +226,51 @@ def _take_table(
                 )
     # Views of a read-only body (see take) are read-only already.
     return _rows(
-        core, request, names, versions, values, table["dtype"].count(None), reply, held, out
+        core,
+        request,
+        names,
+        versions,
+        values,
+        table["dtype"].count(None),
+        reply,
+        held,
+        out,
+        views,
     )
 
 
-def _widened(url: str, narrowed: Any, values: list[np.ndarray | None]) -> list[np.ndarray | None]:
-    """``values`` with the rows the shard narrowed (``wire_dtype``) widened back to float32."""
+def _kept(
+    views: Mapping[str, np.ndarray], names: Sequence[str], values: Sequence[Any]
+) -> Sequence[Any]:
+    """What the cache keeps of ``values``: a value received into its buffer (``views``) lent."""
+    if not views:
+        return values
+    return [
+        lent(v) if (b := views.get(n)) is not None and v is b else v for n, v in zip(names, values)
+    ]
+
+
+def _widened(
+    url: str,
+    narrowed: Any,
+    values: list[np.ndarray | None],
+    names: list[str],
+    views: Mapping[str, np.ndarray],
+) -> list[np.ndarray | None]:
+    """``values`` with the rows the shard narrowed (``wire_dtype``) widened back to float32;
+    a row received by a sink (``views``) widened into its buffer when it fits."""
     if type(narrowed) is not list or not all(
         type(i) is int and 0 <= i < len(values) and values[i] is not None for i in narrowed
     ):
         raise ProtocolError(f"shard {url} sent a pull table with a bad 'narrowed' list", shard=url)
     values = list(values)
     for i in narrowed:
-        values[i] = halves.widen(values[i])  # type: ignore[arg-type]
+        value: Any = values[i]
+        view = views.get(names[i])
+        if view is not None and view.shape == value.shape and view.dtype == np.float32:
+            values[i] = halves.widen(value, view)
+        else:
+            values[i] = halves.widen(value)
     return values
 
 
@@ -218,15 +284,18 @@ def _rows(
     reply: Message,
     held: Held,
     out: dict[str, np.ndarray],
+    views: Mapping[str, np.ndarray] | None = None,
 ) -> list[str]:
     """Put a reply's rows into ``out`` (``without`` of them came without a value) and cache
-    those with one; return the names to pull again (see :func:`_cache.reuse`)."""
+    those with one (lent where received into a buffer of ``views``); return the names to pull
+    again (see :func:`_cache.reuse`)."""
     incarnation = reply.incarnation
     if without < len(names):
         fresh = [(n, v, a) for n, v, a in zip(names, versions, values) if a is not None]
         fresh_names, fresh_versions, fresh_values = zip(*fresh)
         out.update(zip(fresh_names, fresh_values))
-        core.cache.store(fresh_names, fresh_versions, fresh_values, incarnation)
+        kept = _kept(views or {}, fresh_names, fresh_values)
+        core.cache.store(fresh_names, fresh_versions, kept, incarnation)
     if not without:
         return []
     entries = held[0]

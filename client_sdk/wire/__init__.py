@@ -23,7 +23,7 @@ from . import constants
 from .constants import *  # noqa: F403 (the names of constants.__all__, listed there once)
 from .errors import ERROR_STATUS, WireError, error_payload
 from .messages import Encoded, check_end, encode, header_end, tensors_of, unpack
-from .tables import encode_table, table_rows
+from .tables import Span, encode_table, table_rows, table_spans
 from .tensors import Buffer, decode_tensor, framed_view, is_tensor, parse_dtype
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "ERROR_STATUS",
     "Buffer",
     "Encoded",
+    "Span",
     "WireError",
     "check_end",
     "decode_tensor",
@@ -42,6 +43,7 @@ __all__ = [
     "is_tensor",
     "parse_dtype",
     "table_rows",
+    "table_spans",
     "tensors_of",
     "unpack",
 ]

@@ -180,18 +180,25 @@ def narrow_array(value: np.ndarray, wire_dtype: str, name: str = "tensor") -> np
     return out if text == "<f2" else out.view(bfloat16())
 
 
-def widen(value: np.ndarray) -> np.ndarray:
+def widen(value: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """A narrowed ``value`` (float16 or bfloat16, as decoded) back in float32 (exact: every
-    float16 and bfloat16 is a float32), read-only. A big array is converted by several
+    float16 and bfloat16 is a float32), read-only; or written into ``out`` (float32 of
+    ``value``'s shape), which is returned as it is. A big array is converted by several
     threads (:func:`_blocks`)."""
-    out = np.empty(value.shape, _F4)
+    given = out is not None
+    if out is None:
+        out = np.empty(value.shape, _F4)
+    elif not out.flags.c_contiguous:
+        out[...] = widen(value)
+        return out
     src, dst = value.reshape(-1), out.reshape(-1)
 
     def part(start: int, stop: int) -> None:
         np.copyto(dst[start:stop], src[start:stop])
 
     _blocks(src.size, part)
-    out.flags.writeable = False
+    if not given:
+        out.flags.writeable = False
     return out
 
 

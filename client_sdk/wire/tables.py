@@ -36,7 +36,10 @@ from .tensors import (
     parse_shape,
 )
 
-__all__ = ["encode_table", "table_rows"]
+__all__ = ["Span", "encode_table", "table_rows", "table_spans"]
+
+#: Where one row's tensor lies in a framed body: (offset, dtype, shape) (see :func:`table_spans`).
+Span = tuple[int, np.dtype, tuple[int, ...]]
 
 
 def encode_table(
@@ -225,6 +228,66 @@ def table_rows(
     if whole:
         check_end(body, at)
     return (names, out, None) if with_block else (names, out)
+
+
+def table_spans(
+    table: Any, start: int, size: int, names: list[str] | None = None
+) -> tuple[list[str], list[Span | None]]:
+    """Where the rows of a tensor table lie in a framed body of ``size`` bytes whose header
+    ends at ``start``, read from the table alone (the body need not have arrived): its names
+    and, per row, ``(offset, dtype, shape)``, or ``None`` for a row without a tensor. The
+    layout :func:`table_rows` reads, for a receiver that puts each row's bytes somewhere of
+    its own as they arrive (``client_sdk._into``); ``names`` as there.
+
+    Raises :class:`WireError` for a table :func:`table_rows` refuses: malformed, a bad dtype
+    or shape, or tensors running past ``size``.
+    """
+    if type(table) is not dict:
+        raise WireError("'table' must be a map of columns")
+    if "names" in table or names is None:
+        names = table.get("names")
+        if type(names) is not list or not all(type(n) is str for n in names):
+            raise WireError("'table.names' must be a list of variable names")
+    n = len(names)
+    uniform = table.get("uniform")
+    spans: list[Span | None] = []
+    at = start
+    if uniform is not None:
+        if type(uniform) is not dict or "dtype" in table or "shape" in table:
+            raise WireError("'table.uniform' must be a map {dtype, shape}, in place of columns")
+        dtype = parse_dtype(uniform.get("dtype"))
+        dims = parse_shape(uniform.get("shape"), dtype.itemsize)
+        packed = uniform.get("packed", False)
+        if type(packed) is not bool:
+            raise WireError(f"'packed' must be true or false (or absent), not {packed!r}")
+        nbytes = dtype.itemsize * math.prod(dims)
+        stride = nbytes if packed else align(nbytes)
+        at = align(start)
+        if n and nbytes and at + stride * (n - 1) + nbytes > size:
+            raise WireError(f"{n} tensors run past the end of the body", code="bad_tensor")
+        if not nbytes:
+            stride = 0
+        return names, [(at + i * stride, dtype, dims) for i in range(n)]
+    dtypes: Any = table.get("dtype")  # checked to be lists next
+    shapes: Any = table.get("shape")
+    for key, column in (("dtype", dtypes), ("shape", shapes)):
+        if type(column) is not list or len(column) != n:
+            raise WireError(f"'table.{key}' must be a list as long as 'table.names' ({n})")
+    for text, shape in zip(dtypes, shapes):
+        if text is None:
+            if shape is not None:
+                raise WireError("a table row with a shape but no dtype", code="bad_tensor")
+            spans.append(None)
+            continue
+        at = align(at)
+        dtype = parse_dtype(text)
+        dims = parse_shape(shape, dtype.itemsize)
+        end = at + dtype.itemsize * math.prod(dims)
+        if end > size:
+            raise WireError("a tensor runs past the end of the body", code="bad_tensor")
+        spans.append((at, dtype, dims))
+        at = end
+    return names, spans
 
 
 def _uniform_rows(
