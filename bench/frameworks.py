@@ -6,9 +6,12 @@ parameters, 2.7 MB, in 6 variables), on 1 shard with SGD. The systems:
 
 * ``numpy worker`` (the reference): ``pull`` (read-only views of the reply), the gradients by
   hand in numpy, ``push_async(copy=False)`` and ``flush``;
-* ``torch worker``: :func:`client_sdk.torch.bind`'s ``pull`` (into the parameters' storage),
-  torch autograd, its ``push`` (the ``.grad`` tensors lent, no copy) and ``flush``. Skipped,
-  saying so, where torch is not installed.
+* ``torch worker``: :func:`client_sdk.torch.bind`'s ``pull`` (received into the parameters'
+  storage), torch autograd, its ``push`` (the ``.grad`` tensors lent, no copy) and ``flush``.
+  Skipped, saying so, where torch is not installed;
+* ``jax worker``: :func:`client_sdk.jax.bind`'s ``pull`` (a tree of jax arrays over the
+  reply's own memory), a jitted ``jax.grad``, its ``push`` (the gradient arrays' own memory)
+  and ``flush``. Skipped, saying so, where jax is not installed.
 
 ``ops/s`` is steps/s. Besides time, each row counts the bytes the SDK copies per step outside
 the socket (``copied_bytes``, printed under the table), over a few steps after the timed ones:
@@ -20,8 +23,9 @@ the socket (``copied_bytes``, printed under the table), over a few steps after t
 * numpy memory allocated at the peak of the pull beyond the reply's receive buffer (the bytes
   the socket delivers into: the parameters' bytes plus 64 KiB of headroom for the header).
 
-torch's own allocations are not traced: for them the case checks that every parameter kept its
-storage address through the step (a step that moved one fails the case).
+torch's and jax's own allocations are not traced: for them the case checks that every torch
+parameter kept its storage address through the step (a step that moved one fails the case),
+and that the jax arrays a pull makes are the reply's memory (checked once, before the steps).
 """
 
 from __future__ import annotations
@@ -37,12 +41,13 @@ import numpy as np
 from .context import Context
 from .timing import Stopwatch, summarize
 
-__all__ = ["DEFAULT_SIZES", "DESCRIPTION", "NUMPY", "TORCH", "render", "run"]
+__all__ = ["DEFAULT_SIZES", "DESCRIPTION", "JAX", "NUMPY", "TORCH", "render", "run"]
 
 LAYERS = (784, 512, 512, 10)
 BATCH = 64
 NUMPY = "numpy worker"
 TORCH = "torch worker"
+JAX = "jax worker"
 DESCRIPTION = (
     f"a worker's step (pull, forward/backward, push) on an MLP {'-'.join(map(str, LAYERS))}, "
     "1 shard; ops/s is steps/s; bytes copied per step below"
@@ -76,6 +81,17 @@ def run(ctx: Context) -> list[dict]:
         else:
             ps = stack.enter_context(PSClient(fleet.urls, worker_id="bench-frameworks-torch"))
             steps[TORCH] = _torch_worker(ps, X, y)
+        try:
+            import jax  # noqa: F401
+        except ImportError:
+            print(
+                "  frameworks: jax is not installed, so its row is skipped "
+                "(pip install 'paramshard[jax]')",
+                flush=True,
+            )
+        else:
+            ps = stack.enter_context(PSClient(fleet.urls, worker_id="bench-frameworks-jax"))
+            steps[JAX] = _jax_worker(ps, X, y)
         return _measure(ctx, steps)
 
 
@@ -185,6 +201,49 @@ def _torch_worker(ps: Any, X: np.ndarray, y: np.ndarray) -> Callable[[], None]:
         if [p.data_ptr() for p in model.parameters()] != addresses:
             raise RuntimeError("a parameter's storage moved during a step")
 
+    return step
+
+
+def _jax_worker(ps: Any, X: np.ndarray, y: np.ndarray) -> Callable[[], None]:
+    import jax
+    import jax.numpy as jnp
+
+    from client_sdk.jax import bind
+    from client_sdk.optimizers import SGD
+
+    init = _numpy_params()  # the numpy worker's initial values, as a tree {"0": {"kernel": ...}}
+    layers = range(len(LAYERS) - 1)
+    tree = {
+        str(i): {
+            "kernel": init[f"bench/frameworks/numpy/{i}/kernel"],
+            "bias": init[f"bench/frameworks/numpy/{i}/bias"],
+        }
+        for i in layers
+    }
+    bound = bind(ps, tree, prefix="bench/frameworks/jax", optimizer=SGD(lr=1e-4))
+    bound.init()
+
+    def loss(params: Any, X: Any, y: Any) -> Any:
+        h = X
+        for i in layers:
+            h = h @ params[str(i)]["kernel"] + params[str(i)]["bias"]
+            if i != layers[-1]:
+                h = jax.nn.relu(h)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(h), y[:, None], axis=1))
+
+    grad = jax.jit(jax.grad(loss))
+    tx, ty = jnp.asarray(X), jnp.asarray(y)
+
+    def step() -> None:
+        bound.push(grad(bound.pull(), tx, ty))
+        bound.flush()
+
+    # The pulled leaves (in the order of bound.names) are jax arrays of the reply's own
+    # memory: the arrays the SDK returns, which a pull of nothing new returns again.
+    leaves = jax.tree_util.tree_leaves(bound.pull())
+    held = ps.pull(list(bound.names))
+    if [a.unsafe_buffer_pointer() for a in leaves] != [held[n].ctypes.data for n in bound.names]:
+        raise RuntimeError("a pulled jax array does not alias the reply's memory")
     return step
 
 

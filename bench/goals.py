@@ -23,7 +23,7 @@
   to 1 shard, and <= 0.5 x the 16 shards called one after another;
 * a framework worker's step (pull, forward/backward, push; :mod:`bench.frameworks`): the
   bytes the SDK copies outside the socket <= 0.01 x the parameters' bytes (no
-  parameter-sized copy), for the numpy worker and for torch's;
+  parameter-sized copy), for the numpy worker, torch's and jax's;
 * small requests against the raw socket (:mod:`bench.floor`, :mod:`bench.step`): a 4 KB
   pull's p50 <= 4 x the raw socket's round trip of the same bytes; 100 x 4 KB in one step
   >= 0.9 x the raw socket's rate moving the same 400 KB in one message for a pull, and
@@ -253,7 +253,7 @@ def evaluate(rows: Sequence[dict]) -> list[dict]:
 
 def _copy_goals(rows: Sequence[dict]) -> list[dict]:
     out = []
-    for system in (frameworks.NUMPY, frameworks.TORCH):
+    for system in (frameworks.NUMPY, frameworks.TORCH, frameworks.JAX):
         r = next((r for r in rows if r["case"] == "frameworks" and r["system"] == system), None)
         goal = {
             "goal": f"{system} step: copies",
@@ -263,7 +263,7 @@ def _copy_goals(rows: Sequence[dict]) -> list[dict]:
         }
         if r is None:
             note = "not measured: run the frameworks case" + (
-                " with torch installed" if system == frameworks.TORCH else ""
+                "" if system == frameworks.NUMPY else f" with {system.split()[0]} installed"
             )
             out.append({**goal, "ratio": None, "met": None, "note": note})
             continue

@@ -6,8 +6,8 @@ buffer protocol or ``__array_interface__``, or a DLPack tensor in host memory su
 CPU tensor); its shape and dtype must be the variable's as far as this client knows it (from
 its init or last pull; a partitioned variable's whole shape). Once the pull's replies are in,
 :func:`check` compares every value with its buffer again (a variable made again with another
-shape since) before :func:`write` writes any of them, so a refused pull leaves every buffer as
-it was.
+shape since) before :func:`write` writes any of them.
+
 Over the SDK's own connections a reply is received straight into the buffers: each shard's
 pull request carries a :class:`Sink` of the buffers its names have, and once the reply's
 header is in (the framed body's msgpack header, docs/PROTOCOL.md) the sink lays the body out
@@ -21,9 +21,11 @@ checks it as it does any reply. The rest, and replies through an injected transp
 written by :func:`write`: one ``np.copyto`` per variable (per part of a partitioned one,
 straight into the buffer's rows), from the reply's receive buffer into the caller's.
 
-Since values arrive straight into the buffers, a pull that fails (a shard lost mid-reply, a
-value of another shape from one shard while another's went in) may leave some buffers with
-this pull's values and the others as they were; a pull that succeeds has written every one.
+A shard's reply with a value that does not fit its buffer is thus received whole, and the
+check refuses it before that shard's buffers are written. Since values arrive straight into
+the buffers, a pull that fails otherwise (a shard lost mid-reply, or one shard's value refused
+while another shard's went in) may leave some buffers with this pull's values, or part of
+them, and the others as they were; a pull that succeeds has written every one.
 """
 
 from __future__ import annotations

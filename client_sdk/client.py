@@ -252,17 +252,24 @@ class PSClient(TableMethods):
 
         ``out`` (name -> a buffer of the variable's shape and dtype, for some or all of
         ``names``) writes those values into the caller's own memory, and the result holds an
-        ndarray view of each buffer under its name: a training loop then allocates nothing
-        parameter-sized per pull (one copy, from the reply's receive buffer into the buffer,
-        partitioned variables' parts straight into its rows; ``wire_dtype`` values widened).
-        A buffer is anything numpy can view writable without a copy: an ndarray, a torch CPU
-        tensor (``p.detach()``), any object with the buffer protocol or
-        ``__array_interface__``. Buffers are checked against what this client knows of the
-        variables before anything is sent, and every value against its buffer before any is
-        written: :class:`BadTensorError` (shape or dtype) or :class:`BadRequestError` (a
-        read-only buffer, a name not pulled) leaves every buffer as it was. Every pull writes
-        every buffer, unchanged variables from the cache. With ``newer_than``, only the
-        variables that changed are written.
+        ndarray view of each buffer under its name: a training loop then allocates and copies
+        nothing parameter-sized per pull. A value of 16 KiB or more is received from the
+        socket straight into its C-contiguous buffer (a partitioned variable's parts into its
+        rows; a ``wire_dtype`` value widened into it); smaller ones, other buffers, and
+        replies through an injected ``transport`` are copied in from the reply. The client
+        keeps no copy of a value it received into a buffer (the buffer is the caller's to
+        change), so such values are sent whole on every pull; their versions are kept (for
+        :meth:`push` and ``newer_than="cached"``). A buffer is anything numpy can view
+        writable without a copy: an ndarray, a torch CPU tensor (``p.detach()``), any object
+        with the buffer protocol or ``__array_interface__``. Buffers are checked against what
+        this client knows of the variables before anything is sent (:class:`BadTensorError`
+        for a shape or dtype, :class:`BadRequestError` for a read-only buffer or a name not
+        pulled: nothing written), and each shard's values against their buffers before any is
+        written: a value that no longer fits (made again since with another shape) raises
+        :class:`BadTensorError` and leaves its shard's buffers as they were. A pull that fails
+        may have written the buffers of other shards' values (or, when a shard's reply breaks
+        off, part of them): pull again. Every successful pull writes every buffer. With
+        ``newer_than``, only the variables that changed are written.
         """
         if newer_than is None and min_version is None:
             return self._drive(_verbs.partitioned.pull(self._core, names, out))

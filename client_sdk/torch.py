@@ -17,9 +17,9 @@
 The module's ``named_parameters()`` are the variables, named ``prefix + name``
 (``digits/0.weight``).
 :meth:`Binding.pull` writes the pulled values into the parameters' own storage through
-``PSClient.pull(out=)`` (numpy views of it): nothing parameter-sized is allocated and every
-parameter keeps its address, so an optimizer, a hook or a ``torch.compile``d graph holding it
-sees the new values. :meth:`Binding.push` hands over each parameter's ``.grad`` without a copy:
+``PSClient.pull(out=)`` (numpy views of it; the values are received from the socket into
+them): nothing parameter-sized is allocated or copied and every parameter keeps its address,
+so an optimizer, a hook or a ``torch.compile``d graph holding it sees the new values. :meth:`Binding.push` hands over each parameter's ``.grad`` without a copy:
 the SDK sends from the gradient's own memory and the parameter's ``.grad`` becomes ``None`` (as
 after ``zero_grad()``), so the next backward writes new ones instead of the ones in flight.
 
