@@ -19,8 +19,8 @@ The module's ``named_parameters()`` are the variables, named ``prefix + name``
 :meth:`Binding.pull` writes the pulled values into the parameters' own storage through
 ``PSClient.pull(out=)`` (numpy views of it; the values are received from the socket into
 them): nothing parameter-sized is allocated or copied and every parameter keeps its address,
-so an optimizer, a hook or a ``torch.compile``d graph holding it sees the new values. :meth:`Binding.push` hands over each parameter's ``.grad`` without a copy:
-the SDK sends from the gradient's own memory and the parameter's ``.grad`` becomes ``None`` (as
+so an optimizer, a hook or a ``torch.compile``d graph holding it sees the new values.
+:meth:`Binding.push` hands over each parameter's ``.grad`` without a copy: the SDK sends from the gradient's own memory and the parameter's ``.grad`` becomes ``None`` (as
 after ``zero_grad()``), so the next backward writes new ones instead of the ones in flight.
 
 **Buffers** (a BatchNorm's running statistics) follow ``buffers=``: ``"local"`` (the default)
