@@ -20,8 +20,9 @@ The module's ``named_parameters()`` are the variables, named ``prefix + name``
 ``PSClient.pull(out=)`` (numpy views of it; the values are received from the socket into
 them): nothing parameter-sized is allocated or copied and every parameter keeps its address,
 so an optimizer, a hook or a ``torch.compile``d graph holding it sees the new values.
-:meth:`Binding.push` hands over each parameter's ``.grad`` without a copy: the SDK sends from the gradient's own memory and the parameter's ``.grad`` becomes ``None`` (as
-after ``zero_grad()``), so the next backward writes new ones instead of the ones in flight.
+:meth:`Binding.push` hands over each parameter's ``.grad`` without a copy: the SDK sends
+from the gradient's own memory and the parameter's ``.grad`` becomes ``None`` (as after
+``zero_grad()``), so the next backward writes new ones instead of the ones in flight.
 
 **Buffers** (a BatchNorm's running statistics) follow ``buffers=``: ``"local"`` (the default)
 keeps each worker's own, never sent; ``"chief"`` makes them variables too (created by
