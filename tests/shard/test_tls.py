@@ -19,6 +19,7 @@ import trustme
 
 import client_sdk
 from client_sdk import wire
+from client_sdk._cache import Lent
 from client_sdk._http.native import AsyncNativeSender, NativeSender
 from tests.conftest import HTTP_MODES, ROOT, OnLoop
 
@@ -53,7 +54,13 @@ def test_the_sdk_speaks_https_through_its_own_pools(fleet, pki):
         for _ in range(3):
             ps.push({n: big for n in names})
         ps.flush()
-        pulled = ps.pull(names)  # both shards at once: the fan-out
+        bufs = {n: np.zeros_like(big) for n in names}  # received into them over TLS too
+        pulled = ps.pull(names, out=bufs)  # both shards at once: the fan-out
+        for n in names:
+            assert pulled[n] is bufs[n]
+            np.testing.assert_array_equal(bufs[n], big * 3)
+            assert type(ps._core.cache.entries[n][2]) is Lent  # received, not copied, into it
+        pulled = ps.pull(names)
         for n in names:
             np.testing.assert_array_equal(pulled[n], big * 3)
         assert ps.increment(f"{names[0]}/step", 2) == 2
