@@ -14,6 +14,11 @@ Replies the SDK cannot receive that way are read whole and written as before: a 
 buffer left as it was), a table that claims more bytes than the body has (refused). A reply cut
 off mid-body ends the pull with an error within the retry deadline, and the next pull writes
 every buffer.
+
+The sink alone (no network): however a body's bytes arrive, every row ends where it belongs
+(into its buffer if big enough, else into the sink's own buffer), and a buffer of another
+shape has the body received whole. ``wire.table_spans`` lays tables out as ``table_rows``
+reads them.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from client_sdk import (
     ShardUnavailableError,
     wire,
 )
+from client_sdk._into import DIRECT_BYTES, Sink
 from client_sdk.optimizers import SGD
 from client_sdk.placement import shard_for
 from client_sdk.wire import halves
@@ -315,3 +321,58 @@ def test_widen_writes_into_a_given_buffer():
     strided = np.zeros(16, np.float32)[::2]
     halves.widen(value, strided)
     assert np.array_equal(strided, np.arange(8))
+
+
+def drive(sink: Sink, body: bytes, first: int, step: int):
+    """``sink.receive`` of ``body`` as a connection would: ``first`` bytes already buffered,
+    then at most ``step`` bytes per receive."""
+    receiving = sink.receive(memoryview(body)[:first], len(body))
+    at = first
+    try:
+        target = next(receiving)
+        while True:
+            n = min(len(target), step, len(body) - at)
+            assert n > 0, "the sink asked for more than the body has"
+            target[:n] = body[at : at + n]
+            at += n
+            target = receiving.send(n)
+    except StopIteration as done:
+        assert at == len(body), "the sink stopped before the body's end"
+        return done.value
+
+
+@pytest.mark.parametrize("uniform", [False, True])
+@pytest.mark.parametrize("first, step", [(0, 1 << 20), (100, 7), (5000, 4096), (70_000, 65_536)])
+def test_a_sink_puts_every_row_where_it_belongs_however_the_bytes_come(uniform, first, step):
+    rng = np.random.default_rng(first + step)
+    if uniform:
+        arrays = [rng.standard_normal(6000).astype(np.float32) for _ in range(4)]
+    else:
+        arrays = [
+            rng.standard_normal(5000).astype(np.float32),  # 20 KB: into its buffer
+            np.arange(10, dtype=np.float32),  # small: the sink's own buffer, then copied
+            None,
+            rng.standard_normal((100, 50)),  # 40 KB of float64
+            np.arange(7, dtype=np.int16),
+            rng.standard_normal(4500).astype(np.float32),  # 18 KB, right after the small ones
+        ]
+    names = [f"v{i}" for i in range(len(arrays))]
+    table: dict = {"names": names}
+    body = wire.encode_table({"table": table}, table, arrays, uniform=uniform).join()
+    views = {n: np.zeros_like(a) for n, a in zip(names, arrays) if a is not None}
+    sink = Sink(views, names, narrowed=False)
+    content = drive(sink, body, min(first, len(body) - 1), step)
+    assert sink.rows is not None and content == body[: wire.header_end(body)]
+    got_names, rows = sink.rows
+    assert got_names == names
+    for name, array, row in zip(names, arrays, rows):
+        if array is None:
+            assert row is None
+            continue
+        assert np.array_equal(row, array), name
+        assert (row is views[name]) == (array.nbytes >= DIRECT_BYTES), name
+    # a buffer of another shape: the body is received whole, for the pull to refuse it
+    views[names[0]] = np.zeros(arrays[0].size + 1, arrays[0].dtype)
+    sink = Sink(views, names, narrowed=False)
+    assert bytes(drive(sink, body, min(first, len(body) - 1), step)) == body
+    assert sink.rows is None
