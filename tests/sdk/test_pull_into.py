@@ -5,7 +5,7 @@ variables, ``wire_dtype``.
 
 "Nothing copied" is counted the way ``bench/frameworks.py`` counts it: the bytes
 ``np.copyto`` writes during the pull, and the peak of numpy's allocations (``tracemalloc``),
-both well under one value's size. The version cache keeps no copy of a value it lent to a
+both a fraction of one value's size. The version cache keeps no copy of a value it lent to a
 buffer (``_cache.lent``), so a buffer changed by its owner is written again by the next pull,
 and the versions, later plain pulls and polls still see the right values.
 
@@ -49,12 +49,13 @@ from client_sdk.wire import halves
 from tests.helpers.dropproxy import DroppingProxy
 from tests.helpers.names import fresh
 
-#: float32 elements of each test variable (4 MiB): far above what is received apart.
-N = 1 << 20
+#: float32 elements of each test variable (8 MiB): far above what is received apart.
+N = 1 << 21
 NBYTES = 4 * N
 #: What a pull into buffers may copy or allocate for values of NBYTES each: headers, the
-#: sink's small buffers, the cache's stand-ins, and msgpack's 256 KiB packing buffer.
-SMALL = 512 * 1024
+#: sink's small buffers, the cache's stand-ins, and msgpack's packing buffer (256 KiB; 1 MiB
+#: in the oldest msgpack the SDK takes).
+SMALL = 2 * 1024 * 1024
 
 
 def on_both(prefix: str) -> list[str]:
