@@ -169,9 +169,11 @@ class EmbeddingTable:
                 np.take(self.slots[key], have, axis=0, out=slot, mode="clip")
             np.take(self.steps, have, out=step[:, 0], mode="clip")
         step += 1
-        grads = np.array(grads, dtype=np.float32)  # our own: the rule may write into it
+        # Only read (scratch=False): the operation's gradients stay as they came, and the
+        # rule's temporaries cost what a copy of them to write into would.
+        grads = np.ascontiguousarray(grads, dtype=np.float32)
         with np.errstate(all="ignore"):
-            optim.apply(self.spec.optimizer, value, grads, state, step=step, scratch=True)
+            optim.apply(self.spec.optimizer, value, grads, state, step=step, scratch=False)
             finite = all_finite(value) and all(all_finite(s) for s in state.values())
         if not finite:
             raise ShardError(
