@@ -3,7 +3,9 @@
     PSError
     ├── ConfigError              bad arguments or PARAMSHARD_* settings on the worker side
     ├── ShardUnavailableError    could not reach a shard (connect/read errors, timeouts, 503)
-    │   └── OverloadedError      the shard kept answering 429/503 past the deadline
+    │   ├── OverloadedError      the shard kept answering 429/503 past the deadline
+    │   └── NotPrimaryError      the replica asked is not its index's primary (421
+    │                            not_primary); ``primary`` is the primary's URL if known
     ├── FleetMismatchError       the shard list disagrees with the fleet (index, size, 421)
     ├── ProtocolError            a reply the SDK cannot understand, one bigger than the call can
     │                            need (``max_reply_bytes``), or another protocol version
@@ -35,6 +37,7 @@ __all__ = [
     "ConflictError",
     "FleetMismatchError",
     "FrozenError",
+    "NotPrimaryError",
     "NotReadyError",
     "OverloadedError",
     "PSError",
@@ -146,6 +149,16 @@ class PushError(PSError):
         self.errors = errors
 
 
+class NotPrimaryError(ShardUnavailableError):
+    """The replica asked is not its shard index's primary (421 ``not_primary``): ``primary``
+    is the primary's URL when the replica knows it, else ``None``; nothing was applied."""
+
+    @property
+    def primary(self) -> str | None:
+        url = self.details.get("primary") if isinstance(self.details, dict) else None
+        return url if isinstance(url, str) else None
+
+
 #: HTTP status of a rejection -> the class raised for it.
 STATUS_ERRORS: dict[int, type[PSError]] = {
     400: BadRequestError,
@@ -167,6 +180,7 @@ STATUS_ERRORS: dict[int, type[PSError]] = {
 CODE_ERRORS: dict[str, type[PSError]] = {
     "frozen": FrozenError,
     "partitioned": PartitionedError,
+    "not_primary": NotPrimaryError,
 }
 
 

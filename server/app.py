@@ -59,6 +59,7 @@ from .httptools_protocol import Answerer, Immediate
 from .logs import RateLimited
 from .metrics import Traffic
 from .narrowed import NarrowedCache
+from .replication import Role
 from .store import DedupTable, ParameterStore
 from .store.heap import trim_heap
 from .store.rounds import close_when_due
@@ -441,7 +442,8 @@ def create_app(config: ShardConfig) -> FastAPI:
     restored (with ``--data-dir``) when the app's lifespan starts.
 
     ``app.state`` carries ``config``, ``store``, ``gate`` (admission), ``durability``
-    (snapshots), ``incarnation`` (random hex, new per call, so new per process start),
+    (snapshots), ``role`` (this replica's :class:`~server.replication.Role`), ``incarnation``
+    (random hex, new per call, so new per process start),
     ``started_at`` (Unix seconds) and ``shutdown_error`` (set if the final snapshot failed).
     """
     from .metrics.export import router as metrics_router
@@ -488,6 +490,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     app.state.shutdown_error = None
     app.state.auth = Guard(config.token, config.read_token, config.token_file, config.fleet)
     app.state.traffic = Traffic()
+    app.state.role = Role.from_config(config.replica_group, config.advertise_url)
     _install_error_handlers(app)
     app.include_router(data_router)
     app.include_router(control_router)

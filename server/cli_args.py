@@ -293,6 +293,30 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
             f"shard's answer, and the dashboard's fleet view and GET /v1/fleet probe them "
             f"[{env_name('fleet_urls')}]",
         )
+    if fleet:
+        p.add_argument(
+            "--replica-group",
+            dest="replica_group",
+            metavar="URL|URL|...",
+            help=f"every replica of this shard index, primary first: the first URL is the "
+            f"primary at epoch 1, the others its backups (it forwards every write to them and "
+            f"acknowledges once they have it); needs --advertise-url "
+            f"[{env_name('replica_group')}, default: none, the shard is its index's only copy]",
+        )
+        p.add_argument(
+            "--advertise-url",
+            dest="advertise_url",
+            metavar="URL",
+            help=f"this replica's URL as the group lists it [{env_name('advertise_url')}]",
+        )
+        p.add_argument(
+            "--replication-log-bytes",
+            dest="replication_log_bytes",
+            metavar="SIZE",
+            help=f"bytes of the replication log kept in memory for backups that lag; a backup "
+            f"further behind catches up from a snapshot [{env_name('replication_log_bytes')}, "
+            f"default 256MiB]",
+        )
     p.add_argument(
         "--http",
         dest="http",

@@ -231,6 +231,29 @@ def _urls(text: str) -> tuple[str, ...]:
     return urls
 
 
+def _url(text: str) -> str:
+    url = text.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")) or any(c.isspace() for c in url):
+        raise ValueError(f"expected a URL such as http://host:7100, got {text[:80]!r}")
+    return url
+
+
+def _replica_urls(text: str) -> tuple[str, ...]:
+    """``URL|URL|...``: the replicas of one shard index, primary first."""
+    urls = tuple(u.strip().rstrip("/") for u in text.split("|") if u.strip())
+    for u in urls:
+        if not u.startswith(("http://", "https://")) or any(c.isspace() for c in u):
+            raise ValueError(
+                f"expected the replicas' URLs separated by '|', primary first "
+                f"(http://a:7100|http://b:7100), got {u[:80]!r}"
+            )
+    if len(urls) < 2:
+        raise ValueError(
+            f"a replica group is a primary and at least one backup (URL|URL), got {text[:160]!r}"
+        )
+    return urls
+
+
 def tls_problem(cert: str, key: str) -> str | None:
     """Why a shard cannot serve TLS with ``cert`` and ``key`` (PEM files), or ``None``."""
     import ssl
@@ -327,6 +350,14 @@ class ShardConfig:
     #: TLS: the certificate chain (PEM) and its private key; both or neither.
     tls_cert: str | None = None
     tls_key: str | None = field(default=None, repr=False)
+    #: The URLs of every replica of this shard index, primary first (server/replication):
+    #: empty, the shard is its index's only copy. Needs ``advertise_url``.
+    replica_group: tuple[str, ...] = ()
+    #: This replica's own URL as the other replicas reach it (one of ``replica_group``).
+    advertise_url: str | None = None
+    #: Bytes of replication log kept in memory for backups that lag (older entries are let
+    #: go; a backup that needs them catches up from a snapshot).
+    replication_log_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard_index < self.num_shards:
@@ -379,6 +410,25 @@ class ShardConfig:
                 f"lists {len(self.fleet_urls)} URL(s) for a fleet of {self.num_shards} shard(s) "
                 f"({flag_name('num_shards')}): list every shard's URL, in shard-index order",
             )
+        if self.replica_group:
+            if self.advertise_url is None:
+                raise InvalidSetting(
+                    f"{flag_name('advertise_url')} / {env_name('advertise_url')}",
+                    f"{flag_name('replica_group')} needs {flag_name('advertise_url')}: this "
+                    "replica's own URL, one of the group's, as the other replicas reach it",
+                )
+            if self.advertise_url not in self.replica_group:
+                raise InvalidSetting(
+                    f"{flag_name('advertise_url')} / {env_name('advertise_url')}",
+                    f"{self.advertise_url} is not one of {flag_name('replica_group')}'s URLs "
+                    f"({'|'.join(self.replica_group)}): give this replica's URL exactly as "
+                    "the group lists it",
+                )
+            if len(set(self.replica_group)) != len(self.replica_group):
+                raise InvalidSetting(
+                    f"{flag_name('replica_group')} / {env_name('replica_group')}",
+                    f"lists a URL twice ({'|'.join(self.replica_group)}): list each replica once",
+                )
         if self.read_token and not (self.token or self.token_file):
             raise InvalidSetting(
                 f"{flag_name('read_token')} / {env_name('read_token')}",
@@ -480,4 +530,7 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "max_table_rows": _int(1, 1 << 40),
     "max_pending_ids": _int(16, 1 << 32),
     "half_cache_bytes": _size_or_off,
+    "replica_group": _replica_urls,
+    "advertise_url": _url,
+    "replication_log_bytes": _size,
 }
