@@ -15,6 +15,8 @@ in-sync set). With one, the leadership code calls :meth:`Role.become_primary`,
 :meth:`Role.become_backup`, :meth:`Role.step_down` and :meth:`Role.set_in_sync` when
 leadership changes; whoever else cares (the forwarder, the routes) reads the role at each
 request, or registers a listener (:meth:`Role.subscribe`) called synchronously on every change.
+A primary that holds a lease says until when (:meth:`Role.hold_until`): past it, it takes no
+write and acknowledges none, whatever runs next.
 
 A shard started without ``--replica-group`` (and without leadership) is ``standalone``: the
 primary of a group of one at epoch 0, which replicates nothing and is as fast as a shard that
@@ -25,6 +27,7 @@ Thread-safety: none; the event loop's thread changes and reads it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -97,6 +100,7 @@ class Role:
             else RoleView(STANDALONE, 0, url, url, ())
         )
         self._listeners: list[Listener] = []
+        self._deadline: float | None = None
 
     @classmethod
     def from_config(cls, group: Iterable[str], advertise_url: str | None) -> Role:
@@ -137,13 +141,22 @@ class Role:
 
     @property
     def acknowledges(self) -> bool:
-        """Whether clients' writes may be applied and acknowledged here now."""
-        return self._view.acknowledges
+        """Whether clients' writes may be applied and acknowledged here now: a primary (or a
+        standalone shard) whose lease, if it holds one (:meth:`hold_until`), has not run out."""
+        deadline = self._deadline
+        return self._view.acknowledges and (deadline is None or time.monotonic() < deadline)
+
+    def hold_until(self, deadline: float | None) -> None:
+        """A primary holds its leadership until ``deadline`` (``time.monotonic()`` seconds;
+        ``None``: no lease, as with static roles): from then on it acknowledges nothing, even
+        before the leadership code runs again (a process stopped past its lease and resumed
+        serves no write before it learns whether it still leads)."""
+        self._deadline = deadline
 
     def check_writable(self) -> None:
         """421 ``not_primary`` (naming the primary when known) unless this replica takes
         clients' writes now."""
-        if not self._view.acknowledges:
+        if not self.acknowledges:
             raise not_primary(self._view)
 
     # -- changes (called by leadership, or once by from_config) -----------------------------

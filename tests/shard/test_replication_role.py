@@ -8,6 +8,8 @@ tests/shard/test_replication.py's.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from client_sdk import NotPrimaryError, ShardUnavailableError
@@ -133,3 +135,16 @@ def test_a_shard_shows_its_role_in_cluster(fleet_factory):
     alone = fleet_factory(1)
     shown = http_json(alone.urls[0] + "/v1/cluster")["replication"]
     assert shown["role"] == STANDALONE and shown["epoch"] == 0
+
+
+def test_a_primary_past_its_lease_deadline_takes_no_write():
+    role = Role.from_config((A, B), A)
+    role.hold_until(time.monotonic() + 60)
+    role.check_writable()
+    role.hold_until(time.monotonic() - 0.001)
+    assert not role.acknowledges and role.kind == PRIMARY
+    with pytest.raises(ShardError) as refused:
+        role.check_writable()
+    assert refused.value.code == "not_primary"
+    role.hold_until(None)
+    assert role.acknowledges
