@@ -87,6 +87,10 @@ WRITES = frozenset(
 READS = frozenset({"pull", "pull_rows"})
 CONTROL = frozenset({"pause", "snapshot", "resume"})
 LONG = frozenset({"wait", "poll"})
+#: Batches a primary forwards to this replica (server/replication): admitted like a read (the
+#: room they take is counted), never held back by a pause (the primary's writes in flight
+#: wait for them).
+REPLICATION = frozenset({"replicate"})
 
 Render = Callable[..., Response]
 
@@ -466,7 +470,13 @@ class AdmissionMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
         verb = path[4:] if scope.get("method") == "POST" and path.startswith("/v1/") else ""
-        if verb not in WRITES and verb not in READS and verb not in CONTROL and verb not in LONG:
+        if (
+            verb not in WRITES
+            and verb not in READS
+            and verb not in CONTROL
+            and verb not in LONG
+            and verb not in REPLICATION
+        ):
             await self.app(scope, receive, send)  # inspection, unknown paths
             return
         gate = self.gate

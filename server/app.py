@@ -47,7 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from client_sdk import wire
 
 from . import __version__
-from .admission import AdmissionMiddleware, Gate
+from .admission import WRITES, AdmissionMiddleware, Gate
 from .auth import READ, WRITE, AuthMiddleware, Guard
 from .config import ShardConfig
 from .direct_routes import DirectRoutes
@@ -60,6 +60,7 @@ from .logs import RateLimited
 from .metrics import Traffic
 from .narrowed import NarrowedCache
 from .replication import Role
+from .replication.replica import Replication
 from .store import DedupTable, ParameterStore
 from .store.heap import trim_heap
 from .store.rounds import close_when_due
@@ -204,7 +205,10 @@ class ShardMiddleware:
     * answers 421 ``fleet_mismatch`` (400 if malformed) when ``x-paramshard-fleet`` names
       another shard or fleet size;
     * logs any exception that escapes the app and answers 500 ``internal`` if no response has
-      started yet.
+      started yet;
+    * on a replica of a group, holds a write's successful answer until the backups have the
+      write (:meth:`Replication.synced <server.replication.replica.Replication.synced>`), and
+      answers 421 ``not_primary`` instead if this replica stops being primary meanwhile.
     """
 
     def __init__(
@@ -221,17 +225,28 @@ class ShardMiddleware:
         self._fleet = config.fleet.encode()
         #: Where each request is counted (:mod:`server.metrics.traffic`), if anywhere.
         self.traffic: Traffic | None = getattr(state, "traffic", None)
+        #: The shard's replication, if it is a replica of a group: a write's answer waits
+        #: until its backups have the write (:meth:`Replication.synced`).
+        self.replication: Replication | None = getattr(state, "replication", None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = swallowed = False
         status = sent = 0
         since = time.perf_counter()
         deletions = self._deletions()
+        replication = self.replication
+        path = scope.get("path", "")
+        waits = (
+            replication is not None
+            and scope.get("method") == "POST"
+            and path.startswith("/v1/")
+            and path[4:] in WRITES
+        )
 
-        async def send_with_headers(message: Message) -> None:
+        async def emit(message: Message) -> None:
             nonlocal started, status, sent
             if message["type"] == "http.response.start":
                 started = True
@@ -240,6 +255,22 @@ class ShardMiddleware:
             else:
                 sent += len(message.get("body", b""))
             await send(message)
+
+        async def send_with_headers(message: Message) -> None:
+            nonlocal swallowed
+            if swallowed:
+                return
+            if waits and message["type"] == "http.response.start" and message["status"] < 300:
+                try:  # a write is answered once the backups have it (server/replication)
+                    await replication.synced()  # type: ignore[union-attr]
+                except ShardError as exc:
+                    swallowed = True  # the answer becomes this refusal; the app's is dropped
+                    refusal = error_response(
+                        scope, exc.status, exc.code, exc.message, exc.details, exc.headers
+                    )
+                    await refusal(scope, receive, emit)
+                    return
+            await emit(message)
 
         try:
             refusal = self._check_fleet(scope)
@@ -402,13 +433,22 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     store: ParameterStore = app.state.store
     gate: Gate = app.state.gate
     await durability.start()
+    replication: Replication | None = app.state.replication
+    role: Role = app.state.role
+    if replication is not None:
+        replication.start()
     # Sync rounds that time out close from here, while the shard takes writes (not while it
     # restores, is paused for a checkpoint, cannot persist, or drains).
     rounds = asyncio.create_task(
         close_when_due(
             store.deadlines,
             store.close_due_rounds,
-            lambda: gate.ready and gate.paused_for is None and gate.persist_error is None,
+            lambda: (
+                gate.ready
+                and gate.paused_for is None
+                and gate.persist_error is None
+                and role.acknowledges
+            ),  # a backup closes rounds as its primary's log says
         ),
         name="paramshard-sync-rounds",
     )
@@ -426,6 +466,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if replication is not None:
+            await replication.stop()
         follow_client = getattr(app.state, "follow_client", None)
         if follow_client is not None:
             await follow_client.aclose()
@@ -452,6 +494,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     from .routes_control import router as control_router
     from .routes_data import router as data_router
     from .routes_inspect import router as inspect_router
+    from .routes_replication import router as replication_router
     from .routes_tables import router as tables_router
 
     incarnation = secrets.token_hex(8)
@@ -490,13 +533,17 @@ def create_app(config: ShardConfig) -> FastAPI:
     app.state.shutdown_error = None
     app.state.auth = Guard(config.token, config.read_token, config.token_file, config.fleet)
     app.state.traffic = Traffic()
-    app.state.role = Role.from_config(config.replica_group, config.advertise_url)
+    app.state.role = role = Role.from_config(config.replica_group, config.advertise_url)
+    app.state.replication = (
+        Replication(config, role, store, app.state.tables) if role.replicated else None
+    )
     _install_error_handlers(app)
     app.include_router(data_router)
     app.include_router(control_router)
     app.include_router(checkpoint_router)
     app.include_router(inspect_router)
     app.include_router(tables_router)
+    app.include_router(replication_router)
     app.include_router(metrics_router)
     app.include_router(pages_router)
     app.add_middleware(
@@ -587,6 +634,13 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
 def _writes_at_once(state: Any) -> bool:
     """Whether a write may be applied and acknowledged right now, with no wait and no refusal
     to give: what :class:`~server.admission.AdmissionMiddleware` would let straight through
-    (the shard is ready, takes writes, no fleet checkpoint pauses or holds them)."""
+    (the shard is ready, takes writes, no fleet checkpoint pauses or holds them), on a shard
+    without replicas (a replica's writes wait for its backups, or are refused: the usual way,
+    through :class:`ShardMiddleware`)."""
     gate: Gate = state.gate
-    return gate.write_refusal() is None and gate.paused_for is None and not gate.closed
+    return (
+        gate.write_refusal() is None
+        and gate.paused_for is None
+        and not gate.closed
+        and state.replication is None
+    )

@@ -91,6 +91,7 @@ def _config_from(args: argparse.Namespace) -> ShardConfig:
             "replica_group",
             "advertise_url",
             "replication_log_bytes",
+            "replica_timeout",
             *_PASSED_ON,
             *_AUTH,
             "data_dir",

@@ -317,6 +317,14 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
             f"further behind catches up from a snapshot [{env_name('replication_log_bytes')}, "
             f"default 256MiB]",
         )
+        p.add_argument(
+            "--replica-timeout",
+            dest="replica_timeout",
+            metavar="SECONDS",
+            help=f"a primary whose backup has not applied a write within this time drops it "
+            f"from the backups it waits for, and answers without it; the backup rejoins once "
+            f"it has caught up [{env_name('replica_timeout')}, default 5]",
+        )
     p.add_argument(
         "--http",
         dest="http",

@@ -358,6 +358,9 @@ class ShardConfig:
     #: Bytes of replication log kept in memory for backups that lag (older entries are let
     #: go; a backup that needs them catches up from a snapshot).
     replication_log_bytes: int = 256 << 20
+    #: Seconds a primary waits for a backup to apply a write before it drops the backup from
+    #: its in-sync set and answers without it.
+    replica_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.shard_index < self.num_shards:
@@ -533,4 +536,5 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "replica_group": _replica_urls,
     "advertise_url": _url,
     "replication_log_bytes": _size,
+    "replica_timeout": _timeout,
 }

@@ -125,7 +125,9 @@ async def cluster(request: Request) -> dict[str, Any]:
         "pushes_applied": store.dedup.totals.pushes,
         "pulls_answered": state.traffic.statuses("pull").get(200, 0),
         "half_cache": state.narrowed.stats(),
-        "replication": state.role.view.to_json(),
+        "replication": (
+            state.role.view.to_json() if state.replication is None else state.replication.stats()
+        ),
     }
 
 

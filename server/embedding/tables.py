@@ -27,6 +27,7 @@ from client_sdk.placement import validate_name
 
 from ..errors import ShardError
 from ..store import ParameterStore
+from ..store.journal import Journal, journaled
 from . import admission, operations
 from .table import EmbeddingTable
 
@@ -102,6 +103,12 @@ class EmbeddingTables:
 
     # -- verbs ------------------------------------------------------------------------------
 
+    @property
+    def journal(self) -> Journal | None:
+        """The store's journal: a table's writes are the shard's (:mod:`server.store.journal`)."""
+        return self.store.journal
+
+    @journaled
     def create(self, name: Any, spec: Any) -> dict[str, Any]:
         """Create table ``name`` unless it exists (create-if-absent): ``{"created",
         "version"}``. 400 for a bad name or spec, 409 for a variable of that name or a table
@@ -126,6 +133,7 @@ class EmbeddingTables:
         )
         return table, table.gather(checked)
 
+    @journaled
     def push(self, name: Any, worker_id: str, seq: int, ids: Any, grads: Any) -> dict[str, Any]:
         """Apply ``grads`` to rows ``ids`` once per ``(worker_id, seq)``: ``{"status",
         "version", "rows", "created"}`` (``rows``: distinct ids updated; ``created``: rows

@@ -19,6 +19,7 @@ from client_sdk.placement import validate_name
 
 from ..errors import ShardError
 from . import deletion, optimizer_change
+from .journal import journaled
 from .state import StoreState
 from .variable import Variable
 
@@ -29,6 +30,7 @@ class Control(StoreState):
     """The changes of optimizer, frozen state and existence of
     :class:`~server.store.verbs.ParameterStore`."""
 
+    @journaled
     async def set_optimizer(
         self,
         worker_id: str,
@@ -72,6 +74,7 @@ class Control(StoreState):
             "slots": slots,
         }
 
+    @journaled
     async def delete(
         self,
         worker_id: str,

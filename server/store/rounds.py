@@ -214,9 +214,11 @@ class Deadlines:
             heapq.heapify(self._heap)
         self.changed.set()
 
-    def remove(self, name: str) -> None:
-        """The round of ``name`` closed (or the variable is gone): no timeout for it."""
-        self._live.pop(name, None)
+    def remove(self, name: str, version: int | None = None) -> None:
+        """The round of ``name`` closed (or the variable is gone): no timeout for it. With
+        ``version``, only if its open round is at that version."""
+        if version is None or (name in self._live and self._live[name][1] == version):
+            self._live.pop(name, None)
 
     def clear(self) -> None:
         self._heap.clear()

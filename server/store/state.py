@@ -29,6 +29,7 @@ from ..errors import ShardError
 from . import apply, layouts
 from .collector import Freezer
 from .dedup import DedupTable
+from .journal import Journal
 from .rounds import Deadlines
 from .variable import Variable
 from .waiters import VersionWaiters
@@ -79,6 +80,8 @@ class StoreState:
         #: The names of the variables and partitioned variables, sorted, and what they were
         #: sorted at (:meth:`sorted_names`).
         self._sorted: tuple[tuple[int, int, int], list[str]] | None = None
+        #: Told of every write (:mod:`server.store.journal`): a shard that replicates has one.
+        self.journal: Journal | None = None
 
     # -- names ------------------------------------------------------------------------------
 

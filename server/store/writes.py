@@ -32,6 +32,7 @@ from client_sdk.modes import ASYNC
 from ..errors import ShardError
 from . import apply, layouts, modes, operations, optimizer_change
 from .dedup import MAX_RESULTS
+from .journal import journaled
 from .rounds import RoundStats
 from .staleness import Window
 from .state import StoreState, seq_expired
@@ -48,6 +49,7 @@ _NONE: Mapping[str, float] = MappingProxyType({})
 class Writes(StoreState):
     """The writes of :class:`~server.store.verbs.ParameterStore`."""
 
+    @journaled
     def init(
         self,
         entries: Mapping[str, tuple[np.ndarray, Any]],
@@ -99,6 +101,7 @@ class Writes(StoreState):
                 out[name] = {"version": 0, "created": name in new, "partitions": parts}
         return out
 
+    @journaled
     def push(
         self,
         worker_id: str,
@@ -147,6 +150,7 @@ class Writes(StoreState):
         modes.apply(moded, time.monotonic())
         return self._moded_applied(moded)
 
+    @journaled
     async def push_async(
         self,
         worker_id: str,
@@ -186,6 +190,7 @@ class Writes(StoreState):
         await self._off_loop.push(op)
         return self._applied(op)
 
+    @journaled
     def assign(
         self, values: Mapping[str, np.ndarray], worker_id: str | None = None, seq: int | None = None
     ) -> dict[str, dict[str, Any]]:
@@ -208,6 +213,7 @@ class Writes(StoreState):
             self.dedup.record(worker_id, seq)
         return {var.name: {"status": "applied", "version": var.version} for var in variables}
 
+    @journaled
     def increment(
         self,
         name: str,
@@ -358,9 +364,19 @@ class Writes(StoreState):
         apply the mean of what it had, or discard it when that would not be finite; either
         way the variable's version goes up by one. Returns how many closed. Called by
         :func:`server.store.rounds.close_when_due` (the shard's app runs it) while the shard
-        takes writes."""
+        takes writes. The clock only picks the rounds: closing them is :meth:`close_rounds`,
+        a write of its own (:mod:`server.store.journal`)."""
+        due = self.deadlines.due(now)
+        return self.close_rounds(due) if due else 0
+
+    @journaled
+    def close_rounds(self, due: Iterable[tuple[str, int] | list[Any]]) -> int:
+        """Close the sync rounds ``due`` names, ``(name, version)`` each (found due by
+        :meth:`close_due_rounds`), as a timeout does; a round that is not open any more at that
+        version is left alone. Returns how many closed."""
         closed = 0
-        for name, version in self.deadlines.due(now):
+        for name, version in due:
+            self.deadlines.remove(name, version)  # (a replica replaying the close)
             var = self._vars.get(name)
             if var is None:
                 continue

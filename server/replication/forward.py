@@ -1,0 +1,294 @@
+"""A primary's side of replication: its log forwarded to each backup, and writes acknowledged
+once the backups have them.
+
+:class:`Forwarder` keeps one :class:`Link` per backup while this replica is primary: a task
+with a persistent HTTP connection that sends the log's entries the backup lacks as one
+``POST /v1/replicate`` batch (docs/PROTOCOL.md §6), waits for the answer (the lsn the backup
+applied up to), and sends what was added meanwhile as the next batch: while one batch is in
+flight the writes that follow gather into the next (group commit), so many small writes share
+one round trip. A link starts by sending an empty batch, which tells it where the backup is.
+
+:meth:`Forwarder.synced` is what a write's answer waits for: every backup of the role's
+in-sync set has applied the log up to the write's lsn. A backup that has not for
+``timeout`` seconds is dropped from the in-sync set (:attr:`Forwarder.drop`: without a
+coordination service, the role's set changes here; with one, leadership changes it first, so
+that no replica that lacks a write acknowledged can be elected); the writes waiting go on
+without it. Its link keeps sending, and once it has applied everything the log holds it is
+let back into the set (:attr:`Forwarder.rejoin`). A backup that needs entries the log no
+longer holds is ``behind``: it needs a snapshot, not the tail. A backup that answers 409
+``stale_epoch`` knows a newer primary: this replica steps down at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx2
+
+from client_sdk import wire
+
+from ..errors import ShardError
+from .log import ReplicationLog
+from .role import PRIMARY, Role, RoleView, not_primary
+
+__all__ = ["Forwarder", "Link"]
+
+logger = logging.getLogger("paramshard.replication")
+
+#: A link's pause after a failed send: doubled per failure in a row, up to :data:`MAX_BACKOFF`.
+FIRST_BACKOFF = 0.02
+MAX_BACKOFF = 0.5
+
+
+class Link:
+    """One backup, as its primary's forwarder sees it."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        #: The lsn the backup said it applied up to (None: not heard from yet).
+        self.acked: int | None = None
+        #: ``time.monotonic()`` of its last answer (or of the link's start).
+        self.heard = time.monotonic()
+        #: ``streaming``, ``behind`` (it needs entries the log let go), ``unreachable``.
+        self.state = "starting"
+        self.batches = 0
+        self.failures = 0
+        self.error: str | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    def stats(self, head: int) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "state": self.state,
+            "acked": self.acked,
+            "lag": None if self.acked is None else max(0, head - self.acked),
+            "batches": self.batches,
+            "failures": self.failures,
+            "error": self.error,
+        }
+
+
+class Forwarder:
+    """Forwards this primary's log to its backups (module docstring)."""
+
+    def __init__(
+        self,
+        role: Role,
+        log: ReplicationLog,
+        *,
+        timeout: float,
+        batch_bytes: int,
+        headers: dict[str, str] | None = None,
+        verify: Any = True,
+    ) -> None:
+        self.role = role
+        self.log = log
+        self.timeout = timeout
+        self.batch_bytes = batch_bytes
+        self.headers = {"content-type": wire.FRAME, "accept": wire.MSGPACK, **(headers or {})}
+        self.verify = verify
+        self.links: dict[str, Link] = {}
+        self._client: httpx2.AsyncClient | None = None
+        self._changed = asyncio.Event()
+        self._dropping: set[str] = set()
+        #: Take a backup out of the in-sync set / let it back in (awaited before the writes
+        #: waiting for it go on). Leadership replaces them; by default the role changes here.
+        self.drop: Callable[[str], Awaitable[None]] = self._drop_here
+        self.rejoin: Callable[[str], Awaitable[None]] = self._rejoin_here
+        self._running = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Follow the role from now on (on the event loop)."""
+        self._running = True
+        self.role.subscribe(self._role_changed)
+        self._role_changed(self.role.view, self.role.view)
+
+    async def stop(self) -> None:
+        self._running = False
+        for link in list(self.links.values()):
+            await self._stop_link(link)
+        self.links.clear()
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        self._wake()
+
+    def _role_changed(self, old: RoleView, new: RoleView) -> None:
+        if not self._running:
+            return
+        if new.kind != PRIMARY:
+            for link in list(self.links.values()):
+                if link.task is not None:
+                    link.task.cancel()
+            self.links.clear()
+        else:
+            for url in new.in_sync:
+                if url not in self.links:
+                    link = self.links[url] = Link(url)
+                    link.task = asyncio.get_running_loop().create_task(
+                        self._run(link), name=f"paramshard-forward-{url}"
+                    )
+        self._wake()
+
+    async def _stop_link(self, link: Link) -> None:
+        if link.task is not None:
+            link.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await link.task
+
+    # -- acknowledging ------------------------------------------------------------------------
+
+    async def synced(self, lsn: int) -> None:
+        """Return once every backup of the in-sync set has applied the log up to ``lsn``
+        (backups that stay behind for ``timeout`` seconds dropped from the set meanwhile);
+        421 ``not_primary`` if this replica stops acknowledging (or its epoch changes)
+        before."""
+        role = self.role
+        epoch = role.epoch
+        since = time.monotonic()
+        while True:
+            if not role.acknowledges or role.epoch != epoch:
+                raise not_primary(role.view)
+            missing = [
+                url
+                for url in role.in_sync
+                if (link := self.links.get(url)) is None or link.acked is None or link.acked < lsn
+            ]
+            if not missing:
+                return
+            changed = self._changed
+            left = since + self.timeout - time.monotonic()
+            if left > 0:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), left)
+                continue
+            for url in missing:
+                await self._drop(url)
+            since = time.monotonic()
+
+    async def _drop(self, url: str) -> None:
+        if url in self._dropping or url not in self.role.in_sync:
+            return
+        self._dropping.add(url)
+        try:
+            logger.warning(
+                "backup %s has not applied the writes waiting for it within %.3g s "
+                "(--replica-timeout): dropped from the in-sync set; it rejoins once it has "
+                "caught up",
+                url,
+                self.timeout,
+            )
+            await self.drop(url)
+        finally:
+            self._dropping.discard(url)
+            self._wake()
+
+    async def _drop_here(self, url: str) -> None:
+        if self.role.kind == PRIMARY:
+            self.role.set_in_sync([u for u in self.role.in_sync if u != url])
+
+    async def _rejoin_here(self, url: str) -> None:
+        if self.role.kind == PRIMARY and url not in self.role.in_sync:
+            self.role.set_in_sync([*self.role.in_sync, url])
+
+    def _wake(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    # -- one backup ---------------------------------------------------------------------------
+
+    def _http(self) -> httpx2.AsyncClient:
+        if self._client is None:
+            self._client = httpx2.AsyncClient(
+                timeout=httpx2.Timeout(self.timeout, connect=min(self.timeout, 2.0)),
+                trust_env=False,
+                follow_redirects=False,
+                verify=self.verify,
+            )
+        return self._client
+
+    async def _run(self, link: Link) -> None:
+        backoff = FIRST_BACKOFF
+        log = self.log
+        while True:
+            if link.acked is None:
+                entries: list[Any] | None = []  # where is it?
+            else:
+                if link.acked >= log.head:
+                    if link.url not in self.role.in_sync:
+                        await self.rejoin(link.url)
+                    await log.added_after(link.acked)
+                entries = log.since(link.acked, self.batch_bytes)
+                if entries is None:
+                    if link.state != "behind":
+                        logger.warning(
+                            "backup %s applied up to lsn %d, but this primary holds entries "
+                            "from %d only (--replication-log-bytes): it must catch up from a "
+                            "snapshot",
+                            link.url,
+                            link.acked,
+                            log.first,
+                        )
+                    link.state = "behind"
+                    await log.added_after(log.head)
+                    continue
+            try:
+                applied = await self._send(link, entries)
+            except ShardError as exc:  # stale_epoch: a newer primary exists
+                logger.warning("backup %s: %s; stepping down", link.url, exc.message)
+                self.role.step_down()
+                return
+            except Exception as exc:
+                link.failures += 1
+                link.error = f"{type(exc).__name__}: {exc}"[:300]
+                link.state = "unreachable"
+                await asyncio.sleep(backoff)
+                backoff = min(MAX_BACKOFF, backoff * 2)
+                continue
+            backoff = FIRST_BACKOFF
+            link.acked = applied
+            link.heard = time.monotonic()
+            link.state = "streaming"
+            link.error = None
+            link.batches += 1
+            self._wake()
+
+    async def _send(self, link: Link, entries: list[Any]) -> int:
+        """Send one batch; the lsn the backup applied up to. Raises ``ShardError`` for
+        ``stale_epoch``, another exception for any other failure."""
+        role = self.role
+        encoded = wire.encode(
+            {
+                "epoch": role.epoch,
+                "primary": role.view.url,
+                "entries": [e.to_wire() for e in entries],
+            },
+            frame=True,
+        )
+        reply = await self._http().post(
+            link.url + "/v1/replicate", content=encoded.join(), headers=self.headers
+        )
+        msg = wire.unpack(reply.content, reply.headers.get("content-type"))
+        if reply.status_code == 200:
+            applied = msg.get("applied_lsn")
+            if type(applied) is not int:
+                raise ValueError(f"answer without applied_lsn: {str(msg)[:200]}")
+            return applied
+        error = msg.get("error") if isinstance(msg.get("error"), dict) else {}
+        code, details = error.get("code"), error.get("details") or {}
+        if code == "stale_epoch":
+            raise ShardError("stale_epoch", str(error.get("message")), details)
+        if code == "conflict" and type(details.get("applied_lsn")) is int:
+            return int(details["applied_lsn"])  # it holds less (or more) than we thought
+        raise RuntimeError(f"{reply.status_code} {code}: {str(error.get('message'))[:200]}")
+
+    def stats(self) -> list[dict[str, Any]]:
+        head = self.log.head
+        return [link.stats(head) for link in self.links.values()]

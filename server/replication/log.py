@@ -1,0 +1,184 @@
+"""The replication log: every write of a primary, in the order it took effect.
+
+:class:`ReplicationLog` is the store's journal (:mod:`server.store.journal`) on a shard that
+is one replica of a group. Each write the store takes becomes one :class:`Entry`: the epoch it
+was taken at, its **lsn** (log sequence number: 1, 2, 3, ... in the order the writes took
+effect), the store method called (``Writes.push_async``, ``EmbeddingTables.create``, ...) and
+the arguments it was called with, the request's decoded arguments as the verb's builder takes
+them (its ``worker_id`` and ``seq`` among them, so the dedup table replays with the entries),
+each array held as ``{TENSOR: array}``, ready for the wire.
+A backup replays an entry by calling the same method with the same arguments
+(:mod:`server.replication.replay`): the builders are pure and the state is the same, so it
+computes what the primary did. A refused write is never an entry (it changed nothing).
+
+Before the write runs, :meth:`ReplicationLog.begin` refuses it on a replica that does not
+take writes (421 ``not_primary``: :meth:`Role.check_writable
+<server.replication.role.Role.check_writable>`), and copies the arguments' writable arrays:
+an update may use a gradient's buffer as scratch space, and a value inited may become the
+variable's own memory, so the entry keeps the bytes as they came. Hints that only save work
+(a push's ``finite`` and ``block``) are left out; the backup checks again.
+
+The log keeps the newest entries in memory, at most ``max_bytes`` of their arrays (at least
+the newest one): a backup that needs older ones catches up from a snapshot instead. A backup
+keeps the entries it replayed the same way (:meth:`ReplicationLog.append`), at the lsns its
+primary gave them, so it can serve the tail if it becomes primary.
+
+Thread-safety: none; the event loop's thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .role import Role
+
+__all__ = ["DROPPED_KWARGS", "ENTRY_OVERHEAD", "TENSOR", "Entry", "ReplicationLog"]
+
+#: The key of the one-entry map an entry holds each array in: no variable's name (``#`` is
+#: not a name's character), so an argument's own maps are never mistaken for one.
+TENSOR = "#nd"
+#: Keyword arguments of the store's writes that are hints, not state: never logged.
+DROPPED_KWARGS = frozenset({"finite", "block"})
+#: Bytes an entry is counted for beyond its arrays' (its fields, containers and names).
+ENTRY_OVERHEAD = 256
+
+
+@dataclass(slots=True)
+class Entry:
+    """One write as the primary took it (module docstring)."""
+
+    lsn: int
+    epoch: int
+    method: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    #: Bytes counted against the log's bound.
+    nbytes: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.lsn, self.epoch, self.method, self.args, self.kwargs]
+
+
+def _kept(obj: Any, sizes: list[int]) -> Any:
+    """``obj`` as an entry keeps it: its containers copied (mappings as dicts, tuples as
+    lists), each array as ``{TENSOR: array}`` (copied when writable: the write may change
+    its bytes), every array's bytes added to ``sizes[0]``."""
+    if isinstance(obj, np.ndarray):
+        sizes[0] += obj.nbytes
+        return {TENSOR: obj.copy() if obj.flags.writeable else obj}
+    if type(obj) in (str, int, float, bool) or obj is None:
+        return obj
+    if isinstance(obj, Mapping):
+        return {k: _kept(v, sizes) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_kept(v, sizes) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+class ReplicationLog:
+    """The writes of this replica, in order (module docstring). ``head`` is the lsn of the
+    newest entry (0: none yet); entries from ``first`` to ``head`` are held."""
+
+    def __init__(self, role: Role, max_bytes: int) -> None:
+        self.role = role
+        self.max_bytes = max_bytes
+        self.head = 0
+        self._entries: deque[Entry] = deque()
+        self._bytes = 0
+        #: Set whenever an entry is added (the forwarders wait on it), then replaced.
+        self._added = asyncio.Event()
+        #: Entries let go to stay within ``max_bytes``, since the start.
+        self.trimmed = 0
+
+    # -- the journal (server.store.journal) -------------------------------------------------
+
+    def begin(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[str, list[Any], dict[str, Any], int]:
+        self.role.check_writable()
+        sizes = [ENTRY_OVERHEAD]
+        kept_args = [_kept(a, sizes) for a in args]
+        kept_kwargs = {k: _kept(v, sizes) for k, v in kwargs.items() if k not in DROPPED_KWARGS}
+        return method, kept_args, kept_kwargs, sizes[0]
+
+    def commit(self, begun: tuple[str, list[Any], dict[str, Any], int]) -> None:
+        method, args, kwargs, nbytes = begun
+        self._add(Entry(self.head + 1, self.role.epoch, method, args, kwargs, nbytes))
+
+    # -- a backup's copy ----------------------------------------------------------------------
+
+    def append(self, entry: Entry) -> None:
+        """Keep an entry replayed from the primary (its lsn must follow ``head``)."""
+        if entry.lsn != self.head + 1:
+            raise ValueError(f"entry lsn {entry.lsn} does not follow the log's head {self.head}")
+        self._add(entry)
+
+    def restart_at(self, lsn: int) -> None:
+        """Forget every entry: the state is now what ``lsn`` writes made (a snapshot
+        installed), and the next entry is ``lsn + 1``."""
+        self._entries.clear()
+        self._bytes = 0
+        self.head = lsn
+        self._wake()
+
+    # -- reading ------------------------------------------------------------------------------
+
+    @property
+    def first(self) -> int:
+        """The lsn of the oldest entry held (``head + 1`` when none is)."""
+        return self._entries[0].lsn if self._entries else self.head + 1
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def since(self, lsn: int, max_bytes: int) -> list[Entry] | None:
+        """The entries after ``lsn``, oldest first, as many as fit in ``max_bytes`` (at least
+        one when there is one); ``None`` when some of them are not held any more."""
+        if lsn >= self.head:
+            return []
+        first = self.first
+        if lsn + 1 < first:
+            return None
+        out: list[Entry] = []
+        total = 0
+        entries = self._entries
+        for i in range(lsn + 1 - first, len(entries)):
+            entry = entries[i]
+            total += entry.nbytes
+            if out and total > max_bytes:
+                break
+            out.append(entry)
+        return out
+
+    async def added_after(self, lsn: int) -> None:
+        """Return once the log's head is past ``lsn``."""
+        while self.head <= lsn:
+            await self._added.wait()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _add(self, entry: Entry) -> None:
+        self._entries.append(entry)
+        self.head = entry.lsn
+        self._bytes += entry.nbytes
+        entries = self._entries
+        while self._bytes > self.max_bytes and len(entries) > 1:
+            self._bytes -= entries.popleft().nbytes
+            self.trimmed += 1
+        self._wake()
+
+    def _wake(self) -> None:
+        added, self._added = self._added, asyncio.Event()
+        added.set()

@@ -1,0 +1,158 @@
+"""A backup's side of replication: the batches its primary forwards, applied in lsn order.
+
+A batch (``POST /v1/replicate``, docs/PROTOCOL.md §6) is a message ``{"epoch", "primary",
+"entries": [[lsn, epoch, method, args, kwargs], ...]}`` whose arrays travel as tensors (framed),
+each wrapped as ``{TENSOR: tensor}`` (:mod:`server.replication.log`). :class:`Replayer`:
+
+* refuses a batch whose epoch is below the highest this replica has seen (409
+  ``stale_epoch``), and otherwise takes its sender as the primary
+  (:meth:`Role.accept_forwarded <server.replication.role.Role.accept_forwarded>`);
+* applies the entries strictly in lsn order, one batch at a time: an entry it holds already
+  (a batch sent again) is skipped, one that does not follow its newest is refused (409
+  ``conflict`` with ``details.applied_lsn``: the sender goes back to there);
+* applies an entry by calling the store method it names, one of the journaled writes
+  (:mod:`server.store.journal`) and no other, with its arguments, inside
+  :func:`~server.store.journal.replaying`: the same builder and the same application as on
+  the primary, the dedup table included;
+* keeps each entry applied in its own log, at the primary's lsn and epoch;
+* answers the lsn it has applied up to.
+
+An entry the primary applied but this replica refuses means the states differ (a bug): it is
+logged, counted (``refused``), and passed over, so replication goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from client_sdk import wire
+
+from ..errors import ShardError
+from ..store.journal import replaying
+from .log import ENTRY_OVERHEAD, TENSOR, Entry, ReplicationLog
+from .role import Role
+
+__all__ = ["Replayer", "writes_of"]
+
+logger = logging.getLogger("paramshard.replication")
+
+
+def writes_of(*targets: Any) -> dict[str, Any]:
+    """The journaled write methods of ``targets`` (bound), by qualified name: what an entry
+    may name."""
+    out = {}
+    for target in targets:
+        for name in dir(type(target)):
+            method = getattr(type(target), name, None)
+            if getattr(method, "journaled", False) is True:
+                out[method.__qualname__] = getattr(target, name)
+    return out
+
+
+def _bad(message: str) -> ShardError:
+    return ShardError("bad_request", f"replicate: {message}")
+
+
+def _decoded(obj: Any, body: wire.Buffer | None, sizes: list[int]) -> tuple[Any, Any]:
+    """``obj`` as received, twice: as the method takes it (each ``{TENSOR: t}`` a read-only
+    array over the body's bytes, so no update uses it as scratch space) and as the log keeps
+    it (the same arrays, wrapped again)."""
+    if type(obj) is dict:
+        if len(obj) == 1 and TENSOR in obj:
+            try:
+                array = wire.decode_tensor(obj[TENSOR], body)
+            except wire.WireError as exc:
+                raise _bad(f"a tensor of an entry: {exc.message}") from None
+            array.flags.writeable = False
+            sizes[0] += array.nbytes
+            return array, {TENSOR: array}
+        call, kept = {}, {}
+        for k, v in obj.items():
+            call[k], kept[k] = _decoded(v, body, sizes)
+        return call, kept
+    if type(obj) is list:
+        pairs = [_decoded(v, body, sizes) for v in obj]
+        return [c for c, _ in pairs], [k for _, k in pairs]
+    return obj, obj
+
+
+class Replayer:
+    """Applies forwarded batches to this replica's state (module docstring)."""
+
+    def __init__(self, role: Role, log: ReplicationLog, writes: Mapping[str, Any]) -> None:
+        self.role = role
+        self.log = log
+        self.writes = dict(writes)
+        self._signatures = {name: inspect.signature(m) for name, m in self.writes.items()}
+        self._lock = asyncio.Lock()
+        #: Entries this replica refused although its primary had applied them.
+        self.refused = 0
+
+    async def apply(self, msg: Mapping[str, Any], body: wire.Buffer | None) -> int:
+        """Apply batch ``msg`` (module docstring); the lsn applied up to."""
+        epoch, primary, entries = msg.get("epoch"), msg.get("primary"), msg.get("entries")
+        if type(epoch) is not int or epoch < 0:
+            raise _bad(f"'epoch' must be an int >= 0, got {epoch!r}")
+        if not isinstance(primary, str) or not primary:
+            raise _bad("'primary' must be the sender's URL")
+        if not isinstance(entries, list):
+            raise _bad("'entries' must be a list")
+        for raw in entries:
+            if (
+                type(raw) is not list
+                or len(raw) != 5
+                or type(raw[0]) is not int
+                or type(raw[1]) is not int
+                or raw[2] not in self.writes
+                or type(raw[3]) is not list
+                or type(raw[4]) is not dict
+            ):
+                raise _bad(
+                    "each entry must be [lsn, epoch, method, args, kwargs] naming a journaled "
+                    f"write, got {str(raw)[:120]}"
+                )
+        self.role.accept_forwarded(epoch, primary)
+        async with self._lock:
+            self.role.accept_forwarded(epoch, primary)  # again: another batch may have won
+            log = self.log
+            for lsn, entry_epoch, method, args, kwargs in entries:
+                if lsn <= log.head:
+                    continue  # sent again: held already
+                if lsn != log.head + 1:
+                    raise ShardError(
+                        "conflict",
+                        f"replicate: entry {lsn} does not follow this replica's newest, "
+                        f"{log.head}: send from {log.head + 1}",
+                        {"applied_lsn": log.head},
+                    )
+                sizes = [ENTRY_OVERHEAD]
+                call_args, kept_args = _decoded(args, body, sizes)
+                call_kwargs, kept_kwargs = _decoded(kwargs, body, sizes)
+                try:
+                    self._signatures[method].bind(*call_args, **call_kwargs)
+                except TypeError as exc:
+                    raise _bad(f"entry {lsn}: the arguments do not fit {method}: {exc}") from None
+                await self._call(lsn, method, call_args, call_kwargs)
+                log.append(Entry(lsn, entry_epoch, method, kept_args, kept_kwargs, sizes[0]))
+            return log.head
+
+    async def _call(self, lsn: int, method: str, args: list[Any], kwargs: dict[str, Any]) -> None:
+        with replaying():
+            try:
+                result = self.writes[method](*args, **kwargs)
+                if inspect.isawaitable(result):
+                    await result
+            except ShardError as exc:
+                self.refused += 1
+                logger.error(
+                    "replica refused entry %d (%s) that its primary applied: %s %s; its state "
+                    "differs from the primary's",
+                    lsn,
+                    method,
+                    exc.code,
+                    exc.message[:300],
+                )

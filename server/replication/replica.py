@@ -1,0 +1,86 @@
+"""One replica's replication, whole: :class:`Replication` joins the role, the log, the
+forwarder (when primary) and the replayer (when backup) of a shard that is one replica of a
+group, and is what the rest of the shard talks to: the app makes it (``app.state.replication``,
+``None`` for a shard without replicas), starts and stops it with its lifespan, waits on
+:meth:`Replication.synced` before it answers a write, hands ``POST /v1/replicate`` to
+:meth:`Replication.replicate`, and shows :meth:`Replication.stats` in ``GET /v1/cluster``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from client_sdk import wire
+
+from ..config import ShardConfig
+from .forward import Forwarder
+from .log import ReplicationLog
+from .replay import Replayer, writes_of
+from .role import PRIMARY, Role
+
+__all__ = ["MAX_BATCH_BYTES", "Replication"]
+
+#: Bytes of entries one forwarded batch holds at most (at least one entry; and at most half
+#: of ``--max-request-bytes``, which the backup's admission holds it to).
+MAX_BATCH_BYTES = 64 << 20
+
+
+class Replication:
+    """The replication of the shard whose state ``store`` and ``tables`` hold."""
+
+    def __init__(self, config: ShardConfig, role: Role, store: Any, tables: Any) -> None:
+        self.role = role
+        self.store = store
+        self.log = ReplicationLog(role, config.replication_log_bytes)
+        store.journal = self.log
+        self.replayer = Replayer(role, self.log, writes_of(store, tables))
+        headers = {}
+        if config.token:
+            headers["authorization"] = f"Bearer {config.token[0]}"
+        self.forwarder = Forwarder(
+            role,
+            self.log,
+            timeout=config.replica_timeout,
+            batch_bytes=min(MAX_BATCH_BYTES, config.max_request_bytes // 2),
+            headers=headers,
+        )
+
+    def start(self) -> None:
+        """Begin forwarding (on the event loop; the lifespan calls it)."""
+        self.forwarder.start()
+
+    async def stop(self) -> None:
+        await self.forwarder.stop()
+
+    async def synced(self) -> None:
+        """Return once every backup of the in-sync set has applied every write taken so far
+        (what a write's answer waits for); 421 ``not_primary`` if this replica stops
+        acknowledging first."""
+        head = self.log.head
+        if self.role.in_sync or not self.role.acknowledges:
+            await self.forwarder.synced(head)
+
+    async def replicate(self, msg: Mapping[str, Any], body: wire.Buffer | None) -> dict[str, Any]:
+        """``POST /v1/replicate``'s answer: apply a batch, say the lsn applied up to."""
+        applied = await self.replayer.apply(msg, body)
+        return {"applied_lsn": applied, "epoch": self.role.epoch}
+
+    def stats(self) -> dict[str, Any]:
+        """``GET /v1/cluster``'s ``replication``."""
+        log = self.log
+        out = self.role.view.to_json()
+        out.update(
+            lsn=log.head,
+            log={
+                "first_lsn": log.first,
+                "entries": len(log),
+                "bytes": log.nbytes,
+                "max_bytes": log.max_bytes,
+                "trimmed": log.trimmed,
+            },
+            backups=self.forwarder.stats() if self.role.kind == PRIMARY else [],
+            refused=self.replayer.refused,
+            changes=self.store.mutations,
+        )
+        return out
