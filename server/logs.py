@@ -78,6 +78,10 @@ def configure(level: int, fmt: str, shard: str) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+    # The shard's own HTTP client (a primary forwarding to its backups, a variable's REST
+    # followed to its owner) would log every request at info: its failures are logged where
+    # they matter, by the shard's own loggers.
+    logging.getLogger("httpx2").setLevel(max(level, logging.WARNING))
 
 
 class RateLimited:

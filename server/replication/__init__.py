@@ -4,6 +4,13 @@ Where each concept lives:
 
 * ``role``: what this replica is now (primary, backup, standalone, unknown), at which epoch,
   who the primary is and which backups it waits for; the methods leadership calls.
+* ``log``: every write of the store in the order it took effect (the store's journal), kept
+  in memory within a bound for the backups.
+* ``forward``: a primary's log sent to each backup in batches, and a write's answer held
+  until the in-sync backups have it.
+* ``replay``: a backup's side: forwarded batches applied in lsn order through the same store
+  methods.
+* ``replica``: the pieces joined, as the shard's app uses them.
 
 Nothing here imports the web stack's routes; the routes call in.
 """

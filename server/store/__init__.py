@@ -13,6 +13,8 @@ Where each concept lives:
 * ``reads``: pull, wait, poll, and the waits a route awaits while a big push is applied.
 * ``writes``: init, push, assign, increment, each run through its steps (check, dedup, build,
   apply, count); the close of timed-out sync rounds.
+* ``journal``: the one point every write passes (``@journaled``): a shard that replicates is
+  told of each write there, in the order the writes take effect.
 * ``control``: set_optimizer and delete, by names or prefix, around their operations.
 * ``operations``: the writes as operations (init, push, assign, increment), each checked whole
   and built before anything changes; why the steps run in their order.
