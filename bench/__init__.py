@@ -40,4 +40,5 @@ CASES: dict[str, str] = {
     "fanout": "bench.fanout",
     "frameworks": "bench.frameworks",
     "floor": "bench.floor",
+    "replication": "bench.replication",
 }

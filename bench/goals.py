@@ -27,7 +27,9 @@
 * small requests against the raw socket (:mod:`bench.floor`, :mod:`bench.step`): a 4 KB
   pull's p50 <= 4 x the raw socket's round trip of the same bytes; 100 x 4 KB in one step
   >= 0.9 x the raw socket's rate moving the same 400 KB in one message for a pull, and
-  >= 0.75 x for a push+apply.
+  >= 0.75 x for a push+apply;
+* a push of 4 MB through a primary that answers once its one backup applied it (a replica
+  group, :mod:`bench.replication`): >= 0.6 x the MB/s of the same push to a shard alone.
 
 :func:`evaluate` returns one dict per goal (JSON-ready); :func:`render` prints them. A goal
 whose figures were not measured in this run says what would measure it (``--peers`` for the
@@ -39,7 +41,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from . import broadcast, concurrency, fanout, floor, frameworks, optimizers, shardsize
+from . import (
+    broadcast,
+    concurrency,
+    fanout,
+    floor,
+    frameworks,
+    optimizers,
+    replication,
+    shardsize,
+)
 from . import rows as row_case
 from .peers import PEERS
 from .syncround import ASYNC, SYNC
@@ -248,7 +259,30 @@ def evaluate(rows: Sequence[dict]) -> list[dict]:
     out += _scale_goals(rows)
     out += _copy_goals(rows)
     out += _floor_goals(rows)
+    out += _replication_goals(rows)
     return out
+
+
+def _replication_goals(rows: Sequence[dict]) -> list[dict]:
+    """A push of 4 MB or more through a primary that waits for its backup, next to one shard
+    alone (smaller pushes measure the round trips, not the bytes)."""
+    sizes = sorted(
+        {r["size"] for r in rows if r["case"] == "replication" and r["size"] >= 10**6}
+    ) or [None]
+    return [
+        _goal(
+            "push" + ("" if n is None else f" {n * 4 / 1e6:g} MB") + ", primary + 1 backup",
+            replication.ALONE,
+            "MB/s",
+            None if n is None else _find(rows, "replication", "push", n, replication.REPLICATED),
+            None if n is None else _find(rows, "replication", "push", n, replication.ALONE),
+            "mb_per_s",
+            True,
+            0.6,
+            "not measured: run the replication case with a size >= 1e6",
+        )
+        for n in sizes
+    ]
 
 
 def _copy_goals(rows: Sequence[dict]) -> list[dict]:

@@ -23,6 +23,7 @@ from bench import (
     frameworks,
     goals,
     optimizers,
+    replication,
     scale,
     shardsize,
     syncround,
@@ -66,6 +67,7 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         "fanout:",
         "frameworks:",
         "floor:",
+        "replication:",
     ):
         assert case in out
     assert "GOALS" in out and "SCALE: not estimated" in out
@@ -120,6 +122,8 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
     assert all(copies[w] <= 0.01 for w in workers), copies
     for op in floor.OPS:
         assert systems["floor", op] == {RAW, floor.APP, floor.IN_PROTOCOL, SDK}
+    for op in ("push", "increment"):
+        assert systems["replication", op] == {replication.ALONE, replication.REPLICATED}
     # the frameworks' goals and the small-request goals against the raw socket have their
     # figures at this size
     measured = [g for g in data["meta"]["goals"] if g["met"] is not None]
