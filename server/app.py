@@ -642,5 +642,5 @@ def _writes_at_once(state: Any) -> bool:
         gate.write_refusal() is None
         and gate.paused_for is None
         and not gate.closed
-        and state.replication is None
+        and getattr(state, "replication", None) is None
     )
