@@ -17,7 +17,7 @@ LOWEST_BIN  := $(LOWEST_VENV)/bin
 PEERS_VENV := .venv-peers
 PEERS_BIN  := $(PEERS_VENV)/bin
 
-.PHONY: demo test test-lowest image test-image bench bench-peers redis-server chromium lint typecheck clean
+.PHONY: demo test test-lowest image test-image bench bench-peers redis-server chromium etcd lint typecheck clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,7 @@ demo: $(VENV)/.stamp-demo
 # the time of one after the other. `PYTEST_ARGS=-n0 make test` runs them one at a time.
 PYTEST_ARGS ?= -n auto --dist loadfile
 
-test: lint typecheck chromium
+test: lint typecheck chromium etcd
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Debian's chromium and its driver, for the browser tests (tests/e2e/test_dashboard.py);
@@ -49,6 +49,15 @@ chromium:
 	       && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
 	  || echo "the browser tests need chromium and chromium-driver:" \
 	          "apt-get install -y chromium chromium-driver" >&2
+
+# Debian's etcd-server, for the leadership tests (tests/helpers/etcd.py starts one per test
+# module); installed with apt-get when missing and we are root. Otherwise this says what to
+# install, and those tests skip saying so (they fail under CI).
+etcd:
+	@command -v etcd >/dev/null \
+	  || { [ "$$(id -u)" = 0 ] && apt-get update -qq \
+	       && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; } \
+	  || echo "the leadership tests need etcd: apt-get install -y etcd-server" >&2
 
 # ruff's rules and its formatting (pyproject.toml [tool.ruff]); part of make test. `ruff format`
 # and `ruff check --fix` make most of what they ask.
@@ -67,7 +76,7 @@ $(LOWEST_VENV)/.stamp: pyproject.toml constraints-lowest.txt
 	  -c constraints-lowest.txt -e '.[test]'
 	@touch $@
 
-test-lowest: $(LOWEST_VENV)/.stamp chromium
+test-lowest: $(LOWEST_VENV)/.stamp chromium etcd
 	$(LOWEST_BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 image:

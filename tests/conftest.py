@@ -213,3 +213,14 @@ def http():
     """An httpx2 client for raw requests (the protocol as sent by hand, not by the SDK)."""
     with httpx2.Client(timeout=60.0) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    """A real etcd server for a module (tests/helpers/etcd.py), killed after its last test;
+    tests keep apart by using keys under a prefix of their own."""
+    from tests.helpers import etcd as etcd_server
+
+    server = etcd_server.start(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.close()
