@@ -61,6 +61,7 @@ from .metrics import Traffic
 from .narrowed import NarrowedCache
 from .replication import Role
 from .replication.replica import Replication
+from .replication.leadership import from_state
 from .store import DedupTable, ParameterStore
 from .store.heap import trim_heap
 from .store.rounds import close_when_due
@@ -458,9 +459,15 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         if guard.token_file is not None
         else None
     )
+    leadership = from_state(app.state)
+    app.state.leadership = leadership
+    if leadership is not None:
+        leadership.start()
     try:
         yield
     finally:
+        if leadership is not None:
+            await leadership.stop()
         for task in (rounds, watch):
             if task is not None:
                 task.cancel()
@@ -533,7 +540,11 @@ def create_app(config: ShardConfig) -> FastAPI:
     app.state.shutdown_error = None
     app.state.auth = Guard(config.token, config.read_token, config.token_file, config.fleet)
     app.state.traffic = Traffic()
-    app.state.role = role = Role.from_config(config.replica_group, config.advertise_url)
+    app.state.role = role = (
+        Role(config.advertise_url, replicated=True)  # the campaign decides (leadership.py)
+        if config.etcd
+        else Role.from_config(config.replica_group, config.advertise_url)
+    )
     app.state.replication = (
         Replication(config, role, store, app.state.tables) if role.replicated else None
     )

@@ -334,6 +334,30 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
         f"way; stock: always uvicorn's h11 protocol and the FastAPI routes "
         f"(slower, the same answers) [{env_name('http')}, default auto]",
     )
+    if fleet:
+        p.add_argument(
+            "--etcd",
+            dest="etcd",
+            metavar="URL,...",
+            help=f"etcd's client URLs: the replicas of this shard index (--replica-group) "
+            f"elect their primary there, and a backup takes over when the primary's lease "
+            f"ends [{env_name('etcd')}, default: none, the group's first URL is primary]",
+        )
+        p.add_argument(
+            "--etcd-prefix",
+            dest="etcd_prefix",
+            metavar="PREFIX",
+            help=f"where this fleet's keys live in etcd (one prefix per fleet) "
+            f"[{env_name('etcd_prefix')}, default /paramshard]",
+        )
+        p.add_argument(
+            "--lease-ttl",
+            dest="lease_ttl",
+            metavar="SECONDS",
+            help=f"seconds of the primary's lease in etcd: a failover takes about this long; "
+            f"etcd raises it to its minimum (2 with its default election timeout) "
+            f"[{env_name('lease_ttl')}, default 2]",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:

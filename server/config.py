@@ -211,6 +211,26 @@ def _checkpoint(text: str) -> str:
     return text
 
 
+def _etcd_urls(text: str) -> tuple[str, ...]:
+    urls = tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
+    for u in urls:
+        if not u.startswith(("http://", "https://")) or any(c.isspace() for c in u):
+            raise ValueError(
+                f"expected etcd's client URLs, comma-separated (http://etcd:2379,...), "
+                f"got {u[:80]!r}"
+            )
+    if not urls:
+        raise ValueError("expected etcd's client URLs, comma-separated, got nothing")
+    return urls
+
+
+def _etcd_prefix(text: str) -> str:
+    prefix = text.strip().rstrip("/")
+    if not prefix.startswith("/") or not prefix[1:] or any(c.isspace() for c in prefix):
+        raise ValueError(f"expected a key prefix such as /paramshard/my-job, got {text[:80]!r}")
+    return prefix
+
+
 def _tokens(key: str) -> Callable[[str], tuple[str, ...]]:
     def cast(text: str) -> tuple[str, ...]:
         return split_tokens(text, f"{flag_name(key)} / {env_name(key)}")
@@ -337,6 +357,13 @@ class ShardConfig:
     #: How the shard serves HTTP (:data:`server.upstream.MODES`): ``auto`` (the fast path
     #: when the installed web stack offers what it needs) or ``stock``.
     http: str = "auto"
+    #: etcd's client URLs (server/replication/leadership.py): with them, the replicas of this
+    #: shard index elect their primary there; empty: the static role of ``--replica-group``.
+    etcd: tuple[str, ...] = ()
+    #: The keys of this fleet in etcd start with it (``<prefix>/shard/<i>/primary``, ...).
+    etcd_prefix: str = "/paramshard"
+    #: Seconds of the primary's lease in etcd: about how long a failover takes.
+    lease_ttl: int = 2
     #: Bearer tokens that allow every request, and read-only ones (:mod:`server.auth`); none:
     #: no auth. Never in the repr (a config may be logged).
     token: tuple[str, ...] = field(default=(), repr=False)
@@ -432,6 +459,13 @@ class ShardConfig:
                     f"{flag_name('replica_group')} / {env_name('replica_group')}",
                     f"lists a URL twice ({'|'.join(self.replica_group)}): list each replica once",
                 )
+        if self.etcd and not self.replica_group:
+            raise InvalidSetting(
+                f"{flag_name('etcd')} / {env_name('etcd')}",
+                f"elects a primary among the replicas of {flag_name('replica_group')}, "
+                "which is not set: give every replica of this shard index (URL|URL|...) and "
+                f"this one's {flag_name('advertise_url')}",
+            )
         if self.read_token and not (self.token or self.token_file):
             raise InvalidSetting(
                 f"{flag_name('read_token')} / {env_name('read_token')}",
@@ -523,6 +557,9 @@ _CASTS: dict[str, Callable[[str], Any]] = {
     "body_timeout": _timeout,
     "min_body_rate": _rate,
     "http": _http_mode,
+    "etcd": _etcd_urls,
+    "etcd_prefix": _etcd_prefix,
+    "lease_ttl": _int(1, 3600),
     "token": _tokens("token"),
     "token_file": _file,
     "read_token": _tokens("read_token"),

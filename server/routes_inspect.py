@@ -85,6 +85,7 @@ async def cluster(request: Request) -> dict[str, Any]:
     """This shard's place in the fleet, its incarnation and what it holds."""
     state = request.app.state
     store = _store(request)
+    leadership = getattr(state, "leadership", None)
     return {
         "shard_index": state.config.shard_index,
         "num_shards": state.config.num_shards,
@@ -128,6 +129,7 @@ async def cluster(request: Request) -> dict[str, Any]:
         "replication": (
             state.role.view.to_json() if state.replication is None else state.replication.stats()
         ),
+        "leadership": leadership.status() if leadership is not None else None,
     }
 
 

@@ -11,6 +11,10 @@ Where each concept lives:
 * ``replay``: a backup's side: forwarded batches applied in lsn order through the same store
   methods.
 * ``replica``: the pieces joined, as the shard's app uses them.
+* ``etcd``: a small client of etcd v3's HTTP/JSON gateway (leases, revision-checked
+  transactions, watches).
+* ``leadership``: the campaign of a replica in etcd (``--etcd``): who is primary, at which epoch
+  (the primary key's create_revision), the in-sync set; it drives the role.
 
 Nothing here imports the web stack's routes; the routes call in.
 """

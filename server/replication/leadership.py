@@ -1,0 +1,340 @@
+"""Who leads a shard index, decided through etcd: :class:`Leadership`.
+
+Each replica of shard index ``i`` runs one :class:`Leadership` task on its event loop. It
+campaigns for the key ``<prefix>/shard/<i>/primary`` with a lease of its own (``--lease-ttl``
+seconds), created only if absent (one etcd transaction). The winner is primary at **epoch = the
+key's create_revision**: etcd's revisions only grow, so each new primary of an index has a
+higher epoch than every one before it, with no counter of ours. It keeps its lease alive every
+third of the TTL; the others become backups of the URL the key names and watch the key. When
+the primary's lease ends (the process died, was frozen, or lost etcd), etcd deletes the key, the
+watchers see it and campaign again.
+
+A primary stops acknowledging writes **before** its lease can end: after each keepalive it
+tells the role it may acknowledge until ``sent + 2/3 TTL`` (:meth:`Role.hold_until`), a
+deadline the role checks at every write, so a primary that was frozen (SIGSTOP) or cut from
+etcd refuses writes as soon as it runs again, before any task of its own had a chance to
+notice; it then steps down and comes back as a backup of whoever holds the key.
+
+Who may campaign: only a replica that has every acknowledged write. The primary keeps the set
+of such replicas in ``<prefix>/shard/<i>/in-sync`` (``{"epoch", "replicas": [URL, ...]}``,
+every change a revision-checked transaction: :meth:`Leadership.drop` when a backup stopped
+acknowledging, :meth:`Leadership.add` once one caught up). A replica campaigns when that key
+is absent (a new fleet: every replica starts empty) or lists it **and** was written since this
+process started (a replica restarted under the same URL lost what it held in memory, until
+the primary adds it again). While nothing has been written yet, the primary rewrites the key at
+every keepalive, so a replica that starts late in a new fleet becomes eligible too.
+
+Not thread-safe: everything runs on the shard's event loop, as the role requires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .etcd import EtcdClient, EtcdError, KeyValue, LeaseLost
+from .role import PRIMARY, Role
+
+__all__ = ["DEFAULT_LEASE_TTL", "Leadership"]
+
+logger = logging.getLogger("paramshard.leadership")
+
+#: Default ``--lease-ttl``: the shortest lease etcd grants with its default election timeout
+#: (1 s: its minimum TTL is 1.5 election timeouts, rounded up); a failover takes about this long.
+DEFAULT_LEASE_TTL = 2
+#: How long a backup waits on one watch before reading the keys again anyway (seconds).
+WATCH_SECONDS = 10.0
+
+
+def _json(kv: KeyValue | None) -> dict[str, Any] | None:
+    """The JSON object a key of ours holds; ``None`` for an absent key or another value."""
+    if kv is None:
+        return None
+    try:
+        doc = json.loads(kv.value)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+class Leadership:
+    """The campaign of one replica (``url``, one of ``group``) for shard index ``index``.
+
+    ``written()`` is how many changes this replica has applied (0: nothing written yet, so any
+    replica is as complete as this one). Start it with :meth:`start`; :meth:`stop` hands the
+    lead over at once (revokes the lease) when this replica is primary.
+    """
+
+    def __init__(
+        self,
+        role: Role,
+        etcd: EtcdClient,
+        *,
+        prefix: str,
+        index: int,
+        url: str,
+        group: Sequence[str],
+        ttl: int = DEFAULT_LEASE_TTL,
+        written: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.role = role
+        self.etcd = etcd
+        self.url = url
+        self.group = tuple(group)
+        self.ttl = ttl
+        self.written = written
+        self.base = base = f"{prefix.rstrip('/')}/shard/{index}"
+        self.primary_key = f"{base}/primary"
+        self.in_sync_key = f"{base}/in-sync"
+        #: Whether this replica may campaign (it has every acknowledged write), as last read.
+        self.eligible = False
+        #: The lease this replica holds the primary key with (0: none).
+        self.lease = 0
+        #: The store's revision when this process first read it.
+        self.started_revision: int | None = None
+        #: The last error talking to etcd (shown by /v1/cluster), ``None`` once it answers.
+        self.error: str | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._logged = 0.0
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        # httpx2 logs every request at INFO: leadership makes a few a second, for nobody.
+        logging.getLogger("httpx2").setLevel(logging.WARNING)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="leadership")
+
+    async def stop(self) -> None:
+        """Stop campaigning; a primary steps down and revokes its lease, so another replica
+        takes over at once instead of after the lease's TTL."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.role.kind == PRIMARY:
+            self.role.step_down()
+        if self.lease:
+            with contextlib.suppress(EtcdError):
+                await self.etcd.revoke(self.lease)
+            self.lease = 0
+        await self.etcd.close()
+
+    def status(self) -> dict[str, Any]:
+        """What ``GET /v1/cluster`` shows of the campaign."""
+        return {
+            "etcd": self.etcd.endpoints,
+            "key": self.primary_key,
+            "lease_ttl": self.ttl,
+            "holds_lease": bool(self.lease),
+            "eligible": self.eligible,
+            "error": self.error,
+        }
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._round()
+                self.error = None
+            except EtcdError as exc:
+                self.error = str(exc)
+                self._warn("shard %s: etcd: %s", self.primary_key, exc)
+                await asyncio.sleep(self.ttl / 3)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: say so, and keep campaigning rather than end silently
+                logger.exception("leadership of %s failed; campaigning again", self.primary_key)
+                await asyncio.sleep(self.ttl)
+
+    async def _round(self) -> None:
+        """Read the index's keys once and act: follow the primary key's holder, or campaign;
+        then wait until one of the keys changes."""
+        held, revision = await self.etcd.get(self.primary_key)
+        if self.started_revision is None:
+            self.started_revision = revision
+        in_sync, _ = await self.etcd.get(self.in_sync_key)
+        self.eligible = self._eligible(in_sync)
+        if held is not None:
+            self._follow(held)
+        elif self.eligible:
+            await self._campaign(in_sync)
+            return
+        await self.etcd.watch(self.base + "/", revision, WATCH_SECONDS, prefix=True)
+
+    def _follow(self, held: KeyValue) -> None:
+        """Become a backup of the key's holder (at its epoch), unless it is this URL (a key
+        left by this replica's previous process: wait until its lease ends)."""
+        doc = _json(held)
+        primary = doc.get("url") if doc else None
+        epoch = held.create_revision
+        role = self.role
+        if not isinstance(primary, str) or primary == self.url or epoch < role.epoch:
+            if role.kind == PRIMARY:
+                role.step_down()
+            return
+        if role.kind != "backup" or role.primary != primary or role.epoch != epoch:
+            logger.info("shard %s: backup of %s at epoch %d", self.primary_key, primary, epoch)
+            role.become_backup(primary, epoch)
+
+    def _eligible(self, in_sync: KeyValue | None) -> bool:
+        """Whether this replica has every acknowledged write (module docstring)."""
+        if in_sync is None:
+            return True
+        doc = _json(in_sync)
+        replicas = doc.get("replicas") if doc else None
+        if not isinstance(replicas, list) or self.url not in replicas:
+            return False
+        return self.started_revision is not None and in_sync.mod_revision > self.started_revision
+
+    async def _campaign(self, in_sync: KeyValue | None) -> None:
+        lease, ttl = await self.etcd.grant(self.ttl)
+        granted = time.monotonic()
+        self.lease = lease
+        try:
+            value = json.dumps({"url": self.url}).encode()
+            epoch, _ = await self.etcd.create(self.primary_key, value, lease)
+            if not epoch:
+                return  # another replica won: the next round follows it
+            members = self._members(in_sync)
+            if not await self._write_in_sync(
+                members, epoch, in_sync.mod_revision if in_sync else 0
+            ):
+                return  # changed under us: nobody may lead on an in-sync set it did not read
+            self.role.hold_until(granted + ttl * 2 / 3)
+            self.role.become_primary(epoch, [u for u in members if u != self.url])
+            logger.info(
+                "shard %s: primary at epoch %d (lease %ds), in-sync %s",
+                self.primary_key,
+                epoch,
+                ttl,
+                ", ".join(members),
+            )
+            await self._hold(lease, ttl, epoch)
+        finally:
+            if self.role.kind == PRIMARY:
+                self.role.step_down()
+            self.role.hold_until(None)
+            self.lease = 0
+            with contextlib.suppress(EtcdError):
+                await self.etcd.revoke(lease)
+
+    def _members(self, in_sync: KeyValue | None) -> list[str]:
+        """The in-sync set of a new primary: this replica and the replicas the previous set
+        listed (every replica of the group for a new fleet)."""
+        doc = _json(in_sync)
+        listed = doc.get("replicas") if doc else None
+        if in_sync is None or not isinstance(listed, list):
+            listed = list(self.group)
+        return [self.url] + [u for u in self.group if u in listed and u != self.url]
+
+    async def _write_in_sync(self, members: list[str], epoch: int, mod_revision: int) -> bool:
+        value = json.dumps({"epoch": epoch, "replicas": members}).encode()
+        done, _ = await self.etcd.replace(self.in_sync_key, value, mod_revision)
+        return bool(done)
+
+    async def _hold(self, lease: int, ttl: int, epoch: int) -> None:
+        """Keep the lease alive every third of its TTL while this replica is primary at
+        ``epoch``; return when it is lost (or about to be: the role stopped acknowledging)."""
+        deadline = time.monotonic() + ttl * 2 / 3
+        while True:
+            await asyncio.sleep(ttl / 3)
+            role = self.role
+            if role.kind != PRIMARY or role.epoch != epoch:
+                return  # stepped down meanwhile (a backup told it a newer epoch exists)
+            sent = time.monotonic()
+            try:
+                await asyncio.wait_for(self.etcd.keepalive(lease), max(0.01, deadline - sent))
+            except LeaseLost:
+                logger.warning("shard %s: lease lost at epoch %d", self.primary_key, epoch)
+                return
+            except (EtcdError, asyncio.TimeoutError, TimeoutError) as exc:
+                if time.monotonic() >= deadline:
+                    logger.warning(
+                        "shard %s: no keepalive within 2/3 of the lease (%s): stepping down",
+                        self.primary_key,
+                        exc,
+                    )
+                    return
+                continue
+            deadline = sent + ttl * 2 / 3
+            role.hold_until(deadline)
+            if self.written() == 0:  # nothing written yet: every replica up now is in sync
+                await self._refresh(epoch)
+
+    async def _refresh(self, epoch: int) -> None:
+        found, _ = await self.etcd.get(self.in_sync_key)
+        doc = _json(found)
+        if found is None or doc is None or doc.get("epoch") != epoch:
+            return
+        members = [self.url] + [u for u in self.group if u != self.url]
+        await self._write_in_sync(members, epoch, found.mod_revision)
+        self.role.set_in_sync(members)
+
+    # -- the in-sync set --------------------------------------------------------------------
+
+    async def drop(self, url: str) -> bool:
+        """Remove ``url`` from the in-sync set (it stopped acknowledging): only once etcd has
+        it may the primary acknowledge writes without it. ``False`` when this replica is no
+        longer primary at its epoch (it must not acknowledge then)."""
+        return await self._change(lambda members: [u for u in members if u != url])
+
+    async def add(self, url: str) -> bool:
+        """Add ``url`` (one of the group, caught up) to the in-sync set."""
+        if url not in self.group:
+            raise ValueError(f"{url} is not a replica of this group")
+        return await self._change(
+            lambda members: [*members, url] if url not in members else members
+        )
+
+    async def _change(self, change: Callable[[list[str]], list[str]]) -> bool:
+        epoch = self.role.epoch
+        for _ in range(5):
+            if self.role.kind != PRIMARY or self.role.epoch != epoch:
+                return False
+            found, _ = await self.etcd.get(self.in_sync_key)
+            doc = _json(found)
+            listed = doc.get("replicas") if doc else None
+            if (
+                found is None
+                or doc is None
+                or doc.get("epoch") != epoch
+                or not isinstance(listed, list)
+            ):
+                return False  # another primary wrote it: this one is no longer primary
+            members = change([u for u in listed if isinstance(u, str)])
+            if await self._write_in_sync(members, epoch, found.mod_revision):
+                if self.role.kind == PRIMARY and self.role.epoch == epoch:
+                    self.role.set_in_sync(members)
+                    return True
+                return False
+        return False
+
+    def _warn(self, fmt: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._logged >= 5.0:
+            self._logged = now
+            logger.warning(fmt, *args)
+
+
+def from_state(state: Any) -> Leadership | None:
+    """The campaign a shard's ``app.state`` asks for (``--etcd``), ``None`` without etcd."""
+    config = state.config
+    if not config.etcd:
+        return None
+    store = state.store
+    return Leadership(
+        state.role,
+        EtcdClient(config.etcd),
+        prefix=config.etcd_prefix,
+        index=config.shard_index,
+        url=config.advertise_url,
+        group=config.replica_group,
+        ttl=config.lease_ttl,
+        written=lambda: store.state_version + len(store),
+    )

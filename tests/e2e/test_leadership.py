@@ -1,0 +1,184 @@
+"""Leadership through etcd (server/replication/leadership.py): replicas of one shard index, real
+processes, a real etcd (the module's ``etcd`` fixture), each test under a key prefix of its own.
+
+One replica becomes primary at epoch = its key's create_revision, the other its backup; after
+a kill -9 of the primary the backup takes over at a higher epoch; a primary frozen (SIGSTOP)
+past its lease acknowledges nothing once it runs again and comes back as a backup; a primary
+that loses etcd stops acknowledging; a replica restarted after writes may not campaign.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import uuid
+
+import httpx2
+import pytest
+
+from server.replication.etcd import EtcdClient
+from tests.conftest import http_json
+from tests.helpers.eventually import eventually
+from tests.helpers.replicas import Group, start_group
+
+TTL = 2
+
+
+def elected_group(tmp_path, etcd, n=2, *extra):
+    """``n`` replicas of shard 0 electing their primary in ``etcd``, under a prefix of their
+    own; the group and the prefix."""
+    prefix = f"/test-{uuid.uuid4().hex[:8]}"
+    group = start_group(
+        tmp_path / prefix[1:],
+        n,
+        *("--etcd", etcd.url, "--etcd-prefix", prefix, "--lease-ttl", str(TTL), *extra),
+    )
+    return group, prefix
+
+
+def replication(url: str) -> dict | None:
+    """A replica's role, with ``eligible`` from its leadership (``None``: no answer)."""
+    try:
+        info = http_json(url + "/v1/cluster")
+    except OSError:
+        return None
+    return {**info["replication"], "eligible": info["leadership"]["eligible"]}
+
+
+def roles(group: Group, among=None) -> dict[int, dict]:
+    out = {}
+    for r in among if among is not None else range(group.n):
+        info = replication(group.urls[r])
+        if info is not None:
+            out[r] = info
+    return out
+
+
+def one_primary(group: Group, among=None) -> tuple[int, dict]:
+    """Wait until exactly one replica (of ``among``) is primary and the others its backups at
+    its epoch, each eligible to take over; the primary's index and view."""
+
+    def settled():
+        seen = roles(group, among)
+        primaries = [r for r, v in seen.items() if v["role"] == "primary"]
+        if len(seen) != len(among if among is not None else range(group.n)):
+            return None
+        if len(primaries) != 1 or not all(v["eligible"] for v in seen.values()):
+            return None
+        p = primaries[0]
+        view = seen[p]
+        for r, v in seen.items():
+            if r != p and (v["role"], v["primary"], v["epoch"]) != (
+                "backup",
+                group.urls[p],
+                view["epoch"],
+            ):
+                return None
+        return p, view
+
+    return eventually(settled, "one primary and its backups", timeout=30)
+
+
+def etcd_key(etcd, key: str):
+    async def go():
+        c = EtcdClient([etcd.url])
+        try:
+            return (await c.get(key))[0]
+        finally:
+            await c.close()
+
+    return asyncio.run(go())
+
+
+def increment(url: str, seq: int) -> httpx2.Response:
+    import msgpack
+
+    body = msgpack.packb({"name": "step", "delta": 1, "worker_id": "w", "seq": seq})
+    return httpx2.post(
+        url + "/v1/increment",
+        content=body,
+        headers={"content-type": "application/msgpack"},
+        timeout=10,
+    )
+
+
+def test_one_replica_leads_at_the_keys_create_revision_and_a_kill_hands_over(tmp_path, etcd):
+    group, prefix = elected_group(tmp_path, etcd)
+    try:
+        p, view = one_primary(group)
+        held = etcd_key(etcd, f"{prefix}/shard/0/primary")
+        assert held is not None and json.loads(held.value)["url"] == group.urls[p]
+        assert view["epoch"] == held.create_revision
+        in_sync = json.loads(etcd_key(etcd, f"{prefix}/shard/0/in-sync").value)
+        assert sorted(in_sync["replicas"]) == sorted(group.urls)
+        assert in_sync["epoch"] == view["epoch"]
+
+        group.kill(p)
+        other = 1 - p
+        q, new = one_primary(group, among=[other])
+        assert q == other and new["epoch"] > view["epoch"]
+        held = etcd_key(etcd, f"{prefix}/shard/0/primary")
+        assert json.loads(held.value)["url"] == group.urls[other]
+        assert new["epoch"] == held.create_revision
+    finally:
+        group.close()
+
+
+def test_a_primary_frozen_past_its_lease_acknowledges_nothing_and_comes_back_as_backup(
+    tmp_path, etcd
+):
+    group, _ = elected_group(tmp_path, etcd)
+    try:
+        p, view = one_primary(group)
+        other = 1 - p
+        group.send(p, signal.SIGSTOP)
+        try:
+            eventually(
+                lambda: (roles(group, [other]).get(other) or {}).get("role") == "primary",
+                "the backup taking over while the primary is frozen",
+            )
+        finally:
+            group.send(p, signal.SIGCONT)
+        # The first thing the old primary is asked once it runs again: a write. Its lease
+        # ended while it was frozen, so it must refuse it (not_primary), whatever its own
+        # tasks had time to notice.
+        refused = increment(group.urls[p], 1)
+        assert refused.status_code == 421, refused.content
+        q, new = one_primary(group)
+        assert q == other and new["epoch"] > view["epoch"]
+    finally:
+        group.close()
+
+
+def test_a_primary_that_loses_etcd_stops_acknowledging(tmp_path, etcd):
+    group, _ = elected_group(tmp_path, etcd)
+    try:
+        p, view = one_primary(group)
+        etcd.pause()
+        try:
+            eventually(
+                lambda: (roles(group, [p]).get(p) or {}).get("role") != "primary",
+                "the primary stepping down without etcd",
+            )
+            assert increment(group.urls[p], 2).status_code == 421
+        finally:
+            etcd.resume()
+        _, new = one_primary(group)
+        assert new["epoch"] > view["epoch"]
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("ttl", ["0", "x"])
+def test_a_bad_lease_ttl_is_refused_at_start(tmp_path, etcd, ttl):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--etcd", etcd.url, "--lease-ttl", ttl],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "--lease-ttl" in out.stderr
