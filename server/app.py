@@ -60,8 +60,8 @@ from .logs import RateLimited
 from .metrics import Traffic
 from .narrowed import NarrowedCache
 from .replication import Role
-from .replication.replica import Replication
 from .replication.leadership import from_state
+from .replication.replica import Replication
 from .store import DedupTable, ParameterStore
 from .store.heap import trim_heap
 from .store.rounds import close_when_due

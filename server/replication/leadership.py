@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import httpx2
+
 from .etcd import EtcdClient, EtcdError, KeyValue, LeaseLost
 from .role import PRIMARY, Role
 
@@ -47,6 +49,8 @@ logger = logging.getLogger("paramshard.leadership")
 #: Default ``--lease-ttl``: the shortest lease etcd grants with its default election timeout
 #: (1 s: its minimum TTL is 1.5 election timeouts, rounded up); a failover takes about this long.
 DEFAULT_LEASE_TTL = 2
+#: How long a new primary waits for each replica's ``GET /v1/cluster`` (seconds).
+SURVEY_SECONDS = 1.0
 #: How long a backup waits on one watch before reading the keys again anyway (seconds).
 WATCH_SECONDS = 10.0
 
@@ -81,6 +85,7 @@ class Leadership:
         group: Sequence[str],
         ttl: int = DEFAULT_LEASE_TTL,
         written: Callable[[], int] = lambda: 0,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.role = role
         self.etcd = etcd
@@ -100,6 +105,11 @@ class Leadership:
         #: The last error talking to etcd (shown by /v1/cluster), ``None`` once it answers.
         self.error: str | None = None
         self._task: asyncio.Task[None] | None = None
+        #: Until when (monotonic) this replica does not campaign: it found a replica holding
+        #: more writes than itself when it won last.
+        self._stand_aside = 0.0
+        #: For asking the other replicas what they hold (their ``GET /v1/cluster``).
+        self._http = httpx2.AsyncClient(headers=headers or {}, trust_env=False)
         self._logged = 0.0
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -123,6 +133,7 @@ class Leadership:
                 await self.etcd.revoke(self.lease)
             self.lease = 0
         await self.etcd.close()
+        await self._http.aclose()
 
     def status(self) -> dict[str, Any]:
         """What ``GET /v1/cluster`` shows of the campaign."""
@@ -160,12 +171,16 @@ class Leadership:
             self.started_revision = revision
         in_sync, _ = await self.etcd.get(self.in_sync_key)
         self.eligible = self._eligible(in_sync)
+        wait = WATCH_SECONDS
         if held is not None:
             self._follow(held)
         elif self.eligible:
-            await self._campaign(in_sync)
-            return
-        await self.etcd.watch(self.base + "/", revision, WATCH_SECONDS, prefix=True)
+            aside = self._stand_aside - time.monotonic()
+            if aside <= 0:
+                await self._campaign(in_sync)
+                return
+            wait = aside  # a replica holding more writes may take the lead meanwhile
+        await self.etcd.watch(self.base + "/", revision, wait, prefix=True)
 
     def _follow(self, held: KeyValue) -> None:
         """Become a backup of the key's holder (at its epoch), unless it is this URL (a key
@@ -202,6 +217,19 @@ class Leadership:
             if not epoch:
                 return  # another replica won: the next round follows it
             members = self._members(in_sync)
+            reached = await self._survey([u for u in members if u != self.url])
+            mine = self.written()
+            ahead = [u for u, (lsn, eligible) in reached.items() if eligible and lsn > mine]
+            if ahead:  # a replica holds writes this one does not: let it lead instead
+                logger.warning(
+                    "shard %s: %s holds more writes than this replica (lsn %d): not leading",
+                    self.base,
+                    ", ".join(ahead),
+                    mine,
+                )
+                self._stand_aside = time.monotonic() + self.ttl
+                return
+            members = [self.url] + [u for u in members if u in reached]
             if not await self._write_in_sync(
                 members, epoch, in_sync.mod_revision if in_sync else 0
             ):
@@ -223,6 +251,28 @@ class Leadership:
             self.lease = 0
             with contextlib.suppress(EtcdError):
                 await self.etcd.revoke(lease)
+
+    async def _survey(self, urls: list[str]) -> dict[str, tuple[int, bool]]:
+        """The replicas of ``urls`` that answer ``GET /v1/cluster`` now: their lsn (the
+        newest write they hold) and whether they may campaign. One that does not answer
+        within :data:`SURVEY_SECONDS` is left out of a new primary's in-sync set: writes would
+        wait for it in vain."""
+
+        async def ask(url: str) -> tuple[str, tuple[int, bool] | None]:
+            try:
+                reply = await self._http.get(url + "/v1/cluster", timeout=SURVEY_SECONDS)
+                info = reply.json() if reply.status_code == 200 else None
+            except (httpx2.HTTPError, ValueError):
+                return url, None
+            if not isinstance(info, dict):
+                return url, None
+            view, campaign = info.get("replication"), info.get("leadership")
+            lsn = view.get("lsn", 0) if isinstance(view, dict) else None
+            eligible = isinstance(campaign, dict) and campaign.get("eligible") is True
+            return url, ((lsn, eligible) if type(lsn) is int else None)
+
+        found = await asyncio.gather(*(ask(u) for u in urls))
+        return {url: answer for url, answer in found if answer is not None}
 
     def _members(self, in_sync: KeyValue | None) -> list[str]:
         """The in-sync set of a new primary: this replica and the replicas the previous set
@@ -282,17 +332,24 @@ class Leadership:
         """Remove ``url`` from the in-sync set (it stopped acknowledging): only once etcd has
         it may the primary acknowledge writes without it. ``False`` when this replica is no
         longer primary at its epoch (it must not acknowledge then)."""
-        return await self._change(lambda members: [u for u in members if u != url])
+        return await self._change(lambda members: [u for u in members if u != url], url)
 
     async def add(self, url: str) -> bool:
         """Add ``url`` (one of the group, caught up) to the in-sync set."""
         if url not in self.group:
-            raise ValueError(f"{url} is not a replica of this group")
+            return False
         return await self._change(
-            lambda members: [*members, url] if url not in members else members
+            lambda members: [*members, url] if url not in members else members, url
         )
 
-    async def _change(self, change: Callable[[list[str]], list[str]]) -> bool:
+    async def _change(self, change: Callable[[list[str]], list[str]], url: str) -> bool:
+        try:
+            return await self._try_change(change)
+        except EtcdError as exc:  # the set stays as it was: the writes waiting keep waiting
+            self._warn("shard %s: cannot change the in-sync set for %s: %s", self.base, url, exc)
+            return False
+
+    async def _try_change(self, change: Callable[[list[str]], list[str]]) -> bool:
         epoch = self.role.epoch
         for _ in range(5):
             if self.role.kind != PRIMARY or self.role.epoch != epoch:
@@ -323,12 +380,15 @@ class Leadership:
 
 
 def from_state(state: Any) -> Leadership | None:
-    """The campaign a shard's ``app.state`` asks for (``--etcd``), ``None`` without etcd."""
+    """The campaign a shard's ``app.state`` asks for (``--etcd``), ``None`` without etcd; it
+    takes over the forwarder's changes of the in-sync set (``replication.forwarder``'s
+    ``drop`` and ``rejoin``: in etcd first, then in the role)."""
     config = state.config
     if not config.etcd:
         return None
-    store = state.store
-    return Leadership(
+    replication = state.replication
+    log = replication.log
+    leadership = Leadership(
         state.role,
         EtcdClient(config.etcd),
         prefix=config.etcd_prefix,
@@ -336,5 +396,16 @@ def from_state(state: Any) -> Leadership | None:
         url=config.advertise_url,
         group=config.replica_group,
         ttl=config.lease_ttl,
-        written=lambda: store.state_version + len(store),
+        written=lambda: int(log.head),
+        headers={"authorization": f"Bearer {config.token[0]}"} if config.token else None,
     )
+
+    async def drop(url: str) -> None:
+        await leadership.drop(url)
+
+    async def rejoin(url: str) -> None:
+        await leadership.add(url)
+
+    replication.forwarder.drop = drop
+    replication.forwarder.rejoin = rejoin
+    return leadership
