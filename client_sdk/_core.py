@@ -47,6 +47,7 @@ from ._exceptions import (
 from ._fleet import Fleet, era
 from ._flow import Result, ShardRequest
 from ._parts import Parts
+from ._replicas import Replicas
 from ._replies import Message
 from ._settings import Settings
 
@@ -84,10 +85,13 @@ class Core:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.shards = settings.shards
+        #: Each index's replicas, and the one its requests go to now (``_replicas.py``).
+        self.replicas = Replicas(settings.groups)
+        #: Where each shard's requests go now: ``replicas.current``, the same list.
+        self.shards = self.replicas.current
         self.n = len(settings.shards)
         self.cache = VersionCache(self.n)
-        self.fleet = Fleet(settings.shards, self.cache.drop_shard)
+        self.fleet = Fleet(self.replicas.current, self.cache.drop_shard)
         #: The layouts of partitioned variables (``_parts.py``, ``_verbs/partitioned.py``).
         self.parts = Parts()
         #: Pull plans kept per list of names (``_verbs/pull.py``).

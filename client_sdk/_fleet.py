@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from . import wire
@@ -55,7 +55,7 @@ class Fleet:
     fleet's lock: it must not call back into the fleet).
     """
 
-    def __init__(self, urls: tuple[str, ...], on_restart: Callable[[int], None]) -> None:
+    def __init__(self, urls: Sequence[str], on_restart: Callable[[int], None]) -> None:
         self.urls = urls
         self.n = n = len(urls)
         self._on_restart = on_restart
@@ -80,6 +80,9 @@ class Fleet:
         #: Whether a shard held a partitioned variable's layout when it was checked.
         self.partitioned = False
         self._incarnation: list[str | None] = [None] * n
+        #: The URL each incarnation was seen at: another URL is another replica of the index
+        #: (a failover, ``_replicas.py``), not a restart.
+        self._incarnation_url: list[str | None] = [None] * n
         self._era: list[str | None] = [None] * n
         #: Per shard: the last state version seen, and (old incarnation, that version) while
         #: a restart is noticed but not yet reported.
@@ -258,10 +261,14 @@ class Fleet:
             if era is not None or known != incarnation:
                 self._era[shard] = era
             if known != incarnation:
+                url = self.urls[shard]
+                switched = self._incarnation_url[shard] != url
                 self._incarnation[shard] = incarnation
+                self._incarnation_url[shard] = url
                 if known is not None:
                     self._checked[shard] = False
-                    self._restarted[shard] = (known, self._state_version[shard])
+                    if not switched:  # a failover to another replica is logged as one
+                        self._restarted[shard] = (known, self._state_version[shard])
                     self._on_restart(shard)
                 self._state_version[shard] = None
             if version is not None:

@@ -64,6 +64,9 @@ class ShardRequest:
     #: native ones: ``_http/http11.py``); others read it whole as usual. A pull into the
     #: caller's buffers (``_into.py``).
     into: Into | None = None
+    #: Sent to this replica of the shard's group rather than to the one its requests go to
+    #: now (asking each replica who is primary: ``_replicas.py``).
+    url: str | None = None
 
 
 def request_headers(req: ShardRequest) -> Mapping[str, str]:

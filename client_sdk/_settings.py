@@ -1,7 +1,8 @@
 """A client's options and their checks: :class:`Settings`, resolved by :func:`load_settings`.
 
 Every option of :class:`~client_sdk.PSClient` and :class:`~client_sdk.AsyncPSClient` that is
-not a transport: the shard URLs, the worker's id and token (each falling back to its
+not a transport: the shard URLs (a replicated index's replicas joined by ``|``,
+``_replicas.py``), the worker's id and token (each falling back to its
 ``PARAMSHARD_*`` environment variable, named in :mod:`client_sdk.wire`), the timeouts, the
 bound on background pushes and on replies. A bad value is a :class:`ConfigError` naming the
 argument or the variable to fix, raised before any I/O.
@@ -45,6 +46,13 @@ class Settings:
     verify: bool | str = True
     #: ``None`` (float32 travels as float32) or the half precision it travels in.
     wire_dtype: str | None = None
+    #: The replicas of each shard index (``shards[i]`` first); one URL for an index without
+    #: backups (``_replicas.py``).
+    groups: tuple[tuple[str, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            object.__setattr__(self, "groups", tuple((u,) for u in self.shards))
 
 
 def load_settings(
@@ -81,15 +89,17 @@ def load_settings(
             f"{wire.ENV_SHARDS}=http://host:7100,http://host:7101 (every shard, in "
             "--shard-index order)"
         )
-    urls = tuple(_check_url(u, i, source) for i, u in enumerate(shard_list))
+    groups = tuple(_check_group(g, i, source) for i, g in enumerate(shard_list))
     seen: dict[str, int] = {}
-    for i, u in enumerate(urls):
-        if u in seen:
-            raise ConfigError(
-                f"{source} lists {u} twice (positions {seen[u]} and {i}): list each shard once, "
-                "in --shard-index order"
-            )
-        seen[u] = i
+    for i, group in enumerate(groups):
+        for u in group:
+            if u in seen:
+                raise ConfigError(
+                    f"{source} lists {u} twice (positions {seen[u]} and {i}): list each shard "
+                    "once, in --shard-index order"
+                )
+            seen[u] = i
+    urls = tuple(g[0] for g in groups)
 
     if worker_id is None:
         worker_id = env.get(wire.ENV_WORKER_ID) or f"{socket.gethostname()}-{os.getpid()}"
@@ -151,11 +161,31 @@ def load_settings(
         max_reply_bytes,
         verify,
         wire_dtype,
+        groups,
     )
 
 
+def _check_group(entry: Any, position: int, source: str) -> tuple[str, ...]:
+    """One shard index's replicas: a URL, ``URL|URL|...``, or a list or tuple of URLs."""
+    if isinstance(entry, str):
+        parts: list[Any] = [p for p in (part.strip() for part in entry.split("|")) if p]
+    elif isinstance(entry, (list, tuple)):
+        parts = list(entry)
+    else:
+        parts = [entry]
+    if not parts:
+        raise ConfigError(
+            f"position {position} of {source} names no URL: give each shard index's replicas "
+            "as URL or URL|URL|..."
+        )
+    return tuple(_check_url(u, position, source) for u in parts)
+
+
 def _check_url(url: Any, position: int, source: str) -> str:
-    hint = f"({source}, position {position}): use http://host:port or https://host:port"
+    hint = (
+        f"({source}, position {position}): use http://host:port or https://host:port "
+        "(the replicas of one shard index separated by |)"
+    )
     if not isinstance(url, str):
         raise ConfigError(f"shard URL {url!r} is not a string {hint}")
     parts = urlsplit(url.strip())

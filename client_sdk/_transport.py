@@ -39,6 +39,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx2
@@ -50,6 +51,7 @@ from ._flow import Reply, Result, ShardRequest
 from ._http.http11 import ReplyTooLarge
 from ._http.httpx_senders import AsyncHTTPXSender, HTTPXSender
 from ._http.native import AsyncNativeSender, NativeSender
+from ._replicas import choose, not_primary
 from ._settings import Settings
 
 logger = logging.getLogger("client_sdk")
@@ -70,8 +72,21 @@ __all__ = [
 
 Sender = NativeSender | HTTPXSender
 AsyncSender = AsyncNativeSender | AsyncHTTPXSender
-#: What settles a request (anything else :func:`_judge` returns is a delay before a retry).
+#: What settles a request (anything else :func:`_judge` returns is a delay before a retry, or
+#: a :class:`Failover`).
 _SETTLED = (Reply, PSError)
+
+
+@dataclass(frozen=True)
+class Failover:
+    """The replica asked is not (or no longer reachable as) its index's primary: find the
+    primary (:func:`_follow`), then try again there, after ``delay`` seconds unless the
+    primary is another replica. ``named``: the primary the refusal named, if any."""
+
+    delay: float
+    named: str | None = None
+
+
 #: Runs a blocking call on another thread (an executor's ``submit``).
 Submit = Callable[..., concurrent.futures.Future[Any]]
 
@@ -85,20 +100,25 @@ def _native(settings: Settings, transport: object) -> bool:
     return transport is None
 
 
-def sync_sender(settings: Settings, transport: httpx2.BaseTransport | None) -> Sender:
+def sync_sender(
+    settings: Settings, transport: httpx2.BaseTransport | None, urls: list[str] | None = None
+) -> Sender:
     """The sender a :class:`~client_sdk.PSClient` uses: native unless a transport is
-    injected. Does no I/O."""
+    injected. ``urls[i]``: where shard ``i``'s requests go, read at each exchange (a core's
+    ``replicas.current``). Does no I/O."""
     if _native(settings, transport):
-        return NativeSender(settings)
-    return HTTPXSender(settings, transport)
+        return NativeSender(settings, urls)
+    return HTTPXSender(settings, transport, urls)
 
 
-def async_sender(settings: Settings, transport: httpx2.AsyncBaseTransport | None) -> AsyncSender:
+def async_sender(
+    settings: Settings, transport: httpx2.AsyncBaseTransport | None, urls: list[str] | None = None
+) -> AsyncSender:
     """The sender an :class:`~client_sdk.AsyncPSClient` uses: native unless a transport is
     injected, or the platform's event loop cannot wait for sockets (Windows). Does no I/O."""
     if _native(settings, transport) and sys.platform != "win32":
-        return AsyncNativeSender(settings)
-    return AsyncHTTPXSender(settings, transport)
+        return AsyncNativeSender(settings, urls)
+    return AsyncHTTPXSender(settings, transport, urls)
 
 
 def attempt_deadline(core: Core, req: ShardRequest) -> float:
@@ -189,7 +209,7 @@ def send_all(
         return [first] + [f.result() for f in futures]
     started = time.monotonic()
     deadlines = [attempt_deadline(core, req) for req in reqs]
-    results: list[Result | float] = [
+    results: list[Result | float | Failover] = [
         _judge(core, req, 1, started, outcome)
         for req, outcome in zip(reqs, sender.once_all(reqs, deadlines, submit))
     ]
@@ -243,12 +263,19 @@ def _abandoned(core: Core, req: ShardRequest) -> PSError:
 
 
 def _retry(
-    sender: Sender, core: Core, req: ShardRequest, started: float, attempt: int, delay: float | None
+    sender: Sender,
+    core: Core,
+    req: ShardRequest,
+    started: float,
+    attempt: int,
+    delay: float | Failover | None,
 ) -> Result:
     """Attempts after the ``attempt``-th (made at ``started``), the first after ``delay``
     seconds, until one settles the request (or its abort is fired)."""
     abort = req.abort
     while True:
+        if isinstance(delay, Failover):
+            delay = _follow(sender, core, req, delay)
         if delay is not None:
             if abort is None:
                 time.sleep(delay)
@@ -269,16 +296,25 @@ def _retry(
 
 def _judge(
     core: Core, req: ShardRequest, attempt: int, started: float, outcome: Reply | Exception
-) -> Result | float:
+) -> Result | float | Failover:
     """What the ``attempt``-th try's outcome (a reply, or the exception that ended it) means:
     the request's result, or the seconds to wait before trying again."""
     if isinstance(outcome, PSError):
         return outcome
     if isinstance(outcome, ReplyTooLarge):  # the same request would get it again
         return _chain(_translate(outcome, core, req, attempt, started), outcome)
+    replicated = req.url is None and core.replicas.replicated(req.shard)
     if isinstance(outcome, Reply):
         if outcome.status < 300:  # the common case, answered: nothing to retry
             return outcome
+        if replicated:
+            refused, named = not_primary(outcome)
+            if refused:  # nothing was applied: find the primary, send it there
+                delay = retry_delay(req, attempt - 1, status=503)
+                if delay is None:
+                    return outcome
+                _say_waiting(core, req, started, "it is not the primary")
+                return Failover(delay, named)
         delay = retry_delay(
             req, attempt - 1, status=outcome.status, retry_after=outcome.headers.get("retry-after")
         )
@@ -290,7 +326,7 @@ def _judge(
     if delay is None:
         return _chain(_translate(outcome, core, req, attempt, started), outcome)
     _say_waiting(core, req, started, f"{type(outcome).__name__}: {outcome}"[:300])
-    return delay
+    return Failover(delay) if replicated else delay
 
 
 #: A request still retrying this many seconds after its first attempt is logged (a warning),
@@ -321,6 +357,68 @@ def _say_waiting(core: Core, req: ShardRequest, started: float, why: str) -> Non
     )
 
 
+# -- following a replicated index's primary ---------------------------------------------------
+
+#: Seconds one ``GET /v1/cluster`` of a replica may take while looking for the primary.
+ASK_TIMEOUT = 2.0
+
+
+def _asks(core: Core, req: ShardRequest) -> list[ShardRequest]:
+    """``GET /v1/cluster`` of every replica of ``req``'s shard index."""
+    deadline = min(req.deadline, time.monotonic() + ASK_TIMEOUT)
+    base = core.get(req.shard, "/v1/cluster", deadline, "cluster")
+    return [
+        ShardRequest(
+            base.shard,
+            base.method,
+            base.path,
+            base.headers,
+            None,
+            False,
+            deadline,
+            "cluster",
+            max_reply=core.max_reply,
+            url=url,
+        )
+        for url in core.replicas.groups[req.shard]
+    ]
+
+
+def _settle_follow(core: Core, req: ShardRequest, failover: Failover, answers: list[Any]) -> float:
+    """Where ``req``'s index goes now, from its replicas' answers: 0 s to wait when that is
+    another replica than before, else the failover's delay."""
+    replicas = core.replicas
+    group = replicas.groups[req.shard]
+    found = choose(group, [a if isinstance(a, Reply) else None for a in answers])
+    if found is None:
+        if failover.named is None:
+            return failover.delay
+        found = failover.named, replicas.epochs[req.shard]  # what the refusal said
+    url, epoch = found
+    return 0.0 if replicas.follow(req.shard, url, epoch) else failover.delay
+
+
+def _follow(sender: Sender, core: Core, req: ShardRequest, failover: Failover) -> float:
+    """Find the primary of ``req``'s shard index and send its requests there; the seconds to
+    wait before trying ``req`` again. Blocks (one short request to each replica)."""
+    answers: list[Any] = []
+    for ask in _asks(core, req):
+        try:
+            answers.append(sender.once(ask, ask.deadline))
+        except (*_TRANSPORT_ERRORS, PSError) as exc:
+            answers.append(exc)
+    return _settle_follow(core, req, failover, answers)
+
+
+async def _afollow(sender: AsyncSender, core: Core, req: ShardRequest, failover: Failover) -> float:
+    """The async twin of :func:`_follow` (the replicas asked at once)."""
+    asks = _asks(core, req)
+    answers = await asyncio.gather(
+        *(sender.once(ask, ask.deadline) for ask in asks), return_exceptions=True
+    )
+    return _settle_follow(core, req, failover, list(answers))
+
+
 async def asend(sender: AsyncSender, core: Core, req: ShardRequest) -> Result:
     """The async twin of :func:`send`."""
     started = time.monotonic()
@@ -334,6 +432,8 @@ async def asend(sender: AsyncSender, core: Core, req: ShardRequest) -> Result:
         verdict = _judge(core, req, attempt, started, outcome)
         if isinstance(verdict, _SETTLED):
             return verdict
+        if isinstance(verdict, Failover):
+            verdict = await _afollow(sender, core, req, verdict)
         await asyncio.sleep(verdict)
 
 

@@ -53,7 +53,10 @@ class PSClient(TableMethods):
     """A worker's connection to a paramshard fleet (blocking calls).
 
     ``shards`` lists every shard's URL in ``--shard-index`` order (a list, or one
-    comma-separated string); without it ``PARAMSHARD_SHARDS`` is read. ``worker_id``
+    comma-separated string); without it ``PARAMSHARD_SHARDS`` is read. An index served by a
+    replica group is given as its replicas, ``"URL|URL"`` (or a list of URLs): requests go
+    to its primary, and the client follows a failover to the new one (same ``seq``: each
+    write applied once). ``worker_id``
     (``PARAMSHARD_WORKER_ID``, default ``"<hostname>-<pid>"``) names this worker in the shards'
     records and numbers its pushes; give every concurrent worker its own. ``token``
     (``PARAMSHARD_TOKEN``) is sent as ``Authorization: Bearer``; of a comma-separated list (the
@@ -125,7 +128,7 @@ class PSClient(TableMethods):
         )
         self._core = Core(settings)
         n = len(settings.shards)
-        self._sender = _transport.sync_sender(settings, transport)
+        self._sender = _transport.sync_sender(settings, transport, self._core.replicas.current)
         # Threads for the other shards of a batch: over httpx2, all requests but the caller's
         # own; over the native pools, only new connections and retries (the caller's thread
         # drives the rest). Enough for a call from the caller, every background push and a
@@ -139,8 +142,9 @@ class PSClient(TableMethods):
 
     @property
     def shards(self) -> tuple[str, ...]:
-        """The shard URLs, in shard-index order."""
-        return self._core.shards
+        """The shard URLs, in shard-index order: of a replicated index, the replica its
+        requests go to now (its primary, as far as this client knows)."""
+        return tuple(self._core.shards)
 
     @property
     def worker_id(self) -> str:
@@ -493,13 +497,13 @@ class AsyncPSClient(AsyncTableMethods):
             wire_dtype=wire_dtype,
         )
         self._core = Core(settings)
-        self._sender = _transport.async_sender(settings, transport)
+        self._sender = _transport.async_sender(settings, transport, self._core.replicas.current)
         self._pusher = AsyncPusher(max_inflight, self._push_job, _verbs.merge_push)
         self._closed = False
 
     @property
     def shards(self) -> tuple[str, ...]:
-        return self._core.shards
+        return tuple(self._core.shards)
 
     @property
     def worker_id(self) -> str:

@@ -187,7 +187,7 @@ def _headers(response: httpx2.Response) -> dict[str, str]:
 
 def _verify(settings: Settings) -> Any:
     """httpx2's ``verify`` for these shards: the client's TLS context when one is https."""
-    if any(url.startswith("https://") for url in settings.shards):
+    if any(url.startswith("https://") for group in settings.groups for url in group):
         return tls_context(settings.verify)
     return True
 
@@ -197,7 +197,12 @@ class HTTPXSender:
     :class:`~client_sdk._http.httpx_deadline.Deadlines`), its reply at most ``max_reply_bytes``
     unless the request says. Thread-safe."""
 
-    def __init__(self, settings: Settings, transport: httpx2.BaseTransport | None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        transport: httpx2.BaseTransport | None,
+        urls: list[str] | None = None,
+    ) -> None:
         pool_limits = limits(len(settings.shards), settings.max_inflight)
         if transport is None:
             transport = httpx2.HTTPTransport(
@@ -210,7 +215,7 @@ class HTTPXSender:
             transport=transport,
             trust_env=False,
         )
-        self.urls = settings.shards
+        self.urls = urls if urls is not None else list(settings.shards)
         self.max_reply = settings.max_reply_bytes
 
     def once(self, req: ShardRequest, deadline: float) -> Reply:
@@ -221,7 +226,7 @@ class HTTPXSender:
             Deadlines.set(None)
 
     def _exchange(self, req: ShardRequest, deadline: float) -> Reply:
-        url = self.urls[req.shard]
+        url = req.url or self.urls[req.shard]
         limit = self.max_reply if req.max_reply is None else req.max_reply
         body = _SyncBody(req.body) if req.body is not None else None
         response = self.client.send(_build(self.client, url, req, body, deadline), stream=True)
@@ -247,7 +252,12 @@ class AsyncHTTPXSender:
     """The async twin of :class:`HTTPXSender`, over an ``httpx2.AsyncClient``: an exchange
     still under way at its deadline is cancelled (its connection closed)."""
 
-    def __init__(self, settings: Settings, transport: httpx2.AsyncBaseTransport | None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        transport: httpx2.AsyncBaseTransport | None,
+        urls: list[str] | None = None,
+    ) -> None:
         self.client = httpx2.AsyncClient(
             timeout=timeout(settings.timeout),
             limits=limits(len(settings.shards), settings.max_inflight),
@@ -255,7 +265,7 @@ class AsyncHTTPXSender:
             trust_env=False,
             verify=_verify(settings),
         )
-        self.urls = settings.shards
+        self.urls = urls if urls is not None else list(settings.shards)
         self.max_reply = settings.max_reply_bytes
 
     async def once(self, req: ShardRequest, deadline: float) -> Reply:
@@ -267,7 +277,7 @@ class AsyncHTTPXSender:
             raise httpx2.ReadTimeout("timed out waiting for the whole response") from exc
 
     async def _exchange(self, req: ShardRequest, deadline: float) -> Reply:
-        url = self.urls[req.shard]
+        url = req.url or self.urls[req.shard]
         limit = self.max_reply if req.max_reply is None else req.max_reply
         body = _AsyncBody(req.body) if req.body is not None else None
         response = await self.client.send(

@@ -37,7 +37,7 @@ Submit = Callable[..., concurrent.futures.Future[Any]]
 
 
 def _pool_args(settings: Settings) -> dict[str, Any]:
-    https = any(url.startswith("https://") for url in settings.shards)
+    https = any(url.startswith("https://") for group in settings.groups for url in group)
     return {
         "max_idle": idle_per_shard(settings.max_inflight),
         "connect_timeout": min(settings.timeout, CONNECT_TIMEOUT),
@@ -49,15 +49,21 @@ def _pool_args(settings: Settings) -> dict[str, Any]:
 
 class _Native:
     """What the two native senders share: the shards' origins, and a request made into an
-    :class:`~client_sdk._http.http11.Exchange` and a response into a :class:`Reply`."""
+    :class:`~client_sdk._http.http11.Exchange` and a response into a :class:`Reply`.
 
-    def __init__(self, settings: Settings) -> None:
-        self.urls = settings.shards
-        self.origins = [Origin(url) for url in settings.shards]
+    ``urls[i]`` is where shard ``i``'s requests go, read at each exchange (a replicated
+    index's current primary: ``_replicas.py``); a request's own ``url`` goes before it."""
+
+    def __init__(self, settings: Settings, urls: list[str] | None = None) -> None:
+        self.urls = urls if urls is not None else list(settings.shards)
+        self.origins = {url: Origin(url) for group in settings.groups for url in group}
+
+    def url(self, req: ShardRequest) -> str:
+        return req.url or self.urls[req.shard]
 
     def exchange(self, req: ShardRequest, deadline: float) -> Exchange:
         return Exchange(
-            self.origins[req.shard],
+            self.origins[self.url(req)],
             req.method,
             req.path,
             request_headers(req),
@@ -69,7 +75,7 @@ class _Native:
         )
 
     def reply(self, req: ShardRequest, r: Response) -> Reply:
-        _replies.refuse_encoded(r.headers, r.status, self.urls[req.shard])
+        _replies.refuse_encoded(r.headers, r.status, self.url(req))
         return Reply(r.status, r.headers, r.content)
 
 
@@ -77,8 +83,8 @@ class NativeSender(_Native):
     """One exchange over :class:`~client_sdk._http.pool.HTTPPool`: a connection per
     concurrent request to a shard, ``max_inflight + 2`` kept idle per shard. Thread-safe."""
 
-    def __init__(self, settings: Settings) -> None:
-        super().__init__(settings)
+    def __init__(self, settings: Settings, urls: list[str] | None = None) -> None:
+        super().__init__(settings, urls)
         self.pool = HTTPPool(**_pool_args(settings))
 
     def once(self, req: ShardRequest, deadline: float) -> Reply:
@@ -110,8 +116,8 @@ class AsyncNativeSender(_Native):
     """The async twin of :class:`NativeSender`, over
     :class:`~client_sdk._http.asyncpool.AsyncHTTPPool`."""
 
-    def __init__(self, settings: Settings) -> None:
-        super().__init__(settings)
+    def __init__(self, settings: Settings, urls: list[str] | None = None) -> None:
+        super().__init__(settings, urls)
         self.pool = AsyncHTTPPool(**_pool_args(settings))
 
     async def once(self, req: ShardRequest, deadline: float) -> Reply:

@@ -7,7 +7,7 @@ verb in its features is refused before anything is sent (:meth:`Fleet.require
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import wire
@@ -65,7 +65,7 @@ def requests(
 
 
 def merged(
-    batch: list[ShardRequest], replies: list[Message], key: str, urls: tuple[str, ...]
+    batch: list[ShardRequest], replies: list[Message], key: str, urls: Sequence[str]
 ) -> dict[str, dict[str, Any]]:
     """The maps ``key`` of every reply, merged: name -> its entry (a prefix's matches, which
     the client cannot list beforehand)."""
