@@ -20,9 +20,15 @@ of such replicas in ``<prefix>/shard/<i>/in-sync`` (``{"epoch", "replicas": [URL
 every change a revision-checked transaction: :meth:`Leadership.drop` when a backup stopped
 acknowledging, :meth:`Leadership.add` once one caught up). A replica campaigns when that key
 is absent (a new fleet: every replica starts empty) or lists it **and** was written since this
-process started (a replica restarted under the same URL lost what it held in memory, until
-the primary adds it again). While nothing has been written yet, the primary rewrites the key at
-every keepalive, so a replica that starts late in a new fleet becomes eligible too.
+process started: a replica restarted under the same URL lost what it held in memory. The
+primary writes the set again as it is, at most once per lease TTL, whenever every backup of it
+holds every write (:meth:`Leadership._confirm`), so a listed replica that restarted becomes
+eligible once it has caught up.
+
+A new primary asks the other replicas what they hold (``GET /v1/cluster``, one second each):
+one that does not answer is left out of its in-sync set at once (the writes would wait for it
+in vain), and one that may campaign and holds more writes makes it stand aside for a TTL, so
+that the most complete replica leads.
 
 Not thread-safe: everything runs on the shard's event loop, as the role requires.
 """
@@ -85,6 +91,7 @@ class Leadership:
         group: Sequence[str],
         ttl: int = DEFAULT_LEASE_TTL,
         written: Callable[[], int] = lambda: 0,
+        caught_up: Callable[[], bool] = lambda: False,
         headers: dict[str, str] | None = None,
     ) -> None:
         self.role = role
@@ -93,6 +100,9 @@ class Leadership:
         self.group = tuple(group)
         self.ttl = ttl
         self.written = written
+        self.caught_up = caught_up
+        #: When (monotonic) the in-sync set was last written again as it was (:meth:`_confirm`).
+        self._confirmed = 0.0
         self.base = base = f"{prefix.rstrip('/')}/shard/{index}"
         self.primary_key = f"{base}/primary"
         self.in_sync_key = f"{base}/in-sync"
@@ -235,7 +245,11 @@ class Leadership:
             ):
                 return  # changed under us: nobody may lead on an in-sync set it did not read
             self.role.hold_until(granted + ttl * 2 / 3)
-            self.role.become_primary(epoch, [u for u in members if u != self.url])
+            # Primary with every replica of the group first, then only the in-sync ones: the
+            # forwarder keeps a link (and so feeds and lets back in) every backup it was
+            # ever given, and nothing is acknowledged between the two calls.
+            self.role.become_primary(epoch, [u for u in self.group if u != self.url])
+            self.role.set_in_sync([u for u in members if u != self.url])
             logger.info(
                 "shard %s: primary at epoch %d (lease %ds), in-sync %s",
                 self.primary_key,
@@ -314,17 +328,20 @@ class Leadership:
                 continue
             deadline = sent + ttl * 2 / 3
             role.hold_until(deadline)
-            if self.written() == 0:  # nothing written yet: every replica up now is in sync
-                await self._refresh(epoch)
+            if sent - self._confirmed >= ttl and self.caught_up():
+                await self._confirm(epoch)
 
-    async def _refresh(self, epoch: int) -> None:
+    async def _confirm(self, epoch: int) -> None:
+        """Write the in-sync set again as it is (every backup of it holds every write now):
+        a replica of it that restarted since the set was last written becomes eligible."""
+        self._confirmed = time.monotonic()
         found, _ = await self.etcd.get(self.in_sync_key)
         doc = _json(found)
         if found is None or doc is None or doc.get("epoch") != epoch:
             return
-        members = [self.url] + [u for u in self.group if u != self.url]
-        await self._write_in_sync(members, epoch, found.mod_revision)
-        self.role.set_in_sync(members)
+        members = [self.url, *self.role.in_sync]
+        if self.role.kind == PRIMARY and self.role.epoch == epoch:
+            await self._write_in_sync(members, epoch, found.mod_revision)
 
     # -- the in-sync set --------------------------------------------------------------------
 
@@ -387,7 +404,18 @@ def from_state(state: Any) -> Leadership | None:
     if not config.etcd:
         return None
     replication = state.replication
-    log = replication.log
+    log, role, links = replication.log, state.role, replication.forwarder.links
+
+    def caught_up() -> bool:
+        """Every backup of the in-sync set has applied every write this primary holds."""
+        head = log.head
+        for url in role.in_sync:
+            link = links.get(url)
+            acked = link.acked if link is not None else None
+            if head and (acked is None or acked < head):
+                return False
+        return True
+
     leadership = Leadership(
         state.role,
         EtcdClient(config.etcd),
@@ -397,6 +425,7 @@ def from_state(state: Any) -> Leadership | None:
         group=config.replica_group,
         ttl=config.lease_ttl,
         written=lambda: int(log.head),
+        caught_up=caught_up,
         headers={"authorization": f"Bearer {config.token[0]}"} if config.token else None,
     )
 

@@ -17,6 +17,7 @@ import uuid
 import httpx2
 import pytest
 
+from client_sdk import PSClient
 from server.replication.etcd import EtcdClient
 from tests.conftest import http_json
 from tests.helpers.eventually import eventually
@@ -182,3 +183,25 @@ def test_a_bad_lease_ttl_is_refused_at_start(tmp_path, etcd, ttl):
         timeout=60,
     )
     assert out.returncode == 2 and "--lease-ttl" in out.stderr
+
+
+def test_a_backup_restarted_after_writes_campaigns_only_once_caught_up(tmp_path, etcd):
+    group, _ = elected_group(tmp_path, etcd)
+    try:
+        p, _ = one_primary(group)
+        b = 1 - p
+        with PSClient(group.urls[p], worker_id="w-restart") as ps:
+            for _ in range(5):
+                ps.increment("restart_steps")
+            group.kill(b)
+            group.start(b)  # still in the in-sync set (no write waited for it meanwhile)
+            # it lost the writes it held: listed or not, it may not campaign yet
+            info = http_json(group.urls[b] + "/v1/cluster")
+            assert info["leadership"]["eligible"] is False
+            ps.increment("restart_steps")
+        # fed the log by the primary, it is confirmed in the set and may campaign again
+        one_primary(group)
+        with PSClient(group.urls[b], worker_id="w-restart-check") as backup:
+            assert backup.pull(["restart_steps"])["restart_steps"] == 6
+    finally:
+        group.close()
