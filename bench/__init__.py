@@ -41,4 +41,5 @@ CASES: dict[str, str] = {
     "frameworks": "bench.frameworks",
     "floor": "bench.floor",
     "replication": "bench.replication",
+    "failover": "bench.failover",
 }

@@ -30,6 +30,9 @@
   >= 0.75 x for a push+apply;
 * a push of 4 MB through a primary that answers once its one backup applied it (a replica
   group, :mod:`bench.replication`): >= 0.6 x the MB/s of the same push to a shard alone.
+* failover (:mod:`bench.failover`): from a kill -9 of a primary elected in etcd to the first
+  write a worker sees acknowledged by the new one, p50 <= 1.5 x the lease TTL (3 s at the
+  default 2 s).
 
 :func:`evaluate` returns one dict per goal (JSON-ready); :func:`render` prints them. A goal
 whose figures were not measured in this run says what would measure it (``--peers`` for the
@@ -44,6 +47,7 @@ from collections.abc import Sequence
 from . import (
     broadcast,
     concurrency,
+    failover,
     fanout,
     floor,
     frameworks,
@@ -260,6 +264,7 @@ def evaluate(rows: Sequence[dict]) -> list[dict]:
     out += _copy_goals(rows)
     out += _floor_goals(rows)
     out += _replication_goals(rows)
+    out += _failover_goals(rows)
     return out
 
 
@@ -510,6 +515,24 @@ def _broadcast_goals(rows: Sequence[dict]) -> list[dict]:
             0.5,
             "needs --peers with ray" if mine else not_run,
         ),
+    ]
+
+
+def _failover_goals(rows: Sequence[dict]) -> list[dict]:
+    """Failover of a primary elected in etcd: from the kill to the first write acknowledged
+    by the new primary, p50 <= 1.5 x the lease TTL (3 s with the default 2 s)."""
+    return [
+        _goal(
+            "failover: kill -9 -> first acked write",
+            failover.LEASE,
+            "p50",
+            _find(rows, "failover", "failover", None, failover.FAILOVER),
+            _find(rows, "failover", "failover", None, failover.LEASE),
+            "p50_ms",
+            False,
+            1.5,
+            "not measured: run the failover case (it needs etcd: apt-get install etcd-server)",
+        )
     ]
 
 

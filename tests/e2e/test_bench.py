@@ -18,6 +18,7 @@ import pytest
 from bench import (
     broadcast,
     concurrency,
+    failover,
     fanout,
     floor,
     frameworks,
@@ -68,6 +69,7 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         "frameworks:",
         "floor:",
         "replication:",
+        "failover:",
     ):
         assert case in out
     assert "GOALS" in out and "SCALE: not estimated" in out
@@ -124,6 +126,7 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         assert systems["floor", op] == {RAW, floor.APP, floor.IN_PROTOCOL, SDK}
     for op in ("push", "increment"):
         assert systems["replication", op] == {replication.ALONE, replication.REPLICATED}
+    assert systems["failover", "failover"] == {failover.LEASE, failover.FAILOVER}
     # the frameworks' goals and the small-request goals against the raw socket have their
     # figures at this size
     measured = [g for g in data["meta"]["goals"] if g["met"] is not None]
@@ -134,6 +137,7 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         "4 KB pull latency",
         "100 x 4 KB pull in one step",
         "100 x 4 KB push+apply in one step",
+        "failover: kill -9 -> first acked write",
     }
     assert data["meta"]["scale"] is None
 
