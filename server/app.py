@@ -21,8 +21,9 @@ exception that escapes a handler (a bug, never bad input) into a logged 500 ``in
 :func:`serving_app` is what a shard serves: the app, except that data-plane ``POST`` requests go
 through the app's middleware (:class:`ShardMiddleware`, admission) straight to their endpoints
 (:mod:`server.direct_routes`), past FastAPI's per-request routing (the routes stay registered, and
-in ``/docs``), and a small pull in the table layout, pull_rows, push or increment is answered
-by the shard's HTTP protocol itself when nothing stands in its way (:func:`immediate_routes`).
+in ``/docs``), and a small pull in the table layout, pull_rows, push, increment or push_rows
+is answered by the shard's HTTP protocol itself when nothing stands in its way
+(:func:`immediate_routes`).
 """
 
 from __future__ import annotations
@@ -578,17 +579,18 @@ def serving_app(app: FastAPI) -> ASGIApp:
 def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     """What the shard's HTTP protocol may answer without an ASGI request cycle
     (:data:`server.httptools_protocol.IMMEDIATE`): ``POST /v1/pull`` in the table layout,
-    ``POST /v1/pull_rows`` of float32 rows, ``POST /v1/push`` and ``POST /v1/increment``, when
-    the request passes the fleet check as sent by the SDK, carries a token that may read (a
-    pull) or write (a push, an increment) when the shard has tokens, the gate would admit it at
-    once (a write: and :func:`_writes_at_once`), and :func:`~server.routes_data.pull_now`
-    (:func:`~server.routes_tables.pull_rows_now`, :func:`~server.routes_data.push_now`,
-    :func:`~server.routes_data.increment_now`) can answer it. The reply is the one the usual
+    ``POST /v1/pull_rows`` of float32 rows, ``POST /v1/push``, ``/v1/increment`` and
+    ``/v1/push_rows``, when the request passes the fleet check as sent by the SDK, carries a
+    token that may read (a pull) or write (the others) when the shard has tokens, the gate would
+    admit it at once (a write: and :func:`_writes_at_once`), and its ``*_now`` function
+    (:func:`~server.routes_data.pull_now`, :func:`~server.routes_tables.pull_rows_now`,
+    :func:`~server.routes_data.push_now`, :func:`~server.routes_data.increment_now`,
+    :func:`~server.routes_tables.push_rows_now`) can answer it. The reply is the one the usual
     way gives, byte for byte: the same handler code, the same headers (the shard's, from
     :class:`ShardMiddleware`). Anything else (every refusal and error included) returns
     ``None`` and goes the usual way, which answers it; nothing has changed before that."""
     from .routes_data import increment_now, pull_now, push_now
-    from .routes_tables import pull_rows_now
+    from .routes_tables import pull_rows_now, push_rows_now
 
     state = app.state
     store, tables, gate = state.store, state.tables, state.gate
@@ -638,6 +640,9 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
         b"/v1/push": answerer("push", lambda h, b: push_now(store, limit, h, b, max_names), WRITE),
         b"/v1/increment": answerer(
             "increment", lambda h, b: increment_now(store, limit, h, b, max_names), WRITE
+        ),
+        b"/v1/push_rows": answerer(
+            "push_rows", lambda h, b: push_rows_now(tables, limit, h, b, max_names), WRITE
         ),
     }
 

@@ -43,21 +43,20 @@ pull reply's header, padding and arrays, go out in one vectored write instead of
 the app: a 100-variable pull reply is one ``writev``, not two writes and a joining copy of its
 400 KB.
 
-And some requests never become a request cycle: the served app may name requests it can answer
-at once (its :data:`IMMEDIATE` attribute: raw path -> :data:`Answerer`; on a shard, a small
-``POST /v1/pull`` in the table layout or ``/v1/pull_rows``, ``POST /v1/push`` and
-``POST /v1/increment``, :func:`server.app.immediate_routes`). For such a path, a ``POST`` with
-a ``Content-Length`` below :data:`ANSWER_BELOW` on a keep-alive HTTP/1.1 connection, with no
-other response under way, no ``Expect``, no access log and writing not paused, whose body comes
-whole in the read that brings its head (else it goes the usual way from the end of that read,
-counted in flight like any request), is collected by the parser callbacks and given to the
-answerer there: no ASGI scope handed on, no task, no middleware, no ``receive``/``send``
-messages. Its answer is written as a shard's responses are (head with body, one vectored
-write) and the connection goes on as after any response (keep-alive timer, reading). When the
-answerer declines (``None``: any
-error, refusal or wait is the app's to answer) or fails, the request goes to the app as if the
-parser had just reached its head, body and end. The work saved is a sizeable part of a small
-pull's time in the shard (``python -m bench.stepcost`` shows the shard's part).
+And some requests never become a request cycle: the served app may name requests it can answer at
+once (its :data:`IMMEDIATE` attribute: raw path -> :data:`Answerer`; on a shard, a small
+``POST /v1/pull`` in the table layout or ``/v1/pull_rows``, ``POST /v1/push``, ``/v1/increment``
+and ``/v1/push_rows``, :func:`server.app.immediate_routes`). For such a path, a ``POST`` with a
+``Content-Length`` below :data:`ANSWER_BELOW` on a keep-alive HTTP/1.1 connection, with no other
+response under way, no ``Expect``, no access log and writing not paused, whose body comes whole in
+the read that brings its head (else it goes the usual way from the end of that read, counted in
+flight like any request), is collected by the parser callbacks and given to the answerer there: no
+ASGI scope handed on, no task, no middleware, no ``receive``/``send`` messages. Its answer is
+written as a shard's responses are (head with body, one vectored write) and the connection goes on
+as after any response (keep-alive timer, reading). When the answerer declines (``None``: any error,
+refusal or wait is the app's to answer) or fails, the request goes to the app as if the parser had
+just reached its head, body and end. The work saved is a sizeable part of a small pull's time in
+the shard (``python -m bench.stepcost`` shows the shard's part).
 
 It is passed to uvicorn as its ``http`` protocol class (``uvicorn.Config(http=...)``, a
 documented option), on the fast path only (:func:`server.upstream.serving`). It relies on

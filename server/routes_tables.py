@@ -10,9 +10,9 @@ Each data-plane handler reads its body once (:func:`server.routes_data.message`;
 ``ids`` and ``grads`` stay views of that buffer), checks the fields it needs (400 naming the
 field), and calls the shard's :class:`~server.embedding.EmbeddingTables` (``app.state.tables``)
 synchronously on the event loop: a pull's rows are gathered and a push's applied with no
-``await`` between check and write. A small pull of float32 rows is answered by
-:func:`pull_rows_now` from the shard's HTTP protocol itself when it can be
-(:func:`server.app.immediate_routes`), with the same code and bytes.
+``await`` between check and write. A small pull of float32 rows, and a small push_rows, are
+answered by :func:`pull_rows_now` and :func:`push_rows_now` from the shard's HTTP protocol
+itself when they can be (:func:`server.app.immediate_routes`), with the same code and bytes.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .errors import ShardError
 from .narrowed import NARROW_ON_LOOP
 from .routes_data import BODY_DOC, bad_field, message, reply, required, writer
 
-__all__ = ["MAX_INSPECT_IDS", "pull_rows_now", "router"]
+__all__ = ["MAX_INSPECT_IDS", "pull_rows_now", "push_rows_now", "router"]
 
 #: Ids ``GET /v1/tables/{name}/rows`` shows at most.
 MAX_INSPECT_IDS = 1000
@@ -139,6 +139,34 @@ def pull_rows_now(
 
 
 _KINDS = {wire.MSGPACK.encode(): wire.MSGPACK, wire.FRAME.encode(): wire.FRAME}
+
+
+def push_rows_now(
+    tables: EmbeddingTables,
+    limit: int,
+    headers: Mapping[bytes, bytes],
+    body: bytes,
+    max_names: int = wire.MAX_REQUEST_NAMES,
+) -> wire.Encoded | None:
+    """The reply to a push_rows, without waiting: what :func:`push_rows` answers for the same
+    request; or ``None`` where :func:`push_rows` would do more (a body above ``limit`` or of
+    another content type, any error to answer), which it must then answer itself. Nothing has
+    changed when it returns ``None``: the push is checked whole before anything changes.
+    ``headers``: the request's, names lower-case. Synchronous; on the event loop."""
+    kind = _KINDS.get(headers.get(b"content-type", b""))
+    if kind is None or len(body) > limit:
+        return None
+    try:
+        msg = wire.unpack(body, kind, max_names)
+        if not isinstance(msg, dict):
+            return None
+        worker_id, seq = writer(msg, "push_rows", required=True)
+        name = _name(msg, "push_rows")
+        tensors = _whole(msg, ("ids", "grads"), "push_rows", body if kind == wire.FRAME else None)
+        result = tables.push(name, worker_id, seq, tensors["ids"], tensors["grads"])
+    except (ShardError, wire.WireError):
+        return None
+    return wire.encode(result, tensors=False)
 
 
 @router.post("/push_rows", openapi_extra=BODY_DOC)

@@ -24,7 +24,7 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from client_sdk import wire
-from client_sdk.embedding import TableSpec
+from client_sdk.embedding import TableSpec, initial_rows
 from client_sdk.optimizers import SGD, Add
 from server import admission
 from server.app import create_app, serving_app
@@ -589,5 +589,86 @@ def test_a_push_to_a_name_written_off_the_loop_goes_to_the_app():
             var.writing.set_result(None)
             var.writing = None
             assert (await pending).startswith(b"HTTP/1.1 200 ")
+
+    asyncio.run(run())
+
+
+def _push_rows(msg: dict, framed: bool) -> bytes:
+    enc = wire.encode(msg, frame=framed)
+    return request(path="/v1/push_rows", body=enc.join(), ctype=enc.content_type)
+
+
+G4 = np.ones((2, 4), np.float32)
+#: push_rows in order, each (message, framed): new and stored rows, repeats, a retry; then ones
+#: the app must answer (errors), which change nothing.
+ROW_PUSHES = [
+    (
+        {"name": "t", "ids": np.array([5, 9], np.int64), "grads": G4, "worker_id": "w", "seq": 1},
+        True,
+    ),
+    (
+        {"name": "t", "ids": np.array([9, 9], np.int64), "grads": G4, "worker_id": "w", "seq": 2},
+        False,
+    ),
+    (
+        {"name": "t", "ids": np.array([9, 9], np.int64), "grads": G4, "worker_id": "w", "seq": 2},
+        True,
+    ),
+]
+REFUSED_ROW_PUSHES = [
+    (
+        {
+            "name": "nope",
+            "ids": np.array([1, 2], np.int64),
+            "grads": G4,
+            "worker_id": "w",
+            "seq": 7,
+        },
+        True,
+    ),
+    (
+        {"name": "a", "ids": np.array([1, 2], np.int64), "grads": G4, "worker_id": "w", "seq": 7},
+        True,
+    ),
+    ({"name": "t", "ids": np.array([1], np.int64), "grads": G4, "worker_id": "w", "seq": 7}, False),
+    (
+        {
+            "name": "t",
+            "ids": np.array([1, 2], np.int64),
+            "grads": G4 * np.nan,
+            "worker_id": "w",
+            "seq": 7,
+        },
+        True,
+    ),
+    ({"name": "t", "ids": np.array([1.0, 2.0]), "grads": G4, "worker_id": "w", "seq": 7}, True),
+    ({"name": "t", "ids": np.array([1, 2], np.int64), "grads": G4, "worker_id": "w"}, True),
+]
+
+
+def test_a_push_rows_is_answered_at_once_with_the_apps_bytes():
+    """Two shards from the same state, one answering push_rows in the protocol and one through
+    the app: the same bytes (but each one's incarnation) for every push, in order, msgpack and
+    framed; refused ones go to the app, and change nothing."""
+
+    async def run() -> None:
+        async with shard() as (one, immediate, _), shard() as (other, _, usual):
+            incarnations = (one.state.incarnation.encode(), other.state.incarnation.encode())
+            for k, (msg, framed) in enumerate(ROW_PUSHES + REFUSED_ROW_PUSHES):
+                data = _push_rows(msg, framed)
+                mine = await Connection(immediate).send(data)
+                theirs = await Connection(usual).send(data)
+                assert mine.replace(incarnations[0], b"") == theirs.replace(incarnations[1], b"")
+                taken = k < len(ROW_PUSHES)
+                assert mine.startswith(b"HTTP/1.1 200 " if taken else b"HTTP/1.1 4"), k
+                assert immediate.calls == (0 if taken else k - len(ROW_PUSHES) + 1)
+            ids = np.array([5, 9], np.int64)
+            start = initial_rows(TableSpec(dim=4, optimizer=SGD(lr=1.0), seed=3), "t", ids)
+            for app in (one, other):
+                table = app.state.tables.get("t")
+                assert table.version == 3 and len(table) == 3  # rows 5, -7 and 9
+                np.testing.assert_allclose(
+                    table.gather(ids) - start, [[-2.0] * 4, [-3.0] * 4], atol=1e-6
+                )
 
     asyncio.run(run())
