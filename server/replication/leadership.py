@@ -108,6 +108,11 @@ class Leadership:
         self.in_sync_key = f"{base}/in-sync"
         #: Whether this replica may campaign (it has every acknowledged write), as last read.
         self.eligible = False
+        #: The epoch this process last won the lead at (``None``: never).
+        self.led: int | None = None
+        #: It led, and now follows a newer primary: it may hold writes that primary lacks, so
+        #: it never campaigns again in this process.
+        self.demoted = False
         #: The lease this replica holds the primary key with (0: none).
         self.lease = 0
         #: The store's revision when this process first read it.
@@ -153,6 +158,7 @@ class Leadership:
             "lease_ttl": self.ttl,
             "holds_lease": bool(self.lease),
             "eligible": self.eligible,
+            "demoted": self.demoted,
             "error": self.error,
         }
 
@@ -203,12 +209,28 @@ class Leadership:
             if role.kind == PRIMARY:
                 role.step_down()
             return
+        if self.led is not None and epoch > self.led and not self.demoted:
+            # It applied writes as primary that the new primary may never have had (their
+            # answers were still waiting for the backups): it must not lead on them.
+            self.demoted = True
+            self.eligible = False
+            logger.warning(
+                "shard %s: led at epoch %d, now follows %s at epoch %d: this replica may hold "
+                "writes the new primary lacks and will not campaign again; restart it to rejoin "
+                "cleanly",
+                self.base,
+                self.led,
+                primary,
+                epoch,
+            )
         if role.kind != "backup" or role.primary != primary or role.epoch != epoch:
             logger.info("shard %s: backup of %s at epoch %d", self.primary_key, primary, epoch)
             role.become_backup(primary, epoch)
 
     def _eligible(self, in_sync: KeyValue | None) -> bool:
         """Whether this replica has every acknowledged write (module docstring)."""
+        if self.demoted:
+            return False
         if in_sync is None:
             return True
         doc = _json(in_sync)
@@ -226,6 +248,7 @@ class Leadership:
             epoch, _ = await self.etcd.create(self.primary_key, value, lease)
             if not epoch:
                 return  # another replica won: the next round follows it
+            self.led = epoch
             members = self._members(in_sync)
             reached = await self._survey([u for u in members if u != self.url])
             mine = self.written()

@@ -44,7 +44,8 @@ def replication(url: str) -> dict | None:
         info = http_json(url + "/v1/cluster")
     except OSError:
         return None
-    return {**info["replication"], "eligible": info["leadership"]["eligible"]}
+    campaign = info["leadership"]
+    return {**info["replication"], "eligible": campaign["eligible"], "demoted": campaign["demoted"]}
 
 
 def roles(group: Group, among=None) -> dict[int, dict]:
@@ -56,16 +57,17 @@ def roles(group: Group, among=None) -> dict[int, dict]:
     return out
 
 
-def one_primary(group: Group, among=None) -> tuple[int, dict]:
+def one_primary(group: Group, among=None, eligible=True) -> tuple[int, dict]:
     """Wait until exactly one replica (of ``among``) is primary and the others its backups at
-    its epoch, each eligible to take over; the primary's index and view."""
+    its epoch, each eligible to take over (unless not ``eligible``: a demoted former primary
+    is not); the primary's index and view."""
 
     def settled():
         seen = roles(group, among)
         primaries = [r for r, v in seen.items() if v["role"] == "primary"]
         if len(seen) != len(among if among is not None else range(group.n)):
             return None
-        if len(primaries) != 1 or not all(v["eligible"] for v in seen.values()):
+        if len(primaries) != 1 or (eligible and not all(v["eligible"] for v in seen.values())):
             return None
         p = primaries[0]
         view = seen[p]
@@ -146,8 +148,12 @@ def test_a_primary_frozen_past_its_lease_acknowledges_nothing_and_comes_back_as_
         # tasks had time to notice.
         refused = increment(group.urls[p], 1)
         assert refused.status_code == 421, refused.content
-        q, new = one_primary(group)
+        q, new = one_primary(group, eligible=False)
         assert q == other and new["epoch"] > view["epoch"]
+        # it led at the older epoch: it may hold writes the new primary lacks, so it never
+        # campaigns again in this process
+        old = replication(group.urls[p])
+        assert old["demoted"] is True and old["eligible"] is False
     finally:
         group.close()
 
@@ -165,7 +171,7 @@ def test_a_primary_that_loses_etcd_stops_acknowledging(tmp_path, etcd):
             assert increment(group.urls[p], 2).status_code == 421
         finally:
             etcd.resume()
-        _, new = one_primary(group)
+        _, new = one_primary(group, eligible=False)
         assert new["epoch"] > view["epoch"]
     finally:
         group.close()
