@@ -547,8 +547,11 @@ def create_app(config: ShardConfig) -> FastAPI:
         else Role.from_config(config.replica_group, config.advertise_url)
     )
     app.state.replication = (
-        Replication(config, role, store, app.state.tables) if role.replicated else None
+        Replication(config, role, store, app.state.tables, gate, incarnation)
+        if role.replicated
+        else None
     )
+    app.state.durability.replication = app.state.replication
     _install_error_handlers(app)
     app.include_router(data_router)
     app.include_router(control_router)

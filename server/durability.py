@@ -98,6 +98,9 @@ class Durability:
         self._number = 1
         #: The shard's embedding tables, restored with the store (set by the app).
         self.tables: EmbeddingTables | None = None
+        #: A replica's replication (server/replication), if the shard is one: a snapshot
+        #: records where it is in the log, and a restore resumes the log there.
+        self.replication: Any = None
 
     @property
     def enabled(self) -> bool:
@@ -141,6 +144,8 @@ class Durability:
             self.store.restore(found.variables, found.dedup, found.layouts)
             if self.tables is not None:
                 self.tables.restore(found.tables)
+            if self.replication is not None:
+                self.replication.restored(found.snapshot.manifest.get("replication"))
             self._good = found.snapshot.number
             self.restored = {
                 **found.snapshot.info(),
@@ -270,7 +275,12 @@ class Durability:
         await self._lock.acquire()
         try:
             async with self.gate.quiesce():
-                capture = self.store.capture()
+                if self.replication is None:
+                    capture = self.store.capture()
+                else:  # between two forwarded batches on a backup
+                    async with self.replication.quiet():
+                        capture = self.store.capture()
+                        capture.replication = self.replication.position()
             task = asyncio.create_task(self._write(capture, checkpoint, reason))
         except BaseException:
             self._lock.release()

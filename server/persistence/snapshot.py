@@ -236,6 +236,8 @@ def write_snapshot(
             manifest["tables"] = tables
         if capture.layouts:  # partitioned variables' layouts (server.store.layouts)
             manifest["layouts"] = capture.layouts
+        if capture.replication is not None:  # a replica's place in its log (server.replication)
+            manifest["replication"] = capture.replication
         manifest["checksum"] = zlib.crc32(_canonical(manifest))
         with open(tmp_manifest, "w", encoding="ascii") as f:
             json.dump(manifest, f, sort_keys=True, indent=1, ensure_ascii=True, allow_nan=False)

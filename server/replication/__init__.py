@@ -10,6 +10,8 @@ Where each concept lives:
   until the in-sync backups have it.
 * ``replay``: a backup's side: forwarded batches applied in lsn order through the same store
   methods.
+* ``catchup``: a backup that needs writes the log let go: the primary's whole state sent as a
+  snapshot's files, installed, and the log from there.
 * ``replica``: the pieces joined, as the shard's app uses them.
 * ``etcd``: a small client of etcd v3's HTTP/JSON gateway (leases, revision-checked
   transactions, watches).

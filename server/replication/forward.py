@@ -2,7 +2,9 @@
 once the backups have them.
 
 :class:`Forwarder` keeps one :class:`Link` per backup while this replica is primary: a task
-with a persistent HTTP connection that sends the log's entries the backup lacks as one
+with a persistent HTTP connection (the SDK's own keep-alive HTTP/1.1 pool,
+``client_sdk._http.asyncpool``: a batch's tensors are written from the log's arrays, never
+joined into one buffer) that sends the log's entries the backup lacks as one
 ``POST /v1/replicate`` batch (docs/PROTOCOL.md §6), waits for the answer (the lsn the backup
 applied up to), and sends what was added meanwhile as the next batch: while one batch is in
 flight the writes that follow gather into the next (group commit), so many small writes share
@@ -28,12 +30,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx2
-
 from client_sdk import wire
+from client_sdk._http.asyncpool import AsyncHTTPPool
+from client_sdk._http.http11 import Origin
 
 from ..errors import ShardError
-from .log import ReplicationLog
+from .log import TENSOR, ReplicationLog
 from .role import PRIMARY, Role, RoleView, not_primary
 
 __all__ = ["Forwarder", "Link"]
@@ -43,6 +45,8 @@ logger = logging.getLogger("paramshard.replication")
 #: A link's pause after a failed send: doubled per failure in a row, up to :data:`MAX_BACKOFF`.
 FIRST_BACKOFF = 0.02
 MAX_BACKOFF = 0.5
+#: The largest answer a backup may send (a batch's answer is a few dozen bytes).
+MAX_REPLY = 1 << 20
 
 
 class Link:
@@ -54,9 +58,12 @@ class Link:
         self.acked: int | None = None
         #: ``time.monotonic()`` of its last answer (or of the link's start).
         self.heard = time.monotonic()
-        #: ``streaming``, ``behind`` (it needs entries the log let go), ``unreachable``.
+        #: ``streaming``, ``behind`` (it needs entries the log let go), ``unreachable``,
+        #: ``ahead`` (it holds writes this primary lacks: nothing is sent to it).
         self.state = "starting"
         self.batches = 0
+        #: Catch-ups sent (the whole state, when it needed writes the log let go).
+        self.installs = 0
         self.failures = 0
         self.error: str | None = None
         self.task: asyncio.Task[None] | None = None
@@ -68,6 +75,7 @@ class Link:
             "acked": self.acked,
             "lag": None if self.acked is None else max(0, head - self.acked),
             "batches": self.batches,
+            "installs": self.installs,
             "failures": self.failures,
             "error": self.error,
         }
@@ -84,22 +92,24 @@ class Forwarder:
         timeout: float,
         batch_bytes: int,
         headers: dict[str, str] | None = None,
-        verify: Any = True,
     ) -> None:
         self.role = role
         self.log = log
         self.timeout = timeout
         self.batch_bytes = batch_bytes
         self.headers = {"content-type": wire.FRAME, "accept": wire.MSGPACK, **(headers or {})}
-        self.verify = verify
         self.links: dict[str, Link] = {}
-        self._client: httpx2.AsyncClient | None = None
+        self._pool: AsyncHTTPPool | None = None
+        self._origins: dict[str, Origin] = {}
         self._changed = asyncio.Event()
         self._dropping: set[str] = set()
         #: Take a backup out of the in-sync set / let it back in (awaited before the writes
         #: waiting for it go on). Leadership replaces them; by default the role changes here.
         self.drop: Callable[[str], Awaitable[None]] = self._drop_here
         self.rejoin: Callable[[str], Awaitable[None]] = self._rejoin_here
+        #: The state now as a catch-up's files (:func:`server.replication.catchup.capture_files`),
+        #: for a backup that needs writes the log let go; ``None``: such a backup stays behind.
+        self.snapshot: Callable[[], Awaitable[dict[str, Any]]] | None = None
         self._running = False
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -115,9 +125,9 @@ class Forwarder:
         for link in list(self.links.values()):
             await self._stop_link(link)
         self.links.clear()
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
         self._wake()
 
     def _role_changed(self, old: RoleView, new: RoleView) -> None:
@@ -204,20 +214,21 @@ class Forwarder:
 
     # -- one backup ---------------------------------------------------------------------------
 
-    def _http(self) -> httpx2.AsyncClient:
-        if self._client is None:
-            self._client = httpx2.AsyncClient(
-                timeout=httpx2.Timeout(self.timeout, connect=min(self.timeout, 2.0)),
-                trust_env=False,
-                follow_redirects=False,
-                verify=self.verify,
+    def _http(self) -> AsyncHTTPPool:
+        if self._pool is None:
+            self._pool = AsyncHTTPPool(
+                max_idle=1,
+                connect_timeout=min(self.timeout, 2.0),
+                timeout=self.timeout,
+                max_reply=MAX_REPLY,
             )
-        return self._client
+        return self._pool
 
     async def _run(self, link: Link) -> None:
         backoff = FIRST_BACKOFF
         log = self.log
         while True:
+            install = None
             if link.acked is None:
                 entries: list[Any] | None = []  # where is it?
             else:
@@ -230,17 +241,21 @@ class Forwarder:
                     if link.state != "behind":
                         logger.warning(
                             "backup %s applied up to lsn %d, but this primary holds entries "
-                            "from %d only (--replication-log-bytes): it must catch up from a "
-                            "snapshot",
+                            "from %d only (--replication-log-bytes): it catches up from a "
+                            "snapshot of this primary's state",
                             link.url,
                             link.acked,
                             log.first,
                         )
                     link.state = "behind"
-                    await log.added_after(log.head)
-                    continue
+                    if self.snapshot is None:
+                        await log.added_after(log.head)
+                        continue
+                    entries = []
             try:
-                applied = await self._send(link, entries)
+                if link.state == "behind" and self.snapshot is not None:
+                    install = await self.snapshot()
+                applied = await self._send(link, entries, install)
             except ShardError as exc:  # stale_epoch: a newer primary exists
                 logger.warning("backup %s: %s; stepping down", link.url, exc.message)
                 self.role.step_down()
@@ -249,10 +264,27 @@ class Forwarder:
                 link.failures += 1
                 link.error = f"{type(exc).__name__}: {exc}"[:300]
                 link.state = "unreachable"
+                link.acked = None  # where is it now? (it may have restarted): asked first
                 await asyncio.sleep(backoff)
                 backoff = min(MAX_BACKOFF, backoff * 2)
                 continue
             backoff = FIRST_BACKOFF
+            if applied > log.head:  # it holds writes this primary lacks: never overwrite them
+                if link.state != "ahead":
+                    logger.error(
+                        "backup %s holds writes up to lsn %d, this primary only up to %d (it "
+                        "came back from an older snapshot): nothing is forwarded to it; make "
+                        "the most complete replica the primary (list it first in "
+                        "--replica-group) and restart this one",
+                        link.url,
+                        applied,
+                        log.head,
+                    )
+                link.state, link.acked, link.heard = "ahead", None, time.monotonic()
+                await asyncio.sleep(MAX_BACKOFF)
+                continue
+            if install is not None:
+                link.installs += 1
             link.acked = applied
             link.heard = time.monotonic()
             link.state = "streaming"
@@ -260,23 +292,33 @@ class Forwarder:
             link.batches += 1
             self._wake()
 
-    async def _send(self, link: Link, entries: list[Any]) -> int:
-        """Send one batch; the lsn the backup applied up to. Raises ``ShardError`` for
-        ``stale_epoch``, another exception for any other failure."""
+    async def _send(
+        self, link: Link, entries: list[Any], install: dict[str, Any] | None = None
+    ) -> int:
+        """Send one batch (with a catch-up's snapshot first, if ``install``); the lsn the
+        backup applied up to. Raises ``ShardError`` for ``stale_epoch``, another exception for
+        any other failure."""
         role = self.role
-        encoded = wire.encode(
-            {
-                "epoch": role.epoch,
-                "primary": role.view.url,
-                "entries": [e.to_wire() for e in entries],
-            },
-            frame=True,
-        )
-        reply = await self._http().post(
-            link.url + "/v1/replicate", content=encoded.join(), headers=self.headers
+        msg: dict[str, Any] = {
+            "epoch": role.epoch,
+            "primary": role.view.url,
+            "entries": [e.to_wire() for e in entries],
+        }
+        if install is not None:
+            msg["install"] = {**install, "values": {TENSOR: install["values"]}}
+        encoded = wire.encode(msg, frame=True)
+        origin = self._origins.get(link.url)
+        if origin is None:
+            origin = self._origins[link.url] = Origin(link.url)
+        reply = await self._http().request(
+            origin,
+            "POST",
+            "/v1/replicate",
+            {**self.headers, "content-length": str(encoded.nbytes)},
+            encoded.chunks,
         )
         msg = wire.unpack(reply.content, reply.headers.get("content-type"))
-        if reply.status_code == 200:
+        if reply.status == 200:
             applied = msg.get("applied_lsn")
             if type(applied) is not int:
                 raise ValueError(f"answer without applied_lsn: {str(msg)[:200]}")
@@ -287,7 +329,7 @@ class Forwarder:
             raise ShardError("stale_epoch", str(error.get("message")), details)
         if code == "conflict" and type(details.get("applied_lsn")) is int:
             return int(details["applied_lsn"])  # it holds less (or more) than we thought
-        raise RuntimeError(f"{reply.status_code} {code}: {str(error.get('message'))[:200]}")
+        raise RuntimeError(f"{reply.status} {code}: {str(error.get('message'))[:200]}")
 
     def stats(self) -> list[dict[str, Any]]:
         head = self.log.head

@@ -17,6 +17,11 @@ each wrapped as ``{TENSOR: tensor}`` (:mod:`server.replication.log`). :class:`Re
 * keeps each entry applied in its own log, at the primary's lsn and epoch;
 * answers the lsn it has applied up to.
 
+A batch may instead carry ``"install"``: the primary's whole state as snapshot files, at an
+lsn (:mod:`server.replication.catchup`), for a backup that needs writes the primary's log let
+go. It is installed first (the whole state replaced, its log restarted at that lsn), then the
+batch's entries follow.
+
 An entry the primary applied but this replica refuses means the states differ (a bug): it is
 logged, counted (``refused``), and passed over, so replication goes on.
 """
@@ -26,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from client_sdk import wire
@@ -83,12 +88,23 @@ def _decoded(obj: Any, body: wire.Buffer | None, sizes: list[int]) -> tuple[Any,
 class Replayer:
     """Applies forwarded batches to this replica's state (module docstring)."""
 
-    def __init__(self, role: Role, log: ReplicationLog, writes: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        role: Role,
+        log: ReplicationLog,
+        writes: Mapping[str, Any],
+        install: Callable[[dict[str, Any], Any], Awaitable[None]] | None = None,
+    ) -> None:
         self.role = role
         self.log = log
+        #: Replaces the whole state with a catch-up's (its message and its values' array).
+        self.install = install
+        #: Catch-ups installed since the start.
+        self.installed = 0
         self.writes = dict(writes)
         self._signatures = {name: inspect.signature(m) for name, m in self.writes.items()}
-        self._lock = asyncio.Lock()
+        #: Held while a batch is applied (and while a snapshot captures the state).
+        self.lock = asyncio.Lock()
         #: Entries this replica refused although its primary had applied them.
         self.refused = 0
 
@@ -101,6 +117,14 @@ class Replayer:
             raise _bad("'primary' must be the sender's URL")
         if not isinstance(entries, list):
             raise _bad("'entries' must be a list")
+        install = msg.get("install")
+        if install is not None and (
+            not isinstance(install, dict)
+            or type(install.get("lsn")) is not int
+            or install["lsn"] < 0
+            or type(install.get("values")) is not dict
+        ):
+            raise _bad("'install' must be a map with 'lsn', the snapshot's files and 'values'")
         for raw in entries:
             if (
                 type(raw) is not list
@@ -116,9 +140,14 @@ class Replayer:
                     f"write, got {str(raw)[:120]}"
                 )
         self.role.accept_forwarded(epoch, primary)
-        async with self._lock:
+        async with self.lock:
             self.role.accept_forwarded(epoch, primary)  # again: another batch may have won
             log = self.log
+            if install is not None and self.install is not None:
+                values, _ = _decoded(install["values"], body, [0])
+                await self.install(install, values)
+                log.restart_at(install["lsn"])
+                self.installed += 1
             for lsn, entry_epoch, method, args, kwargs in entries:
                 if lsn <= log.head:
                     continue  # sent again: held already

@@ -8,18 +8,24 @@ group, and is what the rest of the shard talks to: the app makes it (``app.state
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from client_sdk import wire
 
 from ..config import ShardConfig
+from . import catchup
 from .forward import Forwarder
 from .log import ReplicationLog
 from .replay import Replayer, writes_of
 from .role import PRIMARY, Role
 
 __all__ = ["MAX_BATCH_BYTES", "Replication"]
+
+logger = logging.getLogger("paramshard.replication")
 
 #: Bytes of entries one forwarded batch holds at most (at least one entry; and at most half
 #: of ``--max-request-bytes``, which the backup's admission holds it to).
@@ -29,12 +35,22 @@ MAX_BATCH_BYTES = 64 << 20
 class Replication:
     """The replication of the shard whose state ``store`` and ``tables`` hold."""
 
-    def __init__(self, config: ShardConfig, role: Role, store: Any, tables: Any) -> None:
+    def __init__(
+        self,
+        config: ShardConfig,
+        role: Role,
+        store: Any,
+        tables: Any,
+        gate: Any = None,
+        incarnation: str = "",
+    ) -> None:
+        self.config = config
         self.role = role
         self.store = store
+        self.tables = tables
         self.log = ReplicationLog(role, config.replication_log_bytes)
         store.journal = self.log
-        self.replayer = Replayer(role, self.log, writes_of(store, tables))
+        self.replayer = Replayer(role, self.log, writes_of(store, tables), self._install)
         headers = {}
         if config.token:
             headers["authorization"] = f"Bearer {config.token[0]}"
@@ -45,6 +61,10 @@ class Replication:
             batch_bytes=min(MAX_BATCH_BYTES, config.max_request_bytes // 2),
             headers=headers,
         )
+        if gate is not None:
+            self.forwarder.snapshot = functools.partial(
+                catchup.capture_files, store, gate, self.log, incarnation
+            )
 
     def start(self) -> None:
         """Begin forwarding (on the event loop; the lifespan calls it)."""
@@ -66,6 +86,43 @@ class Replication:
         applied = await self.replayer.apply(msg, body)
         return {"applied_lsn": applied, "epoch": self.role.epoch}
 
+    async def _install(self, install: dict[str, Any], values: Any) -> None:
+        """Replace the whole state with a catch-up's (:mod:`server.replication.catchup`)."""
+        config = self.config
+        found = await asyncio.to_thread(
+            catchup.install_files,
+            install,
+            values,
+            config.shard_index,
+            config.num_shards,
+            config.max_table_rows,
+        )
+        self.store.restore(found.variables, found.dedup, found.layouts)
+        self.tables.restore(found.tables)
+        changes = install.get("changes")
+        if type(changes) is int:
+            self.store.mutations = changes  # as on the primary when it captured
+        logger.info(
+            "installed the primary's state at lsn %d (%d variables, %d tables)",
+            install["lsn"],
+            len(found.variables),
+            len(found.tables),
+        )
+
+    def quiet(self) -> Any:
+        """An async context in which no forwarded batch is applied (a snapshot's capture)."""
+        return self.replayer.lock
+
+    def position(self) -> dict[str, int]:
+        """Where this replica is in its log: ``{"lsn", "epoch"}`` (a snapshot records it)."""
+        return {"lsn": self.log.head, "epoch": self.role.epoch}
+
+    def restored(self, position: Any) -> None:
+        """The state was restored from a snapshot that recorded ``position`` (or none): the
+        log resumes after its lsn."""
+        if isinstance(position, dict) and type(position.get("lsn")) is int:
+            self.log.restart_at(max(0, position["lsn"]))
+
     def stats(self) -> dict[str, Any]:
         """``GET /v1/cluster``'s ``replication``."""
         log = self.log
@@ -81,6 +138,7 @@ class Replication:
             },
             backups=self.forwarder.stats() if self.role.kind == PRIMARY else [],
             refused=self.replayer.refused,
+            installed=self.replayer.installed,
             changes=self.store.mutations,
         )
         return out

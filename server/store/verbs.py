@@ -66,6 +66,9 @@ class Capture:
     tables: dict[str, tuple[dict[str, Any], dict[str, np.ndarray]]] = field(default_factory=dict)
     #: The partitioned variables' layouts (name -> wire form), :mod:`server.store.layouts`.
     layouts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: On a replica of a group: where the capture is in its replication log (``{"lsn",
+    #: "epoch"}``, :mod:`server.replication`), so a restart resumes the log from there.
+    replication: dict[str, int] | None = None
 
     @property
     def nbytes(self) -> int:

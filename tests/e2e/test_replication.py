@@ -11,9 +11,12 @@ backup is read through its own pulls (a backup answers reads) and ``GET /v1/clus
   of changes): a write path that bypassed the log would leave them apart, and a write verb
   added without a test here fails :func:`test_every_write_verb_is_driven_here`;
 * a backup refuses workers' writes (421 ``not_primary`` naming the primary), and forwarded
-  entries of a lower epoch (409 ``stale_epoch``);
+  entries of a lower epoch (409 ``stale_epoch``); a primary told so by its backup steps down
+  and acknowledges nothing more;
 * a backup that stops answering is dropped from the in-sync set after ``--replica-timeout``,
-  and sent the tail it missed when it answers again, then rejoins;
+  and sent the tail it missed when it answers again, then rejoins; one that needs writes the
+  primary's log let go (``--replication-log-bytes``) gets a snapshot of the primary's state;
+* a replica restarted from its own snapshot resumes the log where the snapshot was taken;
 * history (tests/helpers/history.py): 4 workers pushing and incrementing; the primary is
   killed with SIGKILL; the backup holds every write they saw acknowledged, exactly once.
 """
@@ -28,8 +31,9 @@ import uuid
 import httpx2
 import msgpack
 import numpy as np
+import pytest
 
-from client_sdk import PSClient, PSError
+from client_sdk import PSClient, PSError, ShardUnavailableError
 from client_sdk.modes import Sync
 from client_sdk.optimizers import SGD
 from server import admission
@@ -102,14 +106,16 @@ def _state(url: str, names: list[str]) -> dict[str, tuple[int, bytes]]:
     return {n: (_version(url, n), np.asarray(values[n]).tobytes()) for n in names}
 
 
-def _same_state(primary: str, backup: str, names: list[str]) -> None:
+def _same_state(primary: str, backup: str, names: list[str], changes: bool = True) -> None:
+    """The two replicas hold the same writes: lsn, state version, variables (values, versions,
+    optimizers), and, unless one restarted from a snapshot since, the same count of changes."""
     p, b = cluster(primary), cluster(backup)
     assert b["lsn"] == p["lsn"] and b["refused"] == 0
     assert (
         http_json(backup + "/v1/cluster")["state_version"]
         == http_json(primary + "/v1/cluster")["state_version"]
     )
-    assert b["changes"] == p["changes"]
+    assert b["changes"] == p["changes"] or not changes
     assert _listing(backup) == _listing(primary)
     assert _state(backup, names) == _state(primary, names)
 
@@ -180,6 +186,26 @@ def test_a_backup_refuses_writes_and_stale_epochs_changing_nothing(tmp_path):
     assert cluster(backup)["primary"] == primary  # the stale sender did not take over
 
 
+def test_a_primary_whose_backup_saw_a_newer_epoch_acknowledges_nothing_more(tmp_path):
+    group = start_group(tmp_path, 2)
+    primary, backup = group.urls
+    with PSClient([primary], worker_id="w") as ps:
+        ps.increment("c", 1)
+        newer = {"epoch": 2, "primary": "http://127.0.0.1:9/elsewhere", "entries": []}
+        answer = httpx2.post(
+            backup + "/v1/replicate",
+            content=msgpack.packb(newer),
+            headers={"content-type": "application/msgpack"},
+        )
+        assert answer.status_code == 200 and cluster(backup)["epoch"] == 2
+        with pytest.raises(ShardUnavailableError):  # 421 not_primary
+            ps.increment("c", 1)  # applied here, but never acknowledged
+    shown = cluster(primary)
+    assert shown["role"] == "unknown" and shown["epoch"] == 1
+    with PSClient([backup], worker_id="r") as pb:
+        assert int(pb.pull(["c"])["c"]) == 1
+
+
 def test_a_backup_that_stops_is_dropped_then_sent_the_tail_and_rejoins(tmp_path):
     group = start_group(tmp_path, 2, "--replica-timeout", "1")
     primary, backup = group.urls
@@ -196,6 +222,44 @@ def test_a_backup_that_stops_is_dropped_then_sent_the_tail_and_rejoins(tmp_path)
         ps.increment("c", 1)
     assert cluster(backup)["lsn"] == cluster(primary)["lsn"] == 7
     _same_state(primary, backup, ["c"])
+
+
+def test_a_backup_that_needs_writes_the_log_let_go_catches_up_from_a_snapshot(tmp_path):
+    group = start_group(tmp_path, 2, "--replication-log-bytes", "8KiB", "--replica-timeout", "1")
+    primary, backup = group.urls
+    with PSClient([primary], worker_id="w", retry_deadline=60) as ps:
+        ps.init({"v": np.zeros(1000, np.float32)}, SGD(lr=1.0))
+        ps.create_table("emb", 4)
+        group.kill(1)
+        for _ in range(5):  # 4 KB each: the log lets the first ones go
+            ps.push({"v": np.ones(1000, np.float32)})
+        ps.increment("c", 5)
+        ps.push_rows("emb", np.array([1, 2]), np.ones((2, 4), np.float32))
+        assert cluster(primary)["log"]["first_lsn"] > 2
+        group.start(1)  # empty, on the same port
+        eventually(lambda: cluster(primary)["in_sync"] == [backup], "the backup rejoined", 60)
+        ps.increment("c", 1)  # and the log goes on from the snapshot
+        with PSClient([backup], worker_id="reader") as pb:
+            np.testing.assert_array_equal(
+                pb.pull_rows("emb", [1, 2, 3]), ps.pull_rows("emb", [1, 2, 3])
+            )
+    (link,) = cluster(primary)["backups"]
+    assert link["installs"] == 1 and cluster(backup)["installed"] == 1
+    _same_state(primary, backup, ["v", "c"])
+
+
+def test_a_replica_restarted_from_its_snapshot_resumes_the_log_there(tmp_path):
+    group = start_group(tmp_path, 2, data=True)
+    primary, backup = group.urls
+    with PSClient([primary], worker_id="w", retry_deadline=60) as ps:
+        for _ in range(3):
+            ps.increment("c", 1)
+        group.stop(0)  # its final snapshot holds lsn 3
+        group.start(0)
+        assert cluster(primary)["lsn"] == 3
+        ps.increment("c", 1)
+    assert cluster(backup)["lsn"] == 4
+    _same_state(primary, backup, ["c"], changes=False)
 
 
 def test_no_acknowledged_write_is_lost_when_the_primary_is_killed(tmp_path):

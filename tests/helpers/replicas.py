@@ -8,7 +8,8 @@ the race costs a retry, never a failed test.
 
 :class:`Group` is a :class:`tests.conftest.Fleet` whose every process serves the same shard
 index (``--shard-index 0 --num-shards 1`` unless told otherwise): ``urls[0]`` is the primary,
-the others its backups; ``kill(i)``, ``stop(i)`` and ``start(i)`` act on one replica.
+the others its backups; ``kill(i)``, ``stop(i)`` and ``start(i)`` act on one replica;
+``data=True`` gives each a data dir of its own.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ class Group(Fleet):
         extra_args: tuple[str, ...] = (),
         shard: tuple[int, int] = (0, 1),
         env: dict[str, str] | None = None,
+        data: bool = False,
     ) -> None:
         self.shard = shard
         self.group_urls = [f"http://127.0.0.1:{p}" for p in ports]
         group = "|".join(self.group_urls)
         self._fixed_ports = ports
-        super().__init__(n, workdir, ("--replica-group", group, *extra_args), env)
+        super().__init__(n, workdir, ("--replica-group", group, *extra_args), env, data)
 
     def serve_args(self, i: int) -> list[str]:
         args = super().serve_args(i)
