@@ -77,6 +77,22 @@ JOURNALED = {
 }
 
 
+@pytest.fixture
+def groups(tmp_path):
+    """``groups(n, *flags, **kwargs)``: a replica group (tests/helpers/replicas.py), stopped
+    when the test ends."""
+    made = []
+
+    def make(*args, **kwargs):
+        group = start_group(tmp_path / f"g{len(made)}", *args, **kwargs)
+        made.append(group)
+        return group
+
+    yield make
+    for group in made:
+        group.close()
+
+
 def test_every_write_verb_is_driven_here():
     assert set(DRIVEN) == admission.WRITES
     assert set(DATA_PLANE_VERBS) == (
@@ -120,8 +136,8 @@ def _same_state(primary: str, backup: str, names: list[str], changes: bool = Tru
     assert _state(backup, names) == _state(primary, names)
 
 
-def test_every_write_reaches_the_backup_before_its_answer(tmp_path):
-    group = start_group(tmp_path, 2, "--partition-bytes", "0")
+def test_every_write_reaches_the_backup_before_its_answer(groups):
+    group = groups(2, "--partition-bytes", "0")
     primary, backup = group.urls
     with PSClient([primary], worker_id="w-all") as ps:
         ps.init({"a": np.arange(6, dtype=np.float32), "b": np.zeros(3, np.float64)}, SGD(lr=0.5))
@@ -153,8 +169,8 @@ def test_every_write_reaches_the_backup_before_its_answer(tmp_path):
             assert "gone" not in {v["name"] for v in pb.variables()}
 
 
-def test_a_backup_refuses_writes_and_stale_epochs_changing_nothing(tmp_path):
-    group = start_group(tmp_path, 2)
+def test_a_backup_refuses_writes_and_stale_epochs_changing_nothing(groups):
+    group = groups(2)
     primary, backup = group.urls
     with PSClient([primary], worker_id="w") as ps:
         ps.increment("c", 1)
@@ -186,8 +202,8 @@ def test_a_backup_refuses_writes_and_stale_epochs_changing_nothing(tmp_path):
     assert cluster(backup)["primary"] == primary  # the stale sender did not take over
 
 
-def test_a_primary_whose_backup_saw_a_newer_epoch_acknowledges_nothing_more(tmp_path):
-    group = start_group(tmp_path, 2)
+def test_a_primary_whose_backup_saw_a_newer_epoch_acknowledges_nothing_more(groups):
+    group = groups(2)
     primary, backup = group.urls
     with PSClient([primary], worker_id="w") as ps:
         ps.increment("c", 1)
@@ -206,8 +222,8 @@ def test_a_primary_whose_backup_saw_a_newer_epoch_acknowledges_nothing_more(tmp_
         assert int(pb.pull(["c"])["c"]) == 1
 
 
-def test_a_backup_that_stops_is_dropped_then_sent_the_tail_and_rejoins(tmp_path):
-    group = start_group(tmp_path, 2, "--replica-timeout", "1")
+def test_a_backup_that_stops_is_dropped_then_sent_the_tail_and_rejoins(groups):
+    group = groups(2, "--replica-timeout", "1")
     primary, backup = group.urls
     with PSClient([primary], worker_id="w", retry_deadline=60) as ps:
         ps.increment("c", 1)
@@ -224,8 +240,8 @@ def test_a_backup_that_stops_is_dropped_then_sent_the_tail_and_rejoins(tmp_path)
     _same_state(primary, backup, ["c"])
 
 
-def test_a_backup_that_needs_writes_the_log_let_go_catches_up_from_a_snapshot(tmp_path):
-    group = start_group(tmp_path, 2, "--replication-log-bytes", "8KiB", "--replica-timeout", "1")
+def test_a_backup_that_needs_writes_the_log_let_go_catches_up_from_a_snapshot(groups):
+    group = groups(2, "--replication-log-bytes", "8KiB", "--replica-timeout", "1")
     primary, backup = group.urls
     with PSClient([primary], worker_id="w", retry_deadline=60) as ps:
         ps.init({"v": np.zeros(1000, np.float32)}, SGD(lr=1.0))
@@ -248,8 +264,8 @@ def test_a_backup_that_needs_writes_the_log_let_go_catches_up_from_a_snapshot(tm
     _same_state(primary, backup, ["v", "c"])
 
 
-def test_a_replica_restarted_from_its_snapshot_resumes_the_log_there(tmp_path):
-    group = start_group(tmp_path, 2, data=True)
+def test_a_replica_restarted_from_its_snapshot_resumes_the_log_there(groups):
+    group = groups(2, data=True)
     primary, backup = group.urls
     with PSClient([primary], worker_id="w", retry_deadline=60) as ps:
         for _ in range(3):
@@ -262,8 +278,8 @@ def test_a_replica_restarted_from_its_snapshot_resumes_the_log_there(tmp_path):
     _same_state(primary, backup, ["c"], changes=False)
 
 
-def test_no_acknowledged_write_is_lost_when_the_primary_is_killed(tmp_path):
-    group = start_group(tmp_path, 2)
+def test_no_acknowledged_write_is_lost_when_the_primary_is_killed(groups):
+    group = groups(2)
     primary, backup = group.urls
     workers, per_worker = 4, 10_000
     with PSClient([primary], worker_id="chief") as ps:
