@@ -403,8 +403,11 @@ def _follow(sender: Sender, core: Core, req: ShardRequest, failover: Failover) -
     wait before trying ``req`` again. Blocks (one short request to each replica)."""
     answers: list[Any] = []
     for ask in _asks(core, req):
+        # Each ask has ASK_TIMEOUT of its own: a replica that takes every packet and answers
+        # none (frozen, or cut off) must not use up the time of those asked after it.
+        deadline = min(req.deadline, time.monotonic() + ASK_TIMEOUT)
         try:
-            answers.append(sender.once(ask, ask.deadline))
+            answers.append(sender.once(ask, deadline))
         except (*_TRANSPORT_ERRORS, PSError) as exc:
             answers.append(exc)
     return _settle_follow(core, req, failover, answers)
