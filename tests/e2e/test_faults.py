@@ -66,7 +66,7 @@ def settled(group: Group, rejoined: frozenset[int] = frozenset()) -> int:
     each eligible to take over except those of ``rejoined`` (a replica that led and then
     followed a newer primary never campaigns again in its process); the primary."""
 
-    def check() -> int | None:
+    def check() -> tuple[int] | None:
         seen = roles(group)
         primaries = [r for r, v in seen.items() if v["role"] == "primary"]
         if len(seen) != group.n or len(primaries) != 1:
@@ -84,9 +84,9 @@ def settled(group: Group, rejoined: frozenset[int] = frozenset()) -> int:
                 seen[p]["epoch"],
             ):
                 return None
-        return p
+        return (p,)
 
-    return eventually(check, "one primary and its backups", timeout=30)
+    return eventually(check, "one primary and its backups", timeout=30)[0]
 
 
 def check_replicas(
