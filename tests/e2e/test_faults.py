@@ -35,7 +35,7 @@ from tests.e2e.test_leadership import elected_group, one_primary, roles
 from tests.helpers.eventually import eventually
 from tests.helpers.history import History
 from tests.helpers.replicas import Group, cluster
-from tests.helpers.writers import Writers, final_state, setup
+from tests.helpers.writers import Writers, create_variables, final_state
 
 #: Acknowledged writes to wait for between faults (the workers make progress).
 STEP = 15
@@ -126,7 +126,7 @@ def running(group: Group) -> tuple[int, Writers]:
     listed first (a replica that stops answering while listed before the others must not keep
     the workers from finding the new primary)."""
     p, _ = one_primary(group)
-    setup(group.urls[p])
+    create_variables(group.urls[p])
     return p, Writers("|".join([group.urls[p], *group.urls[:p], *group.urls[p + 1 :]])).start()
 
 
@@ -211,7 +211,7 @@ def test_a_write_only_the_frozen_primary_applied_is_not_kept_when_it_rejoins(tmp
     try:
         p, _ = one_primary(group)
         b = 1 - p
-        setup(group.urls[p])
+        create_variables(group.urls[p])
         lsn = cluster(group.urls[p])["lsn"]
         group.send(b, signal.SIGSTOP)
 

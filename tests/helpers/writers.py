@@ -30,14 +30,14 @@ from client_sdk import PSClient, PSError
 from client_sdk.optimizers import SGD
 from tests.helpers.history import History
 
-__all__ = ["PER_WORKER", "WORKERS", "Writers", "final_state", "read_history", "setup"]
+__all__ = ["PER_WORKER", "WORKERS", "Writers", "create_variables", "final_state", "read_history"]
 
 WORKERS = 4
 #: Pushes each worker may send (its coordinates of ``v``); far more than a test's run needs.
 PER_WORKER = 4000
 
 
-def setup(url: str) -> None:
+def create_variables(url: str) -> None:
     """Create ``v`` (SGD, lr=1) and ``counter`` on the primary ``url`` (or a group)."""
     with PSClient(url, worker_id="chief", retry_deadline=60) as ps:
         ps.init({"v": np.zeros(WORKERS * PER_WORKER, np.float32)}, SGD(lr=1.0))
@@ -151,7 +151,7 @@ def main(argv: list[str]) -> int:
             f.write(json.dumps([event, worker, verb, args, answer]) + "\n")
             f.flush()
 
-    setup(shards)
+    create_variables(shards)
     writers = Writers(shards, record=record).start()
     while not (out / "stop").exists():
         time.sleep(0.1)
