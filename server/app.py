@@ -23,7 +23,7 @@ through the app's middleware (:class:`ShardMiddleware`, admission) straight to t
 (:mod:`server.direct_routes`), past FastAPI's per-request routing (the routes stay registered, and
 in ``/docs``), and a small pull in the table layout, pull_rows, push, increment or push_rows
 is answered by the shard's HTTP protocol itself when nothing stands in its way
-(:func:`immediate_routes`).
+(:mod:`server.immediate`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import msgpack
@@ -49,14 +49,13 @@ from client_sdk import wire
 
 from . import __version__
 from .admission import WRITES, AdmissionMiddleware, Gate
-from .auth import READ, WRITE, AuthMiddleware, Guard
+from .auth import AuthMiddleware, Guard
 from .config import ShardConfig
 from .direct_routes import DirectRoutes
 from .durability import Durability
 from .embedding import EmbeddingTables
 from .errors import ShardError
 from .headers import header, request_headers
-from .httptools_protocol import Answerer, Immediate
 from .logs import RateLimited
 from .metrics import Traffic
 from .narrowed import NarrowedCache
@@ -71,7 +70,6 @@ __all__ = [
     "ShardMiddleware",
     "create_app",
     "error_response",
-    "immediate_routes",
     "serving_app",
 ]
 
@@ -573,93 +571,9 @@ def serving_app(app: FastAPI) -> ASGIApp:
     """The ASGI app to serve for ``app`` (made by :func:`create_app`): the same responses, with
     the data plane's ``POST`` requests handed straight to their endpoints
     (:mod:`server.direct_routes`), and the small pulls and writes that can be answered at once
-    answered by the shard's HTTP protocol itself (:func:`immediate_routes`)."""
+    answered by the shard's HTTP protocol itself (:func:`server.immediate.immediate_routes`)."""
+    from .immediate import immediate_routes
+
     served = DirectRoutes(app)
     served.immediate = immediate_routes(app)
     return served
-
-
-def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
-    """What the shard's HTTP protocol may answer without an ASGI request cycle
-    (:data:`server.httptools_protocol.IMMEDIATE`): ``POST /v1/pull`` in the table layout,
-    ``POST /v1/pull_rows`` of float32 rows, ``POST /v1/push``, ``/v1/increment`` and
-    ``/v1/push_rows``, when the request passes the fleet check as sent by the SDK, carries a
-    token that may read (a pull) or write (the others) when the shard has tokens, the gate would
-    admit it at once (a write: and :func:`_writes_at_once`), and its ``*_now`` function
-    (:func:`~server.routes_data.pull_now`, :func:`~server.routes_tables.pull_rows_now`,
-    :func:`~server.routes_data.push_now`, :func:`~server.routes_data.increment_now`,
-    :func:`~server.routes_tables.push_rows_now`) can answer it. The reply is the one the usual
-    way gives, byte for byte: the same handler code, the same headers (the shard's, from
-    :class:`ShardMiddleware`). Anything else (every refusal and error included) returns
-    ``None`` and goes the usual way, which answers it; nothing has changed before that."""
-    from .routes_data import increment_now, pull_now, push_now
-    from .routes_tables import pull_rows_now, push_rows_now
-
-    state = app.state
-    store, tables, gate = state.store, state.tables, state.gate
-    limit, max_names = state.config.max_request_bytes, state.config.max_request_names
-    shard = ShardMiddleware(app, state.config, state.incarnation, state)
-    guard: Guard = state.auth
-    traffic: Traffic | None = getattr(state, "traffic", None)
-
-    def answerer(
-        verb: str,
-        now: Callable[[Mapping[bytes, bytes], bytes], wire.Encoded | None],
-        access: str = READ,
-    ) -> Answerer:
-        writes = access == WRITE
-
-        def answer(headers: Mapping[bytes, bytes], body: bytes) -> Immediate | None:
-            if (
-                not shard.meant_for_me(headers.get(_FLEET_KEY))
-                or not guard.allows(headers, access)
-                or not gate.room_now(len(body))
-                or (writes and not _writes_at_once(state))
-            ):
-                return None
-            since = time.perf_counter()
-            encoded = now(headers, body)
-            if encoded is None:
-                return None
-            if traffic is not None:
-                traffic.count(verb, 200, time.perf_counter() - since, len(body), encoded.nbytes)
-            return Immediate(
-                [
-                    (b"content-type", encoded.content_type.encode("latin-1")),
-                    (b"content-length", str(encoded.nbytes).encode("latin-1")),
-                    *shard.reply_headers(),
-                ],
-                encoded.chunks,
-                encoded.nbytes,
-            )
-
-        return answer
-
-    return {
-        b"/v1/pull": answerer("pull", lambda h, b: pull_now(store, limit, h, b, max_names)),
-        b"/v1/pull_rows": answerer(
-            "pull_rows", lambda h, b: pull_rows_now(tables, limit, h, b, max_names)
-        ),
-        b"/v1/push": answerer("push", lambda h, b: push_now(store, limit, h, b, max_names), WRITE),
-        b"/v1/increment": answerer(
-            "increment", lambda h, b: increment_now(store, limit, h, b, max_names), WRITE
-        ),
-        b"/v1/push_rows": answerer(
-            "push_rows", lambda h, b: push_rows_now(tables, limit, h, b, max_names), WRITE
-        ),
-    }
-
-
-def _writes_at_once(state: Any) -> bool:
-    """Whether a write may be applied and acknowledged right now, with no wait and no refusal
-    to give: what :class:`~server.admission.AdmissionMiddleware` would let straight through
-    (the shard is ready, takes writes, no fleet checkpoint pauses or holds them), on a shard
-    without replicas (a replica's writes wait for its backups, or are refused: the usual way,
-    through :class:`ShardMiddleware`)."""
-    gate: Gate = state.gate
-    return (
-        gate.write_refusal() is None
-        and gate.paused_for is None
-        and not gate.closed
-        and getattr(state, "replication", None) is None
-    )

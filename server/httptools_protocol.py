@@ -46,7 +46,7 @@ the app: a 100-variable pull reply is one ``writev``, not two writes and a joini
 And some requests never become a request cycle: the served app may name requests it can answer at
 once (its :data:`IMMEDIATE` attribute: raw path -> :data:`Answerer`; on a shard, a small
 ``POST /v1/pull`` in the table layout or ``/v1/pull_rows``, ``POST /v1/push``, ``/v1/increment``
-and ``/v1/push_rows``, :func:`server.app.immediate_routes`). For such a path, a ``POST`` with a
+and ``/v1/push_rows``, :mod:`server.immediate`). For such a path, a ``POST`` with a
 ``Content-Length`` below :data:`ANSWER_BELOW` on a keep-alive HTTP/1.1 connection, with no other
 response under way, no ``Expect``, no access log and writing not paused, whose body comes whole in
 the read that brings its head (else it goes the usual way from the end of that read, counted in

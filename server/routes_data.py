@@ -13,9 +13,8 @@ wait for such a push of their variables to finish), and the wait before an assig
 for such a push to finish (:meth:`~server.store.ParameterStore.settled`). These verbs ignore
 fields they do not know. On a shard the handlers
 are reached straight from :mod:`server.direct_routes`, and a small pull in the table layout, a
-small push and an increment are answered by :func:`pull_now`, :func:`push_now` and
-:func:`increment_now` from the shard's HTTP protocol itself when they can be
-(:func:`server.app.immediate_routes`), with the same code and bytes.
+small push and an increment are answered from the shard's HTTP protocol itself when they can be
+(:mod:`server.immediate`), with this module's argument checks and the same bytes.
 """
 
 from __future__ import annotations
@@ -49,10 +48,11 @@ from .store import (
 __all__ = [
     "BODY_DOC",
     "bad_field",
-    "increment_now",
+    "increment_args",
     "message",
-    "pull_now",
-    "push_now",
+    "pull_args",
+    "pull_table",
+    "push_args",
     "reply",
     "required",
     "router",
@@ -244,40 +244,6 @@ async def pull(request: Request) -> Response:
     if table:
         return EncodedResponse(_pull_table(store, names, versions, layout, gathers(request.scope)))
     return _reply(request, {"variables": store.pull(names, versions)}, tensors=True)
-
-
-def pull_now(
-    store: ParameterStore,
-    limit: int,
-    headers: Mapping[bytes, bytes],
-    body: bytes,
-    max_names: int = wire.MAX_REQUEST_NAMES,
-) -> wire.Encoded | None:
-    """The reply to a pull in the table layout, without waiting: what :func:`pull` answers for
-    the same request, its arrays as the reply's own pieces; or ``None`` where :func:`pull`
-    would do more than that (another layout or content type, a body above ``limit``, any
-    error to answer, a push writing one of the variables in place), which it must then answer
-    itself. ``headers``: the request's, names lower-case; ``max_names``: the shard's
-    ``--max-request-names``. Synchronous; on the event loop."""
-    if (
-        len(body) > limit
-        or headers.get(b"content-type") != _MSGPACK
-        or _FRAME not in headers.get(b"accept", b"").lower()
-    ):
-        return None
-    try:
-        msg = wire.unpack(body, wire.MSGPACK, max_names)
-        if not isinstance(msg, dict):
-            return None
-        names, versions, table, layout = _pull_args(msg, True)
-        if not table or "wire_dtype" in msg or not store.settled_now(names):
-            return None
-        return _pull_table(store, names, versions, layout, True)
-    except (ShardError, wire.WireError):
-        return None
-
-
-_MSGPACK, _FRAME = wire.MSGPACK.encode(), wire.FRAME.encode()
 
 
 def _flag(msg: Mapping[str, Any], key: str, verb: str) -> bool:
@@ -486,38 +452,6 @@ def _push_args(
     return worker_id, seq, grads, versions, finite, block
 
 
-def push_now(
-    store: ParameterStore,
-    limit: int,
-    headers: Mapping[bytes, bytes],
-    body: bytes,
-    max_names: int = wire.MAX_REQUEST_NAMES,
-) -> wire.Encoded | None:
-    """The reply to a push, without waiting: what :func:`push` answers for the same request;
-    or ``None`` where :func:`push` would do more (a content type other than the SDK's, a
-    body above ``limit``, any error to answer, a push computing off the loop on one of the
-    names), which it must then answer itself. Nothing has changed when it returns ``None``:
-    the store checks a push whole before it changes anything. ``headers``: the request's,
-    names lower-case. Synchronous; on the event loop (a body this small is applied on it, as
-    :meth:`~server.store.ParameterStore.push_async` would)."""
-    ctype = headers.get(b"content-type")
-    if len(body) > limit or (ctype != _MSGPACK and ctype != _FRAME):
-        return None
-    kind = wire.FRAME if ctype == _FRAME else wire.MSGPACK
-    try:
-        msg = wire.unpack(body, kind, max_names)
-        if not isinstance(msg, dict):
-            return None
-        framed = body if kind == wire.FRAME else None
-        worker_id, seq, grads, versions, finite, block = _push_args(msg, kind, framed, {})
-        if store.settling(grads):
-            return None
-        result = store.push(worker_id, seq, grads, versions, finite=finite, block=block)
-        return wire.encode({"variables": result}, tensors=False)
-    except (ShardError, wire.WireError):
-        return None
-
-
 @router.post("/assign", openapi_extra=_BODY_DOC)
 async def assign(request: Request) -> Response:
     """Overwrite values: `{"values": {name: tensor}, "worker_id"?, "seq"?}` ->
@@ -556,33 +490,6 @@ def _increment_args(msg: Mapping[str, Any]) -> tuple[str, int | float, Any, Any,
     if kind is not None and kind not in COUNTER_KINDS:
         raise _bad_field("increment", "kind", "'int' or 'float' (or absent)", kind)
     return name, delta, worker_id, seq, kind
-
-
-def increment_now(
-    store: ParameterStore,
-    limit: int,
-    headers: Mapping[bytes, bytes],
-    body: bytes,
-    max_names: int = wire.MAX_REQUEST_NAMES,
-) -> wire.Encoded | None:
-    """The reply to an increment, without waiting: what :func:`increment` answers for the same
-    request; or ``None`` where :func:`increment` would do more (a content type other than
-    msgpack, a body above ``limit``, any error to answer, a push writing that name off the
-    loop), which it must then answer itself. Nothing has changed when it returns ``None``:
-    the store checks an increment whole before it changes anything. ``headers``: the
-    request's, names lower-case. Synchronous; on the event loop."""
-    if len(body) > limit or headers.get(b"content-type") != _MSGPACK:
-        return None
-    try:
-        msg = wire.unpack(body, wire.MSGPACK, max_names)
-        if not isinstance(msg, dict):
-            return None
-        name, delta, worker_id, seq, kind = _increment_args(msg)
-        if store.settling([name]):
-            return None
-        return wire.encode(store.increment(name, delta, worker_id, seq, kind), tensors=False)
-    except (ShardError, wire.WireError):
-        return None
 
 
 @router.post("/wait", openapi_extra=_BODY_DOC)
@@ -650,5 +557,10 @@ reply = _reply
 required = _required
 bad_field = _bad_field
 writer = _writer
+# ... and with the requests the shard's HTTP protocol answers itself (server/immediate.py).
+pull_args = _pull_args
+pull_table = _pull_table
+push_args = _push_args
+increment_args = _increment_args
 name_list = _name_list
 store_of = _store

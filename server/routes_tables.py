@@ -11,14 +11,13 @@ Each data-plane handler reads its body once (:func:`server.routes_data.message`;
 field), and calls the shard's :class:`~server.embedding.EmbeddingTables` (``app.state.tables``)
 synchronously on the event loop: a pull's rows are gathered and a push's applied with no
 ``await`` between check and write. A small pull of float32 rows, and a small push_rows, are
-answered by :func:`pull_rows_now` and :func:`push_rows_now` from the shard's HTTP protocol
-itself when they can be (:func:`server.app.immediate_routes`), with the same code and bytes.
+answered from the shard's HTTP protocol itself when they can be (:mod:`server.immediate`), with
+this module's argument checks and the same bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,7 @@ from .errors import ShardError
 from .narrowed import NARROW_ON_LOOP
 from .routes_data import BODY_DOC, bad_field, message, reply, required, writer
 
-__all__ = ["MAX_INSPECT_IDS", "pull_rows_now", "push_rows_now", "router"]
+__all__ = ["MAX_INSPECT_IDS", "router", "table_name", "whole_tensors"]
 
 #: Ids ``GET /v1/tables/{name}/rows`` shows at most.
 MAX_INSPECT_IDS = 1000
@@ -109,66 +108,6 @@ async def _narrowed(name: str, rows: np.ndarray, wire_dtype: str) -> np.ndarray:
         raise ShardError(exc.code, exc.message, {"table": name, "wire_dtype": wire_dtype}) from None
 
 
-def pull_rows_now(
-    tables: EmbeddingTables,
-    limit: int,
-    headers: Mapping[bytes, bytes],
-    body: bytes,
-    max_names: int = wire.MAX_REQUEST_NAMES,
-) -> wire.Encoded | None:
-    """The reply to a pull_rows, without waiting: what :func:`pull_rows` answers for the same
-    request, its rows as the reply's own piece; or ``None`` where :func:`pull_rows` would do
-    more than that (a body above ``limit`` or of another content type, a ``wire_dtype``, any
-    error to answer), which it must then answer itself. ``headers``: the request's, names
-    lower-case; ``max_names``: the shard's ``--max-request-names``. Synchronous; on the event
-    loop."""
-    kind = _KINDS.get(headers.get(b"content-type", b""))
-    if kind is None or len(body) > limit:
-        return None
-    try:
-        msg = wire.unpack(body, kind, max_names)
-        if not isinstance(msg, dict) or "wire_dtype" in msg:
-            return None
-        name = _name(msg, "pull_rows")
-        ids = _whole(msg, ("ids",), "pull_rows", body if kind == wire.FRAME else None)["ids"]
-        table, rows = tables.pull(name, ids)
-    except (ShardError, wire.WireError):
-        return None
-    frame = wire.FRAME.encode() in headers.get(b"accept", b"").lower()
-    return wire.encode({"rows": rows, "version": table.version}, frame=None if frame else False)
-
-
-_KINDS = {wire.MSGPACK.encode(): wire.MSGPACK, wire.FRAME.encode(): wire.FRAME}
-
-
-def push_rows_now(
-    tables: EmbeddingTables,
-    limit: int,
-    headers: Mapping[bytes, bytes],
-    body: bytes,
-    max_names: int = wire.MAX_REQUEST_NAMES,
-) -> wire.Encoded | None:
-    """The reply to a push_rows, without waiting: what :func:`push_rows` answers for the same
-    request; or ``None`` where :func:`push_rows` would do more (a body above ``limit`` or of
-    another content type, any error to answer), which it must then answer itself. Nothing has
-    changed when it returns ``None``: the push is checked whole before anything changes.
-    ``headers``: the request's, names lower-case. Synchronous; on the event loop."""
-    kind = _KINDS.get(headers.get(b"content-type", b""))
-    if kind is None or len(body) > limit:
-        return None
-    try:
-        msg = wire.unpack(body, kind, max_names)
-        if not isinstance(msg, dict):
-            return None
-        worker_id, seq = writer(msg, "push_rows", required=True)
-        name = _name(msg, "push_rows")
-        tensors = _whole(msg, ("ids", "grads"), "push_rows", body if kind == wire.FRAME else None)
-        result = tables.push(name, worker_id, seq, tensors["ids"], tensors["grads"])
-    except (ShardError, wire.WireError):
-        return None
-    return wire.encode(result, tensors=False)
-
-
 @router.post("/push_rows", openapi_extra=BODY_DOC)
 async def push_rows(request: Request) -> Response:
     """Apply row gradients once per (worker_id, seq): `{"name", "ids": int64 tensor [n],
@@ -180,6 +119,12 @@ async def push_rows(request: Request) -> Response:
     tensors = _whole(msg, ("ids", "grads"), "push_rows", body)
     result = _tables(request).push(name, worker_id, seq, tensors["ids"], tensors["grads"])
     return reply(request, result)
+
+
+# The argument checks the requests the shard's HTTP protocol answers itself share
+# (server/immediate.py).
+table_name = _name
+whole_tensors = _whole
 
 
 # -- inspection (JSON) ----------------------------------------------------------------------

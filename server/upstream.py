@@ -385,9 +385,9 @@ def serving(app: Any, limits: Any = None, mode: str = "auto") -> Serving:
     ``h11_max_incomplete_event_size=limits.max_head_bytes`` too, for h11).
 
     Where a ``POST /v1/pull`` goes, fast: answered inside the protocol's parser callbacks when
-    small and in the table layout (:func:`server.app.immediate_routes`, which calls
-    :func:`server.routes_data.pull_now`; a small ``/v1/pull_rows`` likewise,
-    :func:`server.routes_tables.pull_rows_now`); else handed by
+    small and in the table layout (:func:`server.immediate.immediate_routes`, which calls
+    :func:`server.immediate.pull_now`; a small ``/v1/pull_rows`` likewise,
+    :func:`server.immediate.pull_rows_now`); else handed by
     :class:`server.direct_routes.DirectRoutes` through the app's middleware to the endpoint
     (:func:`server.routes_data.pull`); stock: through FastAPI's router to that same endpoint.
     Every way ends in ``routes_data``'s (or ``routes_tables``') code.

@@ -2,7 +2,7 @@
 
 Counted where each request ends (:class:`server.app.ShardMiddleware` for every request through
 the app, FastAPI's routes and :mod:`server.direct_routes` alike; the answerers of
-:func:`server.app.immediate_routes` for the requests the shard's HTTP protocol answers itself), in
+:mod:`server.immediate` for the requests the shard's HTTP protocol answers itself), in
 plain ints: one dict lookup for the path's verb, one for ``(verb, status)``, a bisection for the
 latency bucket and a few additions. Nothing here knows Prometheus; :mod:`server.metrics.export`
 reads these counts at scrape time.

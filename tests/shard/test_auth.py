@@ -204,7 +204,7 @@ def test_every_full_token_may_write(shard, http, token):
 
 
 def test_a_small_table_pull_needs_a_token_too(shard, http):
-    """The small table pull the fast path answers without the app (server.app.
+    """The small table pull the fast path answers without the app (server.immediate.
     immediate_routes) is refused without a token like any other, and answered with one."""
     url = shard.urls[0]
     name, _, _ = setup_state(http, url)

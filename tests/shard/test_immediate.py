@@ -1,7 +1,6 @@
 """Small table pulls, pull_rows, pushes and increments answered by the shard's HTTP protocol
-itself (server.httptools_protocol, IMMEDIATE; server.app.immediate_routes): the same bytes as the
-app's answer, and every request it does not take handed to the app, which answers it the usual
-way.
+itself (server.httptools_protocol, IMMEDIATE; server.immediate): the same bytes as the app's
+answer, and every request it does not take handed to the app, which answers it the usual way.
 
 The shard's real app runs in this process, served twice over one store: once as a shard
 serves it, once with nothing answered immediately (``immediate = {}``); each request goes to

@@ -1,0 +1,207 @@
+"""Requests the shard's HTTP protocol answers itself, before any ASGI request cycle.
+
+:func:`immediate_routes` is the table the protocol reads (:data:`server.httptools_protocol.
+IMMEDIATE`: raw path -> answerer; :func:`server.app.serving_app` sets it), and the ``*_now``
+functions are the answerers' verbs: :func:`pull_now` (``POST /v1/pull`` in the table layout),
+:func:`pull_rows_now` (``/v1/pull_rows`` of float32 rows), :func:`push_now`,
+:func:`increment_now` and :func:`push_rows_now`. The protocol offers a request to its path's
+answerer when it is small (``Content-Length`` below
+:data:`~server.httptools_protocol.ANSWER_BELOW`) and came whole in one read; it is answered here
+only when all of these hold:
+
+* it passes the fleet check as the SDK sends it, and carries a token that may read (a pull) or
+  write (the others) when the shard has tokens;
+* the gate would admit it at once, and, for a write, the shard takes writes with no wait and no
+  refusal to give, and has no replicas (:func:`_writes_at_once`: a replica's write waits for its
+  backups, through :class:`~server.app.ShardMiddleware`);
+* its body is one the SDK sends (content type, size within ``--max-request-bytes``, a msgpack
+  map) and its verb can answer it with no error, no ``await`` and nothing off the loop (no push
+  writing one of its variables in a worker thread).
+
+The reply is the one the usual way gives, byte for byte: the verbs' own argument checks and
+store calls (:mod:`server.routes_data`, :mod:`server.routes_tables`), the shard's headers from
+:class:`~server.app.ShardMiddleware`. Anything else, every refusal and error included, returns
+``None`` and goes the usual way, which answers it: nothing has changed before that (the store
+checks a write whole before it changes anything). Everything here is synchronous, on the event
+loop, inside the protocol's parser callback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fastapi import FastAPI
+
+from client_sdk import wire
+
+from .admission import Gate
+from .app import ShardMiddleware
+from .auth import READ, WRITE, Guard
+from .embedding import EmbeddingTables
+from .errors import ShardError
+from .httptools_protocol import Answerer, Immediate
+from .metrics import Traffic
+from .routes_data import increment_args, pull_args, pull_table, push_args, writer
+from .routes_tables import table_name, whole_tensors
+from .store import ParameterStore
+
+__all__ = [
+    "immediate_routes",
+    "increment_now",
+    "pull_now",
+    "pull_rows_now",
+    "push_now",
+    "push_rows_now",
+]
+
+_FLEET_KEY = wire.HEADER_FLEET.encode()
+_MSGPACK, _FRAME = wire.MSGPACK.encode(), wire.FRAME.encode()
+#: Content type (as sent) -> the body's encoding, for the verbs that take either.
+_EITHER = {_MSGPACK: wire.MSGPACK, _FRAME: wire.FRAME}
+_MSGPACK_ONLY = {_MSGPACK: wire.MSGPACK}
+
+#: ``now(target, headers, msg, body)``: a verb's reply to a request whose message is ``msg``
+#: (``body``: its framed body, which the message's tensors point into, or ``None`` for a msgpack
+#: one), or ``None`` where the usual way must answer it; may raise ``ShardError`` or
+#: ``wire.WireError`` (also the usual way's to answer).
+Now = Callable[[Any, Mapping[bytes, bytes], dict[str, Any], Any], wire.Encoded | None]
+
+
+def pull_now(
+    store: ParameterStore, headers: Mapping[bytes, bytes], msg: dict[str, Any], body: Any
+) -> wire.Encoded | None:
+    """A pull in the table layout (the client accepts a framed reply): what
+    :func:`server.routes_data.pull` answers, its arrays as the reply's own pieces; ``None`` for
+    another layout, a ``wire_dtype``, or a push writing one of the variables in place."""
+    if _FRAME not in headers.get(b"accept", b"").lower():
+        return None
+    names, versions, table, layout = pull_args(msg, True)
+    if not table or "wire_dtype" in msg or not store.settled_now(names):
+        return None
+    return pull_table(store, names, versions, layout, True)
+
+
+def pull_rows_now(
+    tables: EmbeddingTables, headers: Mapping[bytes, bytes], msg: dict[str, Any], body: Any
+) -> wire.Encoded | None:
+    """A pull_rows: what :func:`server.routes_tables.pull_rows` answers, its rows as the
+    reply's own piece; ``None`` with a ``wire_dtype``."""
+    if "wire_dtype" in msg:
+        return None
+    name = table_name(msg, "pull_rows")
+    table, rows = tables.pull(name, whole_tensors(msg, ("ids",), "pull_rows", body)["ids"])
+    frame = _FRAME in headers.get(b"accept", b"").lower()
+    return wire.encode({"rows": rows, "version": table.version}, frame=None if frame else False)
+
+
+def push_now(
+    store: ParameterStore, headers: Mapping[bytes, bytes], msg: dict[str, Any], body: Any
+) -> wire.Encoded | None:
+    """A push: what :func:`server.routes_data.push` answers (a body this small is applied on
+    the loop, as :meth:`~server.store.ParameterStore.push_async` would); ``None`` while a push
+    computing off the loop holds one of its names."""
+    kind = wire.FRAME if body is not None else wire.MSGPACK
+    worker_id, seq, grads, versions, finite, block = push_args(msg, kind, body, {})
+    if store.settling(grads):
+        return None
+    result = store.push(worker_id, seq, grads, versions, finite=finite, block=block)
+    return wire.encode({"variables": result}, tensors=False)
+
+
+def increment_now(
+    store: ParameterStore, headers: Mapping[bytes, bytes], msg: dict[str, Any], body: Any
+) -> wire.Encoded | None:
+    """An increment: what :func:`server.routes_data.increment` answers; ``None`` while a push
+    writes that name off the loop."""
+    name, delta, worker_id, seq, kind = increment_args(msg)
+    if store.settling([name]):
+        return None
+    return wire.encode(store.increment(name, delta, worker_id, seq, kind), tensors=False)
+
+
+def push_rows_now(
+    tables: EmbeddingTables, headers: Mapping[bytes, bytes], msg: dict[str, Any], body: Any
+) -> wire.Encoded | None:
+    """A push_rows: what :func:`server.routes_tables.push_rows` answers."""
+    worker_id, seq = writer(msg, "push_rows", required=True)
+    name = table_name(msg, "push_rows")
+    tensors = whole_tensors(msg, ("ids", "grads"), "push_rows", body)
+    result = tables.push(name, worker_id, seq, tensors["ids"], tensors["grads"])
+    return wire.encode(result, tensors=False)
+
+
+def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
+    """The answerers of ``app``'s shard (made by :func:`server.app.create_app`), by raw path:
+    each checks what the module docstring lists, decodes the body, and calls its ``*_now``
+    verb; the traffic metrics count what it answers."""
+    state = app.state
+    store, tables, gate = state.store, state.tables, state.gate
+    limit, max_names = state.config.max_request_bytes, state.config.max_request_names
+    shard = ShardMiddleware(app, state.config, state.incarnation, state)
+    guard: Guard = state.auth
+    traffic: Traffic | None = getattr(state, "traffic", None)
+
+    def answerer(
+        verb: str, now: Now, target: Any, kinds: Mapping[bytes, str], access: str = READ
+    ) -> Answerer:
+        writes = access == WRITE
+
+        def answer(headers: Mapping[bytes, bytes], body: bytes) -> Immediate | None:
+            if (
+                not shard.meant_for_me(headers.get(_FLEET_KEY))
+                or not guard.allows(headers, access)
+                or not gate.room_now(len(body))
+                or (writes and not _writes_at_once(state))
+            ):
+                return None
+            kind = kinds.get(headers.get(b"content-type", b""))
+            if kind is None or len(body) > limit:
+                return None
+            since = time.perf_counter()
+            try:
+                msg = wire.unpack(body, kind, max_names)
+                if not isinstance(msg, dict):
+                    return None
+                encoded = now(target, headers, msg, body if kind == wire.FRAME else None)
+            except (ShardError, wire.WireError):
+                return None
+            if encoded is None:
+                return None
+            if traffic is not None:
+                traffic.count(verb, 200, time.perf_counter() - since, len(body), encoded.nbytes)
+            return Immediate(
+                [
+                    (b"content-type", encoded.content_type.encode("latin-1")),
+                    (b"content-length", str(encoded.nbytes).encode("latin-1")),
+                    *shard.reply_headers(),
+                ],
+                encoded.chunks,
+                encoded.nbytes,
+            )
+
+        return answer
+
+    return {
+        b"/v1/pull": answerer("pull", pull_now, store, _MSGPACK_ONLY),
+        b"/v1/pull_rows": answerer("pull_rows", pull_rows_now, tables, _EITHER),
+        b"/v1/push": answerer("push", push_now, store, _EITHER, WRITE),
+        b"/v1/increment": answerer("increment", increment_now, store, _MSGPACK_ONLY, WRITE),
+        b"/v1/push_rows": answerer("push_rows", push_rows_now, tables, _EITHER, WRITE),
+    }
+
+
+def _writes_at_once(state: Any) -> bool:
+    """Whether a write may be applied and acknowledged right now, with no wait and no refusal
+    to give: what :class:`~server.admission.AdmissionMiddleware` would let straight through
+    (the shard is ready, takes writes, no fleet checkpoint pauses or holds them), on a shard
+    without replicas (a replica's writes wait for its backups, or are refused: the usual way,
+    through :class:`~server.app.ShardMiddleware`)."""
+    gate: Gate = state.gate
+    return (
+        gate.write_refusal() is None
+        and gate.paused_for is None
+        and not gate.closed
+        and getattr(state, "replication", None) is None
+    )
