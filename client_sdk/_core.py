@@ -26,6 +26,7 @@ own lock that is never held across I/O (the fleet's is taken first when both are
 
 from __future__ import annotations
 
+import copy
 import itertools
 import threading
 import time
@@ -106,6 +107,33 @@ class Core:
             base["authorization"] = f"Bearer {settings.token}"
         self._base_headers = base
         self._data_headers = [{**base, wire.HEADER_FLEET: f"{i}/{self.n}"} for i in range(self.n)]
+        #: Whether this core's reads may be answered by a backup (:meth:`backup_reads`).
+        self.allow_backup = False
+        self._backup_twin: Core | None = None
+
+    def backup_reads(self) -> Core:
+        """This core, but for its reads, which a backup of each index may answer
+        (``pull(..., allow_backup=True)``): the same state (fleet, cache, replicas, sequence
+        numbers), shared; each data-plane read it builds goes to the index's backup
+        (:meth:`Replicas.reader <client_sdk._replicas.Replicas.reader>`) with
+        ``x-paramshard-allow-backup: 1``."""
+        twin = self._backup_twin
+        if twin is None:
+            twin = copy.copy(self)
+            twin.allow_backup = True
+            twin._data_headers = [{**h, wire.HEADER_ALLOW_BACKUP: "1"} for h in self._data_headers]
+            self._backup_twin = twin
+        return twin
+
+    def read_era(self, shard: int) -> str | None:
+        """The era to look cached values of ``shard`` up by for a read (the versions it
+        offers): the primary's, or, for a core of :meth:`backup_reads`, that of the backup it
+        reads from."""
+        if self.allow_backup:
+            url = self.replicas.reader(shard)
+            if url is not None:
+                return self.replicas.era(url)
+        return self.fleet.era(shard)
 
     def url(self, shard: int) -> str:
         return self.shards[shard]
@@ -172,6 +200,25 @@ class Core:
         names = tuple(names)
         if max_reply is None:
             max_reply = REPLY_HEADROOM + REPLY_PER_NAME * len(names)
+        if self.allow_backup and not mutating:
+            return ShardRequest(
+                shard,
+                "POST",
+                f"/v1/{verb}",
+                self._data_headers[shard],
+                body,
+                mutating,
+                deadline,
+                verb,
+                names,
+                timeout,
+                retry_safe,
+                max_reply,
+                abort,
+                into,
+                url=self.replicas.reader(shard),
+                allow_backup=True,
+            )
         return ShardRequest(
             shard,
             "POST",
@@ -215,11 +262,18 @@ class Core:
         fleet.check_identity(shard, headers)
         incarnation = headers.get(wire.HEADER_INCARNATION)
         cached_as = era(incarnation, headers.get(wire.HEADER_DELETIONS))
-        fleet.note_incarnation(
-            shard, incarnation, headers.get(wire.HEADER_STATE_VERSION), cached_as
-        )
+        url = self.shards[shard]
+        if request.url is not None and headers.get(wire.HEADER_ROLE) == "backup":
+            # A read a backup answered: its values are cached under its own era, and its
+            # incarnation is not the primary's (no restart of the index to report).
+            url = request.url
+            self.replicas.note_era(url, cached_as)
+        else:
+            fleet.note_incarnation(
+                shard, incarnation, headers.get(wire.HEADER_STATE_VERSION), cached_as
+            )
         try:
-            return _replies.decode(request, result, self.shards[shard], self.n, cached_as)
+            return _replies.decode(request, result, url, self.n, cached_as)
         except FleetMismatchError as exc:
             if exc.status == 421:  # the shard says it is not the one: check it again
                 fleet.recheck(shard)

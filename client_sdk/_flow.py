@@ -65,8 +65,12 @@ class ShardRequest:
     #: caller's buffers (``_into.py``).
     into: Into | None = None
     #: Sent to this replica of the shard's group rather than to the one its requests go to
-    #: now (asking each replica who is primary: ``_replicas.py``).
+    #: now (asking each replica who is primary; a read a backup may answer: ``_replicas.py``).
     url: str | None = None
+    #: A read a backup of the index may answer (``pull(..., allow_backup=True)``): sent with
+    #: ``x-paramshard-allow-backup: 1``, to ``url`` (a backup) when set; when that backup
+    #: does not answer it, it is sent to the primary instead (``_transport.py``).
+    allow_backup: bool = False
 
 
 def request_headers(req: ShardRequest) -> Mapping[str, str]:

@@ -14,6 +14,14 @@ primary a replica names, when none says so itself); the request is then sent the
 was: a write with the same ``worker_id`` and ``seq``, which the new primary applies at most
 once (its dedup table is replicated). ``_transport.py`` decides when (both shells alike).
 
+A read a backup may answer (``pull(..., allow_backup=True)``) goes to one backup of the
+index, :meth:`Replicas.reader`: each client takes one of the replicas other than the primary by
+a number of its own drawn at random, so that many readers (broadcast actors) spread over the
+backups and each keeps its connection to one; a backup that fails a read
+(:meth:`Replicas.shun`) is passed over for :data:`SHUN_SECONDS`, its reads going to the primary
+meanwhile. The era of the values each backup sent (:meth:`Replicas.era`) is kept apart from
+the primary's: a version is reused only with the replica that sent its value.
+
 Only the listed replicas are ever used: a primary named in a reply but not in the list is not
 followed. Thread-safe: the current choice is one list item per index, replaced whole.
 """
@@ -22,16 +30,21 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from . import wire
 from ._flow import Reply
 
-__all__ = ["Replicas", "choose", "not_primary"]
+__all__ = ["SHUN_SECONDS", "Replicas", "choose", "not_primary"]
 
 logger = logging.getLogger("client_sdk")
+
+#: Seconds a backup that failed a read is passed over by :meth:`Replicas.reader`.
+SHUN_SECONDS = 10.0
 
 
 class Replicas:
@@ -44,12 +57,50 @@ class Replicas:
         #: The highest epoch seen for each index's primary (0: none yet).
         self.epochs = [0] * len(self.groups)
         self._lock = threading.Lock()
+        #: Which backup this client reads from (:meth:`reader`): its own, drawn at random.
+        self._spread = random.randrange(1 << 30)
+        #: Backup URL -> until when (``time.monotonic()``) it is passed over for reads.
+        self._shunned: dict[str, float] = {}
+        #: Backup URL -> the era of the last values it sent this client.
+        self._eras: dict[str, str | None] = {}
 
     def replicated(self, shard: int) -> bool:
         return len(self.groups[shard]) > 1
 
     def every_url(self) -> list[str]:
         return [u for g in self.groups for u in g]
+
+    def reader(self, shard: int) -> str | None:
+        """The backup of index ``shard`` a read that a backup may answer goes to (module
+        docstring); ``None``: none now (a group of one, or every backup passed over), so it
+        goes to the primary."""
+        group = self.groups[shard]
+        if len(group) == 1:
+            return None
+        primary = self.current[shard]
+        shunned = self._shunned
+        if shunned:
+            now = time.monotonic()
+            backups = [u for u in group if u != primary and shunned.get(u, 0.0) <= now]
+        else:
+            backups = [u for u in group if u != primary]
+        return backups[self._spread % len(backups)] if backups else None
+
+    def shun(self, url: str) -> None:
+        """Pass backup ``url`` over for reads for :data:`SHUN_SECONDS` (it failed one)."""
+        self._shunned[url] = time.monotonic() + SHUN_SECONDS
+        logger.info(
+            "backup %s did not answer a read; reading from the primary for %.0f s",
+            url,
+            SHUN_SECONDS,
+        )
+
+    def era(self, url: str) -> str | None:
+        """The era of the values backup ``url`` sent this client last (``None``: none yet)."""
+        return self._eras.get(url)
+
+    def note_era(self, url: str, era: str | None) -> None:
+        self._eras[url] = era
 
     def follow(self, shard: int, url: str, epoch: int) -> bool:
         """Send index ``shard``'s requests to ``url`` (one of its group) from now on, unless a

@@ -120,7 +120,11 @@ def error(
     if status == 421:
         owners = details.get("owners")
         hint = (
-            f"the {wire.ENV_SHARDS} order (or the shards argument) must match each "
+            f"list every replica of the index in {wire.ENV_SHARDS} (or the shards argument) "
+            "as 'a|b', so that the client follows the primary; a read may say that a backup "
+            "may answer it (pull(..., allow_backup=True))"
+            if code == "not_primary"
+            else f"the {wire.ENV_SHARDS} order (or the shards argument) must match each "
             "shard's --shard-index, and list every shard"
         )
         where = f"shard {url} (listed at position {request.shard} of {n})"

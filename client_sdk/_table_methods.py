@@ -79,12 +79,15 @@ class TableMethods:
         spec = table_spec(dim, dtype, initializer, optimizer, seed, admission)
         return self._drive(_verbs.create_table(self._core, name, spec))
 
-    def pull_rows(self, name: str, ids: Any) -> np.ndarray:
+    def pull_rows(self, name: str, ids: Any, *, allow_backup: bool = False) -> np.ndarray:
         """The rows of ``ids`` (int64, repeats allowed) as a new float32 array [len(ids),
         dim]. Blocks. An id never pushed gets its initializer's row (nothing is stored). With
         ``PSClient(wire_dtype=)`` the rows travel in that dtype (rounded to nearest); a row
-        beyond float16's range is :class:`BadTensorError` naming the table."""
-        return self._drive(_verbs.pull_rows(self._core, name, ids))
+        beyond float16's range is :class:`BadTensorError` naming the table.
+        ``allow_backup=True``: a backup of each shard may answer, as for
+        :meth:`PSClient.pull <client_sdk.PSClient.pull>`."""
+        core = self._core.backup_reads() if allow_backup else self._core
+        return self._drive(_verbs.pull_rows(core, name, ids))
 
     def push_rows(self, name: str, ids: Any, grads: Any) -> dict[str, Any]:
         """Apply ``grads`` [len(ids), dim] to rows ``ids`` with the table's optimizer. Blocks.
@@ -125,9 +128,10 @@ class AsyncTableMethods:
         spec = table_spec(dim, dtype, initializer, optimizer, seed, admission)
         return await self._drive(_verbs.create_table(self._core, name, spec))
 
-    async def pull_rows(self, name: str, ids: Any) -> np.ndarray:
+    async def pull_rows(self, name: str, ids: Any, *, allow_backup: bool = False) -> np.ndarray:
         """:meth:`PSClient.pull_rows <client_sdk.PSClient.pull_rows>`, awaited."""
-        return await self._drive(_verbs.pull_rows(self._core, name, ids))
+        core = self._core.backup_reads() if allow_backup else self._core
+        return await self._drive(_verbs.pull_rows(core, name, ids))
 
     async def push_rows(self, name: str, ids: Any, grads: Any) -> dict[str, Any]:
         """:meth:`PSClient.push_rows <client_sdk.PSClient.push_rows>`, awaited."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import random
@@ -85,6 +86,12 @@ class Failover:
 
     delay: float
     named: str | None = None
+
+
+@dataclass(frozen=True)
+class ToPrimary:
+    """The backup a read was sent to (``allow_backup``) did not answer it: it goes to the
+    primary at once, and the backup is passed over for a while (``_replicas.py``)."""
 
 
 #: Runs a blocking call on another thread (an executor's ``submit``).
@@ -209,7 +216,7 @@ def send_all(
         return [first] + [f.result() for f in futures]
     started = time.monotonic()
     deadlines = [attempt_deadline(core, req) for req in reqs]
-    results: list[Result | float | Failover] = [
+    results: list[Result | float | Failover | ToPrimary] = [
         _judge(core, req, 1, started, outcome)
         for req, outcome in zip(reqs, sender.once_all(reqs, deadlines, submit))
     ]
@@ -268,12 +275,14 @@ def _retry(
     req: ShardRequest,
     started: float,
     attempt: int,
-    delay: float | Failover | None,
+    delay: float | Failover | ToPrimary | None,
 ) -> Result:
     """Attempts after the ``attempt``-th (made at ``started``), the first after ``delay``
     seconds, until one settles the request (or its abort is fired)."""
     abort = req.abort
     while True:
+        if isinstance(delay, ToPrimary):
+            req, delay = dataclasses.replace(req, url=None), None
         if isinstance(delay, Failover):
             delay = _follow(sender, core, req, delay)
         if delay is not None:
@@ -296,9 +305,12 @@ def _retry(
 
 def _judge(
     core: Core, req: ShardRequest, attempt: int, started: float, outcome: Reply | Exception
-) -> Result | float | Failover:
+) -> Result | float | Failover | ToPrimary:
     """What the ``attempt``-th try's outcome (a reply, or the exception that ended it) means:
     the request's result, or the seconds to wait before trying again."""
+    if req.allow_backup and req.url is not None and _backup_failed(outcome):
+        core.replicas.shun(req.url)
+        return ToPrimary()
     if isinstance(outcome, PSError):
         return outcome
     if isinstance(outcome, ReplyTooLarge):  # the same request would get it again
@@ -327,6 +339,15 @@ def _judge(
         return _chain(_translate(outcome, core, req, attempt, started), outcome)
     _say_waiting(core, req, started, f"{type(outcome).__name__}: {outcome}"[:300])
     return Failover(delay) if replicated else delay
+
+
+def _backup_failed(outcome: Reply | Exception) -> bool:
+    """Whether a backup's outcome for a read sends the read to the primary: no answer, 429 or
+    503 (busy, not ready), 421 ``not_primary`` (not a backup of a known primary, or not
+    in-sync)."""
+    if not isinstance(outcome, Reply):
+        return True
+    return outcome.status in (429, 503) or not_primary(outcome)[0]
 
 
 #: A request still retrying this many seconds after its first attempt is logged (a warning),
@@ -435,6 +456,9 @@ async def asend(sender: AsyncSender, core: Core, req: ShardRequest) -> Result:
         verdict = _judge(core, req, attempt, started, outcome)
         if isinstance(verdict, _SETTLED):
             return verdict
+        if isinstance(verdict, ToPrimary):
+            req = dataclasses.replace(req, url=None)
+            continue
         if isinstance(verdict, Failover):
             verdict = await _afollow(sender, core, req, verdict)
         await asyncio.sleep(verdict)

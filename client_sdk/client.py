@@ -227,6 +227,7 @@ class PSClient(TableMethods):
         min_version: int | None = None,
         timeout: float | None = 60.0,
         out: Mapping[str, Any] | None = None,
+        allow_backup: bool = False,
     ) -> dict[str, np.ndarray]:
         """Fetch the current values of ``names``: a dict name -> ndarray. Blocks.
 
@@ -274,11 +275,25 @@ class PSClient(TableMethods):
         may have written the buffers of other shards' values (or, when a shard's reply breaks
         off, part of them): pull again. Every successful pull writes every buffer. With
         ``newer_than``, only the variables that changed are written.
+
+        ``allow_backup=True`` (any of the forms above) lets a backup of each shard answer
+        instead of its primary, where the shard list names replica groups (``a|b``): for
+        readers that must not load the primaries (broadcast actors, evaluators). The values
+        are the backup's: never newer than the primary's, older by the writes still on their
+        way to it (its lag, usually none once a write is acknowledged: every acknowledged
+        write is on every in-sync backup). Each client reads from one backup of each group,
+        taken at random (so many readers spread over the backups); when it does not answer,
+        refuses (it is not in-sync, or not a backup now) or is busy, the read goes to the
+        primary, and that backup is passed over for 10 s. A value read from a backup is
+        cached as that backup's: the next pull from another replica sends it whole, and it
+        may be older than one this client pulled from the primary before (its version, which
+        :meth:`push` sends, says so).
         """
+        core = self._core.backup_reads() if allow_backup else self._core
         if newer_than is None and min_version is None:
-            return self._drive(_verbs.partitioned.pull(self._core, names, out))
+            return self._drive(_verbs.partitioned.pull(core, names, out))
         return self._drive(
-            _verbs.partitioned.poll(self._core, names, newer_than, min_version, timeout, out)
+            _verbs.partitioned.poll(core, names, newer_than, min_version, timeout, out)
         )
 
     def versions(self, names: Sequence[str]) -> dict[str, int]:
@@ -561,14 +576,16 @@ class AsyncPSClient(AsyncTableMethods):
         min_version: int | None = None,
         timeout: float | None = 60.0,
         out: Mapping[str, Any] | None = None,
+        allow_backup: bool = False,
     ) -> dict[str, np.ndarray]:
         """See :meth:`PSClient.pull` (returned arrays are read-only, but for ``out``'s
         buffers); with ``newer_than`` or ``min_version`` it waits without blocking the event
         loop."""
+        core = self._core.backup_reads() if allow_backup else self._core
         if newer_than is None and min_version is None:
-            return await self._drive(_verbs.partitioned.pull(self._core, names, out))
+            return await self._drive(_verbs.partitioned.pull(core, names, out))
         return await self._drive(
-            _verbs.partitioned.poll(self._core, names, newer_than, min_version, timeout, out)
+            _verbs.partitioned.poll(core, names, newer_than, min_version, timeout, out)
         )
 
     async def push(

@@ -13,7 +13,9 @@ only when all of these hold:
   write (the others) when the shard has tokens;
 * the gate would admit it at once, and, for a write, the shard takes writes with no wait and no
   refusal to give, and has no replicas (:func:`_writes_at_once`: a replica's write waits for its
-  backups, through :class:`~server.app.ShardMiddleware`);
+  backups, through :class:`~server.app.ShardMiddleware`); for a read on a replica of a group,
+  the replica answers reads now (:func:`_reads_here`: a primary, or a backup asked with
+  ``x-paramshard-allow-backup``, :mod:`server.replication.reads`);
 * its body is one the SDK sends (content type, size within ``--max-request-bytes``, a msgpack
   map) and its verb can answer it with no error, no ``await`` and nothing off the loop (no push
   writing one of its variables in a worker thread).
@@ -43,6 +45,7 @@ from .embedding import EmbeddingTables
 from .errors import ShardError
 from .httptools_protocol import Answerer, Immediate
 from .metrics import Traffic
+from .replication.reads import ALLOW_BACKUP, allows_backup, read_refusal
 from .routes_data import increment_args, pull_args, pull_table, push_args, writer
 from .routes_tables import table_name, whole_tensors
 from .store import ParameterStore
@@ -154,6 +157,7 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
                 or not guard.allows(headers, access)
                 or not gate.room_now(len(body))
                 or (writes and not _writes_at_once(state))
+                or (not writes and not _reads_here(state, headers))
             ):
                 return None
             kind = kinds.get(headers.get(b"content-type", b""))
@@ -190,6 +194,21 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
         b"/v1/increment": answerer("increment", increment_now, store, _MSGPACK_ONLY, WRITE),
         b"/v1/push_rows": answerer("push_rows", push_rows_now, tables, _EITHER, WRITE),
     }
+
+
+def _reads_here(state: Any, headers: Mapping[bytes, bytes]) -> bool:
+    """Whether this shard answers a read now: one without replicas always; a replica of a
+    group as :func:`~server.replication.reads.read_refusal` says (a refusal goes the usual
+    way, which sends it)."""
+    replication = getattr(state, "replication", None)
+    return replication is None or (
+        read_refusal(
+            replication.role,
+            getattr(state, "leadership", None),
+            allows_backup(headers.get(ALLOW_BACKUP)),
+        )
+        is None
+    )
 
 
 def _writes_at_once(state: Any) -> bool:

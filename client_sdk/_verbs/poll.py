@@ -186,7 +186,7 @@ def _newer_batch(
     batch, helds = [], []
     for shard, group in parts:
         if newer_than == "cached":
-            held = core.cache.held(group, core.fleet.era(shard))
+            held = core.cache.held(group, core.read_era(shard))
             entries = held[0] or [None] * len(group)
             versions = [None if c is None else c[1] for c in entries]
         else:
@@ -246,7 +246,7 @@ def reached(
         poll = _poll_time(end)
         batch, helds = [], []
         for shard, group in core.fleet.chunks(todo):
-            held = core.cache.held(group, core.fleet.era(shard))
+            held = core.cache.held(group, core.read_era(shard))
             entries = held[0] or [None] * len(group)
             versions = [None if c is None else c[1] for c in entries]
             helds.append(held)

@@ -76,7 +76,7 @@ def pull(
                 if views:
                     sink = Sink(views, group, wire_dtype is not None)
             if use_cache:
-                entries, writes = cache.held(group, fleet.era(shard))
+                entries, writes = cache.held(group, core.read_era(shard))
                 if sink is not None and entries is not None:
                     entries = _unlent(entries)
                 held.append((entries, writes))

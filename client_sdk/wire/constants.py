@@ -29,12 +29,16 @@ __all__ = [
     "FRAME_MAGIC",
     "FRAME_PREFIX",
     "FRAME_THRESHOLD",
+    "HEADER_ALLOW_BACKUP",
     "HEADER_DELETIONS",
+    "HEADER_EPOCH",
     "HEADER_FLEET",
     "HEADER_FORWARDED",
     "HEADER_INCARNATION",
+    "HEADER_LSN",
     "HEADER_OWNER",
     "HEADER_PROTOCOL",
+    "HEADER_ROLE",
     "HEADER_SHARD",
     "HEADER_STATE_VERSION",
     "JSON",
@@ -68,6 +72,15 @@ HEADER_FLEET = "x-paramshard-fleet"
 #: (never followed again), and the owner's ``"<index>/<num_shards>"`` on the answer it relays.
 HEADER_FORWARDED = "x-paramshard-forwarded"
 HEADER_OWNER = "x-paramshard-owner"
+#: A read (pull, pull_rows, poll, wait) that a backup of the index may answer: ``1``. Without
+#: it, a replica that is not the primary refuses reads with 421 ``not_primary``.
+HEADER_ALLOW_BACKUP = "x-paramshard-allow-backup"
+#: On every reply of a replica of a group: its role (``primary``, ``backup``, ``unknown``),
+#: epoch, and the lsn it had applied when the request came in (the reply's values hold every
+#: write up to that lsn).
+HEADER_ROLE = "x-paramshard-role"
+HEADER_EPOCH = "x-paramshard-epoch"
+HEADER_LSN = "x-paramshard-lsn"
 
 #: Every environment variable paramshard reads starts with this: the SDK's three below, and a
 #: shard's settings (``PARAMSHARD_`` and the flag's name, see ``paramshard serve --help``).

@@ -39,11 +39,9 @@ TTL = "2"
 
 _PULL = (
     "import json, sys\n"
-    "import numpy as np\n"
-    "from client_sdk import PSClient\n"
-    "with PSClient([sys.argv[1]], worker_id='checker', retry_deadline=10) as ps:\n"
-    "    s = ps.pull(['v', 'counter'])\n"
-    "print(json.dumps([np.asarray(s['v']).tolist(), int(s['counter'])]))\n"
+    "from tests.helpers.writers import final_state\n"
+    "v, counter = final_state(sys.argv[1])\n"
+    "print(json.dumps([v.tolist(), counter]))\n"
 )
 
 

@@ -4,7 +4,8 @@ worker hears of it (server/replication, docs/DEPLOYMENT.md Replicas).
 Each test starts a static group of real shard processes on loopback
 (tests/helpers/replicas.py: the first replica primary at epoch 1, the others its backups) and
 talks to it over HTTP: with the SDK, or by hand where the protocol itself is the subject. A
-backup is read through its own pulls (a backup answers reads) and ``GET /v1/cluster``.
+backup is read through its own pulls (``allow_backup=True``: a backup answers those) and
+``GET /v1/cluster``.
 
 * every write verb of the data plane, and the close of a sync round by its timeout, leave the
   backup in the primary's state (the same variables, values, versions, state version and count
@@ -118,7 +119,7 @@ def _listing(url: str) -> dict[str, tuple]:
 
 def _state(url: str, names: list[str]) -> dict[str, tuple[int, bytes]]:
     with PSClient([url], worker_id="reader-" + uuid.uuid4().hex[:8]) as ps:
-        values = ps.pull(names)
+        values = ps.pull(names, allow_backup=True)
     return {n: (_version(url, n), np.asarray(values[n]).tobytes()) for n in names}
 
 
@@ -164,7 +165,7 @@ def test_every_write_reaches_the_backup_before_its_answer(groups):
         _same_state(primary, backup, names)
         with PSClient([backup], worker_id="reader") as pb:
             np.testing.assert_array_equal(
-                pb.pull_rows("emb", [3, 5, 9]), ps.pull_rows("emb", [3, 5, 9])
+                pb.pull_rows("emb", [3, 5, 9], allow_backup=True), ps.pull_rows("emb", [3, 5, 9])
             )
             assert "gone" not in {v["name"] for v in pb.variables()}
 
@@ -198,7 +199,7 @@ def test_a_backup_refuses_writes_and_stale_epochs_changing_nothing(groups):
         )
         assert answer.status_code == 400, answer.content
     with PSClient([backup], worker_id="r") as pb:
-        assert int(pb.pull(["c"])["c"]) == 1
+        assert int(pb.pull(["c"], allow_backup=True)["c"]) == 1
     assert cluster(backup)["primary"] == primary  # the stale sender did not take over
 
 
@@ -219,7 +220,7 @@ def test_a_primary_whose_backup_saw_a_newer_epoch_acknowledges_nothing_more(grou
     shown = cluster(primary)
     assert shown["role"] == "unknown" and shown["epoch"] == 1
     with PSClient([backup], worker_id="r") as pb:
-        assert int(pb.pull(["c"])["c"]) == 1
+        assert int(pb.pull(["c"], allow_backup=True)["c"]) == 1
 
 
 def test_a_backup_that_stops_is_dropped_then_sent_the_tail_and_rejoins(groups):
@@ -257,7 +258,7 @@ def test_a_backup_that_needs_writes_the_log_let_go_catches_up_from_a_snapshot(gr
         ps.increment("c", 1)  # and the log goes on from the snapshot
         with PSClient([backup], worker_id="reader") as pb:
             np.testing.assert_array_equal(
-                pb.pull_rows("emb", [1, 2, 3]), ps.pull_rows("emb", [1, 2, 3])
+                pb.pull_rows("emb", [1, 2, 3], allow_backup=True), ps.pull_rows("emb", [1, 2, 3])
             )
     (link,) = cluster(primary)["backups"]
     assert link["installs"] == 1 and cluster(backup)["installed"] == 1
@@ -319,7 +320,7 @@ def test_no_acknowledged_write_is_lost_when_the_primary_is_killed(groups):
             t.join(timeout=60)
     assert not any(t.is_alive() for t in threads)
     with PSClient([backup], worker_id="checker") as pb:
-        state = pb.pull(["v", "counter"])
+        state = pb.pull(["v", "counter"], allow_backup=True)
     assert history.check(np.asarray(state["v"]), int(state["counter"])) == []
     sent, acked = history.count("push")
     assert acked >= 20 and sent >= acked

@@ -16,6 +16,7 @@ flushed line per event, and the program stops once ``OUT_DIR/stop`` exists;
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 import threading
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import numpy as np
 
 from client_sdk import PSClient, PSError
@@ -116,10 +118,16 @@ class Writers:
 
 
 def final_state(url: str) -> tuple[np.ndarray, int]:
-    """``v`` and ``counter`` as replica ``url`` holds them (a backup answers reads)."""
-    with PSClient([url], worker_id="checker") as ps:
-        state = ps.pull(["v", "counter"])
-    return np.asarray(state["v"]), int(state["counter"])
+    """``v`` and ``counter`` as replica ``url`` holds them, whatever its role: each as the
+    ``.npy`` of its ``GET /v1/variables/{name}`` (a replica that is not in-sync refuses
+    pulls, even those a backup may answer)."""
+
+    def value(name: str) -> np.ndarray:
+        reply = httpx2.get(f"{url}/v1/variables/{name}", params={"format": "npy"}, timeout=30)
+        reply.raise_for_status()
+        return np.load(io.BytesIO(reply.content), allow_pickle=False)
+
+    return value("v"), int(value("counter"))
 
 
 def read_history(out: Path) -> History:

@@ -1,0 +1,88 @@
+"""Which reads a replica of a group answers, and what its replies say of where it is.
+
+A replica's data-plane reads (``pull``, ``pull_rows``, ``poll``, ``wait``) are the primary's
+to answer: a client that reads from a replica it takes for the primary must learn when that
+is no longer true, or it would read a state that stopped moving (a replica cut off from its
+group) for ever. So a replica that does not take writes now (a backup, a replica that stepped
+down or does not know its primary yet, a primary whose lease ran out) refuses them with 421
+``not_primary``, naming the primary when it knows it, as it refuses writes.
+
+A read that says a backup may answer it (header ``x-paramshard-allow-backup: 1``: the SDK's
+``pull(..., allow_backup=True)``) is answered by a **backup** from its own state: every write
+its primary forwarded and it applied, which is never ahead of the primary and may be behind
+by the writes still on their way (its lag). Such a read is still refused (421 ``not_primary``)
+by a replica that is not a backup of a known primary, and, under leadership from etcd, by a
+backup the in-sync set does not list (it may be far behind, or hold writes no primary has):
+the SDK then reads from the primary.
+
+Every reply of a replica of a group says where the replica was when the request came in
+(:func:`position_headers`): ``x-paramshard-role``, ``x-paramshard-epoch`` and
+``x-paramshard-lsn`` (the values of the reply hold every write up to that lsn). A shard
+without replicas adds nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from client_sdk import wire
+
+from ..errors import ShardError
+from .role import BACKUP, Role, not_primary
+
+__all__ = [
+    "ALLOW_BACKUP",
+    "READS",
+    "allows_backup",
+    "position_headers",
+    "read_refusal",
+]
+
+#: The data-plane verbs that read: the primary's to answer, a backup's when allowed.
+READS = frozenset({"pull", "pull_rows", "poll", "wait"})
+ALLOW_BACKUP = wire.HEADER_ALLOW_BACKUP.encode()
+_ROLE = wire.HEADER_ROLE.encode()
+_EPOCH = wire.HEADER_EPOCH.encode()
+_LSN = wire.HEADER_LSN.encode()
+
+
+def allows_backup(value: bytes | str | None) -> bool:
+    """Whether the ``x-paramshard-allow-backup`` header's value (``None``: absent) lets a
+    backup answer the read."""
+    return value is not None and value.strip() in (b"1", "1")
+
+
+def read_refusal(role: Role, leadership: Any, allow_backup: bool) -> ShardError | None:
+    """421 ``not_primary`` for a read this replica must not answer (module docstring), else
+    ``None``. ``leadership``: the shard's campaign in etcd (``None`` for a static group)."""
+    if role.acknowledges:
+        return None
+    if (
+        allow_backup
+        and role.kind == BACKUP
+        and (leadership is None or getattr(leadership, "eligible", False))
+    ):
+        return None
+    error = not_primary(role.view)
+    if allow_backup and role.kind == BACKUP:
+        error.message = (
+            f"this backup of the shard is not listed in-sync (in etcd) now, so it may lack "
+            f"acknowledged writes: read from the primary {role.primary}"
+        )
+        error.details = {**error.details, "in_sync": False}
+    else:
+        error.message += (
+            "; reads too are the primary's, unless the request says a backup may answer it "
+            f"({wire.HEADER_ALLOW_BACKUP}: 1)"
+        )
+    return error
+
+
+def position_headers(role: Role, lsn: int) -> list[tuple[bytes, bytes]]:
+    """The headers saying where a replica of a group is: its role, epoch and applied lsn."""
+    view = role.view
+    return [
+        (_ROLE, view.kind.encode()),
+        (_EPOCH, str(view.epoch).encode()),
+        (_LSN, str(lsn).encode()),
+    ]
