@@ -200,14 +200,24 @@ def _up(args: argparse.Namespace) -> int:
 # -- status ---------------------------------------------------------------------------------
 
 
-def _fleet_urls(args: argparse.Namespace) -> list[str]:
+def _fleet_groups(args: argparse.Namespace) -> list[list[str]]:
+    """The fleet's shard URLs per index, each index's replicas joined by ``|`` (as
+    ``PARAMSHARD_SHARDS`` lists them)."""
     raw = args.shards if args.shards is not None else os.environ.get(wire.ENV_SHARDS)
     if not raw:
         raise UsageError(f"give the fleet with --shards URL,URL,... or set {wire.ENV_SHARDS}")
-    urls = [u.strip().rstrip("/") for u in raw.split(",") if u.strip()]
-    if not urls or any(not u.startswith(("http://", "https://")) for u in urls):
-        raise UsageError(f"--shards must be comma-separated http(s):// URLs, got {raw!r}")
-    return urls
+    groups = [
+        [u.strip().rstrip("/") for u in part.split("|")] for part in raw.split(",") if part.strip()
+    ]
+    every = [u for group in groups for u in group]
+    if not groups or any(not u.startswith(("http://", "https://")) for u in every):
+        raise UsageError(
+            "--shards must be comma-separated http(s):// URLs in shard-index order, the "
+            f"replicas of one index joined by '|' (http://a0:7100|http://b0:7100,...), got {raw!r}"
+        )
+    if len(set(every)) != len(every):
+        raise UsageError(f"--shards lists a URL twice ({raw!r}): list each replica once")
+    return groups
 
 
 def _timeout(args: argparse.Namespace) -> float:
@@ -229,9 +239,9 @@ def _get(args: argparse.Namespace) -> int:
 
     from .show import fetch, render
 
-    urls, timeout = _fleet_urls(args), _timeout(args)
+    groups, timeout = _fleet_groups(args), _timeout(args)
     try:
-        status, body, owner = fetch(urls, args.name, args.values, timeout)
+        status, body, owner, replicas = fetch(groups, args.name, args.values, timeout)
     except httpx2.HTTPError as exc:
         print(f"{PROG} get: the shard owning {args.name!r} did not answer: {exc}", file=sys.stderr)
         return 1
@@ -239,20 +249,22 @@ def _get(args: argparse.Namespace) -> int:
         error = body.get("error", {}) if isinstance(body, dict) else {}
         message = error.get("message") if isinstance(error, dict) else None
         print(f"{PROG} get: {owner} answered {status}: {message or body}", file=sys.stderr)
+        if replicas:
+            print("\n".join(["replicas:", *(f"  {line}" for line in replicas)]), file=sys.stderr)
         return 1
-    print(json.dumps(body, indent=2) if args.json else render(body, args.values))
+    print(json.dumps(body, indent=2) if args.json else render(body, args.values, replicas))
     return 0
 
 
 def _status(args: argparse.Namespace) -> int:
-    urls, timeout = _fleet_urls(args), _timeout(args)
+    groups, timeout = _fleet_groups(args), _timeout(args)
     interval = _seconds_in(args.interval, "--interval", 0.1, 3600.0)
     count = None if args.count is None else int_in(args.count, "--count", 1, 10**9)
     proxy = args.proxy
     if proxy is not None and not proxy.startswith(("http://", "https://")):
         raise UsageError(f"--proxy must be an http(s):// URL, got {proxy!r}")
     return status.run(
-        urls,
+        groups,
         timeout,
         proxy=proxy,
         watch=args.watch,

@@ -403,13 +403,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="print a table of a fleet's shards",
         description="Ask every shard for /v1/cluster and /healthz (twice, --interval apart, "
         "for the rates), print a row per shard: place, incarnation, variables, bytes, "
-        "pushes/s, pulls/s, last snapshot's age, auth mode, health. Exit 0 when all are up "
-        "and in fleet order, else 1 (with --watch: in the last table).",
+        "pushes/s, pulls/s, last snapshot's age, auth mode, health; a shard index listed as a "
+        "replica group (a0|b0) gets a row per replica with its role, epoch, lsn, and its lag "
+        "and in-sync state as the group's primary says them. Exit 0 when all are up, in fleet "
+        "order and every group has its primary, else 1 (with --watch: in the last table).",
     )
     p.add_argument(
         "--shards",
         metavar="URL,URL,...",
-        help=f"the fleet's shard URLs in order [{wire.ENV_SHARDS}]",
+        help=f"the fleet's shard URLs in order, the replicas of one index joined by | "
+        f"(a0|b0,a1|b1) [{wire.ENV_SHARDS}]",
     )
     p.add_argument("--timeout", default="3", help="seconds to wait per shard (default 3)")
     p.add_argument(
@@ -437,14 +440,16 @@ def build_parser() -> argparse.ArgumentParser:
         "get",
         help="print one variable (or counter) of a fleet",
         description="Ask the shard that owns NAME for it and print its fields (a "
-        "counter's value among them). Sends PARAMSHARD_TOKEN when set. Exit 0 when "
-        "found, else say why and exit 1.",
+        "counter's value among them); an index listed as a replica group (a0|b0) is read "
+        "through its primary, and each replica's role, epoch and lag are printed after. "
+        "Sends PARAMSHARD_TOKEN when set. Exit 0 when found, else say why and exit 1.",
     )
     p.add_argument("name", metavar="NAME", help="the variable's name")
     p.add_argument(
         "--shards",
         metavar="URL,URL,...",
-        help=f"the fleet's shard URLs in order [{wire.ENV_SHARDS}]",
+        help=f"the fleet's shard URLs in order, the replicas of one index joined by | "
+        f"(a0|b0,a1|b1) [{wire.ENV_SHARDS}]",
     )
     p.add_argument("--values", action="store_true", help="print its values too (small ones)")
     p.add_argument("--json", action="store_true", help="print the shard's JSON as it is")

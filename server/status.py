@@ -8,10 +8,18 @@ and whether it is up. A rate is the change of the shard's ``pushes_applied`` /
 twice, ``--interval`` apart; ``--watch`` reads once per round. A shard that restarted between
 two readings (a new incarnation) shows no rate that round.
 
-The exit status says whether every shard was up and in fleet order (0) or not (1): after the
-one table, or after the last round of ``--watch`` (when ``--count`` rounds are done, or at
-Ctrl-C). On a terminal ``--watch`` redraws the table in place; otherwise each round's table
-follows the last, a blank line between.
+A shard index served by a replica group is listed with ``|`` (``a0|b0,a1|b1``, as
+``PARAMSHARD_SHARDS`` lists it): each replica gets a row of its own, with its ``ROLE``,
+``EPOCH`` and ``LSN`` (the newest write it holds) as it says them, and ``LAG`` and ``IN-SYNC``
+as the group's primary (the replica saying it is primary at the highest epoch) says them: the
+writes the primary holds that the backup has not acknowledged yet, and whether the primary
+waits for it before acknowledging a write. Those columns are shown whenever the list names a
+group.
+
+The exit status says whether every shard was up and in fleet order, and every group had its
+primary (0), or not (1): after the one table, or after the last round of ``--watch`` (when
+``--count`` rounds are done, or at Ctrl-C). On a terminal ``--watch`` redraws the table in
+place; otherwise each round's table follows the last, a blank line between.
 
 Nothing here imports the web stack.
 """
@@ -26,7 +34,15 @@ from typing import Any, TextIO
 from .probes import probe_fleet
 from .progress import human_bytes
 
-__all__ = ["Reading", "human_bytes", "run", "table"]
+__all__ = [
+    "Reading",
+    "group_primary",
+    "human_bytes",
+    "replica_cells",
+    "replication_of",
+    "run",
+    "table",
+]
 
 _HEADER = (
     "URL",
@@ -40,6 +56,8 @@ _HEADER = (
     "AUTH",
     "HEALTHY",
 )
+#: The columns a list naming replica groups adds, after ``SHARD``.
+_REPLICA_COLUMNS = ("ROLE", "EPOCH", "LSN", "LAG", "IN-SYNC")
 _CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -81,48 +99,99 @@ def _rate(info: dict[str, Any], before: dict[str, Any] | None, key: str, dt: flo
     return f"{(now - then) / dt:.1f}"
 
 
+def replication_of(res: dict[str, Any]) -> dict[str, Any]:
+    info = res.get("info")
+    rep = info.get("replication") if isinstance(info, dict) else None
+    return rep if isinstance(rep, dict) else {}
+
+
+def group_primary(results: list[dict[str, Any]]) -> int | None:
+    """Which of a group's probe results is its primary: the one saying so at the highest
+    epoch (``None``: none does)."""
+    says = [
+        (rep["epoch"], r)
+        for r, res in enumerate(results)
+        if (rep := replication_of(res)).get("role") == "primary" and type(rep.get("epoch")) is int
+    ]
+    return max(says)[1] if says else None
+
+
+def replica_cells(url: str, rep: dict[str, Any], primary: dict[str, Any] | None) -> list[str]:
+    """ROLE, EPOCH, LSN as replica ``url`` says them; LAG, IN-SYNC as the primary says them."""
+    cells = [str(rep.get("role", "?")), str(rep.get("epoch", "?")), str(rep.get("lsn", "-"))]
+    if primary is None:
+        return [*cells, "?", "?"]
+    if primary is rep:
+        return [*cells, "-", "-"]
+    link = next(
+        (b for b in primary.get("backups") or [] if isinstance(b, dict) and b.get("url") == url),
+        None,
+    )
+    lag = link.get("lag") if link is not None else None
+    if type(lag) is not int and type(primary.get("lsn")) is int and type(rep.get("lsn")) is int:
+        lag = max(0, primary["lsn"] - rep["lsn"])
+    in_sync = "yes" if url in (primary.get("in_sync") or []) else "no"
+    return [*cells, "?" if lag is None else str(lag), in_sync]
+
+
 def table(
-    urls: list[str], reading: Reading, before: Reading | None = None
+    groups: list[list[str]], reading: Reading, before: Reading | None = None
 ) -> tuple[list[str], bool]:
-    """The table's lines for ``reading`` (rates against ``before``), and whether every shard
-    is up and in fleet order."""
-    rows = [_HEADER]
+    """The table's lines for ``reading`` (one probe result per replica, in the order of
+    ``groups`` flattened; rates against ``before``), and whether every shard is up and in
+    fleet order, with one primary per group."""
+    replicated = any(len(g) > 1 for g in groups)
+    extra = _REPLICA_COLUMNS if replicated else ()
+    header = (*_HEADER[:2], *extra, *_HEADER[2:])
+    rows = [header]
     ok = True
     now = time.time()
     dt = reading.at - before.at if before is not None else 0.0
-    for i, (url, res) in enumerate(zip(urls, reading.results)):
-        info = res.get("info")
-        if info is None:
+    n = len(groups)
+    k = 0
+    for i, group in enumerate(groups):
+        results = reading.results[k : k + len(group)]
+        priors = before.results[k : k + len(group)] if before is not None else [{}] * len(group)
+        k += len(group)
+        p = group_primary(results) if replicated else None
+        primary = replication_of(results[p]) if p is not None else None
+        if len(group) > 1 and p is None:
             ok = False
-            rows.append((url, "?", "-", "-", "-", "-", "-", "-", "-", "down"))
-            continue
-        slot = f"{info.get('shard_index')}/{info.get('num_shards')}"
-        health = "yes" if res["healthy"] else "no"
-        if (info.get("shard_index"), info.get("num_shards")) != (i, len(urls)):
-            health = f"mismatch (listed as {i}/{len(urls)})"
-        ok = ok and health == "yes"
-        prior = before.results[i].get("info") if before is not None else None
-        rows.append(
-            (
-                url,
-                slot,
-                str(info.get("incarnation", "?")),
-                str(info.get("variables", "?")),
-                human_bytes(int(info.get("bytes", 0))),
-                _rate(info, prior, "pushes_applied", dt),
-                _rate(info, prior, "pulls_answered", dt),
-                _snapshot(info, now),
-                _auth(info.get("auth")),
-                health,
+        for url, res, prior_res in zip(group, results, priors):
+            info = res.get("info")
+            if info is None:
+                ok = False
+                rows.append((url, "?", *(["-"] * len(extra)), *(["-"] * 7), "down"))
+                continue
+            slot = f"{info.get('shard_index')}/{info.get('num_shards')}"
+            health = "yes" if res["healthy"] else "no"
+            if (info.get("shard_index"), info.get("num_shards")) != (i, n):
+                health = f"mismatch (listed as {i}/{n})"
+            ok = ok and health == "yes"
+            prior = prior_res.get("info") if before is not None else None
+            cells = replica_cells(url, replication_of(res), primary) if replicated else []
+            rows.append(
+                (
+                    url,
+                    slot,
+                    *cells,
+                    str(info.get("incarnation", "?")),
+                    str(info.get("variables", "?")),
+                    human_bytes(int(info.get("bytes", 0))),
+                    _rate(info, prior, "pushes_applied", dt),
+                    _rate(info, prior, "pulls_answered", dt),
+                    _snapshot(info, now),
+                    _auth(info.get("auth")),
+                    health,
+                )
             )
-        )
-    widths = [max(len(r[c]) for r in rows) for c in range(len(_HEADER))]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     return lines, ok
 
 
 def run(
-    urls: list[str],
+    groups: list[list[str]],
     timeout: float,
     *,
     proxy: str | None = None,
@@ -134,8 +203,11 @@ def run(
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """Print the fleet's table (``watch``: every ``interval`` seconds, ``count`` times or
-    until Ctrl-C); 0 if every shard was up and in order in the last one, else 1. The probes
-    go through ``proxy`` if given, else straight to the shards."""
+    until Ctrl-C); 0 if every shard was up and in order in the last one (and every group had
+    its primary), else 1. ``groups[i]``: the replicas of shard index ``i`` (one URL for an
+    index without replicas). The probes go through ``proxy`` if given, else straight to the
+    shards."""
+    urls = [u for group in groups for u in group]
     redraw = watch and out.isatty()
     ok = False
     rounds = 0
@@ -144,7 +216,7 @@ def run(
         while True:
             sleep(interval)
             reading = Reading(probe_fleet(urls, timeout, proxy), time.monotonic())
-            lines, ok = table(urls, reading, before)
+            lines, ok = table(groups, reading, before)
             if redraw:
                 out.write(_CLEAR)
             elif rounds:

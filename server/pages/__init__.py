@@ -1,9 +1,10 @@
 """The pages a shard serves to browsers, with nothing fetched from elsewhere: the live dashboard
 at ``/`` (one HTML file with its script inline, polling the JSON inspection endpoints), the
 OpenAPI page at ``/docs`` with swagger-ui's files served under ``/docs/assets/`` from the
-installed ``fastapi-offline`` package (which ships them as its package data), and
+installed ``fastapi-offline`` package (which ships them as its package data),
 ``GET /v1/fleet``, the fleet as this shard sees it (every shard of ``--fleet-urls``, probed from
-here: up or down).
+here: up or down), and ``GET /v1/replicas``, the replica group of this shard's index
+(:mod:`server.pages.replicas`).
 
 The pages hold no data (they are open when the shard checks tokens, :mod:`server.auth`); the
 dashboard's script sends the token the user gives it with each request for data.
@@ -23,6 +24,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from ..errors import ShardError
+from .replicas import replicas_view
 
 __all__ = ["ASSETS", "PROBE_TIMEOUT", "router", "swagger_files"]
 
@@ -84,6 +86,18 @@ async def docs_asset(name: str) -> Response:
         media_type=media_type,
         headers={"cache-control": "public, max-age=86400"},
     )
+
+
+@router.get("/v1/replicas", tags=["inspection (JSON)"])
+async def replicas(request: Request) -> JSONResponse:
+    """The replica group of this shard's index (`--replica-group`), each replica asked now
+    (`GET /v1/cluster`, the caller's `Authorization` passed on): `url`, `self`, `up`, `role`,
+    `epoch`, `lsn`, `primary` (the one it follows), `lag` (the group primary's lsn minus its
+    own), `in_sync` (listed in the primary's in-sync set), `etcd` (`holds_lease`, `eligible`,
+    `demoted`, `error`; null without `--etcd`), `error`; and the group's `primary` and `epoch`.
+    A shard without replicas lists itself alone."""
+    auth = request.headers.get("authorization")
+    return JSONResponse(await replicas_view(request.app.state, auth, PROBE_TIMEOUT))
 
 
 @router.get("/v1/fleet", tags=["inspection (JSON)"])

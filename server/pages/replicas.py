@@ -1,0 +1,120 @@
+"""``GET /v1/replicas``: the replica group of this shard's index as this replica sees it, for
+the dashboard and for operators during a failover.
+
+Every replica of the group (``--replica-group``) is asked for its ``GET /v1/cluster`` now (this
+one answers from its own state), and each is shown with what it says of itself: up or not, its
+role, epoch, lsn (the newest write it holds), what it says of etcd; and with what the group's
+primary says of it: whether the primary's in-sync set lists it (a write is acknowledged only
+once every listed backup has it) and its lag (the primary's lsn minus its own). The primary is
+the replica that says it is, at the highest epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx2
+
+__all__ = ["replicas_view"]
+
+
+def _self(state: Any) -> dict[str, Any]:
+    cluster = (
+        state.replication.stats() if state.replication is not None else state.role.view.to_json()
+    )
+    leadership = getattr(state, "leadership", None)
+    return {
+        "self": True,
+        "up": True,
+        "replication": cluster,
+        "leadership": leadership.status() if leadership is not None else None,
+    }
+
+
+async def _ask(client: httpx2.AsyncClient, url: str) -> dict[str, Any]:
+    try:
+        r = await client.get(url.rstrip("/") + "/v1/cluster")
+    except httpx2.HTTPError as exc:
+        return {"up": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
+    if r.status_code != 200:
+        return {"up": True, "error": f"/v1/cluster answered {r.status_code}"}
+    try:
+        info = r.json()
+        replication = info["replication"]
+        if not isinstance(replication, dict):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        return {"up": True, "error": "not a paramshard /v1/cluster reply"}
+    return {"up": True, "replication": replication, "leadership": info.get("leadership")}
+
+
+def _int(value: Any) -> int | None:
+    return value if type(value) is int else None
+
+
+async def replicas_view(state: Any, auth: str | None, timeout: float) -> dict[str, Any]:
+    """The body of ``GET /v1/replicas`` (module docstring); each other replica asked with the
+    caller's ``Authorization`` and ``timeout`` seconds to answer."""
+    config = state.config
+    group = list(config.replica_group) or [config.advertise_url]
+    mine = config.advertise_url
+    headers = {"authorization": auth} if auth else {}
+    async with httpx2.AsyncClient(timeout=timeout, headers=headers, trust_env=False) as client:
+        answers = await asyncio.gather(
+            *(
+                asyncio.sleep(0, _self(state))
+                if url == mine or len(group) == 1
+                else _ask(client, url)
+                for url in group
+            )
+        )
+    rows: list[dict[str, Any]] = []
+    for url, answer in zip(group, answers):
+        rep = answer.get("replication") or {}
+        lead = answer.get("leadership")
+        rows.append(
+            {
+                "url": url,
+                "self": bool(answer.get("self")),
+                "up": answer["up"],
+                "role": rep.get("role"),
+                "epoch": _int(rep.get("epoch")),
+                "lsn": _int(rep.get("lsn")),
+                "primary": rep.get("primary"),
+                "lag": None,
+                "in_sync": None,
+                "etcd": None
+                if not isinstance(lead, dict)
+                else {
+                    "holds_lease": lead.get("holds_lease"),
+                    "eligible": lead.get("eligible"),
+                    "demoted": lead.get("demoted"),
+                    "error": lead.get("error"),
+                },
+                "error": answer.get("error"),
+                "_in_sync": rep.get("in_sync"),
+            }
+        )
+    primaries = [r for r in rows if r["role"] == "primary" and r["epoch"] is not None]
+    primary = max(primaries, key=lambda r: r["epoch"]) if primaries else None
+    members = primary["_in_sync"] if primary is not None else None
+    for row in rows:
+        del row["_in_sync"]
+        if primary is None:
+            continue
+        if row is primary:
+            row["lag"] = 0
+            continue
+        row["in_sync"] = isinstance(members, list) and row["url"] in members
+        if primary["lsn"] is not None and row["lsn"] is not None:
+            row["lag"] = max(0, primary["lsn"] - row["lsn"])
+    return {
+        "shard_index": config.shard_index,
+        "num_shards": config.num_shards,
+        "replicated": bool(config.replica_group),
+        "etcd": bool(config.etcd),
+        "primary": primary["url"] if primary is not None else None,
+        "epoch": primary["epoch"] if primary is not None else None,
+        "replicas": rows,
+    }

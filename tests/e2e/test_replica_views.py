@@ -1,0 +1,115 @@
+"""What operators see of a replica group: ``GET /v1/replicas`` (the dashboard's Replicas
+table, server/pages/replicas.py), ``paramshard status`` and ``paramshard get`` given the group
+as ``a|b`` (server/status.py, server/show.py).
+
+A group of two real replicas electing their primary in a real etcd (tests/helpers/etcd.py):
+every replica shows every replica's role, epoch, lsn, lag, in-sync state and etcd state, the
+same from either side; ``status`` prints a row per replica and ``get`` reads through the
+primary whichever replica is listed first; after the primary is killed, the views say so
+(down, exit status 1) and then show the backup as the new primary at a higher epoch.
+"""
+
+from __future__ import annotations
+
+import httpx2
+import pytest
+
+from client_sdk import PSClient
+from tests.e2e.test_cli import run_cli
+from tests.e2e.test_leadership import elected_group, one_primary
+from tests.helpers.eventually import eventually
+
+COLUMNS = "URL SHARD ROLE EPOCH LSN LAG IN-SYNC INCARNATION".split()
+
+
+def replicas(url: str) -> dict:
+    r = httpx2.get(url + "/v1/replicas", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def rows(stdout: str) -> list[dict[str, str]]:
+    """The status table's rows as ``{column: cell}`` for the first columns."""
+    out, starts = [], []
+    for line in stdout.splitlines():
+        if line.startswith("URL "):
+            starts = [line.index(c) for c in COLUMNS]
+            continue
+        if line.strip() and starts:
+            bounds = [*starts[1:], None]
+            out.append({c: line[a:b].strip() for c, a, b in zip(COLUMNS, starts, bounds)})
+    return out
+
+
+def test_the_group_as_its_replicas_the_cli_and_the_dashboard_show_it(tmp_path, etcd):
+    group, _ = elected_group(tmp_path, etcd)
+    try:
+        p, view = one_primary(group)
+        b = 1 - p
+        primary, backup = group.urls[p], group.urls[b]
+        with PSClient(f"{primary}|{backup}", worker_id="w-views") as ps:
+            for _ in range(4):
+                ps.increment("views_steps")
+        lsn = httpx2.get(primary + "/v1/cluster", timeout=30).json()["replication"]["lsn"]
+
+        for asked in (primary, backup):  # the same view from either side
+            seen = replicas(asked)
+            assert seen["replicated"] and seen["etcd"] and seen["primary"] == primary
+            by = {r["url"]: r for r in seen["replicas"]}
+            assert by[asked]["self"] and not by[group.urls[1 - group.urls.index(asked)]]["self"]
+            assert (by[primary]["role"], by[backup]["role"]) == ("primary", "backup")
+            assert by[primary]["epoch"] == by[backup]["epoch"] == seen["epoch"] == view["epoch"]
+            assert by[primary]["lsn"] == by[backup]["lsn"] == lsn
+            assert (by[backup]["lag"], by[backup]["in_sync"]) == (0, True)
+            assert by[backup]["primary"] == primary
+            assert by[primary]["etcd"]["holds_lease"] and by[backup]["etcd"]["eligible"]
+        page = httpx2.get(backup + "/", timeout=30).text
+        assert 'id="replicas"' in page and '"/v1/replicas"' in page
+
+        done = run_cli("status", "--shards", f"{backup}|{primary}", "--interval", "0.2")
+        assert done.returncode == 0, done.stdout + done.stderr
+        table = {r["URL"]: r for r in rows(done.stdout)}
+        assert table[primary]["ROLE"] == "primary" and table[backup]["ROLE"] == "backup"
+        assert table[backup]["EPOCH"] == str(view["epoch"])
+        assert (table[backup]["LAG"], table[backup]["IN-SYNC"]) == ("0", "yes")
+        assert table[backup]["LSN"] == table[primary]["LSN"] == str(lsn)
+
+        got = run_cli("get", "views_steps", "--shards", f"{backup}|{primary}")
+        assert got.returncode == 0, got.stdout + got.stderr
+        assert "value: 4" in got.stdout
+        assert f"{backup}: backup at epoch {view['epoch']}, lsn {lsn}, lag 0, in-sync yes" in (
+            got.stdout
+        )
+
+        group.kill(p)
+        down = run_cli("status", "--shards", f"{primary}|{backup}", "--interval", "0.2")
+        assert down.returncode == 1, down.stdout + down.stderr
+        assert {r["URL"]: r for r in rows(down.stdout)}[primary]["ROLE"] == "-"
+
+        def took_over():
+            seen = replicas(backup)
+            return seen if seen["primary"] == backup else None
+
+        seen = eventually(took_over, "the backup shown as the new primary", timeout=30)
+        assert seen["epoch"] > view["epoch"]
+        gone = {r["url"]: r for r in seen["replicas"]}[primary]
+        assert gone["up"] is False and gone["error"]
+        got = run_cli("get", "views_steps", "--shards", f"{primary}|{backup}")
+        assert got.returncode == 0 and "value: 4" in got.stdout, got.stdout + got.stderr
+        assert f"{primary}: down" in got.stdout
+    finally:
+        group.close()
+
+
+def test_a_shard_without_replicas_lists_itself(fleet_factory):
+    url = fleet_factory(1).urls[0]
+    seen = replicas(url)
+    assert not seen["replicated"] and not seen["etcd"]
+    (me,) = seen["replicas"]
+    assert me["self"] and me["role"] == "standalone"
+
+
+@pytest.mark.parametrize("shards", ["http://a:1|ftp://b:2", "http://a:1|http://a:1", "x|"])
+def test_bad_replica_lists_are_usage_errors(shards):
+    done = run_cli("status", "--shards", shards)
+    assert done.returncode == 2 and "--shards" in done.stderr, done.stderr
