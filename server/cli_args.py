@@ -300,14 +300,16 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
             metavar="URL|URL|...",
             help=f"every replica of this shard index, primary first: the first URL is the "
             f"primary at epoch 1, the others its backups (it forwards every write to them and "
-            f"acknowledges once they have it); needs --advertise-url "
-            f"[{env_name('replica_group')}, default: none, the shard is its index's only copy]",
+            f"acknowledges once they have it); needs --advertise-url; {{index}} in it stands "
+            f"for the shard index [{env_name('replica_group')}, default: none, the shard is its "
+            f"index's only copy]",
         )
         p.add_argument(
             "--advertise-url",
             dest="advertise_url",
             metavar="URL",
-            help=f"this replica's URL as the group lists it [{env_name('advertise_url')}]",
+            help=f"this replica's URL as the group lists it ({{index}}: the shard index) "
+            f"[{env_name('advertise_url')}]",
         )
         p.add_argument(
             "--replication-log-bytes",

@@ -8,7 +8,9 @@ value is, so ``paramshard serve`` can exit with status 2 and one line instead of
     config = ShardConfig.from_sources({"shard_index": "1"}, os.environ)
 
 The shard index may be ``auto``: the trailing number of this host's name, so that every pod of a
-Kubernetes StatefulSet (``paramshard-0``, ``paramshard-1``, ...) runs the same command and env.
+Kubernetes StatefulSet (``paramshard-a-0``, ``paramshard-a-1``, ...) runs the same command and
+env; ``{index}`` in the replica group and the advertised URL stands for the index, for the same
+reason.
 """
 
 from __future__ import annotations
@@ -256,6 +258,18 @@ def _url(text: str) -> str:
     if not url.startswith(("http://", "https://")) or any(c.isspace() for c in url):
         raise ValueError(f"expected a URL such as http://host:7100, got {text[:80]!r}")
     return url
+
+
+#: Settings in which ``{index}`` stands for the shard index, so that every pod of a Kubernetes
+#: StatefulSet names its own replica group with one spec (docker/k8s/shards.yaml).
+INDEXED = ("replica_group", "advertise_url")
+INDEX_PLACEHOLDER = "{index}"
+
+
+def _expand_index(value: str | tuple[str, ...], index: int) -> str | tuple[str, ...]:
+    if isinstance(value, tuple):
+        return tuple(v.replace(INDEX_PLACEHOLDER, str(index)) for v in value)
+    return value.replace(INDEX_PLACEHOLDER, str(index))
 
 
 def _replica_urls(text: str) -> tuple[str, ...]:
@@ -514,6 +528,9 @@ class ShardConfig:
                 raise InvalidSetting(key, str(exc)) from None
         index = values.get("shard_index", 0)
         num = values.get("num_shards", 1)
+        for name in INDEXED:  # "{index}": this shard's index (one spec for every pod of a set)
+            if name in values:
+                values[name] = _expand_index(values[name], index)
         if index >= num:
             key = keys.get("shard_index", flag_name("shard_index"))
             source = flags.get("shard_index") or environ.get(env_name("shard_index"), "")

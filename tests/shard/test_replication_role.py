@@ -128,6 +128,26 @@ def test_the_flags_and_their_variables_give_the_group():
     assert config.replication_log_bytes == 1 << 20
 
 
+def test_index_in_the_group_and_the_own_url_is_the_shard_index(monkeypatch):
+    """One pod spec for every pod of a StatefulSet: ``{index}`` is the index from the flag or,
+    with ``auto``, from the host name's ordinal (docker/k8s/shards.yaml)."""
+    group = "http://ps-a-{index}.ps:7100|http://ps-b-{index}.ps:7100"
+    env = {"PARAMSHARD_REPLICA_GROUP": group, "PARAMSHARD_NUM_SHARDS": "4"}
+    config = ShardConfig.from_sources(
+        {"shard_index": "2", "advertise_url": "http://ps-b-{index}.ps:7100"}, env
+    )
+    assert config.replica_group == ("http://ps-a-2.ps:7100", "http://ps-b-2.ps:7100")
+    assert config.advertise_url == "http://ps-b-2.ps:7100"
+    monkeypatch.setattr("server.config.socket.gethostname", lambda: "ps-a-3")
+    env |= {
+        "PARAMSHARD_SHARD_INDEX": "auto",
+        "PARAMSHARD_ADVERTISE_URL": "http://ps-a-{index}.ps:7100",
+    }
+    config = ShardConfig.from_sources({}, env)
+    assert config.shard_index == 3 and config.advertise_url == "http://ps-a-3.ps:7100"
+    assert config.replica_group == ("http://ps-a-3.ps:7100", "http://ps-b-3.ps:7100")
+
+
 def test_a_shard_shows_its_role_in_cluster(fleet_factory):
     fleet = fleet_factory(1, "--replica-group", f"{A}|{B}", "--advertise-url", B)
     shown = http_json(fleet.urls[0] + "/v1/cluster")["replication"]
