@@ -1,6 +1,6 @@
 """The images and the compose fleet, run for real with a container engine (`make test-image`).
 
-    .venv/bin/python docker/image_e2e.py [--keep] [--steps N]
+    .venv/bin/python docker/image_e2e.py [--keep] [--steps N] [--restart-all]
 
 What a user of docker/Dockerfile and docker-compose.yml does, checked step by step, with a log
 of every command. It owns nothing the product uses; `make test` checks the same files statically
@@ -13,16 +13,25 @@ of every command. It owns nothing the product uses; `make test` checks the same 
     looks at them: non-root user, health check, OCI version and revision labels, size;
  3. one shard container: seconds from `run` to ``/readyz`` answering 200, then SIGTERM (`stop`):
     exit status 0, and a new container on the same volume restores what it held;
- 4. the compose fleet, from a copy of docker-compose.yml that differs only by its project name,
-    free loopback host ports and a longer worker run (``DIGITS_STEPS``): waits for every shard's
-    ``/readyz``; while the worker trains, takes a fleet checkpoint, kills the shard holding
-    ``layer1/kernel`` with SIGKILL and starts it again: it restores from its volume and the
-    worker carries on; the worker exits 0 with a held-out accuracy of at least 0.9;
+ 4. the compose fleet (etcd, and each shard index a replica group of two), from a copy of
+    docker-compose.yml that differs only by its project name, free loopback host ports and a
+    longer worker run (``DIGITS_STEPS``): waits for every replica's ``/readyz`` and for each
+    index to have elected its primary; while the worker trains, takes a fleet checkpoint, kills
+    the primary of the index holding ``layer1/kernel`` with SIGKILL: its other replica takes over
+    (the seconds from the kill to its saying primary, and to the worker's next 100 steps, are
+    reported) and the worker carries on in the same run (its container never restarted); the
+    killed replica is started again and comes back as a backup of the new primary, caught up;
+    the worker exits 0 with every step counted once (``global_step``) and a held-out accuracy of
+    at least 0.9;
  5. inspects a variable over REST from the host (the published port);
- 6. stops the fleet (SIGTERM): every shard exits 0; brings the shards up again on the same
-    volumes: each restores exactly the state it had when stopped (its final snapshot);
- 7. `down -v`. Containers, networks and volumes of the run are removed even when a step fails
-    (``--keep`` leaves them for a look, and prints how to remove them).
+ 6. stops the fleet (SIGTERM): every shard exits 0; with ``--restart-all``, brings the shards up
+    again on the same volumes: each index elects a primary again and each replica restores
+    exactly the state it had when stopped (its final snapshot). Off by default: a group whose
+    every replica restarted elects its primary only once leadership lets the most complete
+    replica (by its snapshot's epoch and lsn) campaign;
+ 7. `down -v`. Containers, networks and volumes of the run (every service's, etcd's too) are
+    removed even when a step fails, and the run fails if any is left (``--keep`` leaves them for
+    a look, and prints how to remove them).
 
 When no engine can run here it says why and exits 1, unless ``PARAMSHARD_SKIP_IMAGE=1``, which
 turns that (and only that) into a skip with exit 0: CI never passes by skipping silently. The
@@ -59,7 +68,9 @@ import images  # docker/images.py, beside this file
 
 ROOT = images.ROOT
 
-SHARDS = ("ps0", "ps1", "ps2", "ps3")
+#: A shard service of docker-compose.yml: ``ps<index>``, and its index's other replicas
+#: ``ps<index>b``...
+SHARD_SERVICE = re.compile(r"^ps(\d+)([b-z]?)$")
 PARAMS = ("layer1/kernel", "layer1/bias", "layer2/kernel", "layer2/bias")
 KERNEL = "layer1/kernel"
 MIN_ACCURACY = 0.9
@@ -276,11 +287,21 @@ def single_shard(eng: Engine, image: str, tag: str, cleanup: list[list[str]]) ->
 
 class Fleet:
     def __init__(self, eng: Engine, compose: list[str], project: str, steps: int, workdir: Path):
-        self.eng, self.project = eng, project
+        self.eng, self.project, self.steps = eng, project, steps
         spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
         spec["name"] = project
+        found = sorted(
+            (int(m.group(1)), m.group(2), svc)
+            for svc in spec["services"]
+            if (m := SHARD_SERVICE.match(svc))
+        )
+        #: every shard service, each index's replicas together, and the replicas of each index
+        self.shards = [svc for _, _, svc in found]
+        self.groups: list[list[str]] = [[] for _ in range(found[-1][0] + 1)]
+        for index, _, svc in found:
+            self.groups[index].append(svc)
         self.urls: dict[str, str] = {}
-        for svc in SHARDS:
+        for svc in self.shards:
             service = spec["services"][svc]
             (published,) = service["ports"]
             addr, _, container_port = published.split(":")
@@ -289,6 +310,8 @@ class Fleet:
             port = free_port()
             service["ports"] = [f"127.0.0.1:{port}:{container_port}"]
             self.urls[svc] = f"http://127.0.0.1:{port}"
+        #: the fleet as a client on this host lists it: the replicas of each index, "|" between
+        self.sdk_shards = ",".join("|".join(self.urls[s] for s in g) for g in self.groups)
         for service in spec["services"].values():
             service["build"]["context"] = str(ROOT)
         spec["services"]["worker"]["environment"]["DIGITS_STEPS"] = str(steps)
@@ -319,47 +342,111 @@ class Fleet:
     def wait_ready(self, timeout: float = 120) -> None:
         for svc, url in self.urls.items():
             wait_for(f"{svc} /readyz", lambda url=url: ready(url), timeout)
-        log("every shard answers /readyz 200")
+        for index in range(len(self.groups)):
+            wait_for(
+                f"shard {index}'s primary", lambda i=index: self.primary(i) is not None, timeout
+            )
+        log("every replica answers /readyz 200, and every index has its primary")
 
-    def holder(self, name: str) -> str:
-        """The shard that owns ``name`` (placement; any shard may relay a variable's REST)."""
-        return SHARDS[shard_for(name, len(SHARDS))]
+    def role(self, svc: str) -> str | None:
+        """The replica's role now (``None`` when it does not answer)."""
+        try:
+            return str(self.cluster(svc)["replication"]["role"])
+        except (httpx2.HTTPError, ValueError, KeyError):
+            return None
 
-    def remove_all(self) -> None:
-        """Containers, networks and volumes of this project, whatever state they are in."""
-        subprocess.run([*self.compose, "down", "-v", "-t", "5"], capture_output=True, check=False)
-        label = f"label=com.docker.compose.project={self.project}"
+    def primary(self, index: int) -> str | None:
+        """The replica of shard ``index`` that says it is primary, if exactly one does."""
+        found = [svc for svc in self.groups[index] if self.role(svc) == "primary"]
+        return found[0] if len(found) == 1 else None
+
+    def holder(self, name: str) -> int:
+        """The shard index that owns ``name`` (placement)."""
+        return shard_for(name, len(self.groups))
+
+    def leftovers(self) -> dict[str, list[str]]:
+        """This project's containers (of every service, etcd included), networks and volumes
+        that exist: found by either engine's compose label and by the project's name prefix."""
+        found: dict[str, list[str]] = {}
         for kind in ("container", "network", "volume"):
-            listing = ["ps", "-a", "-q"] if kind == "container" else [kind, "ls", "-q"]
-            ids = self.eng(*listing, "--filter", label, check=False).split()
-            if ids:
-                rm = ["rm", "-f", *ids] if kind == "container" else [kind, "rm", "-f", *ids]
-                self.eng(*rm, check=False)
+            listing = (
+                ["ps", "-a", "--format", "{{.Names}}"]
+                if kind == "container"
+                else [kind, "ls", "--format", "{{.Name}}"]
+            )
+            names: set[str] = set()
+            for key in ("com.docker.compose.project", "io.podman.compose.project"):
+                out = self.eng(*listing, "--filter", f"label={key}={self.project}", check=False)
+                names.update(out.split())
+            out = self.eng(*listing, check=False)  # podman-compose names them <project>_...
+            names.update(n for n in out.split() if n.startswith(f"{self.project}_"))
+            if names:
+                found[kind] = sorted(names)
+        return found
+
+    def remove_all(self) -> dict[str, list[str]]:
+        """Remove this project's containers, networks and volumes, whatever state they are in;
+        return what is still there after (nothing, unless the engine refused)."""
+        subprocess.run([*self.compose, "down", "-v", "-t", "5"], capture_output=True, check=False)
+        for kind, names in self.leftovers().items():
+            rm = (
+                ["rm", "-f", "-t", "0", *names]
+                if kind == "container"
+                else [kind, "rm", "-f", *names]
+            )
+            self.eng(*rm, check=False)
+        return self.leftovers()
 
 
-def run_fleet(fleet: Fleet) -> dict[str, Any]:
+def run_fleet(fleet: Fleet, restart_all: bool = False) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     eng = fleet.eng
-    shard_list = ",".join(fleet.urls.values())
     log("== 4. the compose fleet: up")
     fleet("up", "-d", "--no-build")
     fleet.wait_ready()
     worker = fleet.container("worker")
     step = lambda: global_step(fleet)  # noqa: E731
-    wait_for("the worker training (global_step >= 300)", lambda: (step() or 0) >= 300, 300)
-    victim = fleet.holder(KERNEL)
-    with PSClient(list(fleet.urls.values()), worker_id="image-e2e") as ps:
+    try:
+        wait_for("the worker training (global_step >= 300)", lambda: (step() or 0) >= 300, 300)
+    except Failed as exc:
+        raise Failed(f"{exc}; the worker's log:\n{eng.logs(worker)[-3000:]}") from None
+    index = fleet.holder(KERNEL)
+    wait_for(f"shard {index}'s primary", lambda: fleet.primary(index) is not None, 60)
+    victim = fleet.primary(index)
+    assert victim is not None
+    (other,) = [svc for svc in fleet.groups[index] if svc != victim]
+    with PSClient(fleet.sdk_shards, worker_id="image-e2e") as ps:
         checkpoint = ps.checkpoint()
     before = fleet.cluster(victim)
     log(
-        f"fleet checkpoint {checkpoint} taken at global_step {step()}; {victim} holds {KERNEL} "
-        f"(state version {before['state_version']}, snapshot {before['last_snapshot']})"
+        f"fleet checkpoint {checkpoint} taken at global_step {step()}; {victim} is shard {index}'s "
+        f"primary and holds {KERNEL} (state version {before['state_version']}, snapshot "
+        f"{before['last_snapshot']})"
     )
     snap_version = before["last_snapshot"]["state_version"]
     if snap_version <= 0:
         raise Failed(f"{victim}'s checkpoint holds nothing: {before['last_snapshot']}")
     container = fleet.container(victim)
+    at_kill = step() or 0
+    killed_at = time.monotonic()
     eng("kill", "--signal", "KILL", container)
+    wait_for(f"{other} to take over", lambda: fleet.role(other) == "primary", 60, every=0.1)
+    facts["failover_s"] = round(time.monotonic() - killed_at, 2)
+    log(f"{victim} killed (SIGKILL); {other} primary {facts['failover_s']} s later")
+    moved = step() or 0
+    wait_for(
+        "the worker training on through the new primary",
+        lambda: (step() or 0) >= moved + 100 or not eng.running(worker),
+        120,
+        every=0.1,
+    )
+    facts["worker_on_s"] = round(time.monotonic() - killed_at, 2)
+    if not eng.running(worker) and eng.exit_code(worker) != 0:
+        raise Failed(f"the worker failed after the failover:\n{eng.logs(worker)[-3000:]}")
+    log(
+        f"the worker trained on: global_step {at_kill} at the kill, {step()} "
+        f"{facts['worker_on_s']} s after it"
+    )
     wait_for(
         f"{victim} down after SIGKILL",
         lambda: (
@@ -372,6 +459,15 @@ def run_fleet(fleet: Fleet) -> dict[str, Any]:
         log(f"{victim} is down (exit {eng.exit_code(container)}); starting it again")
         eng("start", container)
     wait_for(f"{victim} /readyz after the restart", lambda: ready(fleet.urls[victim]), 120)
+    wait_for(f"{victim} back as a backup", lambda: fleet.role(victim) == "backup", 120)
+    wait_for(
+        f"{victim} caught up (in {other}'s in-sync set)",
+        lambda: any(
+            u.startswith(f"http://{victim}:")
+            for u in fleet.cluster(other)["replication"].get("in_sync", [])
+        ),
+        120,
+    )
     after = fleet.cluster(victim)
     restored = after.get("restored") or {}
     if (
@@ -384,8 +480,9 @@ def run_fleet(fleet: Fleet) -> dict[str, Any]:
         )
     kernel = get_json(f"{fleet.urls[victim]}/v1/variables/{KERNEL}")["body"]
     log(
-        f"{victim} is back: incarnation {after['incarnation']}, restored {restored.get('path')} "
-        f"(state version {restored.get('state_version')}); {KERNEL} at version {kernel['version']}"
+        f"{victim} is back as a backup of {other}, caught up: incarnation {after['incarnation']}, "
+        f"restored {restored.get('path')} (state version {restored.get('state_version')}); "
+        f"{KERNEL} at version {kernel['version']}"
     )
     wait_for("the worker to finish", lambda: not eng.running(worker), 900, every=2)
     code, out = eng.exit_code(worker), eng.logs(worker)
@@ -396,6 +493,19 @@ def run_fleet(fleet: Fleet) -> dict[str, Any]:
             f"the worker exited {code}, expected 0 with accuracy >= {MIN_ACCURACY}:\n{out[-3000:]}"
         )
     facts["accuracy"] = float(m.group(1))
+    restarts = int(eng.inspect(worker, "{{.RestartCount}}") or 0)
+    claims = len(re.findall(r"claimed worker index", out))
+    if restarts or claims != 1:
+        raise Failed(
+            f"the worker was restarted ({restarts} restart(s), {claims} start(s) in its log): "
+            f"it must ride out the failover in one run:\n{out[-3000:]}"
+        )
+    if step() != fleet.steps:
+        raise Failed(
+            f"global_step is {step()} after the worker's {fleet.steps} steps: a step counted "
+            "twice or lost across the failover"
+        )
+    log(f"global_step {fleet.steps}: every step counted once across the failover")
 
     log("== 5. a variable over REST from the host")
     got = get_json(f"{fleet.urls[victim]}/v1/variables/{KERNEL}?values=true")
@@ -407,40 +517,44 @@ def run_fleet(fleet: Fleet) -> dict[str, Any]:
         f"{body['version']}, updates {body['updates']}, l2_norm {body['l2_norm']:.3f}"
     )
     status = subprocess.run(
-        [str(Path(sys.executable).parent / "paramshard"), "status", "--shards", shard_list],
+        [
+            str(Path(sys.executable).parent / "paramshard"),
+            "status",
+            "--shards",
+            ",".join(fleet.urls[group[0]] for group in fleet.groups),
+        ],
         capture_output=True,
         text=True,
         check=False,
     )
     log("paramshard status:\n" + status.stdout + status.stderr)
 
-    log("== 6. stop (SIGTERM), then up again on the same volumes")
-    with PSClient(list(fleet.urls.values()), worker_id="image-e2e") as ps:
+    log("== 6. stop (SIGTERM); with --restart-all, up again on the same volumes")
+    with PSClient(fleet.sdk_shards, worker_id="image-e2e") as ps:
         ps.increment("e2e/stopped")  # a change after the last periodic snapshot
-    state = {svc: fleet.cluster(svc)["state_version"] for svc in SHARDS}
+    state = {svc: fleet.cluster(svc)["state_version"] for svc in fleet.shards}
     fleet("stop")
-    for svc in SHARDS:
+    for svc in fleet.shards:
         cid = fleet.container(svc)
         code = eng.exit_code(cid)
         if code != 0:
             raise Failed(f"{svc} exited {code} on SIGTERM, expected 0:\n{eng.logs(cid)[-3000:]}")
     finals = sum(
         bool(re.search(r"wrote snapshot \S+ \(shutdown", eng.logs(fleet.container(s))))
-        for s in SHARDS
+        for s in fleet.shards
     )
     log(
         f"every shard exited 0 on SIGTERM; {finals} wrote a final snapshot (the others had "
         f"nothing new since their last one)"
     )
-    fleet("up", "-d", "--no-build", *SHARDS)
-    fleet.wait_ready()
-    for svc in SHARDS:
-        restored = (fleet.cluster(svc).get("restored") or {}).get("state_version")
-        if restored != state[svc]:
-            raise Failed(
-                f"{svc} restored state version {restored}, expected {state[svc]} (when stopped)"
-            )
-    log(f"every shard restored the state it had when stopped: {state}")
+    if not restart_all:
+        log(
+            "up again: skipped (--restart-all runs it): it waits for leadership to elect a "
+            "primary in a group whose every replica restarted (the most complete replica by "
+            "its snapshot's (epoch, lsn) leads)"
+        )
+    else:
+        restart_fleet(fleet, state)
     log("== 7. down -v")
     fleet("down", "-v")
     left = eng(
@@ -451,9 +565,26 @@ def run_fleet(fleet: Fleet) -> dict[str, Any]:
     return facts
 
 
+def restart_fleet(fleet: Fleet, state: dict[str, int]) -> None:
+    """Step 6's second half: every shard up again on its volume, each index electing its
+    primary again, each replica restored to the state it had when stopped."""
+    fleet("up", "-d", "--no-build", *fleet.shards)
+    fleet.wait_ready()
+    for svc in fleet.shards:
+        restored = (fleet.cluster(svc).get("restored") or {}).get("state_version")
+        if restored != state[svc]:
+            raise Failed(
+                f"{svc} restored state version {restored}, expected {state[svc]} (when stopped)"
+            )
+    log(f"every shard restored the state it had when stopped: {state}")
+
+
 def global_step(fleet: Fleet) -> int | None:
-    for url in fleet.urls.values():
-        got = get_json(f"{url}/v1/variables/global_step?values=true")
+    for url in fleet.urls.values():  # any replica that answers (one may be down)
+        try:
+            got = get_json(f"{url}/v1/variables/global_step?values=true")
+        except httpx2.HTTPError:
+            continue
         if got["status"] == 200:
             return int(got["body"]["values"])
     return None
@@ -463,6 +594,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--keep", action="store_true", help="leave containers and volumes for a look")
     p.add_argument("--steps", type=int, default=4000, help="the worker's steps (DIGITS_STEPS)")
+    p.add_argument(
+        "--restart-all",
+        action="store_true",
+        help="step 6 brings the stopped fleet up again and checks what each replica restored",
+    )
     args = p.parse_args(argv)
     started = time.monotonic()
     tag = f"paramshard-e2e-{os.getpid()}"
@@ -473,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet: Fleet | None = None
     eng: Engine | None = None
     facts: dict[str, Any] = {}
+    left: dict[str, list[str]] = {}  # what cleaning up could not remove
     try:
         log("== 1. the engine")
         try:
@@ -497,21 +634,25 @@ def main(argv: list[str] | None = None) -> int:
         facts.update(single_shard(eng, names["runtime"], tag, cleanup))
         with tempfile.TemporaryDirectory(prefix="paramshard-e2e-") as workdir:
             fleet = Fleet(eng, compose, tag, args.steps, Path(workdir))
-            facts.update(run_fleet(fleet))
+            facts.update(run_fleet(fleet, args.restart_all))
     except (Failed, images.ImageError) as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
     finally:
         if eng is not None and not args.keep:
             if fleet is not None:
-                fleet.remove_all()
+                left = fleet.remove_all()
             for cmd in cleanup:
                 eng(*cmd, check=False)
+            if left:
+                print(f"FAILED: could not remove the run's {left}", file=sys.stderr)
         elif eng is not None:
             log(
                 f"--keep: remove it all with `{eng.name} rm -f {tag}-single; {eng.name} volume rm "
                 f"{tag}-single` and `{' '.join(fleet.compose) if fleet else ''} down -v`"
             )
+    if left:
+        return 1
     facts["total_s"] = round(time.monotonic() - started)
     log(f"PASSED: {json.dumps(facts)}")
     return 0

@@ -1,11 +1,11 @@
 """Build paramshard's images with whatever container engine this machine has (`make image`).
 
-    python3 docker/images.py build     # runtime + demo images: paramshard:<v>, paramshard-demo:<v>
+    python3 docker/images.py build     # paramshard:<v>, paramshard-demo:<v>, paramshard-etcd:<v>
     python3 docker/images.py base      # only the Python base image (see below)
     python3 docker/images.py engine    # which engine would be used, and why
 
 What it owns: choosing the engine, making a Python base image when no registry is reachable, and
-building docker/Dockerfile's two targets with the version and commit as OCI labels. It runs on
+building docker/Dockerfile's three targets with the version and commit as OCI labels. It runs on
 the interpreter alone (standard library), before any virtualenv exists.
 
 **The engine.** ``PARAMSHARD_ENGINE`` (``docker`` or ``podman``) if set; else Docker if its
@@ -333,11 +333,15 @@ def revision() -> str:
 def image_names(ver: str | None = None) -> dict[str, str]:
     """Build target -> image name; the names docker-compose.yml refers to."""
     ver = ver or version()
-    return {"runtime": f"paramshard:{ver}", "demo": f"paramshard-demo:{ver}"}
+    return {
+        "runtime": f"paramshard:{ver}",
+        "demo": f"paramshard-demo:{ver}",
+        "etcd": f"paramshard-etcd:{ver}",
+    }
 
 
 def build(engine: str, python_image: str | None = None) -> dict[str, str]:
-    """Build both targets; return target -> image name."""
+    """Build every target; return target -> image name."""
     base = python_base(engine, python_image)
     ver, rev = version(), revision()
     names = image_names(ver)
@@ -385,7 +389,7 @@ def relabel(engine: str, name: str, ver: str, rev: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("build", help="build the runtime and demo images")
+    b = sub.add_parser("build", help="build the runtime, demo and etcd images")
     b.add_argument("--python-image", help="the base to build on (default: see module docstring)")
     s = sub.add_parser("base", help="make the local Python base image")
     s.add_argument("--rebuild", action="store_true", help="make it again, debootstrap included")

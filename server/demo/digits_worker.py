@@ -217,9 +217,10 @@ def train(
     return final
 
 
-def wait_for_shards(urls: list[str], timeout: float, tag: str = "") -> str | None:
+def wait_for_shards(shards: list[str], timeout: float, tag: str = "") -> str | None:
     """Block until every shard's ``/readyz`` answers 200 (started, snapshot restored, not
-    draining); ``None`` then, or why not after ``timeout`` seconds.
+    draining) — for a shard given as a replica group (``URL|URL``), one replica's; ``None``
+    then, or why not after ``timeout`` seconds.
 
     For engines that start a worker without waiting for the shards' health checks (Podman's
     compose does not honour ``condition: service_healthy``). Polls twice a second and says
@@ -234,13 +235,19 @@ def wait_for_shards(urls: list[str], timeout: float, tag: str = "") -> str | Non
     with httpx2.Client(timeout=2.0, trust_env=False, headers=headers) as client:
         while True:
             waiting = {}
-            for url in urls:
-                try:
-                    status = client.get(url.rstrip("/") + "/readyz").status_code
-                    if status != 200:
-                        waiting[url] = f"/readyz answers {status}"
-                except httpx2.HTTPError as exc:
-                    waiting[url] = type(exc).__name__
+            for shard in shards:
+                why: dict[str, str] = {}
+                for url in (u.strip() for u in shard.split("|")):
+                    try:
+                        status = client.get(url.rstrip("/") + "/readyz").status_code
+                    except httpx2.HTTPError as exc:
+                        why[url] = type(exc).__name__
+                        continue
+                    if status == 200:
+                        break
+                    why[url] = f"/readyz answers {status}"
+                else:
+                    waiting.update(why)
             if not waiting or time.monotonic() >= deadline:
                 break
             if time.monotonic() - said >= 5:

@@ -14,6 +14,7 @@ import pytest
 
 from server import config as config_module
 from server.config import InvalidSetting, ShardConfig, index_from_hostname
+from server.demo.digits_worker import wait_for_shards
 from tests.conftest import ROOT, http_json
 from tests.helpers.eventually import eventually
 from tests.helpers.ports import refused_port
@@ -232,6 +233,17 @@ def test_worker_gives_up_waiting_and_says_which_shard(fleet1):
     )
     assert fleet1.urls[0] + " (" not in err  # the one that answers is not named
     assert "step" not in out
+
+
+def test_worker_waits_for_one_ready_replica_of_each_group(fleet1):
+    """A shard given as a replica group (``URL|URL``, docker-compose.yml) is ready when one of
+    its replicas is: its other one may be down for good (killed) without holding workers up."""
+    with refused_port() as port, refused_port() as other:
+        dead, dead2 = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{other}"
+        assert wait_for_shards([f"{dead}|{fleet1.urls[0]}"], 30) is None
+        why = wait_for_shards([f"{fleet1.urls[0]}|{dead}", f"{dead}|{dead2}"], 0.5)
+    assert why is not None and f"{dead} (ConnectError)" in why and dead2 in why, why
+    assert fleet1.urls[0] not in why
 
 
 @pytest.mark.parametrize("value", ["-1", "soon", "inf"])

@@ -59,9 +59,11 @@ from tests.helpers.deploy_files import (
     interpolated,
     k8s_env,
     k8s_object,
+    k8s_objects,
     load_compose,
     load_k8s,
     parse_dockerfile,
+    replica_groups,
     shard_services,
     stages,
 )
@@ -140,18 +142,24 @@ def test_compose_schema_check_catches_mistakes(compose, compose_validator):
     assert not compose_validator.is_valid(broken)
 
 
+#: What each replica's environment says of itself; the rest is the same for every shard.
+OWN_ENV = ("PARAMSHARD_SHARD_INDEX", "PARAMSHARD_REPLICA_GROUP", "PARAMSHARD_ADVERTISE_URL")
+
+
 def test_shards_differ_only_by_env_volume_and_port(compose):
+    groups = replica_groups(compose)
+    assert [g[0][0] for g in groups] == [f"ps{i}" for i in range(len(groups))]
+    assert len(groups) >= 2
+    assert all(len(g) == len(groups[0]) >= 2 for g in groups), "every index has a backup"
     shards = shard_services(compose)
-    assert [name for name, _ in shards] == [f"ps{i}" for i in range(len(shards))]
-    assert len(shards) >= 2
     strip = ("environment", "volumes", "ports")
     common = [{k: v for k, v in svc.items() if k not in strip} for _, svc in shards]
     assert all(c == common[0] for c in common), "shard services differ beyond env/volume/port"
+
     envs = [environment(svc) for _, svc in shards]
-    for i, env in enumerate(envs):
-        assert env["PARAMSHARD_SHARD_INDEX"] == str(i)
-        rest = {k: v for k, v in env.items() if k != "PARAMSHARD_SHARD_INDEX"}
-        assert rest == {k: v for k, v in envs[0].items() if k != "PARAMSHARD_SHARD_INDEX"}
+    for env in envs:
+        rest = {k: v for k, v in env.items() if k not in OWN_ENV}
+        assert rest == {k: v for k, v in envs[0].items() if k not in OWN_ENV}
 
     base = common[0]
     assert base["restart"] in ("always", "unless-stopped", "on-failure")
@@ -160,28 +168,43 @@ def test_shards_differ_only_by_env_volume_and_port(compose):
     build_parser().parse_args(health[2:])  # the health command is one the CLI has
     assert base["build"]["dockerfile"] == "docker/Dockerfile"
     assert (ROOT / base["build"]["context"] / base["build"]["dockerfile"]).is_file()
+    # the replicas elect their primaries in the compose file's etcd, started first
+    assert base["depends_on"] == {"etcd": {"condition": "service_healthy"}}
+    assert "ports" not in compose["services"]["etcd"], "etcd takes no token: keep it unpublished"
 
 
-def test_shard_env_is_what_paramshard_serve_reads(compose):
-    shards = shard_services(compose)
+def test_shard_env_is_what_paramshard_serve_reads(compose, dockerfile):
+    groups = replica_groups(compose)
+    etcd = {**image_env(dockerfile, "etcd"), **environment(compose["services"]["etcd"])}
+    etcd_url = etcd["ETCD_ADVERTISE_CLIENT_URLS"]
+    assert etcd_url == "http://etcd:2379" and etcd["ETCD_LISTEN_CLIENT_URLS"].endswith(":2379")
     host_ports, volumes = set(), set()
-    for i, (name, svc) in enumerate(shards):
-        env = environment(svc)
-        config = shard_config(env)
-        assert (config.shard_index, config.num_shards) == (i, len(shards)), name
-        assert config.host == "0.0.0.0", f"{name} must listen on all interfaces in a container"
-        # its own named volume, mounted where its snapshots go
-        (mount,) = svc["volumes"]
-        source, target = mount.split(":")[:2]
-        assert target == env["PARAMSHARD_DATA_DIR"], name
-        assert source in compose["volumes"], f"{name}: volume {source} is not declared"
-        volumes.add(source)
-        # the inspection REST published on the host
-        (port,) = svc["ports"]
-        _, published, container = published_port(port)
-        assert int(container) == config.port, name
-        host_ports.add(published)
-    assert len(volumes) == len(shards) and len(host_ports) == len(shards)
+    for i, group in enumerate(groups):
+        port = int(environment(group[0][1])["PARAMSHARD_PORT"])
+        urls = [f"http://{name}:{port}" for name, _ in group]
+        for name, svc in group:
+            env = environment(svc)
+            config = shard_config(env)
+            assert (config.shard_index, config.num_shards) == (i, len(groups)), name
+            assert config.host == "0.0.0.0", f"{name} must listen on all interfaces in a container"
+            # the group as the replicas reach each other, and this replica in it
+            assert list(config.replica_group) == urls, name
+            assert config.advertise_url == f"http://{name}:{config.port}", name
+            # the replicas elect their primary in the compose file's etcd, as it advertises
+            assert config.etcd == (etcd_url,), name
+            # its own named volume, mounted where its snapshots go
+            (mount,) = svc["volumes"]
+            source, target = mount.split(":")[:2]
+            assert target == env["PARAMSHARD_DATA_DIR"], name
+            assert source in compose["volumes"], f"{name}: volume {source} is not declared"
+            volumes.add(source)
+            # the inspection REST published on the host
+            (published_at,) = svc["ports"]
+            _, published, container = published_port(published_at)
+            assert int(container) == config.port, name
+            host_ports.add(published)
+    n = len(shard_services(compose))
+    assert len(volumes) == n and len(host_ports) == n
 
 
 def published_port(port: str | int | dict) -> tuple[str | None, str, str]:
@@ -198,8 +221,11 @@ def published_port(port: str | int | dict) -> tuple[str | None, str, str]:
 
 def test_every_compose_service_takes_the_token_from_the_env_file(compose):
     """Shards and workers alike get PARAMSHARD_TOKEN from the user's .env (or shell), and
-    compose refuses to start without it (``${PARAMSHARD_TOKEN:?...}``)."""
+    compose refuses to start without it (``${PARAMSHARD_TOKEN:?...}``). (etcd is reached only
+    over the compose network.)"""
     for name, svc in compose["services"].items():
+        if name == "etcd":
+            continue
         value = environment(svc).get(ENV_TOKEN, "")
         assert TOKEN_FROM_ENV.fullmatch(value), f"{name}: {ENV_TOKEN} is {value!r}"
         if name != "worker":
@@ -231,19 +257,23 @@ def test_published_port_reads_every_spelling():
 
 
 def test_worker_service_reaches_every_shard_in_order(compose, monkeypatch):
-    shards = shard_services(compose)
+    groups = replica_groups(compose)
     worker = compose["services"]["worker"]
     env = environment(worker)
-    port = int(environment(shards[0][1])["PARAMSHARD_PORT"])
-    assert env[ENV_SHARDS].split(",") == [f"http://{name}:{port}" for name, _ in shards]
-    for _, shard in shards:  # each shard's fleet view lists the fleet as the workers reach it
-        assert environment(shard)["PARAMSHARD_FLEET_URLS"] == env[ENV_SHARDS]
+    port = int(environment(groups[0][0][1])["PARAMSHARD_PORT"])
+    # the replicas of each index, "|" between them, the indexes in order
+    assert env[ENV_SHARDS].split(",") == [
+        "|".join(f"http://{name}:{port}" for name, _ in group) for group in groups
+    ]
+    firsts = ",".join(f"http://{group[0][0]}:{port}" for group in groups)
+    for _, shard in shard_services(compose):  # each shard's fleet view: one replica per index
+        assert environment(shard)["PARAMSHARD_FLEET_URLS"] == firsts
     check_worker_env(env, monkeypatch)
     # identical replicas under --scale: no fixed index, no fixed worker id, no container_name
     assert env.get("DIGITS_WORKER_INDEX") == "auto"
     assert ENV_WORKER_ID not in env and "container_name" not in worker
     assert "ports" not in worker
-    assert {name for name in worker["depends_on"]} == {name for name, _ in shards}
+    assert set(worker["depends_on"]) == {name for name, _ in shard_services(compose)}
     assert all(dep["condition"] == "service_healthy" for dep in worker["depends_on"].values())
 
 
@@ -301,7 +331,7 @@ def test_runtime_is_the_default_target_and_runs_a_shard(dockerfile):
     assert args.command == "serve"
 
 
-@pytest.mark.parametrize("stage", ["runtime", "demo"])
+@pytest.mark.parametrize("stage", ["runtime", "demo", "etcd"])
 def test_final_stages_run_unprivileged_in_exec_form(dockerfile, stage):
     (user,) = in_stage(dockerfile, stage, "USER")
     uid = user.args.split(":")[0]
@@ -327,6 +357,19 @@ def test_shard_image_health_volume_port_and_env(dockerfile):
     (expose,) = in_stage(dockerfile, "runtime", "EXPOSE")
     assert int(expose.args) == config.port
     assert env["PYTHONUNBUFFERED"] == "1", "logs must reach `docker logs` as they happen"
+
+
+def test_etcd_image_keeps_its_data_on_the_volume_and_checks_health(dockerfile, compose):
+    env = image_env(dockerfile, "etcd")
+    (volume,) = in_stage(dockerfile, "etcd", "VOLUME")
+    (data,) = json.loads(volume.args)
+    assert env["ETCD_DATA_DIR"].startswith(data + "/")  # on the volume: outlives the container
+    (mount,) = compose["services"]["etcd"]["volumes"]
+    assert mount.split(":")[1] == data
+    (health,) = in_stage(dockerfile, "etcd", "HEALTHCHECK")
+    assert "/health" in health.args
+    (run,) = in_stage(dockerfile, "etcd", "RUN")
+    assert "etcd-server=${ETCD_DEB_VERSION}" in run.args, "the etcd release is pinned"
 
 
 def test_shard_image_installs_only_the_server_extra(dockerfile):
@@ -421,7 +464,7 @@ def test_manifests_follow_the_kubernetes_api(k8s, version):
 
 
 def test_kubernetes_check_catches_mistakes(k8s):
-    sts = copy.deepcopy(k8s_object(k8s, "StatefulSet"))
+    sts = copy.deepcopy(shard_sets(k8s)[0])
     sts["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(sts, K8S_VERSIONS[-1], strict=True)
@@ -438,91 +481,187 @@ def pod_spec(obj: dict) -> dict:
     return obj["spec"]["template"]["spec"]
 
 
-def test_statefulset_shards_take_their_index_from_the_pod_ordinal(k8s, monkeypatch):
-    sts = k8s_object(k8s, "StatefulSet")
-    (container,) = pod_spec(sts)["containers"]
-    env = k8s_env(container)
-    assert env["PARAMSHARD_SHARD_INDEX"] == "auto"
-    replicas = sts["spec"]["replicas"]
-    name = sts["metadata"]["name"]
+def shard_sets(k8s) -> list[dict]:
+    """The shards' StatefulSets (one per replica of every index), in name order."""
+    return k8s_objects(k8s, "StatefulSet", "shard")
+
+
+def shard_url(sts: dict, i: int, port: int | str) -> str:
+    """Pod ``i`` of ``sts`` as the others reach it: its name under the governing Service."""
+    return f"http://{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}:{port}"
+
+
+#: What tells the two shard sets apart (their names, and the other set each keeps off).
+SET_OWN = ("PARAMSHARD_ADVERTISE_URL",)
+
+
+def without_set_names(sts: dict) -> dict:
+    """``sts`` with its name, replica label, anti-affinity and own URL taken out."""
+    out = copy.deepcopy(sts)
+    out["metadata"].pop("name")
+    for labels in (
+        out["metadata"]["labels"],
+        out["spec"]["selector"]["matchLabels"],
+        out["spec"]["template"]["metadata"]["labels"],
+    ):
+        labels.pop("paramshard.io/replica")
+    spec = pod_spec(out)
+    spec.pop("affinity")
+    (container,) = spec["containers"]
+    container["env"] = [e for e in container["env"] if e["name"] not in SET_OWN]
+    return out
+
+
+def test_every_shard_index_is_a_group_of_two_replicas(k8s, monkeypatch):
+    """Pod i of each shard StatefulSet is a replica of shard i: the same index, the same
+    group (every set's pod i, as the pods reach each other), its own URL in it."""
+    sets = shard_sets(k8s)
+    assert len(sets) == 2, [s["metadata"]["name"] for s in sets]
+    replicas = sets[0]["spec"]["replicas"]
+    assert all(s["spec"]["replicas"] == replicas for s in sets), "the sets differ in size"
+    assert without_set_names(sets[0]) == without_set_names(sets[1]), (
+        "the shard StatefulSets differ beyond their names and own URL"
+    )
+    port = k8s_env(pod_spec(sets[0])["containers"][0])["PARAMSHARD_PORT"]
     for i in range(replicas):
-        config = shard_config(env, hostname=f"{name}-{i}", monkeypatch=monkeypatch)
-        assert (config.shard_index, config.num_shards) == (i, replicas)
-    # one pod too many (kubectl scale without resharding) refuses to start
-    with pytest.raises(InvalidSetting, match="shard index must be in"):
-        shard_config(env, hostname=f"{name}-{replicas}", monkeypatch=monkeypatch)
-    assert container["args"] == ["serve"]
+        group = tuple(shard_url(sts, i, port) for sts in sets)
+        for sts in sets:
+            (container,) = pod_spec(sts)["containers"]
+            env = k8s_env(container)
+            host = f"{sts['metadata']['name']}-{i}"
+            config = shard_config(env, hostname=host, monkeypatch=monkeypatch)
+            assert (config.shard_index, config.num_shards) == (i, replicas), host
+            assert config.replica_group == group, host
+            assert config.advertise_url == shard_url(sts, i, port), host
+    # the two replicas of a shard kept on different nodes where the cluster has them
+    for sts, other in zip(sets, reversed(sets)):
+        (term,) = pod_spec(sts)["affinity"]["podAntiAffinity"][
+            "preferredDuringSchedulingIgnoredDuringExecution"
+        ]
+        theirs = other["spec"]["template"]["metadata"]["labels"]
+        assert term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= theirs.items()
+        mine = sts["spec"]["template"]["metadata"]["labels"]
+        assert not term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= mine.items()
+
+
+def test_every_shard_elects_its_primary_in_the_manifests_etcd(k8s, compose, monkeypatch):
+    etcd = k8s_object(k8s, "StatefulSet", "etcd")
+    svc = k8s_object(k8s, "Service", "etcd")
+    (container,) = pod_spec(etcd)["containers"]
+    env = k8s_env(container)
+    (cport,) = container["ports"]
+    (sport,) = svc["spec"]["ports"]
+    assert etcd["spec"]["serviceName"] == svc["metadata"]["name"]
+    assert svc["spec"]["selector"].items() <= etcd["spec"]["template"]["metadata"]["labels"].items()
+    assert sport["targetPort"] in (cport["containerPort"], cport["name"])
+    url = f"http://{svc['metadata']['name']}:{sport['port']}"
+    assert env["ETCD_ADVERTISE_CLIENT_URLS"] == url
+    assert env["ETCD_LISTEN_CLIENT_URLS"].endswith(f":{cport['containerPort']}")
+    # its data on its own volume (the in-sync sets must outlive an etcd restart)
+    (claim,) = etcd["spec"]["volumeClaimTemplates"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert env["ETCD_DATA_DIR"].startswith(mounts[claim["metadata"]["name"]] + "/")
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health", probe
+    assert container["image"] == compose["services"]["etcd"]["image"]  # the image we build
+    ctx = pod_spec(etcd)["securityContext"]
+    assert ctx["runAsNonRoot"] and str(ctx["fsGroup"]) == str(ctx["runAsUser"]) == "10001"
+    for sts in shard_sets(k8s):
+        name = f"{sts['metadata']['name']}-0"
+        shard_env = k8s_env(pod_spec(sts)["containers"][0])
+        config = shard_config(shard_env, hostname=name, monkeypatch=monkeypatch)
+        assert config.etcd == (url,), sts["metadata"]["name"]
+
+
+def test_statefulset_shards_take_their_index_from_the_pod_ordinal(k8s, monkeypatch):
+    for sts in shard_sets(k8s):
+        (container,) = pod_spec(sts)["containers"]
+        env = k8s_env(container)
+        assert env["PARAMSHARD_SHARD_INDEX"] == "auto"
+        replicas = sts["spec"]["replicas"]
+        name = sts["metadata"]["name"]
+        for i in range(replicas):
+            config = shard_config(env, hostname=f"{name}-{i}", monkeypatch=monkeypatch)
+            assert (config.shard_index, config.num_shards) == (i, replicas)
+        # one pod too many (kubectl scale without resharding) refuses to start
+        with pytest.raises(InvalidSetting, match="shard index must be in"):
+            shard_config(env, hostname=f"{name}-{replicas}", monkeypatch=monkeypatch)
+        assert container["args"] == ["serve"]
 
 
 def test_statefulset_service_probes_volume_and_budget(k8s, dockerfile):
-    sts = k8s_object(k8s, "StatefulSet")
-    svc = k8s_object(k8s, "Service")
+    svc = k8s_object(k8s, "Service", "shard")
     pdb = k8s_object(k8s, "PodDisruptionBudget")
-    labels = sts["spec"]["template"]["metadata"]["labels"]
-    (container,) = pod_spec(sts)["containers"]
-    env = k8s_env(container)
-    port = int(env["PARAMSHARD_PORT"])
-
-    assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
     assert svc["spec"]["clusterIP"] == "None", "a headless Service gives each pod a DNS name"
-    assert svc["spec"]["selector"].items() <= labels.items()
-    assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    assert pdb["spec"].get("maxUnavailable") == 1
+    assert svc["spec"]["publishNotReadyAddresses"], "replicas must resolve each other unready"
+    assert pdb["spec"].get("maxUnavailable") == 1  # never both replicas of a shard at once
+    for sts in shard_sets(k8s):
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        (container,) = pod_spec(sts)["containers"]
+        env = k8s_env(container)
+        port = int(env["PARAMSHARD_PORT"])
 
-    (cport,) = container["ports"]
-    assert cport["containerPort"] == port
-    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert container[probe]["httpGet"]["port"] in (port, cport["name"]), probe
+        assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+        assert svc["spec"]["selector"].items() <= labels.items()
+        assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
-    (claim,) = sts["spec"]["volumeClaimTemplates"]
-    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert mounts[claim["metadata"]["name"]] == env["PARAMSHARD_DATA_DIR"]
+        (cport,) = container["ports"]
+        assert cport["containerPort"] == port
+        assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            assert container[probe]["httpGet"]["port"] in (port, cport["name"]), probe
 
-    for key in ("requests", "limits"):
-        assert {"cpu", "memory"} <= container["resources"][key].keys()
-    # the pod runs as the image's user, so the volume (fsGroup) is writable by it
-    uid = in_stage(dockerfile, "runtime", "USER")[0].args.split(":")[0]
-    ctx = pod_spec(sts)["securityContext"]
-    assert ctx["runAsNonRoot"] and str(ctx["runAsUser"]) == uid and str(ctx["fsGroup"]) == uid
-    assert pod_spec(sts)["terminationGracePeriodSeconds"] >= 30  # time for the final snapshot
+        (claim,) = sts["spec"]["volumeClaimTemplates"]
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts[claim["metadata"]["name"]] == env["PARAMSHARD_DATA_DIR"]
 
-    # Prometheus finds the shards' /metrics by the usual pod annotations.
-    notes = sts["spec"]["template"]["metadata"]["annotations"]
-    assert notes["prometheus.io/scrape"] == "true"
-    assert int(notes["prometheus.io/port"]) == port
-    assert notes["prometheus.io/path"] == "/metrics"
+        for key in ("requests", "limits"):
+            assert {"cpu", "memory"} <= container["resources"][key].keys()
+        # the pod runs as the image's user, so the volume (fsGroup) is writable by it
+        uid = in_stage(dockerfile, "runtime", "USER")[0].args.split(":")[0]
+        ctx = pod_spec(sts)["securityContext"]
+        assert ctx["runAsNonRoot"] and str(ctx["runAsUser"]) == uid and str(ctx["fsGroup"]) == uid
+        assert pod_spec(sts)["terminationGracePeriodSeconds"] >= 30  # time for the final snapshot
+
+        # Prometheus finds the shards' /metrics by the usual pod annotations.
+        notes = sts["spec"]["template"]["metadata"]["annotations"]
+        assert notes["prometheus.io/scrape"] == "true"
+        assert int(notes["prometheus.io/port"]) == port
+        assert notes["prometheus.io/path"] == "/metrics"
 
 
 def test_statefulset_shards_read_their_tokens_from_the_secret(k8s):
-    sts = k8s_object(k8s, "StatefulSet")
     secret = k8s_object(k8s, "Secret")
-    (container,) = pod_spec(sts)["containers"]
-    path = Path(k8s_env(container)[env_name("token_file")])
-    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    volumes = {v["name"]: v for v in pod_spec(sts)["volumes"]}
-    (name,) = [n for n, v in volumes.items() if "secret" in v]
-    assert mounts[name] == str(path.parent)
-    assert volumes[name]["secret"]["secretName"] == secret["metadata"]["name"]
-    assert not volumes[name]["secret"].get("optional"), "a shard must not start without it"
-    assert path.name in secret["stringData"]
+    for sts in shard_sets(k8s):
+        (container,) = pod_spec(sts)["containers"]
+        path = Path(k8s_env(container)[env_name("token_file")])
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod_spec(sts)["volumes"]}
+        (name,) = [n for n, v in volumes.items() if "secret" in v]
+        assert mounts[name] == str(path.parent)
+        assert volumes[name]["secret"]["secretName"] == secret["metadata"]["name"]
+        assert not volumes[name]["secret"].get("optional"), "a shard must not start without it"
+        assert path.name in secret["stringData"]
 
 
-def test_worker_job_lists_every_shard_pod(k8s, compose, monkeypatch):
-    sts = k8s_object(k8s, "StatefulSet")
-    svc = k8s_object(k8s, "Service")
+def test_worker_job_lists_every_shard_group(k8s, compose, monkeypatch):
+    sets = shard_sets(k8s)
     job = k8s_object(k8s, "Job")
     secret = k8s_object(k8s, "Secret")
-    (shard,) = pod_spec(sts)["containers"]
+    shard = pod_spec(sets[0])["containers"][0]
     port = k8s_env(shard)["PARAMSHARD_PORT"]
     (container,) = pod_spec(job)["containers"]
     env = k8s_env(container)
-    name, service = sts["metadata"]["name"], svc["metadata"]["name"]
-    expected = [f"http://{name}-{i}.{service}:{port}" for i in range(sts["spec"]["replicas"])]
+    # the replicas of each index ("|" between them), the indexes in order
+    expected = [
+        "|".join(shard_url(sts, i, port) for sts in sets)
+        for i in range(sets[0]["spec"]["replicas"])
+    ]
     assert env[ENV_SHARDS].strip().split(",") == expected
-    assert k8s_env(shard)["PARAMSHARD_FLEET_URLS"].split(",") == expected  # the fleet view
+    firsts = [group.split("|")[0] for group in expected]
+    assert k8s_env(shard)["PARAMSHARD_FLEET_URLS"].split(",") == firsts  # the fleet view
     assert job["spec"]["completionMode"] == "Indexed"
     assert int(env["DIGITS_NUM_WORKERS"]) == job["spec"]["completions"]
     index_from = env["DIGITS_WORKER_INDEX"]["fieldRef"]["fieldPath"]

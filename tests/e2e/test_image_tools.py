@@ -80,7 +80,12 @@ def test_the_fleet_under_test_is_the_compose_file(image_e2e, tmp_path):
     copy = yaml.safe_load(fleet.file.read_text())
     assert copy["name"] == "paramshard-e2e-1"
     assert fleet.compose == ["podman-compose", "-p", "paramshard-e2e-1", "-f", str(fleet.file)]
-    ports = {svc: copy["services"][svc]["ports"] for svc in image_e2e.SHARDS}
+    # every replica of every index, each with a port of its own, listed to the SDK as groups
+    shards = [s for s in original["services"] if image_e2e.SHARD_SERVICE.match(s)]
+    assert sorted(fleet.shards) == sorted(shards) and len(shards) >= 4
+    assert fleet.sdk_shards == ",".join("|".join(fleet.urls[s] for s in g) for g in fleet.groups)
+    assert all(len(g) >= 2 for g in fleet.groups), fleet.groups
+    ports = {svc: copy["services"][svc]["ports"] for svc in fleet.shards}
     for svc, (published,) in ports.items():
         addr, host_port, container_port = published.split(":")
         assert (addr, container_port) == ("127.0.0.1", "7100")
@@ -91,7 +96,7 @@ def test_the_fleet_under_test_is_the_compose_file(image_e2e, tmp_path):
     original, copy = json.loads(json.dumps(original)), json.loads(json.dumps(copy))
     for spec in (original, copy):
         spec.pop("name")
-        for svc in image_e2e.SHARDS:
+        for svc in fleet.shards:
             spec["services"][svc].pop("ports")
         extensions = [v for k, v in spec.items() if k.startswith("x-") and "build" in v]
         for service in [*spec["services"].values(), *extensions]:

@@ -1,20 +1,26 @@
 """A fleet spread over hosts, set up exactly as docker-compose.yml sets it up.
 
-Every shard (``ps0``..``ps3``) and every worker runs on a host of its own: a network namespace
-with its own address on a private switch (tests/helpers/netlab.py), reaching the others by name as
-containers do under Compose. Each process gets what its container would get: the image's
-``ENV`` and entry point (docker/Dockerfile), the service's ``environment`` (docker-compose.yml),
-and a directory of its own where the service mounts its volume. Only ``DIGITS_STEPS`` is pinned
-here, so that the run's length does not follow edits of the compose file.
+Every service runs on a host of its own: ``etcd``, every replica of every shard index (``ps0``,
+``ps0b``, ... ``ps3b``) and every worker, each a network namespace with its own address on a
+private switch (tests/helpers/netlab.py), reaching the others by name as containers do under
+Compose. Each process gets what its container would get: the image's ``ENV`` and entry point
+(docker/Dockerfile, the target the service builds), the service's ``environment``
+(docker-compose.yml), and a directory of its own where the service mounts its volume. Only
+``DIGITS_STEPS`` is pinned here, so that the run's length does not follow edits of the compose
+file.
 
-The run: two workers train; the cable of the shard that holds ``global_step`` is pulled for a few
-seconds and plugged back in; a shard holding only weights is killed (SIGKILL, as ``docker kill``)
-and started again on its volume; the workers must finish on their own with the right result:
-every step counted exactly once and the demo's accuracy reached. Then the shards are stopped as
-``docker compose stop`` stops them (SIGTERM) and must exit 0, their final snapshots written.
+The run: two workers train; the cable of the primary of the index that holds ``global_step`` is
+pulled for a few seconds (its backup is elected, the workers follow it) and plugged back in;
+the primary of an index holding only weights is killed (SIGKILL, as ``docker kill``): its backup
+takes over and the workers carry on without it; it is started again on its volume and comes
+back as the new primary's backup, caught up. The workers must finish on their own, never
+restarted, with the right result: every step counted exactly once and the demo's accuracy
+reached. Then every service is stopped as ``docker compose stop`` stops it (SIGTERM): the
+shards exit 0, their final snapshots written.
 
-Needs root and iproute2 (CI has both); skipped with the reason otherwise. Everything it creates
-(processes, namespaces, cables, the switch, hosts files) is removed at the end, even on failure.
+Needs root, iproute2 and etcd (CI has them); skipped with the reason otherwise. Everything it
+creates (processes, namespaces, cables, the switch, hosts files) is removed at the end, even on
+failure.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from pathlib import Path
 import pytest
 
 from client_sdk.placement import shard_for
+from tests.helpers import etcd as etcd_server
 from tests.helpers import netlab
 from tests.helpers.deploy_files import (
     A_TOKEN,
@@ -44,8 +51,9 @@ from tests.helpers.deploy_files import (
     interpolated,
     load_compose,
     parse_dockerfile,
-    shard_services,
+    replica_groups,
 )
+from tests.helpers.eventually import eventually
 
 UNAVAILABLE = netlab.available()
 pytestmark = [
@@ -56,7 +64,7 @@ pytestmark = [
 WORKERS = 2
 STEPS = 1000
 MIN_ACCURACY = 0.85
-OUTAGE = 3.0  # seconds the cable stays out
+OUTAGE = 3.0  # seconds the cable stays out at least (the lease TTL is 2 s)
 PARAMS = ("layer1/kernel", "layer1/bias", "layer2/kernel", "layer2/bias")
 COUNTERS = ("global_step", "digits/workers")
 
@@ -76,6 +84,8 @@ def image(stage: str) -> tuple[list[str], dict[str, str]]:
         command += json.loads(found[-1].args) if found else []
     if command[0] == "paramshard":
         command = [sys.executable, "-m", "server.cli", *command[1:]]
+    elif command[0] == "etcd":
+        command = [etcd_server.require(), *command[1:]]
     elif command[0] == "python":
         script = command[1].replace("/app/", "")
         command = [sys.executable, str(ROOT / script), *command[2:]]
@@ -85,8 +95,8 @@ def image(stage: str) -> tuple[list[str], dict[str, str]]:
 def container_env(
     image_env: dict[str, str], service: dict, volumes: dict[str, Path]
 ) -> dict[str, str]:
-    """The image's ENV, then the service's environment; a value naming a volume's mount point
-    becomes that volume's directory here."""
+    """The image's ENV, then the service's environment; a path at or under a volume's mount
+    point becomes that path in the volume's directory here."""
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "PYTHONPATH": str(ROOT),
@@ -94,7 +104,14 @@ def container_env(
         **image_env,
         **interpolated(environment(service)),
     }
-    return {k: str(volumes[v]) if v in volumes else v for k, v in env.items()}
+
+    def here(value: str) -> str:
+        for mount, directory in volumes.items():
+            if value == mount or value.startswith(mount + "/"):
+                return str(directory) + value[len(mount) :]
+        return value
+
+    return {k: here(v) for k, v in env.items()}
 
 
 def service_volumes(service: dict, base: Path) -> dict[str, Path]:
@@ -130,18 +147,33 @@ class Fleet:
         self.lab = lab
         self.workdir = workdir
         compose = load_compose()
-        self.shards = dict(shard_services(compose))
+        #: the replicas of each shard index, index 0's first
+        self.groups = [[name for name, _ in group] for group in replica_groups(compose)]
+        self.shards = {name: svc for group in replica_groups(compose) for name, svc in group}
         self.names = list(self.shards)
+        self.etcd_service = compose["services"]["etcd"]
         self.worker_service = compose["services"]["worker"]
         self.workers = [f"worker{i + 1}" for i in range(WORKERS)]  # --scale worker=2
         self.port = int(environment(self.shards["ps0"])["PARAMSHARD_PORT"])
         self.procs: dict[str, subprocess.Popen] = {}
         self.shard_cmd, self.shard_image_env = image("runtime")
         self.worker_cmd, self.worker_image_env = image("demo")
-        lab.add_hosts(*self.names, *self.workers, "ops")
+        self.etcd_cmd, self.etcd_image_env = image("etcd")
+        lab.add_hosts("etcd", *self.names, *self.workers, "ops")
 
     def url(self, shard: str, path: str) -> str:
         return f"http://{shard}:{self.port}{path}"
+
+    def start_etcd(self) -> None:
+        """The etcd service, as its container runs it; waits for its compose health check."""
+        svc = self.etcd_service
+        env = container_env(self.etcd_image_env, svc, service_volumes(svc, self.workdir))
+        self.procs["etcd"] = self.lab.start(
+            "etcd", self.etcd_cmd, env, self.workdir / "etcd.log", cwd=self.workdir
+        )
+        test = svc["healthcheck"]["test"]
+        assert test[:2] == ["CMD", "python"], test
+        self.wait_passes("etcd", [sys.executable, *test[2:]], env)
 
     def shard_env(self, name: str) -> dict[str, str]:
         svc = self.shards[name]
@@ -160,28 +192,20 @@ class Fleet:
         """Run the compose healthcheck in the shard's "container" until it passes."""
         test = self.shards[name]["healthcheck"]["test"]
         assert test[:2] == ["CMD", "paramshard"]
-        cmd = [
-            "ip",
-            "netns",
-            "exec",
-            self.lab.namespace(name),
-            sys.executable,
-            "-m",
-            "server.cli",
-            *test[2:],
-        ]
+        command = [sys.executable, "-m", "server.cli", *test[2:]]
+        self.wait_passes(name, command, self.shard_env(name), timeout)
+
+    def wait_passes(
+        self, host: str, command: list[str], env: dict[str, str], timeout: float = 60.0
+    ) -> None:
+        cmd = ["ip", "netns", "exec", self.lab.namespace(host), *command]
         deadline = time.monotonic() + timeout
         while True:
-            proc = self.procs[name]
-            assert proc.poll() is None, f"{name} exited with {proc.returncode}:\n{self.log(name)}"
-            if (
-                subprocess.run(
-                    cmd, env=self.shard_env(name), capture_output=True, timeout=30
-                ).returncode
-                == 0
-            ):
+            proc = self.procs[host]
+            assert proc.poll() is None, f"{host} exited with {proc.returncode}:\n{self.log(host)}"
+            if subprocess.run(cmd, env=env, capture_output=True, timeout=30).returncode == 0:
                 return
-            assert time.monotonic() < deadline, f"{name} not healthy:\n{self.log(name)}"
+            assert time.monotonic() < deadline, f"{host} not healthy:\n{self.log(host)}"
             time.sleep(0.2)
 
     def start_workers(self) -> None:
@@ -199,8 +223,28 @@ class Fleet:
     def cluster(self, shard: str) -> dict | None:
         return self.lab.fetch_json("ops", self.url(shard, "/v1/cluster"), timeout=1.0)
 
+    def group(self, name: str) -> list[str]:
+        """The replicas of the shard index that owns variable ``name`` (placement)."""
+        return self.groups[shard_for(name, len(self.groups))]
+
+    def primary(self, replicas: list[str]) -> str | None:
+        """The replica that says it is primary, if exactly one of ``replicas`` does."""
+        roles = {s: ((self.cluster(s) or {}).get("replication") or {}) for s in replicas}
+        found = [s for s, r in roles.items() if r.get("role") == "primary"]
+        return found[0] if len(found) == 1 else None
+
+    def wait_primary(self, replicas: list[str], timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while (found := self.primary(replicas)) is None:
+            assert time.monotonic() < deadline, f"no primary among {replicas}"
+            time.sleep(0.2)
+        return found
+
     def counter(self, name: str) -> int | None:
-        owner = self.names[shard_for(name, len(self.names))]
+        """The counter's value on the primary of its index (None: no primary answers)."""
+        owner = self.primary(self.group(name))
+        if owner is None:
+            return None
         answer = self.lab.fetch_json(
             "ops", self.url(owner, f"/v1/variables/{name}?values=true"), timeout=1.0
         )
@@ -258,54 +302,73 @@ class Fleet:
             time.sleep(0.2)
 
 
-def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_shard(lab, tmp_path):
+def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_primary(lab, tmp_path):
     fleet = Fleet(lab, tmp_path)
-    n = len(fleet.names)
-    owner = {name: fleet.names[shard_for(name, n)] for name in PARAMS + COUNTERS}
-    cut = owner["global_step"]  # every step of every worker goes through it
-    victims = [
-        s
-        for s in fleet.names
-        if s in {owner[p] for p in PARAMS} and s not in {owner[c] for c in COUNTERS}
-    ]
-    assert victims, f"placement leaves no shard with weights only: {owner}"
-    victim = victims[0]
+    n = len(fleet.groups)
+    owner = {name: shard_for(name, n) for name in PARAMS + COUNTERS}
+    counters = {owner[c] for c in COUNTERS}
+    weights_only = sorted({owner[p] for p in PARAMS} - counters)
+    assert weights_only, f"placement leaves no shard index with weights only: {owner}"
+    victims = fleet.groups[weights_only[0]]  # its replicas
 
+    fleet.start_etcd()
     for name in fleet.names:
         fleet.start_shard(name)
     for name in fleet.names:
         fleet.wait_healthy(name)
-    assert [fleet.cluster(s)["shard_index"] for s in fleet.names] == list(range(n))
+    for index, group in enumerate(fleet.groups):
+        assert {fleet.cluster(s)["shard_index"] for s in group} == {index}
+        fleet.wait_primary(group)
     fleet.start_workers()
 
-    # 1. training is under way; pull the cable of the global_step shard, then plug it back in
+    # 1. training is under way; pull the cable of the global_step index's primary: its lease
+    #    lapses and its backup is elected; plug it back in: it rejoins as a backup, and the
+    #    workers (whose calls in flight to it get their answers once the cable is back) follow
+    #    the new primary
     fleet.wait_for_step(WORKERS * 100)
+    cut_group = fleet.group("global_step")  # every step of every worker goes through it
+    cut = fleet.wait_primary(cut_group)
+    (heir,) = [s for s in cut_group if s != cut]
     before = fleet.cluster(cut)
     lab.cut(cut)
     cut_at = time.monotonic()
     assert lab.fetch("ops", fleet.url(cut, "/healthz"), timeout=1.0) is None, (
         f"{cut} still answers with its cable out"
     )
+    assert fleet.wait_primary([heir]) == heir  # elected while the old primary is cut off
     time.sleep(max(0.0, OUTAGE - (time.monotonic() - cut_at)))
     lab.plug(cut)
     after = lab.wait_for("ops", fleet.url(cut, "/v1/cluster"), timeout=30)
     assert after["incarnation"] == before["incarnation"], "the shard itself never stopped"
     healed_at = fleet.wait_for_step(1)
     fleet.wait_for_step(healed_at + WORKERS * 50)
+    assert fleet.primary(cut_group) == heir
 
-    # 2. checkpoint the fleet, train on, then kill (SIGKILL, as `docker kill`) a shard that
-    #    holds weights but no counter, and start it again on its volume
-    #    (the workers paused while the test does its slow parts, so that they are still
-    #    training when the shard dies)
-    mine = [p for p in PARAMS if owner[p] == victim]
+    def follows_heir() -> bool:
+        view = (fleet.cluster(cut) or {}).get("replication") or {}
+        return (view.get("role"), view.get("primary")) == ("backup", fleet.url(heir, ""))
+
+    eventually(follows_heir, f"{cut} back as {heir}'s backup", timeout=60)
+
+    # 2. checkpoint the fleet, train on, then kill (SIGKILL, as `docker kill`) the primary of
+    #    an index holding weights but no counter: its backup takes over and the workers carry
+    #    on without it; start it again on its volume: it comes back as the new primary's
+    #    backup (the workers paused while the test does its slow parts, so that they are still
+    #    training when the primary dies)
+    victim = fleet.wait_primary(victims)
+    (backup,) = [s for s in victims if s != victim]
+    mine = [p for p in PARAMS if owner[p] == weights_only[0]]
     with fleet.workers_paused():
         before_checkpoint = fleet.versions(victim)
         checkpoint = fleet.checkpoint()
         old = fleet.cluster(victim)
     fleet.wait_for_step(fleet.counter("global_step") + WORKERS * 50)
-    with fleet.workers_paused():  # they go on against a dead shard until it is back
+    with fleet.workers_paused():  # they go on against a dead primary, then follow its backup
         fleet.procs[victim].send_signal(signal.SIGKILL)
         fleet.procs[victim].wait(10)
+        at_kill = fleet.counter("global_step")
+    assert fleet.wait_primary([backup]) == backup
+    fleet.wait_for_step(at_kill + WORKERS * 50)  # the weights' pushes go to the new primary
     fleet.start_shard(victim)
     fleet.wait_healthy(victim)
     new = fleet.cluster(victim)
@@ -314,17 +377,25 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_shard(lab, tmp_pa
     assert restored_from is not None, f"{victim} came back empty:\n{fleet.log(victim)}"
     assert (tmp_path / f"{victim}-data" / restored_from["path"]).is_file()  # its volume's
     assert restored_from["checkpoint"] in (checkpoint, None), restored_from  # None: periodic
+
+    def in_sync() -> bool:  # back as a backup, caught up: in the new primary's in-sync set
+        view = (fleet.cluster(backup) or {}).get("replication") or {}
+        return fleet.url(victim, "") in view.get("in_sync", [])
+
+    eventually(in_sync, f"{victim} back in {backup}'s in-sync set", timeout=60)
+    assert fleet.cluster(victim)["replication"]["role"] == "backup"
     versions = fleet.versions(victim)
-    for p in mine:  # back from the snapshot, not created anew (that would be version 0)
+    for p in mine:  # what its volume held, then what it was sent
         assert p in versions, f"{victim} came back without {p}"
         assert versions[p] >= before_checkpoint[p] > 0, (p, before_checkpoint, versions)
 
-    # 3. the workers finish by themselves, with every step counted once and a model that works
+    # 3. the workers finish by themselves, never restarted, with every step counted once and
+    #    a model that works
     outputs = {}
     for host in fleet.workers:
         proc = fleet.procs[host]
         try:
-            proc.wait(120)
+            proc.wait(180)
         except subprocess.TimeoutExpired:
             pytest.fail(f"{host} did not finish:\n{fleet.log(host)}")
         outputs[host] = fleet.log(host)
@@ -348,3 +419,5 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_shard(lab, tmp_pa
         fleet.procs[name].send_signal(signal.SIGTERM)
     for name in fleet.names:
         assert fleet.procs[name].wait(30) == 0, f"{name} did not stop cleanly:\n{fleet.log(name)}"
+    fleet.procs["etcd"].send_signal(signal.SIGTERM)  # etcd ends by the signal itself (-15)
+    assert fleet.procs["etcd"].wait(30) in (0, -signal.SIGTERM), fleet.log("etcd")

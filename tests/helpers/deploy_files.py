@@ -22,7 +22,8 @@ DOCKERFILE = ROOT / "docker" / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 K8S_DIR = ROOT / "docker" / "k8s"
 
-SHARD_SERVICE = re.compile(r"^ps(\d+)$")
+#: A shard service: ``ps<index>`` and its index's other replicas, ``ps<index>b``, ``ps<index>c``...
+SHARD_SERVICE = re.compile(r"^ps(\d+)([b-z]?)$")
 
 
 def load_compose() -> dict[str, Any]:
@@ -30,11 +31,24 @@ def load_compose() -> dict[str, Any]:
 
 
 def shard_services(compose: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """The shard services (``ps0``, ``ps1``, ...) in shard-index order."""
+    """Every shard service, replicas included (``ps0``, ``ps0b``, ``ps1``, ...), in
+    shard-index order, each index's first replica first."""
     found = sorted(
-        (int(m.group(1)), name) for name in compose["services"] if (m := SHARD_SERVICE.match(name))
+        (int(m.group(1)), m.group(2), name)
+        for name in compose["services"]
+        if (m := SHARD_SERVICE.match(name))
     )
-    return [(name, compose["services"][name]) for _, name in found]
+    return [(name, compose["services"][name]) for _, _, name in found]
+
+
+def replica_groups(compose: dict[str, Any]) -> list[list[tuple[str, dict[str, Any]]]]:
+    """The shard services grouped by shard index (index 0's replicas first)."""
+    groups: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+    for name, svc in shard_services(compose):
+        m = SHARD_SERVICE.match(name)
+        assert m is not None
+        groups.setdefault(int(m.group(1)), []).append((name, svc))
+    return [groups[i] for i in sorted(groups)]
 
 
 #: What the user's .env gives ``${PARAMSHARD_TOKEN:?...}`` in the compose file, and what the
@@ -151,9 +165,29 @@ def load_k8s() -> list[tuple[Path, dict[str, Any]]]:
     return docs
 
 
-def k8s_object(docs: list[tuple[Path, dict[str, Any]]], kind: str) -> dict[str, Any]:
-    found = [doc for _, doc in docs if doc.get("kind") == kind]
-    assert len(found) == 1, f"expected one {kind} in docker/k8s/, found {len(found)}"
+def k8s_objects(
+    docs: list[tuple[Path, dict[str, Any]]], kind: str, component: str | None = None
+) -> list[dict[str, Any]]:
+    """The objects of ``kind`` (with ``app.kubernetes.io/component: component`` if given), in
+    name order."""
+    found = [
+        doc
+        for _, doc in docs
+        if doc.get("kind") == kind
+        and (
+            component is None
+            or doc["metadata"].get("labels", {}).get("app.kubernetes.io/component") == component
+        )
+    ]
+    return sorted(found, key=lambda doc: doc["metadata"]["name"])
+
+
+def k8s_object(
+    docs: list[tuple[Path, dict[str, Any]]], kind: str, component: str | None = None
+) -> dict[str, Any]:
+    found = k8s_objects(docs, kind, component)
+    what = f"{kind} of component {component}" if component else kind
+    assert len(found) == 1, f"expected one {what} in docker/k8s/, found {len(found)}"
     return found[0]
 
 
