@@ -521,7 +521,7 @@ def run_fleet(fleet: Fleet, restart_all: bool = False) -> dict[str, Any]:
             str(Path(sys.executable).parent / "paramshard"),
             "status",
             "--shards",
-            ",".join(fleet.urls[group[0]] for group in fleet.groups),
+            fleet.sdk_shards,  # every replica, a row each, with its role
         ],
         capture_output=True,
         text=True,
