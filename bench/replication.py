@@ -13,13 +13,18 @@ order rotating), the SDK does on each:
 
 Rows: ``op`` ``push`` (MB/s counted in the gradient's bytes) and ``increment``; ``system``
 ``1 shard`` (the reference) or ``primary + 1 backup``. The goal (:mod:`bench.goals`): push with
-one backup >= 0.6 x without.
+one backup >= 0.6 x without. Each row also has the CPU milliseconds per operation of the worker
+(this process), the shard (the primary) and the backup (``cpu_ms``; :mod:`bench.cpu`, read
+outside the timed region), which :func:`notes` prints with the machine's load: on a shared
+machine they move less with the load than the times do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,10 +34,11 @@ from server import launcher
 
 from . import processes
 from .context import Context
+from .cpu import CpuMeter
 from .timing import Stopwatch, reps_for, summarize
 from .transfer import rotated
 
-__all__ = ["ALONE", "DEFAULT_SIZES", "DESCRIPTION", "REPLICATED", "run"]
+__all__ = ["ALONE", "DEFAULT_SIZES", "DESCRIPTION", "REPLICATED", "notes", "run"]
 
 ALONE, REPLICATED = "1 shard", "primary + 1 backup"
 DESCRIPTION = (
@@ -100,6 +106,8 @@ def run(ctx: Context) -> list[dict]:
     rows: list[dict] = []
     with _group(ctx) as group:
         urls = {ALONE: ctx.shard_urls(1)[0], REPLICATED: group.urls[0]}
+        #: Per system, the pids of its shard and its backup (none for the shard alone).
+        pids = {ALONE: ctx.fleet(1).pids[:1], REPLICATED: group.pids[:2]}
         clients = {
             system: PSClient([url], worker_id=f"bench-replication-{i}")
             for i, (system, url) in enumerate(urls.items())
@@ -113,17 +121,21 @@ def run(ctx: Context) -> list[dict]:
                 reps = reps_for(grad.nbytes, ctx.reps, ctx.min_reps)
                 pushes = {s: Stopwatch() for s in clients}
                 increments = {s: Stopwatch() for s in clients}
+                cpu = {(op, s): _Cpu(pids[s]) for op in ("push", "increment") for s in clients}
                 for rep in range(ctx.warmup + reps):
                     for system in rotated(list(clients), rep):
                         ps = clients[system]
                         push_watch, increment_watch = pushes[system], increments[system]
+                        push_cpu, increment_cpu = cpu["push", system], cpu["increment", system]
                         if rep < ctx.warmup:  # timed into watches thrown away
                             push_watch, increment_watch = Stopwatch(), Stopwatch()
-                        with push_watch:
+                            push_cpu = increment_cpu = _Cpu(pids[system])
+                        with push_cpu, push_watch:
                             ps.push({name: grad})
-                        for _ in range(INCREMENTS_PER_REP):
-                            with increment_watch:
-                                ps.increment(name + "/counter", 1)
+                        with increment_cpu:
+                            for _ in range(INCREMENTS_PER_REP):
+                                with increment_watch:
+                                    ps.increment(name + "/counter", 1)
                 for system in clients:
                     common = {"size": size, "system": system, "reference": system == ALONE}
                     rows.append(
@@ -132,6 +144,7 @@ def run(ctx: Context) -> list[dict]:
                             "op": "push",
                             **common,
                             **summarize(pushes[system].samples, grad.nbytes),
+                            "cpu_ms": cpu["push", system].per_op(reps),
                         }
                     )
                     rows.append(
@@ -140,9 +153,59 @@ def run(ctx: Context) -> list[dict]:
                             "op": "increment",
                             **common,
                             **summarize(increments[system].samples),
+                            "cpu_ms": cpu["increment", system].per_op(reps * INCREMENTS_PER_REP),
                         }
                     )
         finally:
             for ps in clients.values():
                 ps.close()
     return rows
+
+
+class _Cpu:
+    """CPU seconds spent inside ``with`` blocks by this process (the worker), the shard and
+    its backup (``pids``: the shard's, then the backup's if any)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.worker = 0.0
+        self.meters = [CpuMeter([pid]) for pid in pids]
+        self._before = 0.0
+
+    def __enter__(self) -> _Cpu:
+        for meter in self.meters:
+            meter.__enter__()
+        self._before = time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker += time.process_time() - self._before
+        for meter in reversed(self.meters):
+            meter.__exit__()
+
+    def per_op(self, ops: int) -> dict[str, float | None]:
+        """Milliseconds per operation: ``worker``, ``shard``, ``backup`` (``None`` where not
+        measured: no backup, or no /proc)."""
+        seconds = [m.seconds for m in self.meters] + [None] * (2 - len(self.meters))
+        return {
+            "worker": 1e3 * self.worker / ops,
+            "shard": None if seconds[0] is None else 1e3 * seconds[0] / ops,
+            "backup": None if seconds[1] is None else 1e3 * seconds[1] / ops,
+        }
+
+
+def notes(rows: list[dict]) -> str:
+    """CPU per operation of each process, with the machine's load average when printed."""
+    mine = [r for r in rows if r["case"] == "replication" and r.get("cpu_ms")]
+    if not mine:
+        return ""
+    out = [
+        "",
+        "replication: CPU ms per operation (user + system, all threads; /proc), load average "
+        + " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        f"{'op':<11}{'system':<22}{'worker':>8}{'shard':>8}{'backup':>8}",
+    ]
+    for r in mine:
+        cpu = r["cpu_ms"]
+        cells = "".join(f"{'-' if v is None else format(v, '.2f'):>8}" for v in cpu.values())
+        out.append(f"{r['op']:<11}{r['system']:<22}{cells}")
+    return "\n".join(out)

@@ -19,7 +19,7 @@ import asyncio
 import socket
 import ssl
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 
 import httpx2
 
@@ -27,7 +27,7 @@ from .connection import CONNECT_TIMEOUT, Connection, PoolBase
 from .http11 import Buffer, Exchange, Into, Origin, Response
 from .tls import context, refused
 
-__all__ = ["AsyncConnection", "AsyncHTTPPool"]
+__all__ = ["AsyncConnection", "AsyncHTTPPool", "Begun"]
 
 
 def _socket_ready(fut: asyncio.Future[None]) -> None:
@@ -141,7 +141,12 @@ class AsyncConnection(Connection):
 
     async def send(self, views: list[Buffer], deadline: float) -> None:
         """See :meth:`client_sdk._http.pool.BlockingConnection.send`."""
-        for _ in self.sending(views):
+        await self.send_rest(self.sending(views), deadline)
+
+    async def send_rest(self, sending: Generator[None, None, None], deadline: float) -> None:
+        """Drive :meth:`~client_sdk._http.connection.Connection.sending` to the end (waiting
+        first: it yielded, so the socket took no more for now)."""
+        for _ in sending:
             try:
                 await self._wait(True, deadline)
             except TimeoutError as exc:
@@ -164,23 +169,79 @@ class AsyncConnection(Connection):
             return result
 
 
+class Begun:
+    """An exchange :meth:`AsyncHTTPPool.begin` started: its connection (``None``: none was
+    idle, nothing sent yet), the rest of its sending (``None``: all sent, or nothing yet), or
+    the error that stopped it."""
+
+    __slots__ = ("exchange", "deadline", "views", "conn", "sending", "error")
+
+    def __init__(self, exchange: Exchange, deadline: float) -> None:
+        self.exchange = exchange
+        self.deadline = deadline
+        self.views = exchange.views()
+        self.conn: AsyncConnection | None = None
+        self.sending: Generator[None, None, None] | None = None
+        self.error: BaseException | None = None
+
+
 class AsyncHTTPPool(PoolBase[AsyncConnection]):
     """The asyncio twin of :class:`~client_sdk._http.pool.HTTPPool`: the same arguments and
     behaviour, ``await``-ed. Use it from one event loop."""
 
     async def exchange(self, exchange: Exchange) -> Response:
         """See :meth:`client_sdk._http.pool.HTTPPool.exchange`."""
+        return await self.finish(self.begin(exchange))
+
+    def begin(self, exchange: Exchange) -> Begun:
+        """Start ``exchange`` now, without waiting: on an idle connection, send as much of the
+        request as the socket takes at once. Never raises: a failure is :meth:`finish`'s to
+        raise. Hand the result to :meth:`finish` (only it returns the connection); on the
+        event loop that uses the pool."""
         deadline = self.deadline(exchange, time.monotonic())
-        views = exchange.views()
-        origin = exchange.origin
-        conn = await self._acquire(origin, deadline)
+        begun = Begun(exchange, deadline)
+        if self._closed:
+            return begun
         try:
-            await conn.send(views, deadline)
+            loop = asyncio.get_running_loop()
+            conn, stale = self._idle.take(
+                exchange.origin, time.monotonic(), lambda c: c.loop is loop
+            )
+            for old in stale:
+                old.close()
+            if conn is None:
+                return begun
+            begun.conn = conn
+            begun.sending = conn.sending(begun.views)
+            next(begun.sending)
+        except StopIteration:
+            begun.sending = None  # all of it sent
+        except BaseException as exc:
+            if begun.conn is not None:
+                begun.conn.close()
+            begun.error = exc
+        return begun
+
+    async def finish(self, begun: Begun) -> Response:
+        """The response to an exchange :meth:`begin` started: the rest of the request sent
+        (on a new connection if it found no idle one), the whole response received."""
+        if begun.error is not None:
+            raise begun.error
+        exchange, deadline, views = begun.exchange, begun.deadline, begun.views
+        origin = exchange.origin
+        conn = begun.conn
+        try:
+            if conn is None:
+                conn = await self._acquire(origin, deadline)
+                await conn.send(views, deadline)
+            elif begun.sending is not None:
+                await conn.send_rest(begun.sending, deadline)
             response, reusable = await conn.receive(
                 deadline, self.reply_limit(exchange), exchange.into
             )
         except BaseException:  # cancelled too: the connection is mid-exchange
-            conn.close()
+            if conn is not None:
+                conn.close()
             raise
         if reusable and not self._closed and self._idle.put(origin, conn, time.monotonic()):
             return response

@@ -10,6 +10,12 @@ applied up to), and sends what was added meanwhile as the next batch: while one 
 flight the writes that follow gather into the next (group commit), so many small writes share
 one round trip. A link starts by sending an empty batch, which tells it where the backup is.
 
+A link waiting for entries does not wait for its task's turn on the loop to send the next: the
+log calls :meth:`Forwarder.kick` as it commits an entry (a push on the loop: before it applies),
+which encodes the batch and hands the socket as much of it as it takes at once (the request's
+own tensor memory: nothing joined or copied), so the backup receives and applies it while this
+replica applies it; the link's task sends the rest, if any, and waits for the answer.
+
 :meth:`Forwarder.synced` is what a write's answer waits for: every backup of the role's
 in-sync set has applied the log up to the write's lsn. A backup that has not for
 ``timeout`` seconds is dropped from the in-sync set (:attr:`Forwarder.drop`: without a
@@ -31,8 +37,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from client_sdk import wire
-from client_sdk._http.asyncpool import AsyncHTTPPool
-from client_sdk._http.http11 import Origin
+from client_sdk._http.asyncpool import AsyncHTTPPool, Begun
+from client_sdk._http.http11 import Exchange, Origin
 
 from ..errors import ShardError
 from .log import TENSOR, ReplicationLog
@@ -67,6 +73,10 @@ class Link:
         self.failures = 0
         self.error: str | None = None
         self.task: asyncio.Task[None] | None = None
+        #: Whether its task waits for the log's next entry (a batch may start at once).
+        self.idle = False
+        #: A batch :meth:`Forwarder.kick` started for it (entries, exchange), not yet finished.
+        self.started: tuple[list[Any], Begun] | None = None
 
     def stats(self, head: int) -> dict[str, Any]:
         return {
@@ -117,11 +127,29 @@ class Forwarder:
     def start(self) -> None:
         """Follow the role from now on (on the event loop)."""
         self._running = True
+        self.log.on_commit = self.kick
         self.role.subscribe(self._role_changed)
         self._role_changed(self.role.view, self.role.view)
 
+    def kick(self) -> None:
+        """Start the next batch now for each link waiting for one (module docstring): called
+        as an entry commits, maybe in the middle of a write, so it never raises nor waits."""
+        if not self._running or self.role.kind != PRIMARY:
+            return
+        for link in self.links.values():
+            if not link.idle or link.started is not None or link.acked is None:
+                continue
+            try:
+                entries = self.log.since(link.acked, self.batch_bytes)
+                if entries:
+                    link.started = (entries, self._http().begin(self._exchange(link, entries)))
+            except Exception:  # the link's task sends it the usual way
+                logger.exception("starting a batch to %s failed", link.url)
+
     async def stop(self) -> None:
         self._running = False
+        if self.log.on_commit == self.kick:
+            self.log.on_commit = None
         for link in list(self.links.values()):
             await self._stop_link(link)
         self.links.clear()
@@ -225,18 +253,35 @@ class Forwarder:
         return self._pool
 
     async def _run(self, link: Link) -> None:
+        try:
+            await self._feed(link)
+        finally:
+            started, link.started = link.started, None
+            if started is not None and started[1].conn is not None:
+                started[1].conn.close()  # begun, never finished: mid-request
+
+    async def _feed(self, link: Link) -> None:
         backoff = FIRST_BACKOFF
         log = self.log
         while True:
             install = None
+            begun = None
             if link.acked is None:
                 entries: list[Any] | None = []  # where is it?
             else:
                 if link.acked >= log.head:
                     if link.url not in self.role.in_sync:
                         await self.rejoin(link.url)
-                    await log.added_after(link.acked)
-                entries = log.since(link.acked, self.batch_bytes)
+                    link.idle = True
+                    try:
+                        await log.added_after(link.acked)
+                    finally:
+                        link.idle = False
+                started, link.started = link.started, None
+                if started is not None:  # the kick sent it, or began to
+                    entries, begun = started
+                else:
+                    entries = log.since(link.acked, self.batch_bytes)
                 if entries is None:
                     if link.state != "behind":
                         logger.warning(
@@ -253,9 +298,11 @@ class Forwarder:
                         continue
                     entries = []
             try:
-                if link.state == "behind" and self.snapshot is not None:
-                    install = await self.snapshot()
-                applied = await self._send(link, entries, install)
+                if begun is None:
+                    if link.state == "behind" and self.snapshot is not None:
+                        install = await self.snapshot()
+                    begun = self._http().begin(self._exchange(link, entries, install))
+                applied = await self._finish(begun)
             except ShardError as exc:  # stale_epoch: a newer primary exists
                 logger.warning("backup %s: %s; stepping down", link.url, exc.message)
                 self.role.step_down()
@@ -269,35 +316,39 @@ class Forwarder:
                 backoff = min(MAX_BACKOFF, backoff * 2)
                 continue
             backoff = FIRST_BACKOFF
-            if applied > log.head:  # it holds writes this primary lacks: never overwrite them
-                if link.state != "ahead":
-                    logger.error(
-                        "backup %s holds writes up to lsn %d, this primary only up to %d (it "
-                        "came back from an older snapshot): nothing is forwarded to it; make "
-                        "the most complete replica the primary (list it first in "
-                        "--replica-group) and restart this one",
-                        link.url,
-                        applied,
-                        log.head,
-                    )
-                link.state, link.acked, link.heard = "ahead", None, time.monotonic()
-                await asyncio.sleep(MAX_BACKOFF)
-                continue
-            if install is not None:
-                link.installs += 1
-            link.acked = applied
-            link.heard = time.monotonic()
-            link.state = "streaming"
-            link.error = None
-            link.batches += 1
-            self._wake()
+            await self._answered(link, applied, install)
 
-    async def _send(
+    async def _answered(self, link: Link, applied: int, install: dict[str, Any] | None) -> None:
+        """The backup of ``link`` answered a batch: it applied up to ``applied``."""
+        log = self.log
+        if applied > log.head:  # it holds writes this primary lacks: never overwrite them
+            if link.state != "ahead":
+                logger.error(
+                    "backup %s holds writes up to lsn %d, this primary only up to %d (it "
+                    "came back from an older snapshot): nothing is forwarded to it; make "
+                    "the most complete replica the primary (list it first in "
+                    "--replica-group) and restart this one",
+                    link.url,
+                    applied,
+                    log.head,
+                )
+            link.state, link.acked, link.heard = "ahead", None, time.monotonic()
+            await asyncio.sleep(MAX_BACKOFF)
+            return
+        if install is not None:
+            link.installs += 1
+        link.acked = applied
+        link.heard = time.monotonic()
+        link.state = "streaming"
+        link.error = None
+        link.batches += 1
+        self._wake()
+
+    def _exchange(
         self, link: Link, entries: list[Any], install: dict[str, Any] | None = None
-    ) -> int:
-        """Send one batch (with a catch-up's snapshot first, if ``install``); the lsn the
-        backup applied up to. Raises ``ShardError`` for ``stale_epoch``, another exception for
-        any other failure."""
+    ) -> Exchange:
+        """The ``POST /v1/replicate`` of a batch (with a catch-up's snapshot first, if
+        ``install``), its tensors the entries' own memory."""
         role = self.role
         msg: dict[str, Any] = {
             "epoch": role.epoch,
@@ -310,13 +361,13 @@ class Forwarder:
         origin = self._origins.get(link.url)
         if origin is None:
             origin = self._origins[link.url] = Origin(link.url)
-        reply = await self._http().request(
-            origin,
-            "POST",
-            "/v1/replicate",
-            {**self.headers, "content-length": str(encoded.nbytes)},
-            encoded.chunks,
-        )
+        headers = {**self.headers, "content-length": str(encoded.nbytes)}
+        return Exchange(origin, "POST", "/v1/replicate", headers, encoded.chunks)
+
+    async def _finish(self, begun: Begun) -> int:
+        """The rest of a batch begun sent; the lsn the backup applied up to. Raises
+        ``ShardError`` for ``stale_epoch``, another exception for any other failure."""
+        reply = await self._http().finish(begun)
         msg = wire.unpack(reply.content, reply.headers.get("content-type"))
         if reply.status == 200:
             applied = msg.get("applied_lsn")

@@ -13,10 +13,18 @@ computes what the primary did. A refused write is never an entry (it changed not
 
 Before the write runs, :meth:`ReplicationLog.begin` refuses it on a replica that does not
 take writes (421 ``not_primary``: :meth:`Role.check_writable
-<server.replication.role.Role.check_writable>`), and copies the arguments' writable arrays:
-an update may use a gradient's buffer as scratch space, and a value inited may become the
-variable's own memory, so the entry keeps the bytes as they came. Hints that only save work
-(a push's ``finite`` and ``block``) are left out; the backup checks again.
+<server.replication.role.Role.check_writable>`), and makes the arguments' arrays read-only,
+uncopied: the write then computes into memory of its own (an update uses a gradient's buffer
+as scratch space only when it is writable), as a backup's replay does, so the entry keeps the
+bytes as they came (views of the request's body: what goes to the backups is that memory).
+A push's ``finite`` (the sums of squares it found checking its gradients as they arrived)
+travels with the entry, so a backup neither scans those gradients again nor finds other bounds
+for their updates than its primary did; ``block`` (the gradients as one array) is left out, a
+hint the backup does without, and made read-only too, being the gradients' memory.
+
+The entry is taken, and its lsn given, when the write commits (:mod:`server.store.journal`):
+for a push applied on the event loop, once it can no longer be refused and before it writes,
+so :attr:`ReplicationLog.on_commit` (the forwarder) may start sending it while it applies.
 
 The log keeps the newest entries in memory, at most ``max_bytes`` of their arrays (at least
 the newest one): a backup that needs older ones catches up from a snapshot instead. A backup
@@ -30,7 +38,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +51,8 @@ __all__ = ["DROPPED_KWARGS", "ENTRY_OVERHEAD", "TENSOR", "Entry", "ReplicationLo
 #: The key of the one-entry map an entry holds each array in: no variable's name (``#`` is
 #: not a name's character), so an argument's own maps are never mistaken for one.
 TENSOR = "#nd"
-#: Keyword arguments of the store's writes that are hints, not state: never logged.
-DROPPED_KWARGS = frozenset({"finite", "block"})
+#: Keyword arguments of the store's writes that are hints a backup does without: never logged.
+DROPPED_KWARGS = frozenset({"block"})
 #: Bytes an entry is counted for beyond its arrays' (its fields, containers and names).
 ENTRY_OVERHEAD = 256
 
@@ -67,11 +75,12 @@ class Entry:
 
 def _kept(obj: Any, sizes: list[int]) -> Any:
     """``obj`` as an entry keeps it: its containers copied (mappings as dicts, tuples as
-    lists), each array as ``{TENSOR: array}`` (copied when writable: the write may change
+    lists), each array as ``{TENSOR: array}``, made read-only (the write then never changes
     its bytes), every array's bytes added to ``sizes[0]``."""
     if isinstance(obj, np.ndarray):
         sizes[0] += obj.nbytes
-        return {TENSOR: obj.copy() if obj.flags.writeable else obj}
+        obj.flags.writeable = False
+        return {TENSOR: obj}
     if type(obj) in (str, int, float, bool) or obj is None:
         return obj
     if isinstance(obj, Mapping):
@@ -97,6 +106,9 @@ class ReplicationLog:
         self._added = asyncio.Event()
         #: Entries let go to stay within ``max_bytes``, since the start.
         self.trimmed = 0
+        #: Called (synchronously, on the loop) each time this replica commits an entry of its
+        #: own, possibly in the middle of the write: it must not raise nor wait.
+        self.on_commit: Callable[[], None] | None = None
 
     # -- the journal (server.store.journal) -------------------------------------------------
 
@@ -107,11 +119,16 @@ class ReplicationLog:
         sizes = [ENTRY_OVERHEAD]
         kept_args = [_kept(a, sizes) for a in args]
         kept_kwargs = {k: _kept(v, sizes) for k, v in kwargs.items() if k not in DROPPED_KWARGS}
+        block = kwargs.get("block")
+        if isinstance(block, np.ndarray):  # the gradients' memory: no scratch space either
+            block.flags.writeable = False
         return method, kept_args, kept_kwargs, sizes[0]
 
     def commit(self, begun: tuple[str, list[Any], dict[str, Any], int]) -> None:
         method, args, kwargs, nbytes = begun
         self._add(Entry(self.head + 1, self.role.epoch, method, args, kwargs, nbytes))
+        if self.on_commit is not None:
+            self.on_commit()
 
     # -- a backup's copy ----------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ table; this module writes it, keeping these rules:
 * **Nothing written until everything is checked.** Whether an update stays finite is told from
   bounds kept per variable (:mod:`server.store.bounds`, a few float operations); an update they
   cannot vouch for is computed into fresh memory and checked first (:func:`checked_update`), so
-  a push that would overflow is refused whole (422) with nothing written.
+  a push that would overflow is refused whole (422) with nothing written. Once all is
+  checked, :func:`push` says so (:func:`server.store.journal.decided`) before its first write.
 * **In place unless a reader holds the value.** Each update goes where
   :meth:`Variable.target <server.store.variable.Variable.target>` says: the value's own buffer,
   or fresh memory (or the variable's slab row) while a reader holds the current value.
@@ -43,6 +44,7 @@ from client_sdk.optimizers import Add, Optimizer
 from .. import optim
 from .bounds import LIMITS, bounds_after, bounds_for, bounds_known, magnitude
 from .checks import grad_to_apply, native, tensor_error
+from .journal import decided
 from .operations import Assign, Increment, Init, Push
 from .slab import homes
 from .variable import Variable
@@ -92,6 +94,13 @@ def push(op: Push) -> None:
             whole = None
     computed = None
     with np.errstate(all="ignore"):
+        if whole is None:
+            bounds = list(map(bounds_after, variables, squares))
+            if None in bounds:
+                bounds = list(map(bounds_known, variables, squares, bounds))
+                if None in bounds:
+                    computed = _compute_unsure(variables, todo, bounds)
+        decided()  # nothing below refuses: the journal may take it (server/store/journal.py)
         if whole is not None:
             rows, opt = whole
             # uniform: the same function whatever each member's step
@@ -100,11 +109,6 @@ def push(op: Push) -> None:
             for var in variables:
                 var.bound = bound
         else:
-            bounds = list(map(bounds_after, variables, squares))
-            if None in bounds:
-                bounds = list(map(bounds_known, variables, squares, bounds))
-                if None in bounds:
-                    computed = _compute_unsure(variables, todo, bounds)
             for var, grad in zip(variables, todo):
                 if computed is not None and var.name in computed:
                     continue  # computed into fresh memory and checked already

@@ -126,6 +126,11 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         assert systems["floor", op] == {RAW, floor.APP, floor.IN_PROTOCOL, SDK}
     for op in ("push", "increment"):
         assert systems["replication", op] == {replication.ALONE, replication.REPLICATED}
+    for r in rows:  # the CPU of each process per operation; a shard alone has no backup
+        if r["case"] == "replication":
+            assert set(r["cpu_ms"]) == {"worker", "shard", "backup"}
+            assert (r["cpu_ms"]["backup"] is None) == (r["system"] == replication.ALONE)
+    assert "replication: CPU ms per operation" in out
     assert systems["failover", "failover"] == {failover.LEASE, failover.FAILOVER}
     # the frameworks' goals and the small-request goals against the raw socket have their
     # figures at this size
