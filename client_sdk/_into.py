@@ -41,6 +41,7 @@ from ._args import SENDABLE_DTYPES, host_view
 from ._exceptions import BadRequestError, BadTensorError
 from ._http.http11 import body_buffer
 from .partitions import Layout
+from .wire import halves
 
 __all__ = ["DIRECT_BYTES", "Sink", "check", "same", "targets", "write"]
 
@@ -48,8 +49,10 @@ __all__ = ["DIRECT_BYTES", "Sink", "check", "same", "targets", "write"]
 #: goes with the padding into the sink's own buffer and is copied (a receive per row would cost
 #: more than the copy).
 DIRECT_BYTES = 16 * 1024
-#: Rows of a narrowed wire dtype are widened into their float32 buffer (``_verbs/pull.py``).
+#: Rows of a narrowed wire dtype are widened into float32: into their buffer, or a new array.
 _WIDENED = np.dtype(np.float32)
+#: Bytes of a narrowed row received at a time, then widened while they are in the cache.
+STAGE = 256 * 1024
 
 #: A pulled value as :func:`write` takes it: the whole array, or a partitioned variable's
 #: parts with its layout (written into the buffer's rows, never put together first).
@@ -220,6 +223,9 @@ class Sink:
         targets, rows = plan
         left = got[used:]
         for target in targets:
+            if isinstance(target, _Widening):
+                left = yield from target.receive(left)
+                continue
             take = min(len(target), len(left))
             target[:take] = left[:take]
             left = left[take:]
@@ -230,7 +236,7 @@ class Sink:
 
     def _plan(
         self, header: bytearray, start: int, size: int
-    ) -> tuple[list[memoryview], tuple[list[str], list[np.ndarray | None]]] | None:
+    ) -> tuple[list[memoryview | _Widening], tuple[list[str], list[np.ndarray | None]]] | None:
         """Where each byte of the body after its header goes (memoryviews in body order) and
         the rows they make; ``None`` to receive the body whole instead."""
         try:
@@ -238,44 +244,64 @@ class Sink:
             names, spans = wire.table_spans(table, start, size, self.names)
         except wire.WireError:
             return None
+        listed = table.get("narrowed", []) if self.narrowed and type(table) is dict else []
+        if type(listed) is not list or not all(type(i) is int for i in listed):
+            return None  # received whole, for the pull to refuse
+        narrowed = set(listed)
         views = self.views
-        direct: list[tuple[int, int, memoryview]] = []  # (row, its offset, its buffer's bytes)
+        # (row, its offset, its bytes in the body, its buffer's bytes or the row's widening)
+        direct: list[tuple[int, int, int, memoryview | _Widening]] = []
         widened = False
         for i, (name, span) in enumerate(zip(names, spans)):
-            view = views.get(name) if span is not None else None
+            if span is None:
+                continue
+            offset, dtype, shape = span
+            view = views.get(name)
+            if i in narrowed:  # float16 or bfloat16 on the wire, float32 in the end
+                if dtype.itemsize != 2 or not dtype.isnative:
+                    return None
+                if view is not None and (view.shape != shape or view.dtype != _WIDENED):
+                    return None
+                nbytes = 2 * math.prod(shape)
+                if nbytes < DIRECT_BYTES or (view is not None and not view.flags.c_contiguous):
+                    widened = widened or view is not None  # into its buffer once in (pull.py)
+                    continue
+                direct.append(
+                    (
+                        i,
+                        offset,
+                        nbytes,
+                        _Widening.fresh(dtype, shape) if view is None else _Widening(dtype, view),
+                    )
+                )
+                continue
             if view is None:
                 continue
-            _, dtype, shape = span  # type: ignore[misc]  # span is not None here
-            if not dtype.isnative or view.shape != shape:
+            if not dtype.isnative or view.shape != shape or view.dtype != dtype:
                 return None  # checked, and refused, as received whole
-            if view.dtype != dtype:
-                if self.narrowed and view.dtype == _WIDENED and dtype.itemsize == 2:
-                    widened = True  # into its buffer once in (pull.py)
-                    continue
-                return None
             if view.nbytes >= DIRECT_BYTES and view.flags.c_contiguous:
-                direct.append((i, span[0], view.data.cast("B")))  # type: ignore[index]
+                direct.append((i, offset, view.nbytes, view.data.cast("B")))
         if not direct and not widened:
             return None
         # The bytes between the rows received into buffers, each stretch kept at its offset's
         # place in a multiple of ALIGN (the rows in it stay aligned), in one buffer.
         stretches: list[tuple[int, int, int]] = []  # (body start, body end, offset in rest)
         at, room = start, 0
-        for _, offset, target in direct:
+        for _, offset, nbytes, _ in direct:
             if offset > at:
                 place = _align(room) + at % wire.ALIGN
                 stretches.append((at, offset, place))
                 room = place + offset - at
-            at = offset + len(target)
+            at = offset + nbytes
         if at < size:
             place = _align(room) + at % wire.ALIGN
             stretches.append((at, size, place))
             room = place + size - at
         rest = body_buffer(room) if room else memoryview(b"")
-        targets: list[memoryview] = []
+        targets: list[memoryview | _Widening] = []
         stretch = iter(stretches)
         pending = next(stretch, None)
-        for _, offset, target in direct:
+        for _, offset, _, target in direct:
             if pending is not None and pending[0] < offset:
                 targets.append(rest[pending[2] : pending[2] + pending[1] - pending[0]])
                 pending = next(stretch, None)
@@ -283,8 +309,8 @@ class Sink:
         if pending is not None:
             targets.append(rest[pending[2] : pending[2] + pending[1] - pending[0]])
         values: list[np.ndarray | None] = [None] * len(names)
-        for i, _, _ in direct:
-            values[i] = views[names[i]]
+        for i, _, _, target in direct:
+            values[i] = target.out if isinstance(target, _Widening) else views[names[i]]
         readonly = rest.toreadonly()
         k = 0  # the stretch holding the row (rows and stretches are both in body order)
         for i, span in enumerate(spans):
@@ -304,6 +330,45 @@ class Sink:
             value.flags.writeable = False
             values[i] = value
         return targets, (names, values)
+
+
+class _Widening:
+    """A narrowed row (float16 or bfloat16) widened into ``out`` (float32, C-contiguous) as its
+    bytes arrive: received :data:`STAGE` bytes at a time into one small buffer and widened from
+    there while they are in the cache, so the narrowed value is never held whole and the
+    widening keeps pace with the socket."""
+
+    __slots__ = ("dtype", "out", "_flat")
+
+    def __init__(self, dtype: np.dtype, out: np.ndarray) -> None:
+        self.dtype = dtype
+        self.out = out
+        self._flat = out.reshape(-1)
+
+    @classmethod
+    def fresh(cls, dtype: np.dtype, shape: tuple[int, ...]) -> _Widening:
+        """Into a new array, the pull's value: read-only, as the cache keeps it (written
+        through a view made before)."""
+        widening = cls(dtype, np.empty(shape, _WIDENED))
+        widening.out.flags.writeable = False
+        return widening
+
+    def receive(self, left: memoryview) -> Generator[memoryview, int, memoryview]:
+        """Receive the row (its first bytes in ``left``); return what of ``left`` is past it."""
+        flat = self._flat
+        stage = memoryview(bytearray(min(STAGE, 2 * flat.size)))
+        done = 0
+        while done < flat.size:
+            n = min(len(stage) // 2, flat.size - done)
+            chunk = stage[: 2 * n]
+            take = min(len(chunk), len(left))
+            chunk[:take] = left[:take]
+            left = left[take:]
+            while take < len(chunk):
+                take += yield chunk[take:]
+            halves.widen_into(np.frombuffer(chunk, self.dtype), flat[done : done + n])
+            done += n
+        return left
 
 
 def _align(n: int) -> int:

@@ -15,12 +15,19 @@ re-made variable (another view) never gets an old narrowing. The cache holds at 
 ``max_bytes`` (``--half-cache-bytes``), the least recently used entries dropped first; 0 keeps
 none. It holds no state of the shard: nothing in it is snapshotted or replicated.
 
+A new version of a kept float16 value is narrowed into the old version's array when nothing
+but the cache refers to it any more (:meth:`NarrowedCache.spare`: no reply being sent holds it
+or a view of it, which would count among its references), so a model pulled in float16
+step after step costs the shard no new memory per step: freshly mapped memory costs more to
+write than the cast itself.
+
 Thread-safety: none; call from the event-loop thread (the narrowing itself may run on others).
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import weakref
 from collections import OrderedDict
 from typing import NamedTuple
@@ -28,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from client_sdk import wire
-from client_sdk.wire import halves
+from client_sdk.wire import casts, halves
 
 from .errors import ShardError
 from .store import PullRows
@@ -40,6 +47,13 @@ NARROW_ON_LOOP = 1 << 20
 #: Values of at least this many bytes (float32) are kept narrowed for the next puller.
 CACHE_FROM = 1 << 20
 _F4 = np.dtype("<f4")
+_F4_ONE = np.zeros(1, _F4)
+
+
+def _references(array: np.ndarray) -> int:
+    """``array``'s reference count: its holders, each view of it (a view's base is the array
+    owning the memory) and each buffer exported from it (a memoryview holds its object)."""
+    return sys.getrefcount(array)
 
 
 class _Entry(NamedTuple):
@@ -57,7 +71,12 @@ class NarrowedCache:
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
+        self.reused = 0
         self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        # References to an array kept in an entry that nobody else holds (as spare() counts them)
+        kept = _Entry(weakref.ref(_F4_ONE), 0, np.empty(1, np.float16), "<f2")
+        self._alone = _references(kept.narrowed)
+        casts.backend()  # picked (and checked) at start, not at the first pull
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -70,7 +89,30 @@ class NarrowedCache:
             "max_bytes": self.max_bytes,
             "hits": self.hits,
             "misses": self.misses,
+            "reused": self.reused,
+            "casts": casts.backend(),
         }
+
+    def spare(self, name: str, wire_dtype: str, value: np.ndarray) -> np.ndarray | None:
+        """The array kept for ``name`` in ``wire_dtype`` (another version's narrowing), taken
+        out of the cache to narrow ``value`` into, if it fits (float16 of ``value``'s shape,
+        its own memory) and nothing but the cache refers to it: no pull is sending it."""
+        key = (name, wire_dtype)
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        narrowed = entry.narrowed
+        if (
+            narrowed.dtype != np.float16
+            or narrowed.shape != value.shape
+            or narrowed.base is not None
+            or _references(narrowed) > self._alone + 1  # + 1: the name narrowed here
+        ):
+            return None
+        del self._entries[key], entry
+        self.nbytes -= narrowed.nbytes
+        self.reused += 1
+        return narrowed
 
     def get(
         self, name: str, wire_dtype: str, value: np.ndarray, version: int
@@ -138,7 +180,13 @@ async def narrow_pull(rows: PullRows, wire_dtype: str, cache: NarrowedCache) -> 
     names = [rows.names[i] for i in todo]
     values = [rows.values[i] for i in todo]
     dtypes = [rows.dtypes[i] for i in todo]
-    args = (names, values, dtypes, wire_dtype)
+    into: list[np.ndarray | None] = [None] * len(todo)
+    if wire_dtype == halves.FLOAT16 and cache.max_bytes:
+        for k, i in enumerate(todo):
+            value = rows.values[i]
+            if value is not None and value.nbytes >= CACHE_FROM:
+                into[k] = cache.spare(names[k], wire_dtype, value)
+    args = (names, values, dtypes, wire_dtype, into)
     try:
         if sum(v.nbytes for v in values if v is not None) <= NARROW_ON_LOOP:
             halves.narrow_rows(*args)

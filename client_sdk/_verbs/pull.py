@@ -71,13 +71,12 @@ def pull(
                 )
                 msg["wire_dtype"] = wire_dtype
             sink = None
-            if into:
-                views = {n: into[n] for n in group if n in into}
-                if views:
-                    sink = Sink(views, group, wire_dtype is not None)
+            views = {n: into[n] for n in group if n in into} if into else {}
+            if views or wire_dtype is not None:  # narrowed rows are widened as they arrive
+                sink = Sink(views, group, wire_dtype is not None)
             if use_cache:
                 entries, writes = cache.held(group, core.read_era(shard))
-                if sink is not None and entries is not None:
+                if views and entries is not None:
                     entries = _unlent(entries)
                 held.append((entries, writes))
                 if entries is not None:
@@ -266,6 +265,8 @@ def _widened(
     values = list(values)
     for i in narrowed:
         value: Any = values[i]
+        if value.dtype == np.float32:
+            continue  # widened as it arrived (client_sdk._into.Sink)
         view = views.get(names[i])
         if view is not None and view.shape == value.shape and view.dtype == np.float32:
             values[i] = halves.widen(value, view)

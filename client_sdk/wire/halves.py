@@ -5,8 +5,9 @@ values it pulls narrowed to that dtype by the shard, and narrows the float32 gra
 pushes itself; the receiver widens them back to float32. The shard keeps values and slots in
 float32: only the bytes on the wire are halved. Tensors of any other dtype travel as they are.
 
-* float16 (``<f2``): IEEE 754 half precision, 11 significant bits, finite up to 65504. numpy
-  narrows it, rounding to nearest, ties to even.
+* float16 (``<f2``): IEEE 754 half precision, 11 significant bits, finite up to 65504.
+  :mod:`client_sdk.wire.casts` converts it (vectorized with NumKong where installed, else
+  numpy), rounding to nearest, ties to even.
 * bfloat16 (``<bf2``): float32's exponent with 8 significant bits, so float32's range. It comes
   from ml_dtypes (the SDK's optional extra ``paramshard[bfloat16]``; the shards' dependency),
   which rounds to nearest, ties to even, too.
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from . import casts
 from .errors import WireError
 from .tensors import BFLOAT16 as BFLOAT16_STR
 from .tensors import parse_dtype
@@ -40,14 +42,15 @@ __all__ = [
     "narrow_array",
     "narrow_rows",
     "widen",
+    "widen_into",
 ]
 
 FLOAT16 = "float16"
 BFLOAT16 = "bfloat16"
 #: The values a pull's ``wire_dtype`` (and ``PSClient(wire_dtype=...)``) may take.
 WIRE_DTYPES = (FLOAT16, BFLOAT16)
-#: Elements narrowed per numpy call: numpy casts small pieces much more slowly, so blocks are
-#: big; the overflow check reads each block right after its cast.
+#: Elements narrowed per cast: numpy casts small pieces much more slowly, so blocks are big;
+#: the overflow check reads each block right after its cast, while it is in the cache.
 _BLOCK = 1 << 20
 #: Arrays of at least this many elements are converted by :data:`THREADS` threads at once.
 THREADS_FROM = 1 << 21
@@ -55,8 +58,6 @@ THREADS_FROM = 1 << 21
 THREADS = max(1, min(4, os.cpu_count() or 1))
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
-#: The smallest float32 magnitude that rounds to an infinity in float16 (65504 + half a step).
-_F16_INF = np.float32(65520.0)
 _F4 = np.dtype("<f4")
 _F2 = np.dtype("<f2")
 
@@ -94,25 +95,30 @@ def _dtype(wire_dtype: str) -> np.dtype:
     return _F2 if wire_dtype == FLOAT16 else bfloat16()
 
 
-def narrow(value: np.ndarray, wire_dtype: str, name: str = "tensor") -> tuple[np.ndarray, str]:
+def narrow(
+    value: np.ndarray, wire_dtype: str, name: str = "tensor", out: np.ndarray | None = None
+) -> tuple[np.ndarray, str]:
     """``value`` (float32) rounded to nearest in ``wire_dtype``, as it goes on the wire: a new
-    array and its type string (``"<f2"``; or ``"<bf2"`` for bfloat16, whose array then holds
-    its bits as ``uint16``, the form a socket and a memoryview take). Refuses
-    (:class:`WireError` ``bad_tensor``) a finite entry beyond the dtype's range, which would
-    become an infinity. A big array is converted by several threads (:func:`_blocks`)."""
+    array (or ``out``, C-contiguous, of ``value``'s shape and the wire dtype) and its type
+    string (``"<f2"``; or ``"<bf2"`` for bfloat16, whose array then holds its bits as
+    ``uint16``, the form a socket and a memoryview take). Refuses (:class:`WireError`
+    ``bad_tensor``) a finite entry beyond the dtype's range, which would become an infinity.
+    A big array is converted by several threads (:func:`_blocks`)."""
     dtype = _dtype(wire_dtype)
-    out = np.empty(value.shape, dtype)
+    if out is None or out.shape != value.shape or out.dtype != dtype or not out.flags.c_contiguous:
+        out = np.empty(value.shape, dtype)
     src, dst = value.reshape(-1), out.reshape(-1)
     check = dtype == _F2  # bfloat16 holds float32's range
 
     def part(start: int, stop: int) -> None:
         for at in range(start, stop, _BLOCK):
             block = src[at : min(at + _BLOCK, stop)]
-            with np.errstate(over="ignore"):  # an overflow is found below, and refused
-                np.copyto(dst[at : at + block.size], block, casting="unsafe")
-            # max and min read the block while it is in the cache; NaN fails both tests
-            if check and block.size and not (block.max() < _F16_INF and block.min() > -_F16_INF):
-                _refuse_overflow(block, dst[at : at + block.size], name)
+            narrowed = dst[at : at + block.size]
+            if check:  # an overflow becomes an infinity: found here, and refused
+                if casts.to_float16(block, narrowed):
+                    _refuse_overflow(block, narrowed, name)
+            else:
+                np.copyto(narrowed, block, casting="unsafe")
 
     _blocks(src.size, part)
     if check:
@@ -193,8 +199,13 @@ def widen(value: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         return out
     src, dst = value.reshape(-1), out.reshape(-1)
 
+    half = src.dtype == _F2
+
     def part(start: int, stop: int) -> None:
-        np.copyto(dst[start:stop], src[start:stop])
+        if half:
+            casts.to_float32(src[start:stop], dst[start:stop])
+        else:
+            np.copyto(dst[start:stop], src[start:stop])
 
     _blocks(src.size, part)
     if not given:
@@ -202,18 +213,29 @@ def widen(value: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
+def widen_into(value: np.ndarray, out: np.ndarray) -> None:
+    """Write a narrowed ``value`` (float16 or bfloat16) into float32 ``out`` of its size, both
+    C-contiguous, on this thread: :func:`widen` for a piece of a value as it arrives."""
+    if value.dtype == _F2:
+        casts.to_float32(value, out)
+    else:
+        np.copyto(out, value)
+
+
 def narrow_rows(
     names: list[str],
     values: list[np.ndarray | None],
     dtypes: list[str | None],
     wire_dtype: str,
+    into: list[np.ndarray | None] | None = None,
 ) -> list[int]:
     """Narrow, in place in these parallel lists, every float32 value to ``wire_dtype`` as it
-    goes on the wire (:func:`narrow`; its type string too); return the indices of the rows
-    narrowed."""
+    goes on the wire (:func:`narrow`; its type string too), into the array ``into`` gives for
+    it where it gives one; return the indices of the rows narrowed."""
     narrowed = []
     for i, value in enumerate(values):
         if value is not None and value.dtype == _F4:
-            values[i], dtypes[i] = narrow(value, wire_dtype, f"variable {names[i]!r}")
+            out = into[i] if into is not None else None
+            values[i], dtypes[i] = narrow(value, wire_dtype, f"variable {names[i]!r}", out)
             narrowed.append(i)
     return narrowed

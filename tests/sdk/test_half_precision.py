@@ -417,6 +417,24 @@ def test_the_next_puller_of_a_version_gets_the_kept_narrowing_never_an_old_one(f
     assert cache_of(url)["hits"] == after["hits"]
 
 
+def test_a_new_version_is_narrowed_into_the_kept_float16_array(fleet1):
+    url, name = fleet1.urls[0], fresh("reused")
+    value = np.arange(1 << 19, dtype=np.float32) % 1000  # 2 MB: kept narrowed
+    before = cache_of(url)
+    with (
+        PSClient(fleet1.urls, worker_id=fresh("w")) as plain,
+        PSClient(fleet1.urls, worker_id=fresh("w"), wire_dtype="float16") as hp,
+    ):
+        plain.init({name: value}, optimizer=SGD(lr=1.0))
+        for step in range(4):
+            np.testing.assert_array_equal(hp.pull([name])[name], value - step)
+            plain.push({name: np.ones_like(value)})  # a new version for the next pull
+    after = cache_of(url)
+    assert after["casts"] in ("numkong", "numpy")
+    # each new version went into the array of the one before: the replies had been sent
+    assert after["reused"] - before["reused"] == 3, (before, after)
+
+
 def test_the_kept_narrowings_stay_within_half_cache_bytes(fleet_factory):
     fleet = fleet_factory(1, "--half-cache-bytes", "1MiB")
     names = [fresh("lru") for _ in range(3)]

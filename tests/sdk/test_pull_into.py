@@ -179,6 +179,23 @@ def test_a_narrowed_reply_is_widened_into_the_buffer(fleet2, wire_dtype):
         assert seen["copied"] <= NBYTES and seen["peak"] < NBYTES // 2 + SMALL, seen
 
 
+def test_a_narrowed_reply_without_buffers_is_widened_as_it_arrives(fleet2):
+    name = fresh("half")
+    value = (np.arange(N, dtype=np.float32) % 64) / 8  # exact in float16
+    with (
+        PSClient(fleet2.urls, worker_id=fresh("w")) as writer,
+        PSClient(fleet2.urls, worker_id=fresh("w"), wire_dtype="float16") as ps,
+    ):
+        writer.init({name: value})
+        ps.pull([name])
+        writer.assign({name: value * 2})
+        with counted() as seen:
+            got = ps.pull([name])[name]
+        assert np.array_equal(got, value * 2) and not got.flags.writeable
+        # the value is the one parameter-sized allocation: no narrowed body held whole
+        assert seen["copied"] < SMALL and seen["peak"] < NBYTES + SMALL, seen
+
+
 def test_a_value_of_another_shape_is_refused_and_leaves_its_shards_buffers_as_they_were(fleet2):
     name = fresh("remade")
     with PSClient(fleet2.urls, worker_id=fresh("w")) as ps, PSClient(fleet2.urls) as other:
