@@ -108,6 +108,13 @@ def jump_hash_array(keys: np.ndarray, num_buckets: int) -> np.ndarray:
     out = np.zeros(len(keys), dtype=np.int64)
     if num_buckets == 1 or not len(keys):
         return out
+    if num_buckets == 2:
+        # The loop's first step gives j = 2^31 / (top 31 bits of the stepped key + 1): at
+        # least 2 (so bucket 0) exactly when those bits are below 2^30, i.e. the stepped key's
+        # top bit is 0; else j is 1 and the second step, whose j is always at least 2, ends
+        # at bucket 1. So the bucket is that top bit.
+        stepped = np.asarray(keys, dtype=np.uint64) * _JUMP + _M(1)
+        return (stepped >> _M(63)).view(np.int64)
     key = np.array(keys, dtype=np.uint64)
     j = np.zeros(len(keys), dtype=np.int64)
     todo = np.arange(len(keys))

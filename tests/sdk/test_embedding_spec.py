@@ -40,6 +40,10 @@ def test_vectorized_jump_hash_is_the_scalar_one():
     rng = np.random.default_rng(1)
     keys = rng.integers(0, 2**63, 3000, dtype=np.int64).view(np.uint64) * np.uint64(2)
     keys[:3] = [0, 1, 2**64 - 1]
+    # keys whose first step lands on each side of 2^63 (2 buckets: the top bit decides)
+    inverse = pow(2862933555777941757, -1, 2**64)
+    for i, stepped in enumerate((2**63 - 1, 2**63, 2**63 - 2**33, 2**63 + 2**33, 2**64 - 1)):
+        keys[3 + i] = (stepped - 1) * inverse % 2**64
     for n in (1, 2, 3, 5, 17, 1000, 65536):
         assert jump_hash_array(keys, n).tolist() == [jump_hash(int(k), n) for k in keys]
     with pytest.raises(ValueError):
