@@ -1,9 +1,11 @@
 """The id -> row map of one embedding table on one shard: an open-addressing hash table held in
-two numpy arrays, looked up and filled for a whole batch of ids at once.
+one numpy array, looked up and filled for a whole batch of ids at once.
 
 Ids are any int64 (collisionless: no two ids share a row). A slot holds an id and its row
-number, or row -1 when empty; an id's first slot is the low bits of ``mix64(id)``, and a
-lookup walks the following slots (linear probing) until it finds the id or an empty slot.
+number side by side (one int64 [capacity, 2] array: a lookup's first read of an id is one
+cache line, where an array of ids and one of rows would cost two misses in a big table), or
+row -1 when empty; an id's first slot is the low bits of ``mix64(id)``, and a lookup walks
+the following slots (linear probing) until it finds the id or an empty slot.
 Every step of the walk is one numpy pass over the ids still looking, never Python per id. A
 lookup's first pass reads each id's first slot, which settles most ids (the table is at most
 half full); the others then walk :data:`WINDOW` slots per pass (one ``[ids, WINDOW]`` gather),
@@ -31,15 +33,22 @@ _OFFSETS = np.arange(WINDOW, dtype=np.int64)
 _MIN_CAPACITY = 1 << 10
 
 
+def _empty(capacity: int) -> np.ndarray:
+    """``capacity`` empty slots: (id 0, row -1) each."""
+    slots = np.empty((capacity, 2), dtype=np.int64)
+    slots[:, 0] = 0
+    slots[:, 1] = _EMPTY
+    return slots
+
+
 class IdIndex:
     """Map int64 ids to row numbers 0..len-1. Not thread-safe."""
 
-    __slots__ = ("_keys", "_rows", "_mask", "_count")
+    __slots__ = ("_slots", "_mask", "_count")
 
     def __init__(self, capacity: int = _MIN_CAPACITY) -> None:
         capacity = max(_MIN_CAPACITY, 1 << max(0, int(capacity) - 1).bit_length())
-        self._keys = np.zeros(capacity, dtype=np.int64)
-        self._rows = np.full(capacity, _EMPTY, dtype=np.int64)
+        self._slots = _empty(capacity)
         self._mask = capacity - 1
         self._count = 0
 
@@ -48,7 +57,7 @@ class IdIndex:
 
     @property
     def nbytes(self) -> int:
-        return self._keys.nbytes + self._rows.nbytes
+        return self._slots.nbytes
 
     def _home(self, ids: np.ndarray) -> np.ndarray:
         return (mix64(ids.view(np.uint64)) & np.uint64(self._mask)).view(np.int64)
@@ -58,19 +67,19 @@ class IdIndex:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         if not self._count or not len(ids):
             return np.full(len(ids), _EMPTY, dtype=np.int64)
-        keys, rows, mask = self._keys, self._rows, self._mask
+        slots, mask = self._slots, self._mask
         home = self._home(ids)
-        out = rows[home]  # right where the first slot holds the id or is empty (-1)
-        on = out != _EMPTY
-        walk = np.flatnonzero(on & (keys[home] != ids))
+        pairs = np.take(slots, home, axis=0)  # (id, row) of each first slot
+        out = pairs[:, 1].copy()  # right where the first slot holds the id or is empty (-1)
+        walk = np.flatnonzero((out != _EMPTY) & (pairs[:, 0] != ids))
         if not len(walk):
             return out
         out[walk] = _EMPTY
         want, start = ids[walk], home[walk] + 1
         while True:
-            slots = (start[:, None] + _OFFSETS) & mask
-            found = rows[slots]
-            stop = (found == _EMPTY) | (keys[slots] == want[:, None])
+            window = np.take(slots, (start[:, None] + _OFFSETS) & mask, axis=0)
+            found = window[..., 1]
+            stop = (found == _EMPTY) | (window[..., 0] == want[:, None])
             first = stop.argmax(axis=1)
             pick = np.arange(len(first))
             done = stop[pick, first]
@@ -86,7 +95,7 @@ class IdIndex:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         start = self._count
         numbers = np.arange(start, start + len(ids), dtype=np.int64)
-        if (start + len(ids)) * 2 > len(self._keys):
+        if (start + len(ids)) * 2 > len(self._slots):
             self._grow(start + len(ids))
         self._place(ids, numbers)
         self._count += len(ids)
@@ -96,28 +105,27 @@ class IdIndex:
         """Forget every id, then map ``ids[i]`` (distinct) to row ``i``."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         capacity = max(_MIN_CAPACITY, 1 << (2 * len(ids)).bit_length())
-        self._keys = np.zeros(capacity, dtype=np.int64)
-        self._rows = np.full(capacity, _EMPTY, dtype=np.int64)
+        self._slots = _empty(capacity)
         self._mask = capacity - 1
         self._count = len(ids)
         self._place(ids, np.arange(len(ids), dtype=np.int64))
 
     def _grow(self, needed: int) -> None:
-        capacity = len(self._keys)
+        capacity = len(self._slots)
         while needed * 2 > capacity:
             capacity *= 2
-        occupied = self._rows != _EMPTY
-        ids, numbers = self._keys[occupied], self._rows[occupied]
-        self._keys = np.zeros(capacity, dtype=np.int64)
-        self._rows = np.full(capacity, _EMPTY, dtype=np.int64)
+        held = self._slots[self._slots[:, 1] != _EMPTY]
+        self._slots = _empty(capacity)
         self._mask = capacity - 1
+        ids, numbers = held[:, 0].copy(), held[:, 1].copy()
         self._place(ids, numbers)
 
     def _place(self, ids: np.ndarray, numbers: np.ndarray) -> None:
         """Put distinct ``ids`` (none present) with their row ``numbers`` into empty slots:
         each walks from its home slot; of the ids that reach one empty slot in the same pass,
         the first takes it and the others walk on."""
-        keys, rows, mask = self._keys, self._rows, self._mask
+        slots, mask = self._slots, self._mask
+        keys, rows = slots[:, 0], slots[:, 1]
         pos = self._home(ids)
         while len(ids):
             free = rows[pos] == _EMPTY
