@@ -113,8 +113,9 @@ def jump_hash_array(keys: np.ndarray, num_buckets: int) -> np.ndarray:
         # least 2 (so bucket 0) exactly when those bits are below 2^30, i.e. the stepped key's
         # top bit is 0; else j is 1 and the second step, whose j is always at least 2, ends
         # at bucket 1. So the bucket is that top bit.
-        stepped = np.asarray(keys, dtype=np.uint64) * _JUMP + _M(1)
-        return (stepped >> _M(63)).view(np.int64)
+        stepped: np.ndarray = np.asarray(keys, dtype=np.uint64) * _JUMP + _M(1)
+        top: np.ndarray = stepped >> _M(63)
+        return top.view(np.int64)
     key = np.array(keys, dtype=np.uint64)
     j = np.zeros(len(keys), dtype=np.int64)
     todo = np.arange(len(keys))
