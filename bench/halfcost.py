@@ -16,8 +16,9 @@ push
     * ``PSClient.push`` in each dtype (the SDK narrows, the shard widens and applies ``Add``);
 local
     * the conversions in this process for the same element count: :func:`halves.narrow` and
-      :func:`halves.widen` (what the shard and the SDK run), numpy's own casts, and a plain
-      copy of the float32 and of the float16 bytes for scale.
+      :func:`halves.widen` (what the shard and the SDK run, float16 through
+      :mod:`client_sdk.wire.casts`, whose backend the first line names), numpy's own casts,
+      and a plain copy of the float32 and of the float16 bytes for scale.
 
 The conversions are timed on one thread and on :data:`client_sdk.wire.halves.THREADS` (what
 the SDK and the shard use for big arrays: numpy releases the GIL while it casts).
@@ -237,10 +238,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=7, help="timed repetitions of each step (default 7)")
     args = p.parse_args(argv)
     n = int(args.size)
+    from client_sdk.wire import casts
+
     load = os.getloadavg()[0]
     print(
         f"one float32 variable of {n:,} elements ({4 * n / 1e6:.1f} MB), medians of "
-        f"{args.reps}, load {load:.2f}"
+        f"{args.reps}, load {load:.2f}; float16 casts by {casts.backend()}"
     )
     run(n, args.reps)
 
