@@ -38,21 +38,23 @@ NUMBER = 1
 
 
 async def capture_files(store: Any, gate: Any, log: Any, incarnation: str) -> dict[str, Any]:
-    """The primary's state now as snapshot files: ``{"lsn", "manifest_name", "manifest",
-    "values"}`` (the files' bytes; ``values`` a uint8 array)."""
+    """The primary's state now as snapshot files: ``{"lsn", "epoch", "manifest_name",
+    "manifest", "values"}`` (the newest write it holds and that write's epoch; the files'
+    bytes, ``values`` a uint8 array)."""
     async with gate.quiesce():
         capture = store.capture()
-        lsn = log.head
-    return await asyncio.to_thread(_write_and_read, capture, lsn, incarnation)
+        epoch, lsn = log.position
+    return await asyncio.to_thread(_write_and_read, capture, lsn, epoch, incarnation)
 
 
-def _write_and_read(capture: Any, lsn: int, incarnation: str) -> dict[str, Any]:
+def _write_and_read(capture: Any, lsn: int, epoch: int, incarnation: str) -> dict[str, Any]:
     where = Path(tempfile.mkdtemp(prefix="paramshard-catchup-"))
     try:
         snap = persistence.write_snapshot(where, NUMBER, capture, incarnation=incarnation)
         values = np.fromfile(snap.values_path, dtype=np.uint8)
         return {
             "lsn": lsn,
+            "epoch": epoch,
             "changes": capture.mutations,
             "manifest_name": snap.manifest_path.name,
             "manifest": snap.manifest_path.read_bytes(),

@@ -23,7 +23,11 @@ coordination service, the role's set changes here; with one, leadership changes 
 that no replica that lacks a write acknowledged can be elected); the writes waiting go on
 without it. Its link keeps sending, and once it has applied everything the log holds it is
 let back into the set (:attr:`Forwarder.rejoin`). A backup that needs entries the log no
-longer holds is ``behind``: it needs a snapshot, not the tail. A backup that answers 409
+longer holds is ``behind``: it needs a snapshot, not the tail. Each batch of entries names the
+(lsn, epoch) it follows, and the backup applies it only where its log agrees
+(:mod:`server.replication.replay`); a backup whose log holds a write this primary's does not (a
+former primary's write that was never acknowledged) is ``diverged``: a state has no undo, so it
+is sent this primary's whole state, as a ``behind`` one is. A backup that answers 409
 ``stale_epoch`` knows a newer primary: this replica steps down at once.
 """
 
@@ -65,7 +69,9 @@ class Link:
         #: ``time.monotonic()`` of its last answer (or of the link's start).
         self.heard = time.monotonic()
         #: ``streaming``, ``behind`` (it needs entries the log let go), ``unreachable``,
-        #: ``ahead`` (it holds writes this primary lacks: nothing is sent to it).
+        #: ``diverged`` (its log holds a write this primary's does not: it is sent this
+        #: primary's whole state), ``ahead`` (it holds writes this primary lacks, and this
+        #: primary is not authoritative: nothing is sent to it).
         self.state = "starting"
         self.batches = 0
         #: Catch-ups sent (the whole state, when it needed writes the log let go).
@@ -120,6 +126,10 @@ class Forwarder:
         #: The state now as a catch-up's files (:func:`server.replication.catchup.capture_files`),
         #: for a backup that needs writes the log let go; ``None``: such a backup stays behind.
         self.snapshot: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        #: Whether this primary's log is the group's (it was elected holding every acknowledged
+        #: write, leadership sets it): a backup holding writes it lacks is then replaced by its
+        #: state (``diverged``). Without (static roles) such a backup is ``ahead``: left alone.
+        self.authoritative = False
         self._running = False
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -267,7 +277,7 @@ class Forwarder:
             install = None
             begun = None
             if link.acked is None:
-                entries: list[Any] | None = []  # where is it?
+                entries: list[Any] | None = []  # where is it? (or: it is sent a snapshot)
             else:
                 if link.acked >= log.head:
                     if link.url not in self.role.in_sync:
@@ -299,10 +309,10 @@ class Forwarder:
                     entries = []
             try:
                 if begun is None:
-                    if link.state == "behind" and self.snapshot is not None:
+                    if link.state in ("behind", "diverged") and self.snapshot is not None:
                         install = await self.snapshot()
                     begun = self._http().begin(self._exchange(link, entries, install))
-                applied = await self._finish(begun)
+                applied, applied_epoch = await self._finish(begun)
             except ShardError as exc:  # stale_epoch: a newer primary exists
                 logger.warning("backup %s: %s; stepping down", link.url, exc.message)
                 self.role.step_down()
@@ -316,11 +326,38 @@ class Forwarder:
                 backoff = min(MAX_BACKOFF, backoff * 2)
                 continue
             backoff = FIRST_BACKOFF
-            await self._answered(link, applied, install)
+            await self._answered(link, applied, applied_epoch, install)
 
-    async def _answered(self, link: Link, applied: int, install: dict[str, Any] | None) -> None:
-        """The backup of ``link`` answered a batch: it applied up to ``applied``."""
+    async def _answered(
+        self, link: Link, applied: int, applied_epoch: int, install: dict[str, Any] | None
+    ) -> None:
+        """The backup of ``link`` answered a batch: it applied up to ``applied``, a write of
+        ``applied_epoch``."""
         log = self.log
+        link.heard = time.monotonic()
+        if install is not None:
+            link.installs += 1
+        known = log.epoch_at(applied)
+        if (known is not None and known != applied_epoch) or (
+            applied > log.head and self.authoritative
+        ):
+            # Its log holds a write this primary never had (it led at an older epoch and that
+            # write's answer never went out): its state is replaced by this one's.
+            if link.state != "diverged":
+                logger.warning(
+                    "backup %s holds lsn %d of epoch %d, which this primary's log does not (it "
+                    "holds lsn %d of epoch %d): a write only it applied; it is sent this "
+                    "primary's whole state",
+                    link.url,
+                    applied,
+                    applied_epoch,
+                    min(applied, log.head),
+                    known if known is not None else log.last_epoch,
+                )
+            link.state, link.acked = "diverged", None
+            if self.snapshot is None:
+                await asyncio.sleep(MAX_BACKOFF)
+            return
         if applied > log.head:  # it holds writes this primary lacks: never overwrite them
             if link.state != "ahead":
                 logger.error(
@@ -332,13 +369,10 @@ class Forwarder:
                     applied,
                     log.head,
                 )
-            link.state, link.acked, link.heard = "ahead", None, time.monotonic()
+            link.state, link.acked = "ahead", None
             await asyncio.sleep(MAX_BACKOFF)
             return
-        if install is not None:
-            link.installs += 1
         link.acked = applied
-        link.heard = time.monotonic()
         link.state = "streaming"
         link.error = None
         link.batches += 1
@@ -348,13 +382,17 @@ class Forwarder:
         self, link: Link, entries: list[Any], install: dict[str, Any] | None = None
     ) -> Exchange:
         """The ``POST /v1/replicate`` of a batch (with a catch-up's snapshot first, if
-        ``install``), its tensors the entries' own memory."""
+        ``install``), its tensors the entries' own memory; entries name the write they follow
+        (``prev``: its lsn and epoch, which the log holds as the one before them)."""
         role = self.role
         msg: dict[str, Any] = {
             "epoch": role.epoch,
             "primary": role.view.url,
             "entries": [e.to_wire() for e in entries],
         }
+        if entries:
+            after = entries[0].lsn - 1
+            msg["prev"] = [after, self.log.epoch_at(after)]
         if install is not None:
             msg["install"] = {**install, "values": {TENSOR: install["values"]}}
         encoded = wire.encode(msg, frame=True)
@@ -364,22 +402,24 @@ class Forwarder:
         headers = {**self.headers, "content-length": str(encoded.nbytes)}
         return Exchange(origin, "POST", "/v1/replicate", headers, encoded.chunks)
 
-    async def _finish(self, begun: Begun) -> int:
-        """The rest of a batch begun sent; the lsn the backup applied up to. Raises
-        ``ShardError`` for ``stale_epoch``, another exception for any other failure."""
+    async def _finish(self, begun: Begun) -> tuple[int, int]:
+        """The rest of a batch begun sent; the lsn the backup applied up to and that write's
+        epoch. Raises ``ShardError`` for ``stale_epoch``, another exception for any other
+        failure."""
         reply = await self._http().finish(begun)
         msg = wire.unpack(reply.content, reply.headers.get("content-type"))
         if reply.status == 200:
-            applied = msg.get("applied_lsn")
-            if type(applied) is not int:
-                raise ValueError(f"answer without applied_lsn: {str(msg)[:200]}")
-            return applied
+            applied, epoch = msg.get("applied_lsn"), msg.get("lsn_epoch")
+            if type(applied) is not int or type(epoch) is not int:
+                raise ValueError(f"answer without applied_lsn and lsn_epoch: {str(msg)[:200]}")
+            return applied, epoch
         error = msg.get("error") if isinstance(msg.get("error"), dict) else {}
         code, details = error.get("code"), error.get("details") or {}
         if code == "stale_epoch":
             raise ShardError("stale_epoch", str(error.get("message")), details)
-        if code == "conflict" and type(details.get("applied_lsn")) is int:
-            return int(details["applied_lsn"])  # it holds less (or more) than we thought
+        applied, epoch = details.get("applied_lsn"), details.get("lsn_epoch")
+        if code == "conflict" and type(applied) is int and type(epoch) is int:
+            return applied, epoch  # its log is elsewhere than we thought
         raise RuntimeError(f"{reply.status} {code}: {str(error.get('message'))[:200]}")
 
     def stats(self) -> list[dict[str, Any]]:

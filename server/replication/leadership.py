@@ -25,10 +25,17 @@ primary writes the set again as it is, at most once per lease TTL, whenever ever
 holds every write (:meth:`Leadership._confirm`), so a listed replica that restarted becomes
 eligible once it has caught up.
 
+A replica whose whole state its primary replaced (a catch-up: it lagged past the log, or its
+log diverged: it held a write of an older epoch that the primary never had) is ``resyncing``:
+not eligible until the primary writes the set listing it again after that.
+
 A new primary asks the other replicas what they hold (``GET /v1/cluster``, one second each):
-one that does not answer is left out of its in-sync set at once (the writes would wait for it
-in vain), and one that may campaign and holds more writes makes it stand aside for a TTL, so
-that the most complete replica leads.
+the (epoch, lsn) of their newest write, compared epoch first (a write of a newer epoch was
+ordered after every write of an older one, whatever its lsn). One that does not answer, or
+whose log is not on this one's (it holds a write this one never had, or needs writes this
+one's log let go), is left out of its in-sync set at once (the writes would wait for it in vain;
+the forwarder brings it back), and one that may campaign and holds more makes it stand aside for
+a TTL, so that the most complete replica leads.
 
 Not thread-safe: everything runs on the shard's event loop, as the role requires.
 """
@@ -46,7 +53,7 @@ from typing import Any
 import httpx2
 
 from .etcd import EtcdClient, EtcdError, KeyValue, LeaseLost
-from .role import PRIMARY, Role
+from .role import PRIMARY, Role, RoleView
 
 __all__ = ["DEFAULT_LEASE_TTL", "Leadership"]
 
@@ -75,9 +82,11 @@ def _json(kv: KeyValue | None) -> dict[str, Any] | None:
 class Leadership:
     """The campaign of one replica (``url``, one of ``group``) for shard index ``index``.
 
-    ``written()`` is how many changes this replica has applied (0: nothing written yet, so any
-    replica is as complete as this one). Start it with :meth:`start`; :meth:`stop` hands the
-    lead over at once (revokes the lease) when this replica is primary.
+    ``position()`` is how complete this replica's log is: ``(epoch, lsn)`` of its newest write
+    (``(0, 0)``: nothing written yet, so any replica is as complete as this one);
+    ``holds(lsn, epoch)`` whether its log holds the write ``lsn`` at ``epoch`` (the newest it
+    let go included): whether a replica there is on its log. Start it with :meth:`start`;
+    :meth:`stop` hands the lead over at once (revokes the lease) when this replica is primary.
     """
 
     def __init__(
@@ -90,7 +99,8 @@ class Leadership:
         url: str,
         group: Sequence[str],
         ttl: int = DEFAULT_LEASE_TTL,
-        written: Callable[[], int] = lambda: 0,
+        position: Callable[[], tuple[int, int]] = lambda: (0, 0),
+        holds: Callable[[int, int], bool] = lambda lsn, epoch: lsn == 0,
         caught_up: Callable[[], bool] = lambda: False,
         headers: dict[str, str] | None = None,
     ) -> None:
@@ -99,7 +109,8 @@ class Leadership:
         self.url = url
         self.group = tuple(group)
         self.ttl = ttl
-        self.written = written
+        self.position = position
+        self.holds = holds
         self.caught_up = caught_up
         #: When (monotonic) the in-sync set was last written again as it was (:meth:`_confirm`).
         self._confirmed = 0.0
@@ -108,11 +119,12 @@ class Leadership:
         self.in_sync_key = f"{base}/in-sync"
         #: Whether this replica may campaign (it has every acknowledged write), as last read.
         self.eligible = False
-        #: The epoch this process last won the lead at (``None``: never).
-        self.led: int | None = None
-        #: It led, and now follows a newer primary: it may hold writes that primary lacks, so
-        #: it never campaigns again in this process.
-        self.demoted = False
+        #: Its whole state was replaced by its primary's (a catch-up: it lagged past the log,
+        #: or its log diverged from the primary's): it may campaign only once the primary has
+        #: written the in-sync set listing it after that (:meth:`replaced`).
+        self.resyncing = False
+        #: The store's revision first read after the replacement (``None``: not read yet).
+        self._resync_revision: int | None = None
         #: The lease this replica holds the primary key with (0: none).
         self.lease = 0
         #: The store's revision when this process first read it.
@@ -132,6 +144,7 @@ class Leadership:
     def start(self) -> None:
         # httpx2 logs every request at INFO: leadership makes a few a second, for nobody.
         logging.getLogger("httpx2").setLevel(logging.WARNING)
+        self.role.subscribe(self._role_changed)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="leadership")
 
     async def stop(self) -> None:
@@ -158,7 +171,7 @@ class Leadership:
             "lease_ttl": self.ttl,
             "holds_lease": bool(self.lease),
             "eligible": self.eligible,
-            "demoted": self.demoted,
+            "resyncing": self.resyncing,
             "error": self.error,
         }
 
@@ -185,6 +198,8 @@ class Leadership:
         held, revision = await self.etcd.get(self.primary_key)
         if self.started_revision is None:
             self.started_revision = revision
+        if self.resyncing and self._resync_revision is None:
+            self._resync_revision = revision
         in_sync, _ = await self.etcd.get(self.in_sync_key)
         self.eligible = self._eligible(in_sync)
         wait = WATCH_SECONDS
@@ -209,35 +224,42 @@ class Leadership:
             if role.kind == PRIMARY:
                 role.step_down()
             return
-        if self.led is not None and epoch > self.led and not self.demoted:
-            # It applied writes as primary that the new primary may never have had (their
-            # answers were still waiting for the backups): it must not lead on them.
-            self.demoted = True
-            self.eligible = False
-            logger.warning(
-                "shard %s: led at epoch %d, now follows %s at epoch %d: this replica may hold "
-                "writes the new primary lacks and will not campaign again; restart it to rejoin "
-                "cleanly",
-                self.base,
-                self.led,
-                primary,
-                epoch,
-            )
         if role.kind != "backup" or role.primary != primary or role.epoch != epoch:
             logger.info("shard %s: backup of %s at epoch %d", self.primary_key, primary, epoch)
             role.become_backup(primary, epoch)
 
     def _eligible(self, in_sync: KeyValue | None) -> bool:
         """Whether this replica has every acknowledged write (module docstring)."""
-        if self.demoted:
+        if self.resyncing and self._resync_revision is None:
             return False
         if in_sync is None:
-            return True
+            return not self.resyncing
         doc = _json(in_sync)
         replicas = doc.get("replicas") if doc else None
         if not isinstance(replicas, list) or self.url not in replicas:
             return False
-        return self.started_revision is not None and in_sync.mod_revision > self.started_revision
+        if self.started_revision is None or in_sync.mod_revision <= self.started_revision:
+            return False
+        if self.resyncing:
+            assert self._resync_revision is not None
+            if in_sync.mod_revision <= self._resync_revision:
+                return False
+            self.resyncing, self._resync_revision = False, None
+            logger.info("shard %s: confirmed in-sync after its state was replaced", self.base)
+        return True
+
+    def _role_changed(self, old: RoleView, new: RoleView) -> None:
+        """A primary that stops being one (a newer epoch reached it) is not eligible until its
+        next round reads the in-sync set again: the set it was listed in may be gone."""
+        if old.kind == PRIMARY and new.kind != PRIMARY:
+            self.eligible = False
+
+    def replaced(self) -> None:
+        """This replica's whole state was just replaced by its primary's (a catch-up): it is
+        not eligible until its primary writes the in-sync set listing it again, after this (a
+        listing from before says nothing of the state it holds now)."""
+        self.resyncing, self._resync_revision = True, None
+        self.eligible = False
 
     async def _campaign(self, in_sync: KeyValue | None) -> None:
         lease, ttl = await self.etcd.grant(self.ttl)
@@ -248,21 +270,24 @@ class Leadership:
             epoch, _ = await self.etcd.create(self.primary_key, value, lease)
             if not epoch:
                 return  # another replica won: the next round follows it
-            self.led = epoch
             members = self._members(in_sync)
             reached = await self._survey([u for u in members if u != self.url])
-            mine = self.written()
-            ahead = [u for u, (lsn, eligible) in reached.items() if eligible and lsn > mine]
+            mine = self.position()
+            ahead = [u for u, (at, eligible) in reached.items() if eligible and at > mine]
             if ahead:  # a replica holds writes this one does not: let it lead instead
                 logger.warning(
-                    "shard %s: %s holds more writes than this replica (lsn %d): not leading",
+                    "shard %s: %s holds more writes than this replica (epoch %d, lsn %d): "
+                    "not leading",
                     self.base,
                     ", ".join(ahead),
-                    mine,
+                    *mine,
                 )
                 self._stand_aside = time.monotonic() + self.ttl
                 return
-            members = [self.url] + [u for u in members if u in reached]
+            # In the in-sync set: the replicas that answered and whose log is on this one's
+            # (one holding a write this one never had is replaced by this state first).
+            on_mine = [u for u in members if u in reached and self.holds(*reached[u][0][::-1])]
+            members = [self.url, *on_mine]
             if not await self._write_in_sync(
                 members, epoch, in_sync.mod_revision if in_sync else 0
             ):
@@ -289,13 +314,13 @@ class Leadership:
             with contextlib.suppress(EtcdError):
                 await self.etcd.revoke(lease)
 
-    async def _survey(self, urls: list[str]) -> dict[str, tuple[int, bool]]:
-        """The replicas of ``urls`` that answer ``GET /v1/cluster`` now: their lsn (the
-        newest write they hold) and whether they may campaign. One that does not answer
+    async def _survey(self, urls: list[str]) -> dict[str, tuple[tuple[int, int], bool]]:
+        """The replicas of ``urls`` that answer ``GET /v1/cluster`` now: their (epoch, lsn)
+        (the newest write they hold) and whether they may campaign. One that does not answer
         within :data:`SURVEY_SECONDS` is left out of a new primary's in-sync set: writes would
         wait for it in vain."""
 
-        async def ask(url: str) -> tuple[str, tuple[int, bool] | None]:
+        async def ask(url: str) -> tuple[str, tuple[tuple[int, int], bool] | None]:
             try:
                 reply = await self._http.get(url + "/v1/cluster", timeout=SURVEY_SECONDS)
                 info = reply.json() if reply.status_code == 200 else None
@@ -304,9 +329,13 @@ class Leadership:
             if not isinstance(info, dict):
                 return url, None
             view, campaign = info.get("replication"), info.get("leadership")
-            lsn = view.get("lsn", 0) if isinstance(view, dict) else None
+            if not isinstance(view, dict):
+                return url, None
+            lsn, epoch = view.get("lsn"), view.get("lsn_epoch")
             eligible = isinstance(campaign, dict) and campaign.get("eligible") is True
-            return url, ((lsn, eligible) if type(lsn) is int else None)
+            if type(lsn) is not int or type(epoch) is not int:
+                return url, None
+            return url, ((epoch, lsn), eligible)
 
         found = await asyncio.gather(*(ask(u) for u in urls))
         return {url: answer for url, answer in found if answer is not None}
@@ -447,7 +476,8 @@ def from_state(state: Any) -> Leadership | None:
         url=config.advertise_url,
         group=config.replica_group,
         ttl=config.lease_ttl,
-        written=lambda: int(log.head),
+        position=lambda: log.position,
+        holds=lambda lsn, epoch: log.epoch_at(lsn) == epoch,
         caught_up=caught_up,
         headers={"authorization": f"Bearer {config.token[0]}"} if config.token else None,
     )
@@ -460,4 +490,8 @@ def from_state(state: Any) -> Leadership | None:
 
     replication.forwarder.drop = drop
     replication.forwarder.rejoin = rejoin
+    # Elected holding every acknowledged write: a backup holding writes it lacks holds only
+    # unacknowledged ones, and is replaced by its state.
+    replication.forwarder.authoritative = True
+    replication.replayer.replaced = leadership.replaced
     return leadership

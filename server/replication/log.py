@@ -31,6 +31,15 @@ the newest one): a backup that needs older ones catches up from a snapshot inste
 keeps the entries it replayed the same way (:meth:`ReplicationLog.append`), at the lsns its
 primary gave them, so it can serve the tail if it becomes primary.
 
+An entry is known by its **(epoch, lsn)**, not its lsn alone: a primary frozen or cut off may
+have applied a write at lsn ``L`` that never reached a backup, while the backup, elected in its
+place, took another write at ``L`` in a newer epoch. Only one primary ever writes at an epoch,
+and a backup appends an entry only after the one before it matched its primary's (Raft's log
+matching, :mod:`server.replication.replay`), so two logs holding the same (epoch, lsn) hold
+the same writes up to it. The log knows the epoch of every entry it holds and of the one just
+before the oldest (its **base**: the lsn a snapshot or catch-up left it at, or the newest entry
+it let go): :meth:`ReplicationLog.epoch_at`.
+
 Thread-safety: none; the event loop's thread only.
 """
 
@@ -100,6 +109,8 @@ class ReplicationLog:
         self.role = role
         self.max_bytes = max_bytes
         self.head = 0
+        #: The epoch of the entry at ``first - 1`` (0: none, or the state before any write).
+        self.base_epoch = 0
         self._entries: deque[Entry] = deque()
         self._bytes = 0
         #: Set whenever an entry is added (the forwarders wait on it), then replaced.
@@ -138,12 +149,13 @@ class ReplicationLog:
             raise ValueError(f"entry lsn {entry.lsn} does not follow the log's head {self.head}")
         self._add(entry)
 
-    def restart_at(self, lsn: int) -> None:
+    def restart_at(self, lsn: int, epoch: int = 0) -> None:
         """Forget every entry: the state is now what ``lsn`` writes made (a snapshot
-        installed), and the next entry is ``lsn + 1``."""
+        installed), the last of them written at ``epoch``, and the next entry is ``lsn + 1``."""
         self._entries.clear()
         self._bytes = 0
         self.head = lsn
+        self.base_epoch = epoch
         self._wake()
 
     # -- reading ------------------------------------------------------------------------------
@@ -152,6 +164,26 @@ class ReplicationLog:
     def first(self) -> int:
         """The lsn of the oldest entry held (``head + 1`` when none is)."""
         return self._entries[0].lsn if self._entries else self.head + 1
+
+    @property
+    def last_epoch(self) -> int:
+        """The epoch of the entry at ``head`` (the base's when none is held)."""
+        return self._entries[-1].epoch if self._entries else self.base_epoch
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(last_epoch, head)``: how complete this log is (the higher, the more complete)."""
+        return self.last_epoch, self.head
+
+    def epoch_at(self, lsn: int) -> int | None:
+        """The epoch of the entry at ``lsn``, for ``first - 1 <= lsn <= head``; ``None``
+        outside (not known here)."""
+        first = self.first
+        if lsn == first - 1:
+            return self.base_epoch
+        if first <= lsn <= self.head:
+            return self._entries[lsn - first].epoch
+        return None
 
     @property
     def nbytes(self) -> int:
@@ -192,7 +224,9 @@ class ReplicationLog:
         self._bytes += entry.nbytes
         entries = self._entries
         while self._bytes > self.max_bytes and len(entries) > 1:
-            self._bytes -= entries.popleft().nbytes
+            gone = entries.popleft()
+            self._bytes -= gone.nbytes
+            self.base_epoch = gone.epoch
             self.trimmed += 1
         self._wake()
 

@@ -7,9 +7,15 @@ each wrapped as ``{TENSOR: tensor}`` (:mod:`server.replication.log`). :class:`Re
 * refuses a batch whose epoch is below the highest this replica has seen (409
   ``stale_epoch``), and otherwise takes its sender as the primary
   (:meth:`Role.accept_forwarded <server.replication.role.Role.accept_forwarded>`);
-* applies the entries strictly in lsn order, one batch at a time: an entry it holds already
-  (a batch sent again) is skipped, one that does not follow its newest is refused (409
-  ``conflict`` with ``details.applied_lsn``: the sender goes back to there);
+* applies the entries strictly in lsn order, one batch at a time, and only where its log and
+  its primary's agree: a batch of entries carries ``"prev": [lsn, epoch]``, the entry its first
+  one follows, and is applied only if that is this replica's newest entry, at that epoch
+  (Raft's log matching: two logs that hold the same (epoch, lsn) hold the same writes up to
+  it). Otherwise it is refused, changing nothing (409 ``conflict`` with
+  ``details.applied_lsn`` and ``details.lsn_epoch``: where this replica's log is); the
+  primary then sends from there, or, when this replica holds a write the primary never had (it
+  led at an older epoch, and its answer never went out), its whole state (below): a state has no
+  undo, so a replica whose log diverged is replaced whole;
 * applies an entry by calling the store method it names, one of the journaled writes
   (:mod:`server.store.journal`) and no other, with its arguments, inside
   :func:`~server.store.journal.replaying`: the same builder and the same application as on
@@ -18,9 +24,11 @@ each wrapped as ``{TENSOR: tensor}`` (:mod:`server.replication.log`). :class:`Re
 * answers the lsn it has applied up to.
 
 A batch may instead carry ``"install"``: the primary's whole state as snapshot files, at an
-lsn (:mod:`server.replication.catchup`), for a backup that needs writes the primary's log let
-go. It is installed first (the whole state replaced, its log restarted at that lsn), then the
-batch's entries follow.
+(epoch, lsn) (:mod:`server.replication.catchup`), for a backup that needs writes the primary's
+log let go, or whose log diverged from it. It is installed first (the whole state replaced, its
+log restarted there), then the batch's entries follow; :attr:`Replayer.replaced` is told (a
+replica whose state was replaced may campaign only once its primary confirmed it in-sync
+after).
 
 An entry the primary applied but this replica refuses means the states differ (a bug): it is
 logged, counted (``refused``), and passed over, so replication goes on.
@@ -107,9 +115,12 @@ class Replayer:
         self.lock = asyncio.Lock()
         #: Entries this replica refused although its primary had applied them.
         self.refused = 0
+        #: Called once a catch-up replaced the whole state (leadership listens).
+        self.replaced: Callable[[], None] = lambda: None
 
     async def apply(self, msg: Mapping[str, Any], body: wire.Buffer | None) -> int:
-        """Apply batch ``msg`` (module docstring); the lsn applied up to."""
+        """Apply batch ``msg`` (module docstring); the lsn applied up to (the epoch of the entry
+        there is ``self.log.last_epoch``)."""
         epoch, primary, entries = msg.get("epoch"), msg.get("primary"), msg.get("entries")
         if type(epoch) is not int or epoch < 0:
             raise _bad(f"'epoch' must be an int >= 0, got {epoch!r}")
@@ -122,9 +133,19 @@ class Replayer:
             not isinstance(install, dict)
             or type(install.get("lsn")) is not int
             or install["lsn"] < 0
+            or type(install.get("epoch", 0)) is not int
             or type(install.get("values")) is not dict
         ):
-            raise _bad("'install' must be a map with 'lsn', the snapshot's files and 'values'")
+            raise _bad(
+                "'install' must be a map with 'lsn', 'epoch', the snapshot's files and 'values'"
+            )
+        prev = msg.get("prev")
+        if prev is None and entries:
+            raise _bad("a batch of entries needs 'prev': [lsn, epoch] of the entry it follows")
+        if prev is not None and (
+            type(prev) is not list or len(prev) != 2 or any(type(x) is not int for x in prev)
+        ):
+            raise _bad(f"'prev' must be [lsn, epoch], got {str(prev)[:120]}")
         for raw in entries:
             if (
                 type(raw) is not list
@@ -139,6 +160,15 @@ class Replayer:
                     "each entry must be [lsn, epoch, method, args, kwargs] naming a journaled "
                     f"write, got {str(raw)[:120]}"
                 )
+        if entries:
+            at, at_epoch = prev
+            for raw in entries:
+                if raw[0] != at + 1 or not at_epoch <= raw[1] <= epoch:
+                    raise _bad(
+                        f"entry {raw[0]} of epoch {raw[1]} does not follow lsn {at} of epoch "
+                        f"{at_epoch} in a batch of epoch {epoch}"
+                    )
+                at, at_epoch = raw[0], raw[1]
         self.role.accept_forwarded(epoch, primary)
         async with self.lock:
             self.role.accept_forwarded(epoch, primary)  # again: another batch may have won
@@ -146,18 +176,19 @@ class Replayer:
             if install is not None and self.install is not None:
                 values, _ = _decoded(install["values"], body, [0])
                 await self.install(install, values)
-                log.restart_at(install["lsn"])
+                log.restart_at(install["lsn"], install.get("epoch", 0))
                 self.installed += 1
+                self.replaced()
+            if entries and (log.head, log.last_epoch) != tuple(prev):
+                raise ShardError(
+                    "conflict",
+                    f"replicate: the entries follow lsn {prev[0]} of epoch {prev[1]}, but this "
+                    f"replica's newest is lsn {log.head} of epoch {log.last_epoch}: send from "
+                    "there if this primary's log holds that entry, else this replica's whole "
+                    "state",
+                    {"applied_lsn": log.head, "lsn_epoch": log.last_epoch},
+                )
             for lsn, entry_epoch, method, args, kwargs in entries:
-                if lsn <= log.head:
-                    continue  # sent again: held already
-                if lsn != log.head + 1:
-                    raise ShardError(
-                        "conflict",
-                        f"replicate: entry {lsn} does not follow this replica's newest, "
-                        f"{log.head}: send from {log.head + 1}",
-                        {"applied_lsn": log.head},
-                    )
                 sizes = [ENTRY_OVERHEAD]
                 call_args, kept_args = _decoded(args, body, sizes)
                 call_kwargs, kept_kwargs = _decoded(kwargs, body, sizes)

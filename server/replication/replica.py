@@ -84,7 +84,7 @@ class Replication:
     async def replicate(self, msg: Mapping[str, Any], body: wire.Buffer | None) -> dict[str, Any]:
         """``POST /v1/replicate``'s answer: apply a batch, say the lsn applied up to."""
         applied = await self.replayer.apply(msg, body)
-        return {"applied_lsn": applied, "epoch": self.role.epoch}
+        return {"applied_lsn": applied, "lsn_epoch": self.log.last_epoch, "epoch": self.role.epoch}
 
     async def _install(self, install: dict[str, Any], values: Any) -> None:
         """Replace the whole state with a catch-up's (:mod:`server.replication.catchup`)."""
@@ -114,14 +114,18 @@ class Replication:
         return self.replayer.lock
 
     def position(self) -> dict[str, int]:
-        """Where this replica is in its log: ``{"lsn", "epoch"}`` (a snapshot records it)."""
-        return {"lsn": self.log.head, "epoch": self.role.epoch}
+        """Where this replica is in its log: ``{"lsn", "epoch"}``, the newest write and the
+        epoch it was written at (a snapshot records it)."""
+        return {"lsn": self.log.head, "epoch": self.log.last_epoch}
 
     def restored(self, position: Any) -> None:
         """The state was restored from a snapshot that recorded ``position`` (or none): the
-        log resumes after its lsn."""
+        log resumes after its lsn, that write's epoch known."""
         if isinstance(position, dict) and type(position.get("lsn")) is int:
-            self.log.restart_at(max(0, position["lsn"]))
+            epoch = position.get("epoch")
+            self.log.restart_at(
+                max(0, position["lsn"]), epoch if type(epoch) is int and epoch >= 0 else 0
+            )
 
     def stats(self) -> dict[str, Any]:
         """``GET /v1/cluster``'s ``replication``."""
@@ -129,6 +133,7 @@ class Replication:
         out = self.role.view.to_json()
         out.update(
             lsn=log.head,
+            lsn_epoch=log.last_epoch,
             log={
                 "first_lsn": log.first,
                 "entries": len(log),

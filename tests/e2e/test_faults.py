@@ -27,7 +27,6 @@ import threading
 
 import httpx2
 import msgpack
-import pytest
 
 from client_sdk import PSClient
 from tests.conftest import examples
@@ -39,13 +38,6 @@ from tests.helpers.writers import Writers, create_variables, final_state
 
 #: Acknowledged writes to wait for between faults (the workers make progress).
 STEP = 15
-#: A known bug a replica frozen or cut off while primary can show once it rejoins as a backup:
-#: test_a_write_only_the_frozen_primary_applied_is_not_kept_when_it_rejoins reproduces it.
-REJOIN_BUG = (
-    "a replica that rejoins after being primary keeps a write only it applied and skips the new "
-    "primary's entry at that lsn (server/replication/replay.py skips entries by lsn alone, not "
-    "by epoch): the acknowledged write is missing there"
-)
 
 
 def role(url: str) -> str | None:
@@ -61,10 +53,10 @@ def progress(writers: Writers, n: int = STEP, what: str = "writes acknowledged")
     eventually(lambda: writers.acked() >= target, f"{n} more {what}", timeout=60)
 
 
-def settled(group: Group, rejoined: frozenset[int] = frozenset()) -> int:
+def settled(group: Group) -> int:
     """Wait until exactly one replica is primary and the others its backups at its epoch,
-    each eligible to take over except those of ``rejoined`` (a replica that led and then
-    followed a newer primary never campaigns again in its process); the primary."""
+    each eligible to take over (a former primary too: its log matched the new primary's, or
+    its state was replaced by it, and the primary confirmed it); the primary."""
 
     def check() -> tuple[int] | None:
         seen = roles(group)
@@ -72,11 +64,8 @@ def settled(group: Group, rejoined: frozenset[int] = frozenset()) -> int:
         if len(seen) != group.n or len(primaries) != 1:
             return None
         p = primaries[0]
-        for r, v in seen.items():
-            if r in rejoined and r != p:
-                continue
-            if not v["eligible"]:
-                return None
+        if not all(v["eligible"] for v in seen.values()):
+            return None
         for r, v in seen.items():
             if r != p and (v["role"], v["primary"], v["epoch"]) != (
                 "backup",
@@ -93,14 +82,11 @@ def check_replicas(
     group: Group,
     history: History,
     among: list[int] | None = None,
-    rejoined: frozenset[int] = frozenset(),
 ) -> int:
     """Wait until the group settles (one primary, its backups eligible and at its lsn), then
-    check every replica's state against ``history`` and against each other; the primary. A
-    replica of ``rejoined`` (frozen while primary) that fails shows :data:`REJOIN_BUG`: the
-    test is then an expected failure naming it."""
+    check every replica's state against ``history`` and against each other; the primary."""
     among = list(range(group.n)) if among is None else among
-    p = settled(group, rejoined) if among == list(range(group.n)) else one_primary(group, among)[0]
+    p = settled(group) if among == list(range(group.n)) else one_primary(group, among)[0]
     eventually(
         lambda: len({cluster(group.urls[r])["lsn"] for r in among}) == 1,
         "every replica at the primary's lsn",
@@ -113,8 +99,6 @@ def check_replicas(
         problems = history.check(vr, cr)
         if cr != counter or not (vr == v).all():
             problems.append("its state differs from the primary's")
-        if problems and r in rejoined and r != p:
-            pytest.xfail(f"{REJOIN_BUG}: replica {r}: {problems}")
         assert problems == [], f"replica {r} ({'primary' if r == p else 'backup'}): {problems}"
     sent, acked = history.count("push")
     assert acked >= STEP // 2 and sent >= acked
@@ -168,7 +152,7 @@ def test_a_primary_frozen_past_its_lease_comes_back_as_a_backup_losing_nothing(t
         finally:
             writers.stop()
         eventually(lambda: role(group.urls[p]) == "backup", "the old primary a backup", 30)
-        assert check_replicas(group, writers.history, rejoined=frozenset({p})) == 1 - p
+        assert check_replicas(group, writers.history) == 1 - p
     finally:
         group.close()
 
@@ -201,12 +185,13 @@ def _increment(url: str, worker: str, delta: int, timeout: float = 30.0) -> http
     )
 
 
-@pytest.mark.xfail(strict=True, reason=f"bug: {REJOIN_BUG}")
 def test_a_write_only_the_frozen_primary_applied_is_not_kept_when_it_rejoins(tmp_path, etcd):
-    """The primary applies a write its backup never got (the backup is frozen meanwhile), then
-    is frozen past its lease itself; the backup takes over and acknowledges another write at
-    the same lsn. Once the old primary rejoins as a backup, both replicas must hold the same
-    state: the acknowledged write, not the one only the old primary applied."""
+    """The primary forwards a write (10) to its frozen backup, then applies another (100) that
+    waits behind it (one batch in flight per backup), and is frozen past its lease itself. The
+    backup resumes, applies the first, takes over and acknowledges a third write (1) at the
+    lsn where the old primary holds the second. Once the old primary rejoins as a backup, it
+    must hold the new primary's state (its own write replaced: a state has no undo) and may
+    lead again: 11 on both."""
     group, _ = elected_group(tmp_path, etcd)
     try:
         p, _ = one_primary(group)
@@ -215,34 +200,42 @@ def test_a_write_only_the_frozen_primary_applied_is_not_kept_when_it_rejoins(tmp
         lsn = cluster(group.urls[p])["lsn"]
         group.send(b, signal.SIGSTOP)
 
-        def lone() -> None:
+        def unanswered(worker: str, delta: int) -> None:
             try:
-                _increment(group.urls[p], "lone", 100, timeout=5)
+                _increment(group.urls[p], worker, delta, timeout=5)
             except httpx2.HTTPError:
                 pass  # never acknowledged: the primary was frozen before it could answer
 
-        pending = threading.Thread(target=lone, daemon=True)
+        pending = [
+            threading.Thread(target=unanswered, args=(w, d), daemon=True)
+            for w, d in (("first", 10), ("lone", 100))
+        ]
         try:
-            pending.start()  # applied by the primary alone: its answer waits for the backup
-            eventually(lambda: cluster(group.urls[p])["lsn"] == lsn + 1, "the lone write applied")
+            for k, thread in enumerate(pending):  # each applied, its answer waiting for b
+                thread.start()
+                eventually(
+                    lambda k=k: cluster(group.urls[p])["lsn"] == lsn + 1 + k, "a write applied"
+                )
             group.send(p, signal.SIGSTOP)
         finally:
             group.send(b, signal.SIGCONT)
         try:
             eventually(lambda: role(group.urls[b]) == "primary", "the backup leading")
             with PSClient("|".join(group.urls), worker_id="acked", timeout=2) as ps:
-                assert ps.increment("counter", 1) == 1
+                assert ps.increment("counter", 1) == 11
         finally:
             group.send(p, signal.SIGCONT)
-        pending.join(timeout=30)
-        eventually(lambda: role(group.urls[p]) == "backup", "the old primary a backup")
-        settled(group, frozenset({p}))
+        for thread in pending:
+            thread.join(timeout=30)
+        assert settled(group) == b  # the old primary a backup, eligible again
         eventually(
-            lambda: cluster(group.urls[p])["lsn"] == cluster(group.urls[b])["lsn"],
-            "the old primary at the new primary's lsn",
+            lambda: final_state(group.urls[p])[1] == 11,
+            "the old primary holding the new primary's state, not the write only it applied",
         )
-        assert final_state(group.urls[b])[1] == 1
-        assert final_state(group.urls[p])[1] == 1, "the rejoined replica kept the lone write"
+        assert final_state(group.urls[b])[1] == 11
+        info = cluster(group.urls[p])
+        assert info["installed"] == 1  # its state replaced by the primary's
+        assert info["lsn"] == cluster(group.urls[b])["lsn"]
     finally:
         group.close()
 
@@ -278,10 +271,7 @@ def test_a_random_schedule_of_faults_loses_no_acknowledged_write(tmp_path, etcd)
                         progress(writers, what=f"writes acknowledged after {fault}")
                     finally:
                         group.send(victim, signal.SIGCONT)
-                    # it never campaigns again in this process: the operator restarts it
-                    settled(group, frozenset({victim}))
-                    group.kill(victim)
-                    group.start(victim)
+                    settled(group)  # the old primary rejoined: it may take over again
             progress(writers)
         finally:
             writers.stop()
