@@ -89,7 +89,7 @@ async def replicas_view(state: Any, auth: str | None, timeout: float) -> dict[st
                 else {
                     "holds_lease": lead.get("holds_lease"),
                     "eligible": lead.get("eligible"),
-                    "demoted": lead.get("demoted"),
+                    "resyncing": lead.get("resyncing"),
                     "error": lead.get("error"),
                 },
                 "error": answer.get("error"),
