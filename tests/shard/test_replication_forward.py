@@ -80,14 +80,14 @@ def test_an_entry_keeps_the_gradients_memory_uncopied_and_the_write_leaves_it_as
 
 class Backup:
     """An HTTP/1.1 responder on a thread: reads each request whole (its body by
-    ``Content-Length``), answers the ``applied_lsn`` of its last entry, and sets ``got`` once a
-    request holding an entry has arrived whole."""
+    ``Content-Length``), answers the ``applied_lsn`` and ``lsn_epoch`` of its last entry, and
+    sets ``got`` once a request holding an entry has arrived whole."""
 
     def __init__(self) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.got = threading.Event()
-        self.applied = 0
+        self.applied = self.applied_epoch = 0
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -108,8 +108,14 @@ class Backup:
                 body, data = data[:length], data[length:]
                 msg = wire.unpack(body, wire.FRAME)
                 if msg["entries"]:
-                    self.applied = msg["entries"][-1][0]
-                reply = msgpack.packb({"applied_lsn": self.applied, "epoch": msg["epoch"]})
+                    self.applied, self.applied_epoch = msg["entries"][-1][:2]
+                reply = msgpack.packb(
+                    {
+                        "applied_lsn": self.applied,
+                        "lsn_epoch": self.applied_epoch,
+                        "epoch": msg["epoch"],
+                    }
+                )
                 conn.sendall(
                     b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
                     % (wire.MSGPACK.encode(), len(reply))
