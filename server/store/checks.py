@@ -46,6 +46,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from client_sdk import wire
+from client_sdk.wire import halves
 
 from ..errors import ShardError
 
@@ -67,6 +68,7 @@ __all__ = [
     "tensor_error",
 ]
 
+_F4, _F2 = np.dtype("<f4"), np.dtype("<f2")
 #: f2 arrays up to this many elements are checked with a temporary (cheaper per call than the
 #: sum).
 SMALL_CHECK = 1 << 16
@@ -180,9 +182,14 @@ def grad_to_apply(
     copy) and found finite, unless ``checked`` (at least its sum of squares) says it was
     already and it needed no cast (a cast can overflow: what is applied is checked). At
     least its sum of squares goes to ``squares``. 422 if it is not finite. Call under
-    ``np.errstate``; after :func:`check_dtypes_and_shapes`."""
+    ``np.errstate``; after :func:`check_dtypes_and_shapes`. A half-precision gradient of a
+    float32 variable (``wire_dtype``) is widened by :func:`client_sdk.wire.halves.widen`
+    (vectorized), not numpy's element-by-element cast."""
     if grad.dtype != var.value.dtype:
-        grad = grad.astype(var.value.dtype)
+        if var.value.dtype == _F4 and (grad.dtype == _F2 or grad.dtype.name == "bfloat16"):
+            grad = halves.widen(grad, np.empty(grad.shape, _F4))
+        else:
+            grad = grad.astype(var.value.dtype)
         checked = None
     if checked is None:
         checked = finite_squares(grad)
