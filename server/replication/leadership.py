@@ -29,6 +29,15 @@ A replica whose whole state its primary replaced (a catch-up: it lagged past the
 log diverged: it held a write of an older epoch that the primary never had) is ``resyncing``:
 not eligible until the primary writes the set listing it again after that.
 
+When the whole group restarted (stopped and started again, or a power cut), no replica is
+eligible: each was listed before it started. No primary holds the key then, so a listed
+replica that restarted (``restarted``) may campaign once its state is restored (from its
+snapshot, which records the (epoch, lsn) of its newest write) if no listed replica it reaches is
+eligible, still restoring, or more complete; one that does not answer is waited for
+:data:`RESTART_GRACE_TTLS` lease TTLs, then led without, unless this replica holds nothing (an
+empty replica never leads while a listed one is away). Writes after the snapshots it restored
+from are lost then, unless the replicas stopped cleanly (their final snapshots hold them).
+
 A new primary asks the other replicas what they hold (``GET /v1/cluster``, one second each):
 the (epoch, lsn) of their newest write, compared epoch first (a write of a newer epoch was
 ordered after every write of an older one, whatever its lsn). One that does not answer, or
@@ -48,7 +57,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx2
 
@@ -66,6 +75,20 @@ DEFAULT_LEASE_TTL = 2
 SURVEY_SECONDS = 1.0
 #: How long a backup waits on one watch before reading the keys again anyway (seconds).
 WATCH_SECONDS = 10.0
+#: Lease TTLs a replica of a whole group restarted waits for a listed replica that does not
+#: answer before it leads without it (module docstring).
+RESTART_GRACE_TTLS = 5
+
+
+class Peer(NamedTuple):
+    """Another replica of the group, as its ``GET /v1/cluster`` said."""
+
+    #: ``(epoch, lsn)`` of its newest write.
+    position: tuple[int, int]
+    #: Whether it may campaign (it holds every acknowledged write).
+    eligible: bool
+    #: Whether its state is restored (``False`` while it still reads its snapshot).
+    restored: bool
 
 
 def _json(kv: KeyValue | None) -> dict[str, Any] | None:
@@ -102,6 +125,7 @@ class Leadership:
         position: Callable[[], tuple[int, int]] = lambda: (0, 0),
         holds: Callable[[int, int], bool] = lambda lsn, epoch: lsn == 0,
         caught_up: Callable[[], bool] = lambda: False,
+        restored: Callable[[], bool] = lambda: True,
         headers: dict[str, str] | None = None,
     ) -> None:
         self.role = role
@@ -112,6 +136,7 @@ class Leadership:
         self.position = position
         self.holds = holds
         self.caught_up = caught_up
+        self.restored = restored
         #: When (monotonic) the in-sync set was last written again as it was (:meth:`_confirm`).
         self._confirmed = 0.0
         self.base = base = f"{prefix.rstrip('/')}/shard/{index}"
@@ -125,6 +150,10 @@ class Leadership:
         self.resyncing = False
         #: The store's revision first read after the replacement (``None``: not read yet).
         self._resync_revision: int | None = None
+        #: Listed in the in-sync set from before this process started, and no primary: the
+        #: whole group restarted (module docstring); since when (monotonic), or ``None``.
+        self.restarted = False
+        self._restarted_since: float | None = None
         #: The lease this replica holds the primary key with (0: none).
         self.lease = 0
         #: The store's revision when this process first read it.
@@ -172,6 +201,8 @@ class Leadership:
             "holds_lease": bool(self.lease),
             "eligible": self.eligible,
             "resyncing": self.resyncing,
+            "restarted": self.restarted,
+            "restored": self.restored(),
             "error": self.error,
         }
 
@@ -202,15 +233,22 @@ class Leadership:
             self._resync_revision = revision
         in_sync, _ = await self.etcd.get(self.in_sync_key)
         self.eligible = self._eligible(in_sync)
+        self.restarted = held is None and not self.eligible and self._restarted(in_sync)
+        if not self.restarted:
+            self._restarted_since = None
         wait = WATCH_SECONDS
         if held is not None:
             self._follow(held)
-        elif self.eligible:
+        elif not self.restored():
+            wait = self.ttl / 3  # no campaign before its state is restored
+        elif self.eligible or self.restarted:
             aside = self._stand_aside - time.monotonic()
-            if aside <= 0:
-                await self._campaign(in_sync)
+            if aside <= 0 and (self.eligible or await self._may_lead_restarted(in_sync)):
+                await self._campaign(in_sync, restarted=not self.eligible)
                 return
-            wait = aside  # a replica holding more writes may take the lead meanwhile
+            # A replica holding more writes may take the lead meanwhile; one restarted asks
+            # the others again a TTL later (their state changes without any key changing).
+            wait = max(aside, 0.0) if self.eligible else max(aside, self.ttl)
         await self.etcd.watch(self.base + "/", revision, wait, prefix=True)
 
     def _follow(self, held: KeyValue) -> None:
@@ -248,6 +286,45 @@ class Leadership:
             logger.info("shard %s: confirmed in-sync after its state was replaced", self.base)
         return True
 
+    def _restarted(self, in_sync: KeyValue | None) -> bool:
+        """Whether the in-sync set lists this replica from before it started (so the whole
+        group may have restarted: module docstring)."""
+        doc = _json(in_sync)
+        replicas = doc.get("replicas") if doc else None
+        return (
+            in_sync is not None
+            and isinstance(replicas, list)
+            and self.url in replicas
+            and not self.resyncing
+            and self.started_revision is not None
+            and in_sync.mod_revision <= self.started_revision
+        )
+
+    async def _may_lead_restarted(self, in_sync: KeyValue | None) -> bool:
+        """Whether this restarted replica may campaign now (module docstring): no listed
+        replica it reaches is eligible, still restoring, or more complete; and every listed
+        one answered, or :data:`RESTART_GRACE_TTLS` TTLs passed and this one holds writes."""
+        others = [u for u in self._members(in_sync) if u != self.url]
+        reached = await self._survey(others)
+        mine = self.position()
+        if any(p.eligible or not p.restored or p.position > mine for p in reached.values()):
+            return False
+        if len(reached) == len(others):
+            return True
+        now = time.monotonic()
+        if self._restarted_since is None:
+            self._restarted_since = now
+            logger.warning(
+                "shard %s: no primary and no eligible replica: the group restarted; %s do not "
+                "answer: this replica (epoch %d, lsn %d) leads without them in %d s if they "
+                "still do not",
+                self.base,
+                ", ".join(u for u in others if u not in reached),
+                *mine,
+                RESTART_GRACE_TTLS * self.ttl,
+            )
+        return mine != (0, 0) and now - self._restarted_since >= RESTART_GRACE_TTLS * self.ttl
+
     def _role_changed(self, old: RoleView, new: RoleView) -> None:
         """A primary that stops being one (a newer epoch reached it) is not eligible until its
         next round reads the in-sync set again: the set it was listed in may be gone."""
@@ -261,7 +338,10 @@ class Leadership:
         self.resyncing, self._resync_revision = True, None
         self.eligible = False
 
-    async def _campaign(self, in_sync: KeyValue | None) -> None:
+    async def _campaign(self, in_sync: KeyValue | None, restarted: bool = False) -> None:
+        """Campaign for the primary key; lead if won (``restarted``: as a replica of a whole
+        group restarted, which stands aside for any replica it reaches that is eligible,
+        restoring or more complete)."""
         lease, ttl = await self.etcd.grant(self.ttl)
         granted = time.monotonic()
         self.lease = lease
@@ -273,7 +353,12 @@ class Leadership:
             members = self._members(in_sync)
             reached = await self._survey([u for u in members if u != self.url])
             mine = self.position()
-            ahead = [u for u, (at, eligible) in reached.items() if eligible and at > mine]
+            ahead = [
+                u
+                for u, peer in reached.items()
+                if (peer.eligible and (restarted or peer.position > mine))
+                or (restarted and (not peer.restored or peer.position > mine))
+            ]
             if ahead:  # a replica holds writes this one does not: let it lead instead
                 logger.warning(
                     "shard %s: %s holds more writes than this replica (epoch %d, lsn %d): "
@@ -286,12 +371,15 @@ class Leadership:
                 return
             # In the in-sync set: the replicas that answered and whose log is on this one's
             # (one holding a write this one never had is replaced by this state first).
-            on_mine = [u for u in members if u in reached and self.holds(*reached[u][0][::-1])]
+            on_mine = [
+                u for u in members if u in reached and self.holds(*reached[u].position[::-1])
+            ]
             members = [self.url, *on_mine]
             if not await self._write_in_sync(
                 members, epoch, in_sync.mod_revision if in_sync else 0
             ):
                 return  # changed under us: nobody may lead on an in-sync set it did not read
+            self.eligible, self.restarted = True, False  # listed in a set written just now
             self.role.hold_until(granted + ttl * 2 / 3)
             # Primary with every replica of the group first, then only the in-sync ones: the
             # forwarder keeps a link (and so feeds and lets back in) every backup it was
@@ -314,13 +402,13 @@ class Leadership:
             with contextlib.suppress(EtcdError):
                 await self.etcd.revoke(lease)
 
-    async def _survey(self, urls: list[str]) -> dict[str, tuple[tuple[int, int], bool]]:
+    async def _survey(self, urls: list[str]) -> dict[str, Peer]:
         """The replicas of ``urls`` that answer ``GET /v1/cluster`` now: their (epoch, lsn)
-        (the newest write they hold) and whether they may campaign. One that does not answer
-        within :data:`SURVEY_SECONDS` is left out of a new primary's in-sync set: writes would
-        wait for it in vain."""
+        (the newest write they hold), whether they may campaign and are restored. One that
+        does not answer within :data:`SURVEY_SECONDS` is left out of a new primary's in-sync
+        set: writes would wait for it in vain."""
 
-        async def ask(url: str) -> tuple[str, tuple[tuple[int, int], bool] | None]:
+        async def ask(url: str) -> tuple[str, Peer | None]:
             try:
                 reply = await self._http.get(url + "/v1/cluster", timeout=SURVEY_SECONDS)
                 info = reply.json() if reply.status_code == 200 else None
@@ -333,9 +421,10 @@ class Leadership:
                 return url, None
             lsn, epoch = view.get("lsn"), view.get("lsn_epoch")
             eligible = isinstance(campaign, dict) and campaign.get("eligible") is True
+            restored = not isinstance(campaign, dict) or campaign.get("restored") is not False
             if type(lsn) is not int or type(epoch) is not int:
                 return url, None
-            return url, ((epoch, lsn), eligible)
+            return url, Peer((epoch, lsn), eligible, restored)
 
         found = await asyncio.gather(*(ask(u) for u in urls))
         return {url: answer for url, answer in found if answer is not None}
@@ -479,6 +568,7 @@ def from_state(state: Any) -> Leadership | None:
         position=lambda: log.position,
         holds=lambda lsn, epoch: log.epoch_at(lsn) == epoch,
         caught_up=caught_up,
+        restored=lambda: state.gate.phase not in ("restoring", "failed"),
         headers={"authorization": f"Bearer {config.token[0]}"} if config.token else None,
     )
 

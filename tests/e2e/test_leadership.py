@@ -4,7 +4,8 @@ processes, a real etcd (the module's ``etcd`` fixture), each test under a key pr
 One replica becomes primary at epoch = its key's create_revision, the other its backup; after
 a kill -9 of the primary the backup takes over at a higher epoch; a primary frozen (SIGSTOP)
 past its lease acknowledges nothing once it runs again and comes back as a backup; a primary
-that loses etcd stops acknowledging; a replica restarted after writes may not campaign.
+that loses etcd stops acknowledging; a replica restarted after writes may not campaign; a whole
+group restarted (stopped cleanly, or killed after snapshots) elects its most complete replica.
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ from tests.helpers.replicas import Group, start_group
 TTL = 2
 
 
-def elected_group(tmp_path, etcd, n=2, *extra):
+def elected_group(tmp_path, etcd, n=2, *extra, data=False):
     """``n`` replicas of shard 0 electing their primary in ``etcd``, under a prefix of their
-    own; the group and the prefix."""
+    own (``data``: each with a data dir); the group and the prefix."""
     prefix = f"/test-{uuid.uuid4().hex[:8]}"
     group = start_group(
         tmp_path / prefix[1:],
         n,
         *("--etcd", etcd.url, "--etcd-prefix", prefix, "--lease-ttl", str(TTL), *extra),
+        data=data,
     )
     return group, prefix
 
@@ -214,5 +216,59 @@ def test_a_backup_restarted_after_writes_campaigns_only_once_caught_up(tmp_path,
         one_primary(group)
         with PSClient(group.urls[b], worker_id="w-restart-check") as backup:
             assert backup.pull(["restart_steps"], allow_backup=True)["restart_steps"] == 6
+    finally:
+        group.close()
+
+
+def _steps(url: str) -> int:
+    with PSClient([url], worker_id="reader") as ps:
+        return int(ps.pull(["steps"], allow_backup=True)["steps"])
+
+
+def test_a_whole_group_stopped_cleanly_elects_a_primary_holding_every_write(tmp_path, etcd):
+    group, _ = elected_group(tmp_path, etcd, 2, data=True)
+    try:
+        p, _ = one_primary(group)
+        with PSClient("|".join(group.urls), worker_id="w-stop") as ps:
+            for _ in range(5):
+                ps.increment("steps")
+        for r in (p, 1 - p):  # SIGTERM: each writes a final snapshot
+            assert group.stop(r) == 0
+        for r in range(group.n):
+            group.start(r)
+        q, _ = one_primary(group)  # every replica listed before it started: none was eligible
+        assert [_steps(u) for u in group.urls] == [5, 5]
+        with PSClient("|".join(group.urls), worker_id="w-after") as ps:
+            assert ps.increment("steps") == 6
+        assert _steps(group.urls[1 - q]) == 6
+    finally:
+        group.close()
+
+
+def test_a_whole_group_killed_elects_a_primary_with_its_snapshots_state(tmp_path, etcd):
+    group, _ = elected_group(tmp_path, etcd, 2, "--snapshot-interval", "3600", data=True)
+    try:
+        one_primary(group)
+        with PSClient("|".join(group.urls), worker_id="w-kill") as ps:
+            for _ in range(3):
+                ps.increment("steps")
+            for url in group.urls:
+                answer = httpx2.post(
+                    url + "/v1/snapshot",
+                    content=b"\x80",  # {}: snapshot now
+                    timeout=30,
+                    headers={"content-type": "application/msgpack"},
+                )
+                assert answer.status_code == 200, answer.content
+            for _ in range(2):  # after the snapshots: lost with every replica (documented)
+                ps.increment("steps")
+        for r in range(group.n):
+            group.kill(r)
+        for r in range(group.n):
+            group.start(r)
+        one_primary(group)
+        assert [_steps(u) for u in group.urls] == [3, 3]
+        with PSClient("|".join(group.urls), worker_id="w-after") as ps:
+            assert ps.increment("steps") == 4
     finally:
         group.close()
