@@ -288,10 +288,10 @@ def _add_shard_options(p: argparse.ArgumentParser, *, fleet: bool) -> None:
             "--fleet-urls",
             dest="fleet_urls",
             metavar="URL,...",
-            help=f"every shard's URL in shard-index order, as this shard reaches them: a "
-            f"GET /v1/variables/NAME for a name another shard owns is answered with that "
-            f"shard's answer, and the dashboard's fleet view and GET /v1/fleet probe them "
-            f"[{env_name('fleet_urls')}]",
+            help=f"every shard's URL in shard-index order, as this shard reaches them, the "
+            f"replicas of an index joined by | (a0|b0,a1|b1): a GET /v1/variables/NAME for a "
+            f"name another shard owns is answered with that shard's answer, and the "
+            f"dashboard's fleet view and GET /v1/fleet probe them [{env_name('fleet_urls')}]",
         )
     if fleet:
         p.add_argument(

@@ -241,12 +241,17 @@ def _tokens(key: str) -> Callable[[str], tuple[str, ...]]:
 
 
 def _urls(text: str) -> tuple[str, ...]:
-    urls = tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
-    for u in urls:
+    """The shards' URLs, comma-separated, in shard-index order; the replicas of one index
+    joined by ``|`` (kept so: one item per index)."""
+    urls = tuple(
+        "|".join(r.strip().rstrip("/") for r in u.split("|")) for u in text.split(",") if u.strip()
+    )
+    for u in (r for item in urls for r in item.split("|")):
         if not u.startswith(("http://", "https://")) or any(c.isspace() for c in u):
             raise ValueError(
-                f"expected the shards' URLs, comma-separated, in shard-index order "
-                f"(http://host:port,...), got {u[:80]!r}"
+                f"expected the shards' URLs, comma-separated, in shard-index order, the "
+                f"replicas of an index joined by '|' (http://a0:7100|http://b0:7100,...), got "
+                f"{u[:80]!r}"
             )
     if not urls:
         raise ValueError("expected the shards' URLs, comma-separated, got nothing")
@@ -384,7 +389,8 @@ class ShardConfig:
     #: A file of tokens, one a line, read again when it changes (a mounted secret).
     token_file: str | None = None
     read_token: tuple[str, ...] = field(default=(), repr=False)
-    #: Every shard's URL, in shard-index order, as this shard reaches them (empty: unknown). A
+    #: Every shard's URL, in shard-index order, as this shard reaches them (empty: unknown); an
+    #: index served by a replica group is its replicas' URLs joined by ``|``. A
     #: ``GET /v1/variables/{name}`` for a name another shard owns is answered by asking it;
     #: ``GET /v1/fleet`` and the dashboard probe them.
     fleet_urls: tuple[str, ...] = ()

@@ -9,7 +9,9 @@ content type, streamed (a ``.npy`` of any size costs a buffer, not the variable)
 request goes with the caller's ``Authorization`` and query, ``x-paramshard-fleet`` naming the
 owner (a wrong URL list is refused by the shard it reaches, not answered for the wrong
 shard), and :data:`FORWARDED`, which a shard never follows again (no loops). The answer carries
-``x-paramshard-owner: <index>/<N>``. Without ``--fleet-urls``, or for a forwarded request, the
+``x-paramshard-owner: <index>/<N>``. An owner listed as a replica group (``a|b``) is asked at
+each replica in turn until one answers (every replica answers inspection, a backup from its own
+state). Without ``--fleet-urls``, or for a forwarded request, the
 shard answers 421 ``not_owner`` as before; an owner that does not answer is 503.
 """
 
@@ -55,7 +57,7 @@ async def follow(request: Request, refusal: ShardError) -> Response:
     if not config.fleet_urls or FORWARDED.encode() in headers or len(owners) != 1:
         raise refusal
     (owner,) = owners.values()
-    url = config.fleet_urls[owner] + request.url.path
+    listed = config.fleet_urls[owner]
     sent: dict[str, Any] = {
         FORWARDED: config.fleet,
         wire.HEADER_FLEET: f"{owner}/{config.num_shards}",
@@ -65,17 +67,24 @@ async def follow(request: Request, refusal: ShardError) -> Response:
         if name in headers:
             sent[name.decode()] = headers[name].decode("latin-1")
     client = _client(request)
-    try:
-        reply = await client.send(
-            client.build_request("GET", url, params=request.query_params, headers=sent),
-            stream=True,
-        )
-    except httpx2.HTTPError as exc:
+    failed: BaseException | None = None
+    for replica in listed.split("|"):  # each replica of a group in turn (any one answers)
+        try:
+            reply = await client.send(
+                client.build_request(
+                    "GET", replica + request.url.path, params=request.query_params, headers=sent
+                ),
+                stream=True,
+            )
+            break
+        except httpx2.HTTPError as exc:
+            failed = exc
+    else:
         raise ShardError(
             "unavailable",
             f"this is shard {config.fleet}; the variable belongs to shard {owner}/"
-            f"{config.num_shards}, which did not answer at {config.fleet_urls[owner]} "
-            f"({type(exc).__name__}): ask it directly, or check --fleet-urls",
+            f"{config.num_shards}, which did not answer at {listed} "
+            f"({type(failed).__name__}): ask it directly, or check --fleet-urls",
             {"owner": owner, "reason": "owner_unreachable"},
             headers={"Retry-After": "1"},
         ) from None

@@ -105,7 +105,10 @@ async def fleet(request: Request) -> JSONResponse:
     """Every shard of the fleet as this shard sees it: `--fleet-urls` (PARAMSHARD_FLEET_URLS) in
     index order, each probed now (`GET /v1/cluster`, the caller's `Authorization` passed on):
     `up`, and when up its `incarnation`, `variables`, `bytes`, `state_version`, `ready`;
-    when down, `error`. Without `--fleet-urls` only this shard is listed, with its URL null."""
+    when down, `error`. An index listed as a replica group (`a|b`) is shown by its primary
+    (else the first replica that answers), with `replicas`: each one's `url`, `up`, `role`,
+    `epoch`, `lsn`, `error`. Without `--fleet-urls` only this shard is listed, with its URL
+    null."""
     state = request.app.state
     config = state.config
     auth = request.headers.get("authorization")
@@ -133,21 +136,39 @@ async def fleet(request: Request) -> JSONResponse:
 async def _probe(
     client: httpx2.AsyncClient, limit: asyncio.Semaphore, index: int, url: str | None, state: Any
 ) -> dict[str, Any]:
-    entry: dict[str, Any] = {"index": index, "url": url}
+    if url is not None and "|" in url:
+        return await _probe_group(client, limit, index, url.split("|"), state)
     if index == state.config.shard_index:
-        store, gate = state.store, state.gate
-        return {
-            **entry,
-            "self": True,
-            "up": True,
-            "ready": gate.ready and gate.persist_error is None,
-            "incarnation": state.incarnation,
-            "variables": len(store),
-            "bytes": store.nbytes,
-            "state_version": store.state_version,
-        }
+        return _probe_self(index, url, state)
+    entry: dict[str, Any] = {"index": index, "url": url}
     if url is None:
         return {**entry, "up": None, "error": "unknown: start the shards with --fleet-urls"}
+    return await _probe_url(client, limit, index, url, state.config.num_shards)
+
+
+def _probe_self(index: int, url: str | None, state: Any) -> dict[str, Any]:
+    store, gate, role = state.store, state.gate, state.role.view
+    replication = getattr(state, "replication", None)
+    return {
+        "index": index,
+        "url": url,
+        "self": True,
+        "up": True,
+        "ready": gate.ready and gate.persist_error is None,
+        "incarnation": state.incarnation,
+        "variables": len(store),
+        "bytes": store.nbytes,
+        "state_version": store.state_version,
+        "role": role.kind,
+        "epoch": role.epoch,
+        "lsn": replication.log.head if replication is not None else None,
+    }
+
+
+async def _probe_url(
+    client: httpx2.AsyncClient, limit: asyncio.Semaphore, index: int, url: str, num_shards: int
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {"index": index, "url": url}
     async with limit:
         try:
             r = await client.get(url.rstrip("/") + "/v1/cluster")
@@ -158,20 +179,55 @@ async def _probe(
         return {**entry, "up": True, "ready": False, "error": error}
     try:
         cluster = r.json()
+        rep = cluster.get("replication") or {}
         peer = {
             "ready": cluster["admission"]["phase"] == "ready",
             "incarnation": str(cluster["incarnation"]),
             "variables": int(cluster["variables"]),
             "bytes": int(cluster["bytes"]),
             "state_version": int(cluster["state_version"]),
+            "role": rep.get("role"),
+            "epoch": rep.get("epoch"),
+            "lsn": rep.get("lsn"),
         }
-        if (cluster["shard_index"], cluster["num_shards"]) != (index, state.config.num_shards):
+        if (cluster["shard_index"], cluster["num_shards"]) != (index, num_shards):
             return {
                 **entry,
                 "up": True,
                 "ready": False,
                 "error": f"that URL is shard {cluster['shard_index']}/{cluster['num_shards']}",
             }
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return {**entry, "up": True, "ready": False, "error": "not a paramshard /v1/cluster reply"}
     return {**entry, "up": True, **peer}
+
+
+async def _probe_group(
+    client: httpx2.AsyncClient,
+    limit: asyncio.Semaphore,
+    index: int,
+    urls: list[str],
+    state: Any,
+) -> dict[str, Any]:
+    """An index served by a replica group: each replica probed (this one from its own state),
+    the index shown by its primary (the replica saying so at the highest epoch), else by the
+    first that answers, else as down."""
+    config = state.config
+    probes = await asyncio.gather(
+        *(
+            asyncio.sleep(0, _probe_self(index, u, state))
+            if index == config.shard_index and u == config.advertise_url
+            else _probe_url(client, limit, index, u, config.num_shards)
+            for u in urls
+        )
+    )
+    replicas = [
+        {k: p.get(k) for k in ("url", "up", "role", "epoch", "lsn", "error")} for p in probes
+    ]
+    primaries = [p for p in probes if p.get("role") == "primary" and type(p.get("epoch")) is int]
+    shown = (
+        max(primaries, key=lambda p: p["epoch"])
+        if primaries
+        else next((p for p in probes if p["up"] and not p.get("error")), probes[0])
+    )
+    return {**shown, "replicas": replicas}

@@ -7,17 +7,27 @@ every replica shows every replica's role, epoch, lsn, lag, in-sync state and etc
 same from either side; ``status`` prints a row per replica and ``get`` reads through the
 primary whichever replica is listed first; after the primary is killed, the views say so
 (down, exit status 1) and then show the backup as the new primary at a higher epoch.
+
+A fleet of two indexes, the first a static group of two, started with ``--fleet-urls
+'p0|b0,s1'``: ``GET /v1/fleet`` shows index 0 by its primary with both replicas' roles, and
+by its backup once the primary is killed; ``GET /v1/variables/NAME`` asked of shard 1 for a
+name of index 0 is answered by the replica that still answers.
 """
 
 from __future__ import annotations
 
 import httpx2
+import numpy as np
 import pytest
 
-from client_sdk import PSClient
+from client_sdk import PSClient, wire
+from client_sdk.placement import shard_for
+from server.launcher import LaunchError
+from tests.conftest import Fleet
 from tests.e2e.test_cli import run_cli
 from tests.e2e.test_leadership import elected_group, one_primary
 from tests.helpers.eventually import eventually
+from tests.helpers.replicas import Group, _free_ports
 
 COLUMNS = "URL SHARD ROLE EPOCH LSN LAG IN-SYNC INCARNATION".split()
 
@@ -113,3 +123,73 @@ def test_a_shard_without_replicas_lists_itself(fleet_factory):
 def test_bad_replica_lists_are_usage_errors(shards):
     done = run_cli("status", "--shards", shards)
     assert done.returncode == 2 and "--shards" in done.stderr, done.stderr
+
+
+class Listed(Group):
+    """A group whose replicas are started with ``--fleet-urls fleet``."""
+
+    fleet = ""
+
+    def serve_args(self, i: int) -> list[str]:
+        return [*super().serve_args(i), "--fleet-urls", self.fleet]
+
+
+class Single(Fleet):
+    """Shard 1 of 2 alone, on port ``port``, with ``--fleet-urls Listed.fleet``."""
+
+    port = 0
+
+    def serve_args(self, i: int) -> list[str]:
+        args = super().serve_args(i)
+        args[args.index("--shard-index") + 1] = "1"
+        args[args.index("--num-shards") + 1] = "2"
+        args[args.index("--port") + 1] = str(self.port)
+        return [*args, "--fleet-urls", Listed.fleet]
+
+
+def test_the_fleet_view_and_inspection_take_replica_groups(tmp_path):
+    for attempt in range(4):
+        ports = _free_ports(3)
+        p0, b0, s1 = (f"http://127.0.0.1:{p}" for p in ports)
+        Listed.fleet = f"{p0}|{b0},{s1}"
+        Single.port = ports[2]
+        made = []
+        try:
+            for k in range(2):
+                where = tmp_path / f"a{attempt}-{k}"
+                where.mkdir()
+                made.append(
+                    Listed(2, where, ports[:2], (), shard=(0, 2)) if k == 0 else Single(1, where)
+                )
+            break
+        except LaunchError:
+            for g in made:
+                g.close()
+    else:
+        pytest.fail("the fleet did not start")
+    group, single = made
+    try:
+        name = next(f"v{k}" for k in range(99) if shard_for(f"v{k}", 2) == 0)
+        with PSClient(f"{p0}|{b0},{s1}", worker_id="w-fleet") as ps:
+            ps.init({name: np.full(2, 4.0, np.float32)})
+        view = httpx2.get(s1 + "/v1/fleet", timeout=30).json()
+        first = view["shards"][0]
+        assert first["url"] == p0 and first["up"] and first["role"] == "primary"
+        assert [(r["url"], r["role"]) for r in first["replicas"]] == [
+            (p0, "primary"),
+            (b0, "backup"),
+        ]
+        from_backup = httpx2.get(b0 + "/v1/fleet", timeout=30).json()["shards"][0]
+        assert [r["role"] for r in from_backup["replicas"]] == ["primary", "backup"]
+        group.kill(0)
+        view = httpx2.get(s1 + "/v1/fleet", timeout=30).json()["shards"][0]
+        assert view["url"] == b0 and view["role"] == "backup"  # the first that answers
+        assert [r["up"] for r in view["replicas"]] == [False, True]
+        # a variable of index 0 asked of shard 1: the owner's replicas asked in turn
+        got = httpx2.get(f"{s1}/v1/variables/{name}", params={"values": "true"}, timeout=30)
+        assert got.status_code == 200, got.text
+        assert got.json()["values"] == [4.0, 4.0]
+        assert got.headers[wire.HEADER_OWNER] == "0/2"
+    finally:
+        group.close()
+        single.close()

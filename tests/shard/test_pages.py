@@ -78,6 +78,8 @@ def test_fleet_view_probes_every_shard(fleet_factory) -> None:
         "http://a:1,ftp://b:1",
         "http://a:1,http://b 1",
         " , ",
+        "http://a:1|ftp://b:1,http://c:1",  # a replica group with a bad replica
+        "http://a:1|,http://c:1",
     ],
 )
 def test_bad_fleet_urls_are_refused_naming_the_setting(urls: str) -> None:
@@ -86,3 +88,6 @@ def test_bad_fleet_urls_are_refused_naming_the_setting(urls: str) -> None:
     assert ShardConfig.from_sources(
         {"num_shards": "2", "fleet_urls": "http://a:1, https://b.example/ps"}
     ).fleet_urls == ("http://a:1", "https://b.example/ps")
+    assert ShardConfig.from_sources(
+        {"num_shards": "2", "fleet_urls": "http://a:1/ | http://b:1,http://c:1"}
+    ).fleet_urls == ("http://a:1|http://b:1", "http://c:1")
