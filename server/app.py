@@ -61,13 +61,7 @@ from .metrics import Traffic
 from .narrowed import NarrowedCache
 from .replication import Role
 from .replication.leadership import from_state
-from .replication.reads import (
-    ALLOW_BACKUP,
-    READS,
-    allows_backup,
-    position_headers,
-    read_refusal,
-)
+from .replication.reads import ALLOW_BACKUP, READS, position_headers, read_refusal
 from .replication.replica import Replication
 from .store import DedupTable, ParameterStore
 from .store.heap import trim_heap
@@ -248,7 +242,7 @@ class ShardMiddleware:
         path = scope.get("path", "")
         data = scope.get("method") == "POST" and path.startswith("/v1/")
         waits = replication is not None and data and path[4:] in WRITES
-        position = None if replication is None else self._position()
+        position = None if replication is None else position_headers(replication)
 
         async def emit(message: Message) -> None:
             nonlocal started, status, sent
@@ -282,7 +276,11 @@ class ShardMiddleware:
         try:
             refusal = self._check_fleet(scope)
             if refusal is None and replication is not None and data and path[4:] in READS:
-                refusal = self._check_read(scope)
+                exc = read_refusal(replication, self.state, header(scope, ALLOW_BACKUP))
+                if exc is not None:
+                    refusal = error_response(
+                        scope, exc.status, exc.code, exc.message, exc.details, exc.headers
+                    )
             if refusal is not None:
                 await refusal(scope, receive, send_with_headers)
                 return
@@ -314,7 +312,8 @@ class ShardMiddleware:
     ) -> list[tuple[bytes, bytes]]:
         """The headers this adds to a response sent now, to a request that came in when the
         store's deletions count was ``deletions`` and, on a replica of a group, when the
-        replica was at ``position`` (:meth:`_position`; ``None``: now, for a reply made
+        replica was at ``position`` (:func:`~server.replication.reads.position_headers`;
+        ``None``: now, for a reply made
         without waiting, whose values are read in the same step)."""
         state = self.state
         if state is None or state.gate.phase not in ("ready", "draining"):
@@ -326,28 +325,8 @@ class ShardMiddleware:
         if deletions:
             headers.append((_DELETIONS, str(deletions).encode()))
         if self.replication is not None:
-            headers += position if position is not None else self._position()
+            headers += position_headers(self.replication) if position is None else position
         return headers
-
-    def _position(self) -> list[tuple[bytes, bytes]]:
-        """Where this replica is now (:func:`server.replication.reads.position_headers`)."""
-        replication = self.replication
-        assert replication is not None
-        return position_headers(replication.role, replication.log.head)
-
-    def _check_read(self, scope: Scope) -> Response | None:
-        """The refusal of a data-plane read this replica must not answer
-        (:func:`server.replication.reads.read_refusal`), else ``None``."""
-        replication = self.replication
-        assert replication is not None
-        exc = read_refusal(
-            replication.role,
-            getattr(self.state, "leadership", None),
-            allows_backup(header(scope, ALLOW_BACKUP)),
-        )
-        if exc is None:
-            return None
-        return error_response(scope, exc.status, exc.code, exc.message, exc.details, exc.headers)
 
     def _deletions(self) -> int:
         """The store's deletions count now (0 before there is a store)."""

@@ -45,7 +45,7 @@ from .embedding import EmbeddingTables
 from .errors import ShardError
 from .httptools_protocol import Answerer, Immediate
 from .metrics import Traffic
-from .replication.reads import ALLOW_BACKUP, allows_backup, read_refusal
+from .replication.reads import ALLOW_BACKUP, read_refusal
 from .routes_data import increment_args, pull_args, pull_table, push_args, writer
 from .routes_tables import table_name, whole_tensors
 from .store import ParameterStore
@@ -198,16 +198,11 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
 
 def _reads_here(state: Any, headers: Mapping[bytes, bytes]) -> bool:
     """Whether this shard answers a read now: one without replicas always; a replica of a
-    group as :func:`~server.replication.reads.read_refusal` says (a refusal goes the usual
-    way, which sends it)."""
+    group as :func:`~server.replication.reads.refusal` says (a refusal goes the usual way,
+    which sends it)."""
     replication = getattr(state, "replication", None)
-    return replication is None or (
-        read_refusal(
-            replication.role,
-            getattr(state, "leadership", None),
-            allows_backup(headers.get(ALLOW_BACKUP)),
-        )
-        is None
+    return (
+        replication is None or read_refusal(replication, state, headers.get(ALLOW_BACKUP)) is None
     )
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "allows_backup",
     "position_headers",
     "read_refusal",
+    "refusal",
 ]
 
 #: The data-plane verbs that read: the primary's to answer, a backup's when allowed.
@@ -52,7 +53,7 @@ def allows_backup(value: bytes | str | None) -> bool:
     return value is not None and value.strip() in (b"1", "1")
 
 
-def read_refusal(role: Role, leadership: Any, allow_backup: bool) -> ShardError | None:
+def refusal(role: Role, leadership: Any, allow_backup: bool) -> ShardError | None:
     """421 ``not_primary`` for a read this replica must not answer (module docstring), else
     ``None``. ``leadership``: the shard's campaign in etcd (``None`` for a static group)."""
     if role.acknowledges:
@@ -78,11 +79,18 @@ def read_refusal(role: Role, leadership: Any, allow_backup: bool) -> ShardError 
     return error
 
 
-def position_headers(role: Role, lsn: int) -> list[tuple[bytes, bytes]]:
-    """The headers saying where a replica of a group is: its role, epoch and applied lsn."""
-    view = role.view
+def read_refusal(replication: Any, state: Any, allow: bytes | str | None) -> ShardError | None:
+    """:func:`refusal` for ``replication`` (a shard's; ``state`` its ``app.state``, where its
+    leadership is) and a read whose ``x-paramshard-allow-backup`` is ``allow`` (``None``:
+    absent)."""
+    return refusal(replication.role, getattr(state, "leadership", None), allows_backup(allow))
+
+
+def position_headers(replication: Any) -> list[tuple[bytes, bytes]]:
+    """The headers saying where ``replication``'s replica is now: role, epoch, applied lsn."""
+    view = replication.role.view
     return [
         (_ROLE, view.kind.encode()),
         (_EPOCH, str(view.epoch).encode()),
-        (_LSN, str(lsn).encode()),
+        (_LSN, str(replication.log.head).encode()),
     ]

@@ -15,6 +15,9 @@ leads does not matter here):
 * a backup cut off from its primary (a relay between them, cut) answers with the older value it
   holds: the value and the version the client returns always match, and alternating with the
   primary's newer value is never taken for a restart of the shard.
+
+Which replica answers which read, role by role (etcd's in-sync set included), is
+tests/shard/test_read_refusal.py.
 """
 
 from __future__ import annotations
