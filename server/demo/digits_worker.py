@@ -358,7 +358,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="first wait up to this long until every shard answers /readyz (0: do not wait; "
         "the SDK still retries a shard that does not answer, for its retry deadline)",
     )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        default=env("timeout", float, 30.0),
+        help="PSClient's timeout: how long one exchange with a shard may take (a few seconds "
+        "lets a call stuck on a primary cut off from the network follow the new one)",
+    )
+    p.add_argument(
+        "--retry-deadline",
+        type=float,
+        metavar="SECONDS",
+        default=env("retry_deadline", float, 30.0),
+        help="PSClient's retry_deadline: how long one call may keep retrying",
+    )
     args = p.parse_args(argv)
+    for name in ("timeout", "retry_deadline"):
+        if not 0 < getattr(args, name) < float("inf"):
+            p.error(
+                f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(args, name)}"
+            )
     if args.num_workers < 1:
         p.error(f"--num-workers must be >= 1, got {args.num_workers}")
     if args.worker_index is not None and not 0 <= args.worker_index < args.num_workers:
@@ -393,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{tag} error: the shards are {why}", file=sys.stderr)
             return 1
     try:
-        with PSClient(shards, worker_id=worker_id) as ps:
+        with PSClient(
+            shards, worker_id=worker_id, timeout=args.timeout, retry_deadline=args.retry_deadline
+        ) as ps:
             index = args.worker_index
             if index is None:
                 index = claim_worker_index(ps)

@@ -14,6 +14,7 @@ import pytest
 
 from server import config as config_module
 from server.config import InvalidSetting, ShardConfig, index_from_hostname
+from server.demo.digits_worker import parse_args as digits_args
 from server.demo.digits_worker import wait_for_shards
 from tests.conftest import ROOT, http_json
 from tests.helpers.eventually import eventually
@@ -244,6 +245,25 @@ def test_worker_waits_for_one_ready_replica_of_each_group(fleet1):
         why = wait_for_shards([f"{fleet1.urls[0]}|{dead}", f"{dead}|{dead2}"], 0.5)
     assert why is not None and f"{dead} (ConnectError)" in why and dead2 in why, why
     assert fleet1.urls[0] not in why
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("DIGITS_TIMEOUT", "0"), ("DIGITS_TIMEOUT", "soon"), ("DIGITS_RETRY_DEADLINE", "inf")],
+)
+def test_worker_rejects_a_bad_timeout(monkeypatch, capsys, key, value):
+    monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exited:
+        digits_args([])
+    assert exited.value.code == 2
+    flag = key.removeprefix("DIGITS_").lower().replace("_", "-")
+    assert flag in capsys.readouterr().err.replace("_", "-").lower()
+
+
+def test_worker_reads_its_timeouts_from_flags_and_env(monkeypatch):
+    monkeypatch.setenv("DIGITS_TIMEOUT", "5")
+    args = digits_args(["--retry-deadline", "120"])
+    assert (args.timeout, args.retry_deadline) == (5.0, 120.0)
 
 
 @pytest.mark.parametrize("value", ["-1", "soon", "inf"])

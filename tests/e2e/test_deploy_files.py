@@ -18,6 +18,7 @@ and against the code that reads their settings:
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -90,8 +91,8 @@ def shard_config(
     return ShardConfig.from_sources({}, env)
 
 
-def check_worker_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The example worker and the SDK accept this environment as it is."""
+def check_worker_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
+    """The example worker and the SDK accept this environment as it is; the worker's settings."""
     unknown = sorted(k for k in env if k.startswith("PARAMSHARD_") and k not in SDK_ENV)
     assert not unknown, f"the SDK does not read {unknown}; it reads {sorted(SDK_ENV)}"
     for key in list(os.environ):
@@ -106,6 +107,13 @@ def check_worker_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> No
                 f"{key} is not a setting of server/demo/digits_worker.py"
             )
     load_settings(environ=interpolated(env))
+    return args
+
+
+def follows_a_cut_primary(args: argparse.Namespace) -> bool:
+    """A call stuck on a primary cut off from the network (it never answers) gives up on it
+    soon enough to follow the new primary within the call's retry deadline."""
+    return args.timeout <= 10 and args.retry_deadline >= 2 * args.timeout + 30
 
 
 # -- docker-compose.yml ---------------------------------------------------------------------
@@ -268,7 +276,7 @@ def test_worker_service_reaches_every_shard_in_order(compose, monkeypatch):
     firsts = ",".join(f"http://{group[0][0]}:{port}" for group in groups)
     for _, shard in shard_services(compose):  # each shard's fleet view: one replica per index
         assert environment(shard)["PARAMSHARD_FLEET_URLS"] == firsts
-    check_worker_env(env, monkeypatch)
+    assert follows_a_cut_primary(check_worker_env(env, monkeypatch))
     # identical replicas under --scale: no fixed index, no fixed worker id, no container_name
     assert env.get("DIGITS_WORKER_INDEX") == "auto"
     assert ENV_WORKER_ID not in env and "container_name" not in worker
@@ -670,7 +678,8 @@ def test_worker_job_lists_every_shard_group(k8s, compose, monkeypatch):
     assert ref["name"] == secret["metadata"]["name"] and not ref.get("optional")
     assert ref["key"] in secret["stringData"]
     plain = {k: v for k, v in env.items() if isinstance(v, str)}
-    check_worker_env({**plain, "DIGITS_WORKER_INDEX": "2", ENV_WORKER_ID: "w"}, monkeypatch)
+    args = check_worker_env({**plain, "DIGITS_WORKER_INDEX": "2", ENV_WORKER_ID: "w"}, monkeypatch)
+    assert follows_a_cut_primary(args)
     for key in ("requests", "limits"):
         assert {"cpu", "memory"} <= container["resources"][key].keys()
     # the same images as the compose file builds

@@ -10,7 +10,9 @@ Compose. Each process gets what its container would get: the image's ``ENV`` and
 file.
 
 The run: two workers train; the cable of the primary of the index that holds ``global_step`` is
-pulled for a few seconds (its backup is elected, the workers follow it) and plugged back in;
+pulled (its backup is elected, and the workers follow it and train on while the cable is still
+out: a call stuck on the cut primary gives up after the compose file's ``DIGITS_TIMEOUT``) and
+plugged back in (it rejoins as a backup);
 the primary of an index holding only weights is killed (SIGKILL, as ``docker kill``): its backup
 takes over and the workers carry on without it; it is started again on its volume and comes
 back as the new primary's backup, caught up. The workers must finish on their own, never
@@ -322,9 +324,9 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_primary(lab, tmp_
     fleet.start_workers()
 
     # 1. training is under way; pull the cable of the global_step index's primary: its lease
-    #    lapses and its backup is elected; plug it back in: it rejoins as a backup, and the
-    #    workers (whose calls in flight to it get their answers once the cable is back) follow
-    #    the new primary
+    #    lapses, its backup is elected, and the workers follow it (a call stuck on the cut
+    #    primary gives up after the compose file's DIGITS_TIMEOUT) and train on while the
+    #    cable is still out; plug it back in: it rejoins as a backup
     fleet.wait_for_step(WORKERS * 100)
     cut_group = fleet.group("global_step")  # every step of every worker goes through it
     cut = fleet.wait_primary(cut_group)
@@ -336,6 +338,8 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_primary(lab, tmp_
         f"{cut} still answers with its cable out"
     )
     assert fleet.wait_primary([heir]) == heir  # elected while the old primary is cut off
+    moved = fleet.wait_for_step(1)
+    fleet.wait_for_step(moved + WORKERS * 20)  # through the new primary: the old one is cut
     time.sleep(max(0.0, OUTAGE - (time.monotonic() - cut_at)))
     lab.plug(cut)
     after = lab.wait_for("ops", fleet.url(cut, "/v1/cluster"), timeout=30)
