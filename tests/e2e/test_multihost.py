@@ -359,13 +359,19 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_primary(lab, tmp_
     #    on without it; start it again on its volume: it comes back as the new primary's
     #    backup (the workers paused while the test does its slow parts, so that they are still
     #    training when the primary dies)
-    victim = fleet.wait_primary(victims)
-    (backup,) = [s for s in victims if s != victim]
     mine = [p for p in PARAMS if owner[p] == weights_only[0]]
     with fleet.workers_paused():
-        before_checkpoint = fleet.versions(victim)
+        fleet.wait_primary(victims)
+        # written by each index's primary of the moment only (a backup's volume holds its
+        # periodic snapshots): the victim is the replica that wrote it, whichever led then
         checkpoint = fleet.checkpoint()
-        old = fleet.cluster(victim)
+        views = {s: fleet.cluster(s) or {} for s in victims}
+        held = [s for s, v in views.items() if checkpoint in str(v.get("last_snapshot"))]
+        assert len(held) == 1, f"{checkpoint}: written by {held} of {victims}: {views}"
+        (victim,) = held
+        (backup,) = [s for s in victims if s != victim]
+        before_checkpoint = fleet.versions(victim)
+        old = views[victim]
     fleet.wait_for_step(fleet.counter("global_step") + WORKERS * 50)
     with fleet.workers_paused():  # they go on against a dead primary, then follow its backup
         fleet.procs[victim].send_signal(signal.SIGKILL)
