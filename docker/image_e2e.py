@@ -1,6 +1,6 @@
 """The images and the compose fleet, run for real with a container engine (`make test-image`).
 
-    .venv/bin/python docker/image_e2e.py [--keep] [--steps N] [--restart-all]
+    .venv/bin/python docker/image_e2e.py [--keep] [--steps N]
 
 What a user of docker/Dockerfile and docker-compose.yml does, checked step by step, with a log
 of every command. It owns nothing the product uses; `make test` checks the same files statically
@@ -24,11 +24,10 @@ of every command. It owns nothing the product uses; `make test` checks the same 
     the worker exits 0 with every step counted once (``global_step``) and a held-out accuracy of
     at least 0.9;
  5. inspects a variable over REST from the host (the published port);
- 6. stops the fleet (SIGTERM): every shard exits 0; with ``--restart-all``, brings the shards up
-    again on the same volumes: each index elects a primary again and each replica restores
-    exactly the state it had when stopped (its final snapshot). Off by default: a group whose
-    every replica restarted elects its primary only once leadership lets the most complete
-    replica (by its snapshot's epoch and lsn) campaign;
+ 6. stops the fleet (SIGTERM): every shard exits 0; brings the shards up again on the same
+    volumes: each index elects a primary again (a group whose every replica restarted: its
+    most complete replica) and each replica restores exactly the state it had when stopped
+    (its final snapshot), the worker's last write among it;
  7. `down -v`. Containers, networks and volumes of the run (every service's, etcd's too) are
     removed even when a step fails, and the run fails if any is left (``--keep`` leaves them for
     a look, and prints how to remove them).
@@ -398,7 +397,7 @@ class Fleet:
         return self.leftovers()
 
 
-def run_fleet(fleet: Fleet, restart_all: bool = False) -> dict[str, Any]:
+def run_fleet(fleet: Fleet) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     eng = fleet.eng
     log("== 4. the compose fleet: up")
@@ -529,9 +528,9 @@ def run_fleet(fleet: Fleet, restart_all: bool = False) -> dict[str, Any]:
     )
     log("paramshard status:\n" + status.stdout + status.stderr)
 
-    log("== 6. stop (SIGTERM); with --restart-all, up again on the same volumes")
+    log("== 6. stop (SIGTERM), then up again on the same volumes")
     with PSClient(fleet.sdk_shards, worker_id="image-e2e") as ps:
-        ps.increment("e2e/stopped")  # a change after the last periodic snapshot
+        stopped = ps.increment("e2e/stopped")  # acknowledged after the last periodic snapshot
     state = {svc: fleet.cluster(svc)["state_version"] for svc in fleet.shards}
     fleet("stop")
     for svc in fleet.shards:
@@ -547,14 +546,7 @@ def run_fleet(fleet: Fleet, restart_all: bool = False) -> dict[str, Any]:
         f"every shard exited 0 on SIGTERM; {finals} wrote a final snapshot (the others had "
         f"nothing new since their last one)"
     )
-    if not restart_all:
-        log(
-            "up again: skipped (--restart-all runs it): it waits for leadership to elect a "
-            "primary in a group whose every replica restarted (the most complete replica by "
-            "its snapshot's (epoch, lsn) leads)"
-        )
-    else:
-        restart_fleet(fleet, state)
+    restart_fleet(fleet, state, stopped)
     log("== 7. down -v")
     fleet("down", "-v")
     left = eng(
@@ -565,11 +557,22 @@ def run_fleet(fleet: Fleet, restart_all: bool = False) -> dict[str, Any]:
     return facts
 
 
-def restart_fleet(fleet: Fleet, state: dict[str, int]) -> None:
+def restart_fleet(fleet: Fleet, state: dict[str, int], stopped: int) -> None:
     """Step 6's second half: every shard up again on its volume, each index electing its
-    primary again, each replica restored to the state it had when stopped."""
+    primary again (every replica of every group restarted), each replica restored to the state
+    it had when stopped, the last acknowledged write (``e2e/stopped`` = ``stopped``) there."""
+    started = time.monotonic()
     fleet("up", "-d", "--no-build", *fleet.shards)
     fleet.wait_ready()
+    log(f"every index elected a primary again {time.monotonic() - started:.1f} s after `up`")
+    index = fleet.holder("e2e/stopped")
+    primary = fleet.primary(index)
+    got = get_json(f"{fleet.urls[primary]}/v1/variables/e2e/stopped?values=true") if primary else {}
+    if got.get("status") != 200 or got["body"].get("values") != stopped:
+        raise Failed(
+            f"e2e/stopped after the restart, on shard {index}'s primary {primary}: {got}; "
+            f"expected {stopped} (acknowledged before the stop)"
+        )
     for svc in fleet.shards:
         restored = (fleet.cluster(svc).get("restored") or {}).get("state_version")
         if restored != state[svc]:
@@ -594,11 +597,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--keep", action="store_true", help="leave containers and volumes for a look")
     p.add_argument("--steps", type=int, default=4000, help="the worker's steps (DIGITS_STEPS)")
-    p.add_argument(
-        "--restart-all",
-        action="store_true",
-        help="step 6 brings the stopped fleet up again and checks what each replica restored",
-    )
     args = p.parse_args(argv)
     started = time.monotonic()
     tag = f"paramshard-e2e-{os.getpid()}"
@@ -634,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         facts.update(single_shard(eng, names["runtime"], tag, cleanup))
         with tempfile.TemporaryDirectory(prefix="paramshard-e2e-") as workdir:
             fleet = Fleet(eng, compose, tag, args.steps, Path(workdir))
-            facts.update(run_fleet(fleet, args.restart_all))
+            facts.update(run_fleet(fleet))
     except (Failed, images.ImageError) as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
