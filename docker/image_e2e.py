@@ -410,13 +410,8 @@ def run_fleet(fleet: Fleet) -> dict[str, Any]:
     except Failed as exc:
         raise Failed(f"{exc}; the worker's log:\n{eng.logs(worker)[-3000:]}") from None
     index = fleet.holder(KERNEL)
-    wait_for(f"shard {index}'s primary", lambda: fleet.primary(index) is not None, 60)
-    victim = fleet.primary(index)
-    assert victim is not None
+    victim, checkpoint, before = checkpoint_on_primary(fleet, index)
     (other,) = [svc for svc in fleet.groups[index] if svc != victim]
-    with PSClient(fleet.sdk_shards, worker_id="image-e2e") as ps:
-        checkpoint = ps.checkpoint()
-    before = fleet.cluster(victim)
     log(
         f"fleet checkpoint {checkpoint} taken at global_step {step()}; {victim} is shard {index}'s "
         f"primary and holds {KERNEL} (state version {before['state_version']}, snapshot "
@@ -555,6 +550,31 @@ def run_fleet(fleet: Fleet) -> dict[str, Any]:
     if left:
         raise Failed(f"volumes left after down -v: {left}")
     return facts
+
+
+def checkpoint_on_primary(fleet: Fleet, index: int) -> tuple[str, str, dict[str, Any]]:
+    """A fleet checkpoint written by shard ``index``'s primary, which still leads: that
+    replica, the checkpoint and its ``/v1/cluster``. The checkpoint's requests go to the
+    replica the SDK takes for the primary, the first listed until a refusal says otherwise,
+    and a backup takes them too: each group is listed with its primary first. Tried again when
+    the lead moved meanwhile (a lease missed on a loaded machine hands it over)."""
+    seen: list[str] = []
+    for _ in range(3):
+        wait_for(f"shard {index}'s primary", lambda: fleet.primary(index) is not None, 60)
+        leads = [fleet.primary(i) for i in range(len(fleet.groups))]
+        shards = ",".join(
+            "|".join(fleet.urls[s] for s in sorted(group, key=lambda s: s != lead))
+            for group, lead in zip(fleet.groups, leads)
+        )
+        with PSClient(shards, worker_id="image-e2e") as ps:
+            checkpoint = ps.checkpoint()
+        for svc in fleet.groups[index]:
+            view = fleet.cluster(svc)
+            if checkpoint in str(view.get("last_snapshot")) and fleet.role(svc) == "primary":
+                return svc, checkpoint, view
+        seen.append(f"{checkpoint}: primary now {fleet.primary(index)}")
+        log(f"shard {index}'s lead moved during checkpoint {checkpoint}; taking another")
+    raise Failed(f"no checkpoint written by a replica of shard {index} still leading: {seen}")
 
 
 def restart_fleet(fleet: Fleet, state: dict[str, int], stopped: int) -> None:

@@ -258,10 +258,19 @@ class Fleet:
         return {v["name"]: v["version"] for v in answer["variables"]}
 
     def checkpoint(self) -> str:
-        """A fleet checkpoint, asked for by an operator's SDK on the ops host."""
+        """A fleet checkpoint, asked for by an operator's SDK on the ops host. Its requests go
+        to the replica the SDK takes for each index's primary, the first listed until a refusal
+        says otherwise, and a backup takes them too: each group is listed primary first, so
+        that the primaries write it."""
+        leads = [self.primary(group) for group in self.groups]
+        shards = ",".join(
+            "|".join(self.url(s, "") for s in sorted(group, key=lambda s: s != lead))
+            for group, lead in zip(self.groups, leads)
+        )
         env = {
             **container_env(self.worker_image_env, self.worker_service, {}),
             "PARAMSHARD_WORKER_ID": "ops",
+            "PARAMSHARD_SHARDS": shards,
         }
         done = self.lab.python(
             "ops",
@@ -362,13 +371,14 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_primary(lab, tmp_
     mine = [p for p in PARAMS if owner[p] == weights_only[0]]
     with fleet.workers_paused():
         fleet.wait_primary(victims)
-        # written by each index's primary of the moment only (a backup's volume holds its
-        # periodic snapshots): the victim is the replica that wrote it, whichever led then
+        # written by one replica of each index, the primary (a backup's volume holds only its
+        # periodic snapshots): the victim is the replica that wrote it
         checkpoint = fleet.checkpoint()
         views = {s: fleet.cluster(s) or {} for s in victims}
         held = [s for s, v in views.items() if checkpoint in str(v.get("last_snapshot"))]
         assert len(held) == 1, f"{checkpoint}: written by {held} of {victims}: {views}"
         (victim,) = held
+        assert views[victim]["replication"]["role"] == "primary", views
         (backup,) = [s for s in victims if s != victim]
         before_checkpoint = fleet.versions(victim)
         old = views[victim]
