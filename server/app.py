@@ -61,7 +61,7 @@ from .metrics import Traffic
 from .narrowed import NarrowedCache
 from .replication import Role
 from .replication.leadership import from_state
-from .replication.reads import ALLOW_BACKUP, READS, position_headers, read_refusal
+from .replication.reads import ALLOW_BACKUP, PRIMARYS, READS, position_headers, read_refusal
 from .replication.replica import Replication
 from .store import DedupTable, ParameterStore
 from .store.heap import trim_heap
@@ -275,8 +275,9 @@ class ShardMiddleware:
 
         try:
             refusal = self._check_fleet(scope)
-            if refusal is None and replication is not None and data and path[4:] in READS:
-                exc = read_refusal(replication, self.state, header(scope, ALLOW_BACKUP))
+            if refusal is None and replication is not None and data and path[4:] in PRIMARYS:
+                allow = header(scope, ALLOW_BACKUP) if path[4:] in READS else None
+                exc = read_refusal(replication, self.state, allow)
                 if exc is not None:
                     refusal = error_response(
                         scope, exc.status, exc.code, exc.message, exc.details, exc.headers

@@ -7,6 +7,11 @@ group) for ever. So a replica that does not take writes now (a backup, a replica
 down or does not know its primary yet, a primary whose lease ran out) refuses them with 421
 ``not_primary``, naming the primary when it knows it, as it refuses writes.
 
+A fleet checkpoint's rounds (``pause``, ``snapshot``, ``resume``) are the primary's too: a
+checkpoint is the state writes are acknowledged from, and a backup that took one would neither
+pause the primary's writes nor hold every acknowledged write. A replica that does not take
+writes refuses them with the same 421, so the SDK sends them to the primary.
+
 A read that says a backup may answer it (header ``x-paramshard-allow-backup: 1``: the SDK's
 ``pull(..., allow_backup=True)``) is answered by a **backup** from its own state: every write
 its primary forwarded and it applied, which is never ahead of the primary and may be behind
@@ -32,6 +37,8 @@ from .role import BACKUP, Role, not_primary
 
 __all__ = [
     "ALLOW_BACKUP",
+    "CHECKPOINT",
+    "PRIMARYS",
     "READS",
     "allows_backup",
     "position_headers",
@@ -41,6 +48,10 @@ __all__ = [
 
 #: The data-plane verbs that read: the primary's to answer, a backup's when allowed.
 READS = frozenset({"pull", "pull_rows", "poll", "wait"})
+#: A fleet checkpoint's rounds: the primary's to answer, never a backup's.
+CHECKPOINT = frozenset({"pause", "snapshot", "resume"})
+#: Every verb a replica that does not take writes refuses (the reads unless allowed).
+PRIMARYS = READS | CHECKPOINT
 ALLOW_BACKUP = wire.HEADER_ALLOW_BACKUP.encode()
 _ROLE = wire.HEADER_ROLE.encode()
 _EPOCH = wire.HEADER_EPOCH.encode()
@@ -73,8 +84,8 @@ def refusal(role: Role, leadership: Any, allow_backup: bool) -> ShardError | Non
         error.details = {**error.details, "in_sync": False}
     else:
         error.message += (
-            "; reads too are the primary's, unless the request says a backup may answer it "
-            f"({wire.HEADER_ALLOW_BACKUP}: 1)"
+            "; reads and fleet checkpoints are the primary's too (a read may say a backup "
+            f"may answer it: {wire.HEADER_ALLOW_BACKUP}: 1)"
         )
     return error
 

@@ -203,6 +203,25 @@ def test_a_backup_refuses_writes_and_stale_epochs_changing_nothing(groups):
     assert cluster(backup)["primary"] == primary  # the stale sender did not take over
 
 
+def test_a_fleet_checkpoint_is_taken_by_the_primary_only(groups):
+    """A backup refuses a checkpoint's rounds (421), so a client listing it first follows the
+    primary: the checkpoint holds the primary's state and pauses the primary's writes."""
+    group = groups(2, data=True)
+    primary, backup = group.urls
+    pause = msgpack.packb({"checkpoint": "by-hand", "lease": 5})
+    refused = httpx2.post(
+        backup + "/v1/pause", content=pause, headers={"content-type": "application/msgpack"}
+    )
+    assert refused.status_code == 421, refused.content
+    assert msgpack.unpackb(refused.content)["error"]["code"] == "not_primary"
+    with PSClient(f"{backup}|{primary}", worker_id="w-ckpt") as ps:
+        ps.increment("c", 3)
+        taken = ps.checkpoint(timeout=60)
+    listed = {url: http_json(url + "/v1/checkpoints") for url in group.urls}
+    assert taken in str(listed[primary]), listed
+    assert taken not in str(listed[backup]), listed
+
+
 def test_a_primary_whose_backup_saw_a_newer_epoch_acknowledges_nothing_more(groups):
     group = groups(2)
     primary, backup = group.urls
