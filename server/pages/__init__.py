@@ -94,8 +94,8 @@ async def replicas(request: Request) -> JSONResponse:
     (`GET /v1/cluster`, the caller's `Authorization` passed on): `url`, `self`, `up`, `role`,
     `epoch`, `lsn`, `primary` (the one it follows), `lag` (the group primary's lsn minus its
     own), `in_sync` (listed in the primary's in-sync set), `etcd` (`holds_lease`, `eligible`,
-    `resyncing`, `error`; null without `--etcd`), `error`; and the group's `primary` and `epoch`.
-    A shard without replicas lists itself alone."""
+    `resyncing`, `restarted`, `error`; null without `--etcd`), `error`; and the group's
+    `primary` and `epoch`. A shard without replicas lists itself alone."""
     auth = request.headers.get("authorization")
     return JSONResponse(await replicas_view(request.app.state, auth, PROBE_TIMEOUT))
 

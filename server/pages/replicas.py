@@ -90,6 +90,7 @@ async def replicas_view(state: Any, auth: str | None, timeout: float) -> dict[st
                     "holds_lease": lead.get("holds_lease"),
                     "eligible": lead.get("eligible"),
                     "resyncing": lead.get("resyncing"),
+                    "restarted": lead.get("restarted"),
                     "error": lead.get("error"),
                 },
                 "error": answer.get("error"),

@@ -40,11 +40,12 @@ from are lost then, unless the replicas stopped cleanly (their final snapshots h
 
 A new primary asks the other replicas what they hold (``GET /v1/cluster``, one second each):
 the (epoch, lsn) of their newest write, compared epoch first (a write of a newer epoch was
-ordered after every write of an older one, whatever its lsn). One that does not answer, or
-whose log is not on this one's (it holds a write this one never had, or needs writes this
-one's log let go), is left out of its in-sync set at once (the writes would wait for it in vain;
-the forwarder brings it back), and one that may campaign and holds more makes it stand aside for
-a TTL, so that the most complete replica leads.
+ordered after every write of an older one, whatever its lsn). Its in-sync set lists only
+those that hold the same newest write: one that does not answer (the writes would wait for it in
+vain), lags (listed, it could be elected before it has every acknowledged write) or holds a
+write this one never had is left out, and the forwarder lets it back in once it has every write
+this one holds. One that may campaign and holds more makes it stand aside for a TTL, so that
+the most complete replica leads.
 
 Not thread-safe: everything runs on the shard's event loop, as the role requires.
 """
@@ -106,10 +107,9 @@ class Leadership:
     """The campaign of one replica (``url``, one of ``group``) for shard index ``index``.
 
     ``position()`` is how complete this replica's log is: ``(epoch, lsn)`` of its newest write
-    (``(0, 0)``: nothing written yet, so any replica is as complete as this one);
-    ``holds(lsn, epoch)`` whether its log holds the write ``lsn`` at ``epoch`` (the newest it
-    let go included): whether a replica there is on its log. Start it with :meth:`start`;
-    :meth:`stop` hands the lead over at once (revokes the lease) when this replica is primary.
+    (``(0, 0)``: nothing written yet, so any replica is as complete as this one). Start it
+    with :meth:`start`; :meth:`stop` hands the lead over at once (revokes the lease) when this
+    replica is primary.
     """
 
     def __init__(
@@ -123,7 +123,6 @@ class Leadership:
         group: Sequence[str],
         ttl: int = DEFAULT_LEASE_TTL,
         position: Callable[[], tuple[int, int]] = lambda: (0, 0),
-        holds: Callable[[int, int], bool] = lambda lsn, epoch: lsn == 0,
         caught_up: Callable[[], bool] = lambda: False,
         restored: Callable[[], bool] = lambda: True,
         headers: dict[str, str] | None = None,
@@ -134,7 +133,6 @@ class Leadership:
         self.group = tuple(group)
         self.ttl = ttl
         self.position = position
-        self.holds = holds
         self.caught_up = caught_up
         self.restored = restored
         #: When (monotonic) the in-sync set was last written again as it was (:meth:`_confirm`).
@@ -369,12 +367,12 @@ class Leadership:
                 )
                 self._stand_aside = time.monotonic() + self.ttl
                 return
-            # In the in-sync set: the replicas that answered and whose log is on this one's
-            # (one holding a write this one never had is replaced by this state first).
-            on_mine = [
-                u for u in members if u in reached and self.holds(*reached[u].position[::-1])
-            ]
-            members = [self.url, *on_mine]
+            # In the in-sync set: the replicas that answered holding what this one holds, the
+            # same newest write (so the same log up to it). One that lags, or holds a write this
+            # one never had, is left out: listed, it could be elected before it has every
+            # acknowledged write; the forwarder brings it back once it has them.
+            same = [u for u in members if u in reached and reached[u].position == mine]
+            members = [self.url, *same]
             if not await self._write_in_sync(
                 members, epoch, in_sync.mod_revision if in_sync else 0
             ):
@@ -566,7 +564,6 @@ def from_state(state: Any) -> Leadership | None:
         group=config.replica_group,
         ttl=config.lease_ttl,
         position=lambda: log.position,
-        holds=lambda lsn, epoch: log.epoch_at(lsn) == epoch,
         caught_up=caught_up,
         restored=lambda: state.gate.phase not in ("restoring", "failed"),
         headers={"authorization": f"Bearer {config.token[0]}"} if config.token else None,
