@@ -7,10 +7,12 @@ group) for ever. So a replica that does not take writes now (a backup, a replica
 down or does not know its primary yet, a primary whose lease ran out) refuses them with 421
 ``not_primary``, naming the primary when it knows it, as it refuses writes.
 
-A fleet checkpoint's rounds (``pause``, ``snapshot``, ``resume``) are the primary's too: a
-checkpoint is the state writes are acknowledged from, and a backup that took one would neither
-pause the primary's writes nor hold every acknowledged write. A replica that does not take
-writes refuses them with the same 421, so the SDK sends them to the primary.
+A fleet checkpoint is the primary's too: it is the state writes are acknowledged from, and a
+backup that took one would neither pause the primary's writes nor hold every acknowledged
+write. A replica that does not take writes refuses a checkpoint's ``pause`` and ``resume``
+with the same 421, so the SDK sends the checkpoint to the primary (its ``snapshot`` round
+needs the pause; a plain ``POST /v1/snapshot`` of this replica's own state is answered by any
+replica).
 
 A read that says a backup may answer it (header ``x-paramshard-allow-backup: 1``: the SDK's
 ``pull(..., allow_backup=True)``) is answered by a **backup** from its own state: every write
@@ -48,8 +50,8 @@ __all__ = [
 
 #: The data-plane verbs that read: the primary's to answer, a backup's when allowed.
 READS = frozenset({"pull", "pull_rows", "poll", "wait"})
-#: A fleet checkpoint's rounds: the primary's to answer, never a backup's.
-CHECKPOINT = frozenset({"pause", "snapshot", "resume"})
+#: A fleet checkpoint's rounds that only the primary answers (module docstring).
+CHECKPOINT = frozenset({"pause", "resume"})
 #: Every verb a replica that does not take writes refuses (the reads unless allowed).
 PRIMARYS = READS | CHECKPOINT
 ALLOW_BACKUP = wire.HEADER_ALLOW_BACKUP.encode()
