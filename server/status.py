@@ -117,12 +117,16 @@ def group_primary(results: list[dict[str, Any]]) -> int | None:
 
 
 def replica_cells(url: str, rep: dict[str, Any], primary: dict[str, Any] | None) -> list[str]:
-    """ROLE, EPOCH, LSN as replica ``url`` says them; LAG, IN-SYNC as the primary says them."""
+    """ROLE, EPOCH, LSN as replica ``url`` says them; LAG, IN-SYNC as the primary says them.
+    The primary knows its backups by the URLs they advertise (``replication.url``), which may
+    not be the URLs listed here (published ports, a port-forward): each is matched by its own."""
     cells = [str(rep.get("role", "?")), str(rep.get("epoch", "?")), str(rep.get("lsn", "-"))]
     if primary is None:
         return [*cells, "?", "?"]
     if primary is rep:
         return [*cells, "-", "-"]
+    advertised = rep.get("url")
+    url = advertised if isinstance(advertised, str) and advertised else url
     link = next(
         (b for b in primary.get("backups") or [] if isinstance(b, dict) and b.get("url") == url),
         None,

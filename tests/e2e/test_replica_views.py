@@ -27,7 +27,7 @@ from tests.conftest import Fleet
 from tests.e2e.test_cli import run_cli
 from tests.e2e.test_leadership import elected_group, one_primary
 from tests.helpers.eventually import eventually
-from tests.helpers.replicas import Group, _free_ports
+from tests.helpers.replicas import Group, _free_ports, start_group
 
 COLUMNS = "URL SHARD ROLE EPOCH LSN LAG IN-SYNC INCARNATION".split()
 
@@ -193,3 +193,21 @@ def test_the_fleet_view_and_inspection_take_replica_groups(tmp_path):
     finally:
         group.close()
         single.close()
+
+
+def test_status_matches_replicas_by_the_urls_they_advertise(tmp_path):
+    """Listed under other URLs than the ones they advertise (published ports, a port-forward:
+    here ``localhost`` for ``127.0.0.1``), the backups are still matched with the primary's
+    in-sync set."""
+    group = start_group(tmp_path, 2)
+    try:
+        listed = [u.replace("127.0.0.1", "localhost") for u in group.urls]
+        with PSClient(group.urls[0], worker_id="w-listed") as ps:
+            ps.increment("listed_steps")
+        done = run_cli("status", "--shards", "|".join(listed), "--interval", "0.2")
+        assert done.returncode == 0, done.stdout + done.stderr
+        table = {r["URL"]: r for r in rows(done.stdout)}
+        assert table[listed[1]]["ROLE"] == "backup"
+        assert (table[listed[1]]["LAG"], table[listed[1]]["IN-SYNC"]) == ("0", "yes")
+    finally:
+        group.close()
