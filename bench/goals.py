@@ -15,7 +15,9 @@
   ``push_rows`` through 1 and through 2 shards, each >= 2 x the rows/s of TensorFlow's gRPC
   parameter server doing the same lookup and sparse update;
 * a pull of a 100 MB float32 variable with ``wire_dtype="float16"``: >= 1.6 x the float32
-  pull's MB/s, both counted in the float32 bytes delivered;
+  pull's MB/s, both counted in the float32 bytes delivered; into new arrays, and into ``out=``
+  buffers (float16 into its buffer vs float32 into its buffer: the transfer without the
+  allocator's fresh pages);
 * costs that stay flat as a fleet grows (:func:`_scale_goals`): a push and a pull of 100 x 4 KB
   on a shard holding 10^4 and 10^6 variables <= 1.2 x the time on one holding 10^2; 64
   workers on one shard: aggregate steps/s >= 0.8 x the best of 1, 4, 16 and 64, their p99 <=
@@ -58,7 +60,7 @@ from . import (
 from . import rows as row_case
 from .peers import PEERS
 from .syncround import ASYNC, SYNC
-from .transfer import RAW, SDK, SDK_F16
+from .transfer import RAW, SDK, SDK_F16, SDK_F16_OUT, SDK_OUT
 
 __all__ = ["evaluate", "render", "workers_ceiling"]
 
@@ -168,6 +170,19 @@ def evaluate(rows: Sequence[dict]) -> list[dict]:
             "MB/s",
             _find(rows, "transfer", "pull", half, SDK_F16),
             _find(rows, "transfer", "pull", half, SDK),
+            "mb_per_s",
+            True,
+            1.6,
+            "not measured: run with the size 25000000",
+        )
+    )
+    out.append(
+        _goal(
+            "float16 pull of 100 MB into out=",
+            SDK_OUT,
+            "MB/s",
+            _find(rows, "transfer", "pull", half, SDK_F16_OUT),
+            _find(rows, "transfer", "pull", half, SDK_OUT),
             "mb_per_s",
             True,
             1.6,

@@ -18,6 +18,13 @@ more clients, made with ``wire_dtype="float16"`` and ``"bfloat16"`` (:data:`SDK_
 :data:`SDK_BF16`), each on a float32 variable of its own beside the first: it travels in half
 precision both ways, its MB/s counted in the float32 bytes delivered.
 
+Two more pull rows take the fresh array out of the measure: :data:`SDK_OUT` and
+:data:`SDK_F16_OUT` pull (float32, float16) into an ``out=`` buffer of their own, made once,
+each on a variable of its own. A pull into a new array pays the allocator for 100 MB of fresh
+pages whatever travels on the wire; into ``out=`` only the transfer and the widening are left.
+Their turns push too (untimed: the same push the other rows time), so that every pull sends the
+whole value.
+
 Interleaving the systems rep by rep lets all see the same background load; the order of the
 turns rotates from one repetition to the next. The first ``ctx.warmup`` repetitions of each
 size are not counted.
@@ -48,6 +55,8 @@ __all__ = [
     "SDK",
     "SDK_BF16",
     "SDK_F16",
+    "SDK_F16_OUT",
+    "SDK_OUT",
     "SDK_TLS",
     "cpu_fields",
     "push_label",
@@ -65,7 +74,10 @@ SDK, RAW = "paramshard", "raw socket"
 SDK_TLS = "paramshard https"
 #: The SDK with ``wire_dtype`` (client_sdk/wire/halves.py), by the dtype it pulls and pushes in.
 SDK_F16, SDK_BF16 = "paramshard float16", "paramshard bfloat16"
-_HALF = {SDK_F16: "float16", SDK_BF16: "bfloat16"}
+#: Pulls into an ``out=`` buffer made once (pull rows only; their pushes are not timed).
+SDK_OUT, SDK_F16_OUT = "paramshard into out=", "paramshard float16 into out="
+#: The variable each client pulls (the suffix of the float32 variable's name).
+_OWN = {SDK_F16: "float16", SDK_BF16: "bfloat16", SDK_OUT: "out", SDK_F16_OUT: "float16-out"}
 
 
 T = TypeVar("T")
@@ -136,13 +148,22 @@ def run(ctx: Context) -> list[dict]:
             SDK_TLS: tls_fleet.pids,
             SDK_F16: fleet.pids,
             SDK_BF16: fleet.pids,
+            SDK_OUT: fleet.pids,
+            SDK_F16_OUT: fleet.pids,
             RAW: [raw_server.pid],
             **{p.label: p.server_pids for p in peers},
         }
         for n in ctx.sizes_for(DEFAULT_SIZES):
-            clients = {SDK: ps, SDK_TLS: tls, SDK_F16: f16, SDK_BF16: bf16}
+            clients = {
+                SDK: ps,
+                SDK_TLS: tls,
+                SDK_F16: f16,
+                SDK_BF16: bf16,
+                SDK_OUT: ps,
+                SDK_F16_OUT: f16,
+            }
             rows += _one_size(ctx, n, clients, raw, peers, pids)
-    systems = [RAW, SDK, SDK_TLS, SDK_F16, SDK_BF16, *(p.label for p in peers)]
+    systems = [RAW, SDK, SDK_OUT, SDK_TLS, SDK_F16, SDK_F16_OUT, SDK_BF16, *(p.label for p in peers)]
     order = {system: k for k, system in enumerate(systems)}
     rows.sort(
         key=lambda r: (
@@ -168,8 +189,10 @@ def _one_size(
     value = np.random.default_rng(n).random(n, dtype=np.float32)
     grad = np.zeros(n, dtype=np.float32)
     nbytes = value.nbytes
-    # A half-precision client on a variable of its own: each system's versions go up by one
-    names = {s: f"{name}/{_HALF[s]}" if s in _HALF else name for s in clients}
+    # Each client but the plain and https ones on a variable of its own: each system's
+    # versions go up by one per repetition
+    names = {s: f"{name}/{_OWN[s]}" if s in _OWN else name for s in clients}
+    buffers = {s: np.empty(n, np.float32) for s in (SDK_OUT, SDK_F16_OUT)}
     for system, ps in clients.items():
         ps.init({names[system]: value}, optimizer=Add())
     for peer in peers:
@@ -179,15 +202,21 @@ def _one_size(
         (op, system): _Series(server_pids)
         for op in ("push", "pull")
         for system, server_pids in pids.items()
+        if op == "pull" or system not in buffers
     }
     last_version: dict[str, int] = {}
 
     def sdk_turn(system: str, i: int) -> None:
         ps, own = clients[system], names[system]
-        with series["push", system].timed():
+        if system in buffers:
             version = ps.push({own: grad})[own]["version"]
-        with series["pull", system].timed():
-            pulled = ps.pull([own])[own]
+            with series["pull", system].timed():
+                pulled = ps.pull([own], out={own: buffers[system]})[own]
+        else:
+            with series["push", system].timed():
+                version = ps.push({own: grad})[own]["version"]
+            with series["pull", system].timed():
+                pulled = ps.pull([own])[own]
         last = last_version.get(system)
         if last is not None and version != last + 1:
             raise RuntimeError(
@@ -199,6 +228,8 @@ def _one_size(
             raise RuntimeError(
                 f"{name}: pulled {pulled.dtype}{pulled.shape}; expected float32 ({n},)"
             )
+        if system in buffers and not np.may_share_memory(pulled, buffers[system]):
+            raise RuntimeError(f"{name} ({system}): the pull did not land in its out= buffer")
 
     def raw_turn(i: int) -> None:
         with series["push", RAW].timed():
@@ -226,7 +257,7 @@ def _one_size(
         for turn in rotated(turns, i):
             turn(i)
     for system, ps in clients.items():
-        reader = clients[SDK] if system in _HALF else ps  # the value as kept, in float32
+        reader = clients[SDK]  # the value as kept, in float32
         if not np.array_equal(reader.pull([names[system]])[names[system]], value):
             raise RuntimeError(f"{name} ({system}): value changed by pushing zeros through Add")
     for peer in peers:

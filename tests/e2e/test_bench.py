@@ -31,7 +31,7 @@ from bench import (
     timing,
 )
 from bench import rows as rows_case
-from bench.transfer import RAW, SDK, SDK_BF16, SDK_F16, SDK_TLS
+from bench.transfer import RAW, SDK, SDK_BF16, SDK_F16, SDK_F16_OUT, SDK_OUT, SDK_TLS
 from tests.conftest import ROOT
 
 
@@ -84,8 +84,14 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         if r["case"] in ("transfer", "step", "shardsize", "floor"):  # small: ten times --quick's 5
             assert r["reps"] == 5 * timing.SMALL_FACTOR, r
     for op in ("pull", "push"):
-        assert systems["transfer", op] == {SDK, SDK_TLS, SDK_F16, SDK_BF16, RAW}
         assert systems["step", op] == {SDK, RAW}
+    # the pulls into out= buffers have pull rows only
+    assert systems["transfer", "push"] == {SDK, SDK_TLS, SDK_F16, SDK_BF16, RAW}
+    assert systems["transfer", "pull"] == {
+        *systems["transfer", "push"],
+        SDK_OUT,
+        SDK_F16_OUT,
+    }
     assert systems["workers", "push"] == {RAW, goals.ONE_SHARD, goals.TWO_SHARDS}
     assert {"paramshard", "raw file"} <= systems["snapshot", "write"]
     for op in optimizers.OPS:
@@ -212,6 +218,25 @@ def test_goals_are_ratios_of_rows_of_the_same_run():
     (sync_goal,) = [g for g in rounds if g["goal"].startswith("sync round")]
     assert sync_goal["met"] and sync_goal["ratio"] == pytest.approx(1.2)
     assert "MISSED" in goals.render(list(by.values()))
+
+
+def test_the_float16_goal_is_judged_into_new_arrays_and_into_out_buffers_apart():
+    """Each float16 pull row is set against the float32 pull made the same way."""
+    n = 25_000_000
+    by = {
+        g["goal"]: g
+        for g in goals.evaluate(
+            [
+                _row("transfer", "pull", n, SDK, mb_per_s=1000.0),
+                _row("transfer", "pull", n, SDK_F16, mb_per_s=1200.0),
+                _row("transfer", "pull", n, SDK_OUT, mb_per_s=2000.0),
+                _row("transfer", "pull", n, SDK_F16_OUT, mb_per_s=3400.0),
+            ]
+        )
+    }
+    fresh, into = by["float16 pull of 100 MB"], by["float16 pull of 100 MB into out="]
+    assert fresh["versus"] == SDK and fresh["ratio"] == pytest.approx(1.2) and not fresh["met"]
+    assert into["versus"] == SDK_OUT and into["ratio"] == pytest.approx(1.7) and into["met"]
 
 
 def test_the_broadcast_goals_bound_the_p50_and_compare_it_with_ray():
