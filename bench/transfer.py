@@ -163,7 +163,16 @@ def run(ctx: Context) -> list[dict]:
                 SDK_F16_OUT: f16,
             }
             rows += _one_size(ctx, n, clients, raw, peers, pids)
-    systems = [RAW, SDK, SDK_OUT, SDK_TLS, SDK_F16, SDK_F16_OUT, SDK_BF16, *(p.label for p in peers)]
+    systems = [
+        RAW,
+        SDK,
+        SDK_OUT,
+        SDK_TLS,
+        SDK_F16,
+        SDK_F16_OUT,
+        SDK_BF16,
+        *(p.label for p in peers),
+    ]
     order = {system: k for k, system in enumerate(systems)}
     rows.sort(
         key=lambda r: (
@@ -256,9 +265,8 @@ def _one_size(
                 s.forget_warmup()
         for turn in rotated(turns, i):
             turn(i)
-    for system, ps in clients.items():
-        reader = clients[SDK]  # the value as kept, in float32
-        if not np.array_equal(reader.pull([names[system]])[names[system]], value):
+    for system in clients:  # the value as kept, in float32
+        if not np.array_equal(clients[SDK].pull([names[system]])[names[system]], value):
             raise RuntimeError(f"{name} ({system}): value changed by pushing zeros through Add")
     for peer in peers:
         peer.check([name])
