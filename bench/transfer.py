@@ -75,7 +75,7 @@ SDK_TLS = "paramshard https"
 #: The SDK with ``wire_dtype`` (client_sdk/wire/halves.py), by the dtype it pulls and pushes in.
 SDK_F16, SDK_BF16 = "paramshard float16", "paramshard bfloat16"
 #: Pulls into an ``out=`` buffer made once (pull rows only; their pushes are not timed).
-SDK_OUT, SDK_F16_OUT = "paramshard into out=", "paramshard float16 into out="
+SDK_OUT, SDK_F16_OUT = "out= float32", "out= float16"
 #: The variable each client pulls (the suffix of the float32 variable's name).
 _OWN = {SDK_F16: "float16", SDK_BF16: "bfloat16", SDK_OUT: "out", SDK_F16_OUT: "float16-out"}
 
