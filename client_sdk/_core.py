@@ -200,25 +200,7 @@ class Core:
         names = tuple(names)
         if max_reply is None:
             max_reply = REPLY_HEADROOM + REPLY_PER_NAME * len(names)
-        if self.allow_backup and not mutating:
-            return ShardRequest(
-                shard,
-                "POST",
-                f"/v1/{verb}",
-                self._data_headers[shard],
-                body,
-                mutating,
-                deadline,
-                verb,
-                names,
-                timeout,
-                retry_safe,
-                max_reply,
-                abort,
-                into,
-                url=self.replicas.reader(shard),
-                allow_backup=True,
-            )
+        backup_read = self.allow_backup and not mutating
         return ShardRequest(
             shard,
             "POST",
@@ -234,6 +216,8 @@ class Core:
             max_reply,
             abort,
             into,
+            url=self.replicas.reader(shard) if backup_read else None,
+            allow_backup=backup_read,
         )
 
     def get(self, shard: int, path: str, deadline: float, verb: str) -> ShardRequest:
