@@ -19,6 +19,7 @@ import pytest
 from client_sdk import wire
 from client_sdk._into import DIRECT_BYTES, STAGE, Sink
 from client_sdk.wire import casts, halves
+from tests.helpers.sinks import drive
 
 F16_PATTERNS = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
 
@@ -98,23 +99,6 @@ def test_a_numkong_that_rounds_otherwise_is_not_used_and_the_log_says_why(monkey
     with caplog.at_level(logging.WARNING, logger="paramshard.wire"):
         assert casts.backend() == casts.NUMPY
     assert "minmax misses an infinity" in caplog.text
-
-
-def drive(sink: Sink, body: bytes, first: int, step: int):
-    """``sink.receive`` of ``body``: ``first`` bytes buffered, then ``step`` at most per read."""
-    receiving = sink.receive(memoryview(body)[:first], len(body))
-    at = first
-    try:
-        target = next(receiving)
-        while True:
-            n = min(len(target), step, len(body) - at)
-            assert n > 0, "the sink asked for more than the body has"
-            target[:n] = body[at : at + n]
-            at += n
-            target = receiving.send(n)
-    except StopIteration as done:
-        assert at == len(body), "the sink stopped before the body's end"
-        return done.value
 
 
 @pytest.mark.parametrize("wire_dtype", ["float16", "bfloat16"])

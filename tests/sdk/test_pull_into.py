@@ -48,6 +48,7 @@ from client_sdk.placement import shard_for
 from client_sdk.wire import halves
 from tests.helpers.dropproxy import DroppingProxy
 from tests.helpers.names import fresh
+from tests.helpers.sinks import drive
 
 #: float32 elements of each test variable (8 MiB): far above what is received apart.
 N = 1 << 21
@@ -339,24 +340,6 @@ def test_widen_writes_into_a_given_buffer():
     strided = np.zeros(16, np.float32)[::2]
     halves.widen(value, strided)
     assert np.array_equal(strided, np.arange(8))
-
-
-def drive(sink: Sink, body: bytes, first: int, step: int):
-    """``sink.receive`` of ``body`` as a connection would: ``first`` bytes already buffered,
-    then at most ``step`` bytes per receive."""
-    receiving = sink.receive(memoryview(body)[:first], len(body))
-    at = first
-    try:
-        target = next(receiving)
-        while True:
-            n = min(len(target), step, len(body) - at)
-            assert n > 0, "the sink asked for more than the body has"
-            target[:n] = body[at : at + n]
-            at += n
-            target = receiving.send(n)
-    except StopIteration as done:
-        assert at == len(body), "the sink stopped before the body's end"
-        return done.value
 
 
 @pytest.mark.parametrize("uniform", [False, True])
