@@ -35,7 +35,7 @@ from client_sdk import AsyncPSClient, NotPrimaryError, PSClient, wire
 from client_sdk.optimizers import SGD
 from server.launcher import LaunchError
 from tests.conftest import OnLoop, http_json
-from tests.helpers.replicas import Group, _free_ports, start_group
+from tests.helpers.replicas import Group, free_ports, start_group
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +243,7 @@ class RelayedGroup(Group):
 
 def test_a_lagging_backups_older_value_comes_with_its_own_version(tmp_path, caplog):
     for attempt in range(4):
-        ports = _free_ports(2)
+        ports = free_ports(2)
         relay = Relay(ports[1])
         RelayedGroup.relay_url = relay.url
         where = tmp_path / f"g{attempt}"

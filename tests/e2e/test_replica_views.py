@@ -27,7 +27,7 @@ from tests.conftest import Fleet
 from tests.e2e.test_cli import run_cli
 from tests.e2e.test_leadership import elected_group, one_primary
 from tests.helpers.eventually import eventually
-from tests.helpers.replicas import Group, _free_ports, start_group
+from tests.helpers.replicas import Group, free_ports, start_group
 
 COLUMNS = "URL SHARD ROLE EPOCH LSN LAG IN-SYNC INCARNATION".split()
 
@@ -149,7 +149,7 @@ class Single(Fleet):
 
 def test_the_fleet_view_and_inspection_take_replica_groups(tmp_path):
     for attempt in range(4):
-        ports = _free_ports(3)
+        ports = free_ports(3)
         p0, b0, s1 = (f"http://127.0.0.1:{p}" for p in ports)
         Listed.fleet = f"{p0}|{b0},{s1}"
         Single.port = ports[2]

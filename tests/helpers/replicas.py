@@ -21,7 +21,7 @@ from typing import Any
 from server.launcher import LaunchError
 from tests.conftest import Fleet, http_json
 
-__all__ = ["Group", "cluster", "start_group"]
+__all__ = ["Group", "cluster", "free_ports", "start_group"]
 
 ATTEMPTS = 4
 
@@ -53,7 +53,9 @@ class Group(Fleet):
         return [*args, "--advertise-url", self.group_urls[i]]
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
+    """``n`` ports free a moment ago (module docstring: the caller retries on new ones when one
+    was taken in between), for groups whose replicas must know each other's URLs."""
     socks = []
     try:
         for _ in range(n):
@@ -73,7 +75,7 @@ def start_group(workdir: Path, n: int = 2, *extra_args: str, **kwargs: Any) -> G
         where = workdir / f"group{attempt}"
         where.mkdir(parents=True, exist_ok=True)
         try:
-            return Group(n, where, _free_ports(n), tuple(extra_args), **kwargs)
+            return Group(n, where, free_ports(n), tuple(extra_args), **kwargs)
         except LaunchError as exc:
             error = exc
     raise AssertionError(f"a replica group did not start in {ATTEMPTS} attempts: {error}")
