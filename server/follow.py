@@ -11,8 +11,8 @@ owner (a wrong URL list is refused by the shard it reaches, not answered for the
 shard), and :data:`FORWARDED`, which a shard never follows again (no loops). The answer carries
 ``x-paramshard-owner: <index>/<N>``. An owner listed as a replica group (``a|b``) is asked at
 each replica in turn until one answers (every replica answers inspection, a backup from its own
-state). Without ``--fleet-urls``, or for a forwarded request, the
-shard answers 421 ``not_owner`` as before; an owner that does not answer is 503.
+state). Without ``--fleet-urls``, or for a forwarded request, the shard answers its own 421
+``not_owner`` (the refusal :func:`follow` is given); an owner that does not answer is 503.
 """
 
 from __future__ import annotations
