@@ -182,7 +182,12 @@ def test_the_fleet_view_and_inspection_take_replica_groups(tmp_path):
         from_backup = httpx2.get(b0 + "/v1/fleet", timeout=30).json()["shards"][0]
         assert [r["role"] for r in from_backup["replicas"]] == ["primary", "backup"]
         group.kill(0)
-        view = httpx2.get(s1 + "/v1/fleet", timeout=30).json()["shards"][0]
+
+        def seen_down():  # the view is cached for FLEET_CACHE_SECONDS: ask until it is new
+            shown = httpx2.get(s1 + "/v1/fleet", timeout=30).json()["shards"][0]
+            return shown if shown["replicas"][0]["up"] is False else None
+
+        view = eventually(seen_down, "the fleet view showing the killed replica down")
         assert view["url"] == b0 and view["role"] == "backup"  # the first that answers
         assert [r["up"] for r in view["replicas"]] == [False, True]
         # a variable of index 0 asked of shard 1: the owner's replicas asked in turn
