@@ -19,6 +19,11 @@ included: reading pauses while more than 64 KiB wait for the app):
 
 The app then copies each piece once, into the buffer it preallocated (``routes_data``).
 
+It is one module past the ~600 lines others keep to because it is one subclass of uvicorn's
+protocol with the readers and transports it swaps in: they share that class's private state
+(checked at start by :mod:`server.upstream`), and split apart each half would reach into the
+other's.
+
 And the app can do without that copy, and without the pieces: a request whose body bypasses
 the parser carries a :class:`BodyInto` in ``scope["extensions"][BODY_INTO]``. The app hands it
 a buffer of the body's size (:meth:`BodyInto.receive_into`); the pieces not yet received are
