@@ -33,6 +33,7 @@ from typing import Any, TextIO
 
 from .probes import probe_fleet
 from .progress import human_bytes
+from .replication.group import in_sync, lag, primary_of
 
 __all__ = [
     "Reading",
@@ -106,36 +107,21 @@ def replication_of(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def group_primary(results: list[dict[str, Any]]) -> int | None:
-    """Which of a group's probe results is its primary: the one saying so at the highest
-    epoch (``None``: none does)."""
-    says = [
-        (rep["epoch"], r)
-        for r, res in enumerate(results)
-        if (rep := replication_of(res)).get("role") == "primary" and type(rep.get("epoch")) is int
-    ]
-    return max(says)[1] if says else None
+    """Which of a group's probe results is its primary (server/replication/group.py's rule)."""
+    return primary_of([replication_of(res) for res in results])
 
 
 def replica_cells(url: str, rep: dict[str, Any], primary: dict[str, Any] | None) -> list[str]:
-    """ROLE, EPOCH, LSN as replica ``url`` says them; LAG, IN-SYNC as the primary says them.
-    The primary knows its backups by the URLs they advertise (``replication.url``), which may
-    not be the URLs listed here (published ports, a port-forward): each is matched by its own."""
+    """ROLE, EPOCH, LSN as replica ``url`` says them; LAG, IN-SYNC as the primary says them
+    (server/replication/group.py)."""
     cells = [str(rep.get("role", "?")), str(rep.get("epoch", "?")), str(rep.get("lsn", "-"))]
     if primary is None:
         return [*cells, "?", "?"]
     if primary is rep:
         return [*cells, "-", "-"]
-    advertised = rep.get("url")
-    url = advertised if isinstance(advertised, str) and advertised else url
-    link = next(
-        (b for b in primary.get("backups") or [] if isinstance(b, dict) and b.get("url") == url),
-        None,
-    )
-    lag = link.get("lag") if link is not None else None
-    if type(lag) is not int and type(primary.get("lsn")) is int and type(rep.get("lsn")) is int:
-        lag = max(0, primary["lsn"] - rep["lsn"])
-    in_sync = "yes" if url in (primary.get("in_sync") or []) else "no"
-    return [*cells, "?" if lag is None else str(lag), in_sync]
+    behind = lag(primary, rep, url)
+    listed = "yes" if in_sync(primary, rep, url) else "no"
+    return [*cells, "?" if behind is None else str(behind), listed]
 
 
 def table(

@@ -24,6 +24,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from ..errors import ShardError
+from ..replication.group import primary_of
 from .replicas import replicas_view
 
 __all__ = ["ASSETS", "PROBE_TIMEOUT", "router", "swagger_files"]
@@ -210,7 +211,7 @@ async def _probe_group(
     state: Any,
 ) -> dict[str, Any]:
     """An index served by a replica group: each replica probed (this one from its own state),
-    the index shown by its primary (the replica saying so at the highest epoch), else by the
+    the index shown by its primary (server/replication/group.py's rule), else by the
     first that answers, else as down."""
     config = state.config
     probes = await asyncio.gather(
@@ -224,10 +225,10 @@ async def _probe_group(
     replicas = [
         {k: p.get(k) for k in ("url", "up", "role", "epoch", "lsn", "error")} for p in probes
     ]
-    primaries = [p for p in probes if p.get("role") == "primary" and type(p.get("epoch")) is int]
+    k = primary_of(probes)
     shown = (
-        max(primaries, key=lambda p: p["epoch"])
-        if primaries
+        probes[k]
+        if k is not None
         else next((p for p in probes if p["up"] and not p.get("error")), probes[0])
     )
     return {**shown, "replicas": replicas}

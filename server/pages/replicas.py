@@ -5,8 +5,8 @@ Every replica of the group (``--replica-group``) is asked for its ``GET /v1/clus
 one answers from its own state), and each is shown with what it says of itself: up or not, its
 role, epoch, lsn (the newest write it holds), what it says of etcd; and with what the group's
 primary says of it: whether the primary's in-sync set lists it (a write is acknowledged only
-once every listed backup has it) and its lag (the primary's lsn minus its own). The primary is
-the replica that says it is, at the highest epoch.
+once every listed backup has it) and its lag. Which replica is the primary, and the lag, follow
+server/replication/group.py's rule (as ``paramshard status`` and the fleet view do).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import asyncio
 from typing import Any
 
 import httpx2
+
+from ..replication.group import in_sync, lag, primary_of
 
 __all__ = ["replicas_view"]
 
@@ -94,22 +96,18 @@ async def replicas_view(state: Any, auth: str | None, timeout: float) -> dict[st
                     "error": lead.get("error"),
                 },
                 "error": answer.get("error"),
-                "_in_sync": rep.get("in_sync"),
             }
         )
-    primaries = [r for r in rows if r["role"] == "primary" and r["epoch"] is not None]
-    primary = max(primaries, key=lambda r: r["epoch"]) if primaries else None
-    members = primary["_in_sync"] if primary is not None else None
-    for row in rows:
-        del row["_in_sync"]
+    p = primary_of([a.get("replication") for a in answers])
+    primary = rows[p] if p is not None else None
+    says: dict[str, Any] = answers[p]["replication"] if p is not None else {}
+    for row, answer in zip(rows, answers):
         if primary is None:
             continue
-        if row is primary:
-            row["lag"] = 0
-            continue
-        row["in_sync"] = isinstance(members, list) and row["url"] in members
-        if primary["lsn"] is not None and row["lsn"] is not None:
-            row["lag"] = max(0, primary["lsn"] - row["lsn"])
+        rep = answer.get("replication") or {}
+        row["lag"] = lag(says, rep, row["url"]) if row is not primary else 0
+        if row is not primary:
+            row["in_sync"] = in_sync(says, rep, row["url"])
     return {
         "shard_index": config.shard_index,
         "num_shards": config.num_shards,
