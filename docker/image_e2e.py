@@ -4,7 +4,7 @@
 
 What a user of docker/Dockerfile and docker-compose.yml does, checked step by step, with a log
 of every command. It owns nothing the product uses; `make test` checks the same files statically
-(tests/e2e/test_deploy_files.py) and this script runs them:
+(tests/e2e/test_deploy_files.py, test_k8s_manifests.py) and this script runs them:
 
  1. the engine: docker if its daemon answers, else podman (docker/images.py); when neither can
     run and this is root, installs podman, runc and debootstrap with apt-get (podman-compose comes

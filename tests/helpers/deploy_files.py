@@ -1,4 +1,6 @@
-"""Readers for the deployment files, shared by the static checks and the multi-host test.
+"""Readers for the deployment files, shared by the static checks and the multi-host test, and
+the checks that the settings a file sets are the ones the code reads (:func:`shard_config`,
+:func:`check_worker_env`).
 
 ``docker-compose.yml`` is read with PyYAML (anchors and ``<<`` merge keys resolved, as Compose
 resolves them); ``docker/Dockerfile`` with :func:`parse_dockerfile`, a small reader of the
@@ -7,14 +9,24 @@ instructions this repository uses (continuation lines, comments, ``FROM ... AS s
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
+import os
 import re
 import shlex
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
+
+from client_sdk._settings import load_settings
+from client_sdk.wire import ENV_SHARDS, ENV_TOKEN, ENV_WORKER_ID
+from server import config as config_module
+from server.config import ShardConfig, env_name
+from server.demo import digits_worker as digits
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -196,3 +208,52 @@ def k8s_env(container: dict[str, Any]) -> dict[str, Any]:
     return {
         e["name"]: e["value"] if "value" in e else e["valueFrom"] for e in container.get("env", [])
     }
+
+
+# -- the settings a file sets, against what the code reads ------------------------------------
+
+SHARD_ENV = {env_name(f.name) for f in fields(ShardConfig)}
+SDK_ENV = {ENV_SHARDS, ENV_TOKEN, ENV_WORKER_ID}
+
+
+def shard_config(
+    env: dict[str, str], hostname: str | None = None, monkeypatch: pytest.MonkeyPatch | None = None
+) -> ShardConfig:
+    """What ``paramshard serve`` makes of ``env`` as a container sets it (``hostname``: the
+    host's name it sees); fails naming any ``PARAMSHARD_*`` variable it does not read."""
+    unknown = sorted(k for k in env if k.startswith("PARAMSHARD_") and k not in SHARD_ENV)
+    assert not unknown, f"paramshard serve does not read {unknown}; it reads {sorted(SHARD_ENV)}"
+    if hostname is not None:
+        assert monkeypatch is not None
+        monkeypatch.setattr(config_module.socket, "gethostname", lambda: hostname)
+    env = interpolated(env)
+    if env_name("token_file") in env:  # the Secret's file, as mounted in a pod
+        mounted = Path(tempfile.mkdtemp()) / "tokens"
+        mounted.write_text(A_TOKEN + "\n")
+        env = {**env, env_name("token_file"): str(mounted)}
+    return ShardConfig.from_sources({}, env)
+
+
+def check_worker_env(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
+    """The example worker and the SDK accept this environment as it is; the worker's settings."""
+    unknown = sorted(k for k in env if k.startswith("PARAMSHARD_") and k not in SDK_ENV)
+    assert not unknown, f"the SDK does not read {unknown}; it reads {sorted(SDK_ENV)}"
+    for key in list(os.environ):
+        if key.startswith(("PARAMSHARD_", "DIGITS_")):
+            monkeypatch.delenv(key)
+    for key, value in interpolated(env).items():
+        monkeypatch.setenv(key, value)
+    args = digits.parse_args([])  # exits (SystemExit) on a bad DIGITS_* value
+    for key in env:
+        if key.startswith("DIGITS_"):
+            assert hasattr(args, key[len("DIGITS_") :].lower()), (
+                f"{key} is not a setting of server/demo/digits_worker.py"
+            )
+    load_settings(environ=interpolated(env))
+    return args
+
+
+def follows_a_cut_primary(args: argparse.Namespace) -> bool:
+    """A call stuck on a primary cut off from the network (it never answers) gives up on it
+    soon enough to follow the new primary within the call's retry deadline."""
+    return args.timeout <= 10 and args.retry_deadline >= 2 * args.timeout + 30
