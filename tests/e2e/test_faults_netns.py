@@ -133,14 +133,8 @@ def acked(out: Path) -> int:
 
 @pytest.fixture
 def lab():
-    netlab.sweep_stale()
-    lab = netlab.Netlab()
-    try:
+    with netlab.opened("the link-cut test") as lab:
         yield lab
-    finally:
-        lab.close()
-        left = lab.leftovers()
-        assert not left, f"the link-cut test left {left} behind"
 
 
 def test_a_primary_cut_off_by_a_link_cut_rejoins_as_a_backup_losing_nothing(tmp_path, lab):

@@ -131,15 +131,9 @@ def service_volumes(service: dict, base: Path) -> dict[str, Path]:
 
 @pytest.fixture
 def lab():
-    netlab.sweep_stale()
-    lab = netlab.Netlab()
-    lab.token = A_TOKEN  # the compose file's ${PARAMSHARD_TOKEN}, as the operator has it
-    try:
+    with netlab.opened("the multi-host test") as lab:
+        lab.token = A_TOKEN  # the compose file's ${PARAMSHARD_TOKEN}, as the operator has it
         yield lab
-    finally:
-        lab.close()
-        left = lab.leftovers()
-        assert not left, f"the multi-host test left {left} behind"
 
 
 class Fleet:

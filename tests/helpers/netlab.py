@@ -16,6 +16,7 @@ files) and is safe to call more than once, after any failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["Netlab", "available", "sweep_stale"]
@@ -265,3 +267,17 @@ class Netlab:
                 NETNS_ETC.rmdir()  # only if empty: another lab may be using it
             except OSError:
                 pass
+
+
+@contextlib.contextmanager
+def opened(what: str) -> Iterator[Netlab]:
+    """A new :class:`Netlab` (labs a killed run left behind swept first), closed after the
+    ``with`` block, which then fails if anything of it is left (``what`` names the test)."""
+    sweep_stale()
+    lab = Netlab()
+    try:
+        yield lab
+    finally:
+        lab.close()
+        left = lab.leftovers()
+        assert not left, f"{what} left {left} behind"
