@@ -312,12 +312,19 @@ class _PushPlan:
     cast to the variable's dtype and checked finite, with the bounds the update keeps
     (request-local work, safe off the loop)."""
 
-    __slots__ = ("var", "grad", "scratch", "checked", "bounds")
+    __slots__ = ("var", "grad", "scratch", "checked", "bounds", "widened")
 
     def __init__(self, var: Variable, grad: np.ndarray, checked: float | None = None) -> None:
         self.var = var
         self.grad = grad
         self.scratch = bool(grad.flags.writeable)
+        #: Where a half-precision gradient of a float32 variable is widened (allocated on the
+        #: loop's thread, see server/store/heap.py), else None.
+        self.widened = (
+            np.empty(grad.shape, var.value.dtype)
+            if var.value.dtype == np.float32 and grad.dtype.itemsize == 2
+            else None
+        )
         #: Found finite already, as received, with at least this sum of squares
         #: (server/store/checks.py); None: not checked.
         self.checked = checked
@@ -329,7 +336,8 @@ class _PushPlan:
         grad = self.grad
         squares: list[float] = []
         with np.errstate(all="ignore"):
-            self.grad = grad_to_apply(self.var, grad, self.checked, squares)
+            self.grad = grad_to_apply(self.var, grad, self.checked, squares, self.widened)
+        self.widened = None
         if self.grad is not grad:
             self.scratch = True
         self.bounds = bounds_known(self.var, squares[0], bounds_after(self.var, squares[0]))

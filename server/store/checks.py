@@ -176,7 +176,11 @@ def _grad_error(var: Variable, grad: np.ndarray) -> ShardError:
 
 
 def grad_to_apply(
-    var: Variable, grad: np.ndarray, checked: float | None, squares: list[float]
+    var: Variable,
+    grad: np.ndarray,
+    checked: float | None,
+    squares: list[float],
+    widened: np.ndarray | None = None,
 ) -> np.ndarray:
     """``grad`` as it is applied to ``var``: cast to its dtype if need be (a fresh, writable
     copy) and found finite, unless ``checked`` (at least its sum of squares) says it was
@@ -184,10 +188,14 @@ def grad_to_apply(
     least its sum of squares goes to ``squares``. 422 if it is not finite. Call under
     ``np.errstate``; after :func:`check_dtypes_and_shapes`. A half-precision gradient of a
     float32 variable (``wire_dtype``) is widened by :func:`client_sdk.wire.halves.widen`
-    (vectorized), not numpy's element-by-element cast."""
+    (vectorized), not numpy's element-by-element cast, into ``widened`` when given (float32 of
+    its shape: a worker thread is handed memory the loop's thread allocated, see
+    server/store/heap.py)."""
     if grad.dtype != var.value.dtype:
         if var.value.dtype == _F4 and (grad.dtype == _F2 or grad.dtype.name == "bfloat16"):
-            grad = halves.widen(grad, np.empty(grad.shape, _F4))
+            if widened is None or widened.shape != grad.shape or widened.dtype != _F4:
+                widened = np.empty(grad.shape, _F4)
+            grad = halves.widen(grad, widened)
         else:
             grad = grad.astype(var.value.dtype)
         checked = None

@@ -111,6 +111,31 @@ def test_a_push_applies_the_gradient_rounded_to_the_wire_dtype(fleet2, wire_dtyp
         np.testing.assert_array_equal(got[n], -rounded(grads[n], wire_dtype))
 
 
+@pytest.mark.parametrize("wire_dtype", ["float16", "bfloat16"])
+def test_big_pushes_one_after_another_each_apply_their_own_gradient(fleet2, wire_dtype):
+    """Gradients big enough to be applied off the shard's event loop, widened there into
+    memory the loop handed out: each push applies its own, and one with a NaN is refused
+    whole with nothing applied."""
+    from server.store.apply import OFFLOAD_BYTES  # the shard's threshold, in wire bytes
+
+    name = fresh(f"big-{wire_dtype}")
+    n = OFFLOAD_BYTES // 2 + 4096
+    steps = [np.full(n, 0.5, np.float32), np.linspace(-2, 2, n, dtype=np.float32)]
+    with PSClient(fleet2.urls, worker_id=fresh("w"), wire_dtype=wire_dtype) as ps:
+        ps.init({name: np.zeros(n, np.float32)}, optimizer=SGD(lr=1.0))
+        for grad in steps:
+            assert ps.push({name: grad})[name]["status"] == "applied"
+        bad = steps[1].copy()
+        bad[n // 2] = np.nan
+        with pytest.raises(BadTensorError, match="NaN"):
+            ps.push({name: bad})
+    with PSClient(fleet2.urls, worker_id=fresh("w")) as plain:
+        got = plain.pull([name])[name]
+    np.testing.assert_array_equal(
+        got, -rounded(steps[0], wire_dtype) - rounded(steps[1], wire_dtype)
+    )
+
+
 def test_other_dtypes_travel_as_they_are(fleet2):
     f64, i64 = fresh("f64"), fresh("i64")
     value = np.random.default_rng(3).standard_normal(50)
