@@ -28,6 +28,7 @@ __all__ = ["CASES"]
 #: case name -> module; run in this order.
 CASES: dict[str, str] = {
     "transfer": "bench.transfer",
+    "link": "bench.link",
     "step": "bench.step",
     "workers": "bench.workers",
     "snapshot": "bench.snapshot",

@@ -30,13 +30,18 @@ turns rotates from one repetition to the next. The first ``ctx.warmup`` repetiti
 size are not counted.
 
 Around every timed call the server's CPU time is read from ``/proc`` (:mod:`bench.cpu`), so
-each row also says how many CPU-seconds the server spent per GB it sent or received.
+each row also says how many CPU-seconds the server spent per GB it sent or received, and this
+process's own (``client_cpu_ms``: per call, every thread, as :func:`time.process_time` counts).
+
+The same repetitions run over a rate-limited link between two network namespaces in
+:mod:`bench.link` (:func:`one_size` with its own clients).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -54,11 +59,13 @@ __all__ = [
     "RAW",
     "SDK",
     "SDK_BF16",
+    "SDK_BF16_OUT",
     "SDK_F16",
     "SDK_F16_OUT",
     "SDK_OUT",
     "SDK_TLS",
     "cpu_fields",
+    "one_size",
     "push_label",
     "rotated",
     "run",
@@ -75,10 +82,19 @@ SDK_TLS = "paramshard https"
 #: The SDK with ``wire_dtype`` (client_sdk/wire/halves.py), by the dtype it pulls and pushes in.
 SDK_F16, SDK_BF16 = "paramshard float16", "paramshard bfloat16"
 #: Pulls into an ``out=`` buffer made once (pull rows only; their pushes are not timed).
-SDK_OUT, SDK_F16_OUT = "out= float32", "out= float16"
+SDK_OUT, SDK_F16_OUT, SDK_BF16_OUT = "out= float32", "out= float16", "out= bfloat16"
 #: The variable each client pulls (the suffix of the float32 variable's name).
-_OWN = {SDK_F16: "float16", SDK_BF16: "bfloat16", SDK_OUT: "out", SDK_F16_OUT: "float16-out"}
+_OWN = {
+    SDK_F16: "float16",
+    SDK_BF16: "bfloat16",
+    SDK_OUT: "out",
+    SDK_F16_OUT: "float16-out",
+    SDK_BF16_OUT: "bfloat16-out",
+}
 
+
+#: The out= systems: pull only.
+_OUT = (SDK_OUT, SDK_F16_OUT, SDK_BF16_OUT)
 
 T = TypeVar("T")
 
@@ -96,11 +112,14 @@ class _Series:
     def __init__(self, server_pids: list[int]) -> None:
         self.watch = Stopwatch()
         self.cpu = CpuMeter(server_pids)
+        self.client_cpu: float | None = None
 
     @contextlib.contextmanager
     def timed(self) -> Iterator[None]:
+        t0 = time.process_time()
         with self.cpu, self.watch:
             yield
+        self.client_cpu = (self.client_cpu or 0.0) + time.process_time() - t0
 
     def add(self, seconds: float) -> None:
         self.watch.samples.append(seconds)
@@ -109,6 +128,8 @@ class _Series:
         self.watch.samples.clear()
         if self.cpu.seconds is not None:
             self.cpu.seconds = 0.0
+        if self.client_cpu is not None:
+            self.client_cpu = 0.0
 
 
 def cpu_fields(cpu_seconds: float | None, nbytes: int, reps: int) -> dict:
@@ -162,7 +183,7 @@ def run(ctx: Context) -> list[dict]:
                 SDK_OUT: ps,
                 SDK_F16_OUT: f16,
             }
-            rows += _one_size(ctx, n, clients, raw, peers, pids)
+            rows += one_size(ctx, n, clients, raw, peers, pids)
     systems = [
         RAW,
         SDK,
@@ -184,14 +205,18 @@ def run(ctx: Context) -> list[dict]:
     return rows
 
 
-def _one_size(
+def one_size(
     ctx: Context,
     n: int,
     clients: dict[str, Any],
     raw: RawClient,
     peers: Sequence[Peer],
     pids: dict[str, list[int]],
+    case: str = "transfer",
 ) -> list[dict]:
+    """The rows of one size: each of ``clients`` (system -> its ``PSClient``; the out= systems
+    pull into buffers, the others push and pull), ``raw`` and ``peers`` take their turns
+    rep by rep; ``pids`` names each system's server processes (whose CPU is read)."""
     from client_sdk.optimizers import Add
 
     name = f"bench/transfer/f32-{n}"
@@ -201,7 +226,7 @@ def _one_size(
     # Each client but the plain and https ones on a variable of its own: each system's
     # versions go up by one per repetition
     names = {s: f"{name}/{_OWN[s]}" if s in _OWN else name for s in clients}
-    buffers = {s: np.empty(n, np.float32) for s in (SDK_OUT, SDK_F16_OUT)}
+    buffers = {s: np.empty(n, np.float32) for s in clients if s in _OUT}
     for system, ps in clients.items():
         ps.init({names[system]: value}, optimizer=Add())
     for peer in peers:
@@ -211,7 +236,7 @@ def _one_size(
         (op, system): _Series(server_pids)
         for op in ("push", "pull")
         for system, server_pids in pids.items()
-        if op == "pull" or system not in buffers
+        if op == "pull" or system not in _OUT
     }
     last_version: dict[str, int] = {}
 
@@ -272,7 +297,7 @@ def _one_size(
         peer.check([name])
     return [
         {
-            "case": "transfer",
+            "case": case,
             "op": op,
             "size": n,
             "dtype": "float32",
@@ -280,6 +305,7 @@ def _one_size(
             "reference": system == RAW,
             **summarize(s.watch.samples, nbytes),
             **cpu_fields(s.cpu.seconds, nbytes, reps),
+            "client_cpu_ms": None if s.client_cpu is None else s.client_cpu / reps * 1e3,
         }
         for (op, system), s in series.items()
     ]

@@ -9,8 +9,11 @@ results right.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -23,6 +26,8 @@ from bench import (
     floor,
     frameworks,
     goals,
+    link,
+    netns,
     optimizers,
     replication,
     scale,
@@ -35,13 +40,16 @@ from bench.transfer import RAW, SDK, SDK_BF16, SDK_F16, SDK_F16_OUT, SDK_OUT, SD
 from tests.conftest import ROOT
 
 
-def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _bench(
+    *args: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "bench", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
 
 
@@ -56,6 +64,7 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
     out = run.stdout
     for case in (
         "transfer:",
+        "link:",
         "step:",
         "workers:",
         "snapshot:",
@@ -81,7 +90,7 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         systems[r["case"], r["op"]].add(r["system"])
         # A broadcast may reach its actors before the learner reads its push's reply (< 0).
         assert r["reps"] >= 1 and (r["p50_ms"] > 0 or r["case"] == "broadcast")
-        if r["case"] in ("transfer", "step", "shardsize", "floor"):  # small: ten times --quick's 5
+        if r["case"] in ("transfer", "link", "step", "shardsize", "floor"):  # small: ten times 5
             assert r["reps"] == 5 * timing.SMALL_FACTOR, r
     for op in ("pull", "push"):
         assert systems["step", op] == {SDK, RAW}
@@ -92,6 +101,13 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
         SDK_OUT,
         SDK_F16_OUT,
     }
+    # the link case measures where it can make network namespaces (root, ip, tc)
+    if netns.unavailable() is None:
+        assert systems["link", "pull"] == {RAW, *link.SYSTEMS}
+        assert systems["link", "push"] == {RAW, SDK, SDK_F16, SDK_BF16}
+        assert "link (10 Gbit/s): CPU ms per call" in out
+    else:
+        assert "link: not measured: " in out and ("link", "pull") not in systems
     assert systems["workers", "push"] == {RAW, goals.ONE_SHARD, goals.TWO_SHARDS}
     assert {"paramshard", "raw file"} <= systems["snapshot", "write"]
     for op in optimizers.OPS:
@@ -221,7 +237,8 @@ def test_goals_are_ratios_of_rows_of_the_same_run():
 
 
 def test_the_float16_goal_is_judged_into_new_arrays_and_into_out_buffers_apart():
-    """Each float16 pull row is set against the float32 pull made the same way."""
+    """Each float16 pull row is set against the float32 pull made the same way, over the link
+    and on loopback apart."""
     n = 25_000_000
     by = {
         g["goal"]: g
@@ -231,12 +248,105 @@ def test_the_float16_goal_is_judged_into_new_arrays_and_into_out_buffers_apart()
                 _row("transfer", "pull", n, SDK_F16, mb_per_s=1200.0),
                 _row("transfer", "pull", n, SDK_OUT, mb_per_s=2000.0),
                 _row("transfer", "pull", n, SDK_F16_OUT, mb_per_s=3400.0),
+                _row("link", "pull", n, SDK, mb_per_s=1000.0),
+                _row("link", "pull", n, SDK_F16, mb_per_s=1800.0),
+                _row("link", "pull", n, SDK_OUT, mb_per_s=1000.0),
+                _row("link", "pull", n, SDK_F16_OUT, mb_per_s=1500.0),
             ]
         )
     }
-    fresh, into = by["float16 pull of 100 MB"], by["float16 pull of 100 MB into out="]
+    fresh = by["float16 pull of 100 MB, loopback"]
+    into = by["float16 pull into out=, loopback"]
     assert fresh["versus"] == SDK and fresh["ratio"] == pytest.approx(1.2) and not fresh["met"]
     assert into["versus"] == SDK_OUT and into["ratio"] == pytest.approx(1.7) and into["met"]
+    fresh = by[f"float16 pull of 100 MB, {link.RATE_LABEL}"]
+    into = by[f"float16 pull into out=, {link.RATE_LABEL}"]
+    assert fresh["versus"] == SDK and fresh["ratio"] == pytest.approx(1.8) and fresh["met"]
+    assert into["versus"] == SDK_OUT and into["ratio"] == pytest.approx(1.5) and not into["met"]
+    # without the link's rows (no root) its goals say what would measure them
+    unmeasured = [g for g in goals.evaluate([]) if g["goal"].endswith(link.RATE_LABEL)]
+    assert len(unmeasured) == 2
+    assert all(g["met"] is None and "as root" in g["note"] for g in unmeasured)
+
+
+def test_the_link_case_says_why_it_measures_nothing_where_it_cannot_make_a_namespace(tmp_path):
+    """Without iproute2 on the path (or without root) the link case measures nothing, says
+    why, and the run succeeds."""
+    path = os.path.dirname(sys.executable)  # the interpreter's own directory: no ip, no tc
+    run = _bench(
+        "--cases",
+        "link",
+        "--quick",
+        "--sizes",
+        "1000",
+        "--out",
+        str(tmp_path),
+        timeout=60,
+        env={**os.environ, "PATH": path},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "link: not measured: needs " in run.stdout
+    (written,) = tmp_path.glob("*.json")
+    assert not [r for r in json.loads(written.read_text())["results"] if r["case"] == "link"]
+
+
+def _namespaces(prefix: str) -> dict[str, list[int]]:
+    """The network namespaces whose names start with ``prefix``, each with its processes."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    names = [line.split()[0] for line in listed.splitlines() if line.startswith(prefix)]
+    return {
+        name: [
+            int(pid)
+            for pid in subprocess.run(
+                ["ip", "netns", "pids", name], capture_output=True, text=True
+            ).stdout.split()
+        ]
+        for name in names
+    }
+
+
+@pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+def test_a_link_run_killed_midway_leaves_no_namespace_and_no_process_behind(tmp_path):
+    """SIGKILL of ``python -m bench`` while the link case runs: its namespaces, and the shard,
+    raw socket server and driver running in them, are removed by the guard it left."""
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "bench", "--cases", "link", "--sizes", "1e6", "--reps", "100000"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    prefix = f"{netns.PREFIX}{bench.pid}-"
+    try:
+        deadline = time.monotonic() + 90
+        found: dict[str, list[int]] = {}
+        # until the shard and raw server (server side) and the driver (client side) run
+        while not (len(found) == 2 and all(found.values())) and time.monotonic() < deadline:
+            assert bench.poll() is None, "the bench exited before it was killed"
+            time.sleep(0.2)
+            found = _namespaces(prefix)
+        assert len(found) == 2 and all(found.values()), found
+    finally:
+        bench.send_signal(signal.SIGKILL)
+        bench.wait()
+    inside = [pid for pids in found.values() for pid in pids]
+    deadline = time.monotonic() + 30
+    while (_namespaces(prefix) or any(_alive(p) for p in inside)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _namespaces(prefix)
+    assert not [p for p in inside if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers: count it gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_the_broadcast_goals_bound_the_p50_and_compare_it_with_ray():
