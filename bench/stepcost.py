@@ -79,8 +79,9 @@ class NullTransport(asyncio.Transport):
         pass
 
 
-def _shard_in_process(names: list[str], size: int, reps: int) -> float:
-    """Microseconds per pull through the shard's protocol and app, in this process."""
+def _shard_in_process(names: list[str], size: int, reps: int, group: bool = False) -> float:
+    """Microseconds per pull through the shard's protocol and app, in this process (with
+    ``group``, per pull of the names as a step group, registered first)."""
     import uvicorn
     from uvicorn.server import ServerState
 
@@ -138,6 +139,11 @@ def _shard_in_process(names: list[str], size: int, reps: int) -> float:
             pull = request(
                 "/v1/pull", wire.encode({"names": names, "layout": "table"}, tensors=False)
             )
+            if group:
+                gid = app.state.store.groups.register(
+                    app.state.store, names, len(names), 1 << 40
+                ).id
+                pull = request("/v1/group_pull", wire.encode({"group": gid}, tensors=False))
             for _ in range(min(reps, 50)):
                 await exchange(pull)
             samples = []
@@ -229,6 +235,17 @@ def run(count: int, size: int, reps: int, out: Callable[[str], None] = print) ->
             add(
                 "  the shard's protocol and app for it (in this process, no I/O)",
                 _shard_in_process(names, size, reps),
+            )
+            group = ps.group(names)
+            group.pull()
+            add(
+                f"StepGroup.pull of the same {count} (after a push)",
+                _median_us(lambda: (group.push(group.flat), group.pull())[1] and None, reps)
+                - _median_us(lambda: group.push(group.flat), reps),
+            )
+            add(
+                "  the shard's protocol and app for it (in this process, no I/O)",
+                _shard_in_process(names, size, reps, group=True),
             )
             flat = np.zeros(size * count, np.float32)
             add(

@@ -24,6 +24,7 @@ How it is built (each module opens with what it owns):
                     _http/ performs the HTTP exchanges
     wire/           the wire format, shared with the shards
     _parts.py       the layouts of partitioned variables this client learned
+    groups.py       step groups: a list of variables pulled and pushed as one flat buffer
     placement.py, partitions.py, optimizers.py, modes.py, embedding.py, training.py: the public
                     helpers
 """
@@ -46,14 +47,17 @@ from ._exceptions import (
     RequestRejectedError,
     ServerError,
     ShardUnavailableError,
+    StaleGroupError,
     UnknownVariableError,
 )
 from .client import AsyncPSClient, PSClient
+from .groups import AsyncStepGroup, StepGroup
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncPSClient",
+    "AsyncStepGroup",
     "AuthError",
     "BadRequestError",
     "BadTensorError",
@@ -72,5 +76,7 @@ __all__ = [
     "RequestRejectedError",
     "ServerError",
     "ShardUnavailableError",
+    "StaleGroupError",
+    "StepGroup",
     "UnknownVariableError",
 ]

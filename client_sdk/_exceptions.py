@@ -15,7 +15,8 @@
     │   ├── UnknownVariableError   404
     │   ├── ConflictError          409: init with another shape/dtype/kind or optimizer
     │   │   ├── FrozenError          409: a push to a frozen variable (set_optimizer)
-    │   │   └── PartitionedError     409: a partitioned variable addressed as a plain one
+    │   │   ├── PartitionedError     409: a partitioned variable addressed as a plain one
+    │   │   └── StaleGroupError      409: a step group's variable was deleted or made again
     │   └── BadTensorError         422: wrong shape/dtype, non-finite values
     ├── ServerError              a 5xx other than 503 (a bug in the shard: please report it)
     ├── NotReadyError            wait_ready timed out; ``missing`` names what never appeared
@@ -47,6 +48,7 @@ __all__ = [
     "RequestRejectedError",
     "ServerError",
     "ShardUnavailableError",
+    "StaleGroupError",
     "UnknownVariableError",
 ]
 
@@ -121,6 +123,13 @@ class FrozenError(ConflictError):
     frozen=False)``."""
 
 
+class StaleGroupError(ConflictError):
+    """A step group (``ps.group(names)``) no longer holds: one of its variables was deleted, or
+    deleted and made again, since the group was made (409 ``group_stale``, ``details
+    ["variables"]`` lists which when the shard knows). Nothing of the call was applied on that
+    shard. Make the group again once the variables exist: ``g = ps.group(names)``."""
+
+
 class PartitionedError(ConflictError):
     """A request named a partitioned variable as if it were a plain one (``details["layouts"]``
     maps each such name to its layout); nothing of it was applied. The SDK learns the layout
@@ -180,6 +189,7 @@ STATUS_ERRORS: dict[int, type[PSError]] = {
 CODE_ERRORS: dict[str, type[PSError]] = {
     "frozen": FrozenError,
     "partitioned": PartitionedError,
+    "group_stale": StaleGroupError,
     "not_primary": NotPrimaryError,
 }
 

@@ -37,6 +37,7 @@ from ._pusher import AsyncPusher, Pusher, closed_error
 from ._settings import DEFAULT_MAX_REPLY_BYTES, load_settings
 from ._table_methods import AsyncTableMethods, TableMethods
 from ._verbs import PushJob
+from .groups import AsyncStepGroup, StepGroup
 from .modes import Sync
 from .optimizers import Optimizer
 
@@ -295,6 +296,16 @@ class PSClient(TableMethods):
         return self._drive(
             _verbs.partitioned.poll(core, names, newer_than, min_version, timeout, out)
         )
+
+    def group(self, names: Sequence[str]) -> StepGroup:
+        """Register ``names`` as a step group (blocks: one request per shard they live on) and
+        return it: ``g.pull()`` and ``g.push(grads)`` then move all of them as one flat buffer
+        per shard, with no per-variable work on either side but the arithmetic. For the
+        variables a training step pulls and pushes every time (a model's many small tensors);
+        the rules and what happens when a variable is deleted are in :mod:`client_sdk.groups`.
+        Raises :class:`UnknownVariableError` for a name that does not exist,
+        :class:`BadRequestError` for a repeated name, mixed dtypes or too many variables."""
+        return StepGroup(self, names)
 
     def versions(self, names: Sequence[str]) -> dict[str, int]:
         """The version of each of ``names`` whose value this client holds from its last
@@ -559,6 +570,11 @@ class AsyncPSClient(AsyncTableMethods):
         return await self._drive(
             _verbs.partitioned.init(self._core, values, optimizer, mode, partitions)
         )
+
+    async def group(self, names: Sequence[str]) -> AsyncStepGroup:
+        """:meth:`PSClient.group`: ``g = await ps.group(names)``, then ``await g.pull()``,
+        ``await g.push(grads)``."""
+        return await AsyncStepGroup.make(self, names)
 
     def versions(self, names: Sequence[str]) -> dict[str, int]:
         """See :meth:`PSClient.versions` (no I/O: not a coroutine)."""

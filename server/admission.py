@@ -82,9 +82,20 @@ MAX_WAIT_BODY = 16 << 20
 MAX_CONTROL_BODY = 64 << 10
 
 WRITES = frozenset(
-    {"init", "push", "assign", "increment", "set_optimizer", "delete", "create_table", "push_rows"}
+    {
+        "init",
+        "push",
+        "assign",
+        "increment",
+        "set_optimizer",
+        "delete",
+        "create_table",
+        "push_rows",
+        "group_push",
+    }
 )
-READS = frozenset({"pull", "pull_rows"})
+#: Reads, and the registration of a step group (it changes no state; a primary's to answer).
+READS = frozenset({"pull", "pull_rows", "groups", "group_pull"})
 CONTROL = frozenset({"pause", "snapshot", "resume"})
 LONG = frozenset({"wait", "poll"})
 #: Batches a primary forwards to this replica (server/replication): admitted like a read (the

@@ -103,6 +103,9 @@ DATA_PLANE_VERBS = (
     "create_table",
     "pull_rows",
     "push_rows",
+    "groups",
+    "group_pull",
+    "group_push",
     "pause",
     "snapshot",
     "resume",
@@ -513,6 +516,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     from .routes_checkpoint import router as checkpoint_router
     from .routes_control import router as control_router
     from .routes_data import router as data_router
+    from .routes_groups import router as groups_router
     from .routes_inspect import router as inspect_router
     from .routes_replication import router as replication_router
     from .routes_tables import router as tables_router
@@ -567,6 +571,7 @@ def create_app(config: ShardConfig) -> FastAPI:
     _install_error_handlers(app)
     app.include_router(data_router)
     app.include_router(control_router)
+    app.include_router(groups_router)
     app.include_router(checkpoint_router)
     app.include_router(inspect_router)
     app.include_router(tables_router)

@@ -4,7 +4,8 @@
 IMMEDIATE`: raw path -> answerer; :func:`server.app.serving_app` sets it), and the ``*_now``
 functions are the answerers' verbs: :func:`pull_now` (``POST /v1/pull`` in the table layout),
 :func:`pull_rows_now` (``/v1/pull_rows`` of float32 rows), :func:`push_now`,
-:func:`increment_now` and :func:`push_rows_now`. The protocol offers a request to its path's
+:func:`increment_now`, :func:`push_rows_now`, and a step group's :func:`group_pull_now` and
+:func:`group_push_now`. The protocol offers a request to its path's
 answerer when it is small (``Content-Length`` below
 :data:`~server.httptools_protocol.ANSWER_BELOW`) and came whole in one read; it is answered here
 only when all of these hold:
@@ -47,10 +48,13 @@ from .httptools_protocol import Answerer, Immediate
 from .metrics import Traffic
 from .replication.reads import ALLOW_BACKUP, read_refusal
 from .routes_data import increment_args, pull_args, pull_table, push_args, writer
+from .routes_groups import group_pull_reply, group_push_args, group_push_reply
 from .routes_tables import table_name, whole_tensors
 from .store import ParameterStore
 
 __all__ = [
+    "group_pull_now",
+    "group_push_now",
     "immediate_routes",
     "increment_now",
     "pull_now",
@@ -135,6 +139,32 @@ def push_rows_now(
     return wire.encode(result, tensors=False)
 
 
+def group_pull_now(
+    store: ParameterStore, headers: Mapping[bytes, bytes], msg: dict[str, Any], body: Any
+) -> wire.Encoded | None:
+    """A step group's pull: what :func:`server.routes_groups.group_pull` answers, its values
+    as the reply's own pieces; ``None`` while a push writes one of them in place off the
+    loop."""
+    gid = msg.get("group")
+    group = store.groups.get(store, gid)
+    if not store.settled_now(group.names):
+        return None
+    return group_pull_reply(store, group, True)
+
+
+def group_push_now(
+    store: ParameterStore, headers: Mapping[bytes, bytes], msg: dict[str, Any], body: Any
+) -> wire.Encoded | None:
+    """A step group's push: what :func:`server.routes_groups.group_push` answers (applied on
+    the loop, as :meth:`~server.store.ParameterStore.push_async` would a body this small);
+    ``None`` while a push computing off the loop holds one of its variables."""
+    worker_id, seq, group, grads, versions, finite, block = group_push_args(store, msg, body)
+    if store.settling(grads):
+        return None
+    result = store.push(worker_id, seq, grads, versions, finite=finite, block=block)
+    return group_push_reply(group, result)
+
+
 def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     """The answerers of ``app``'s shard (made by :func:`server.app.create_app`), by raw path:
     each checks what the module docstring lists, decodes the body, and calls its ``*_now``
@@ -193,6 +223,10 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
         b"/v1/push": answerer("push", push_now, store, _EITHER, WRITE),
         b"/v1/increment": answerer("increment", increment_now, store, _MSGPACK_ONLY, WRITE),
         b"/v1/push_rows": answerer("push_rows", push_rows_now, tables, _EITHER, WRITE),
+        b"/v1/group_pull": answerer("group_pull", group_pull_now, store, _MSGPACK_ONLY),
+        b"/v1/group_push": answerer(
+            "group_push", group_push_now, store, {_FRAME: wire.FRAME}, WRITE
+        ),
     }
 
 

@@ -101,6 +101,7 @@ async def cluster(request: Request) -> dict[str, Any]:
             wire.FEATURE_EMBEDDING_TABLES,
             wire.FEATURE_WIRE_DTYPE,
             wire.FEATURE_ROWS_WIRE_DTYPE,
+            wire.FEATURE_GROUPS,
         ],
         "version": __version__,
         "started_at": state.started_at,

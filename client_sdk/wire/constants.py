@@ -19,6 +19,7 @@ __all__ = [
     "FEATURE_COUNTER_KIND",
     "FEATURE_DELETE",
     "FEATURE_EMBEDDING_TABLES",
+    "FEATURE_GROUPS",
     "FEATURE_PACKED",
     "FEATURE_POLL",
     "FEATURE_ROWS_WIRE_DTYPE",
@@ -111,6 +112,8 @@ FEATURE_EMBEDDING_TABLES = "embedding_tables"
 FEATURE_WIRE_DTYPE = "wire_dtype"
 #: A shard's pull_rows takes ``wire_dtype``, and its push_rows half-precision gradients (§3).
 FEATURE_ROWS_WIRE_DTYPE = "rows_wire_dtype"
+#: A shard has step groups: ``groups``, ``group_pull``, ``group_push`` (§3).
+FEATURE_GROUPS = "groups"
 
 FRAME_MAGIC = b"PSF1"
 #: A framed body's prefix: :data:`FRAME_MAGIC` and the header's length, a little-endian uint32.

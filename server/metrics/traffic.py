@@ -60,6 +60,9 @@ _DATA_PLANE = (
     "create_table",
     "pull_rows",
     "push_rows",
+    "groups",
+    "group_pull",
+    "group_push",
 )
 _PAGES = {
     "/": "dashboard",

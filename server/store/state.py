@@ -29,6 +29,7 @@ from ..errors import ShardError
 from . import apply, layouts
 from .collector import Freezer
 from .dedup import DedupTable
+from .groups import Groups
 from .journal import Journal
 from .rounds import Deadlines
 from .variable import Variable
@@ -82,6 +83,11 @@ class StoreState:
         self._sorted: tuple[tuple[int, int, int], list[str]] | None = None
         #: Told of every write (:mod:`server.store.journal`): a shard that replicates has one.
         self.journal: Journal | None = None
+        #: Times the whole state was replaced (:meth:`ParameterStore.restore`): with
+        #: :attr:`deletions`, what tells a step group to check its variables again.
+        self.restores = 0
+        #: The step groups registered here (:mod:`server.store.groups`).
+        self.groups = Groups()
 
     # -- names ------------------------------------------------------------------------------
 

@@ -114,6 +114,8 @@ class ParameterStore(Reads, Writes, Control):
         (:func:`~server.store.slab.into_slabs`). The state version becomes the sum of their
         versions; the table keeps this store's bounds (:meth:`DedupTable.bound`)."""
         self._vars.clear()
+        self.restores += 1
+        self.groups.clear()
         self.collector.released()
         self.layouts.replace(partitioned)
         self._nbytes = 0

@@ -60,6 +60,7 @@ DRIVEN = (
     "delete",
     "create_table",
     "push_rows",
+    "group_push",
 )
 #: The store's journaled writes (server/store/journal.py): the verbs above, the big push's
 #: off-loop twin, and the close of sync rounds a clock found due.
@@ -153,6 +154,9 @@ def test_every_write_reaches_the_backup_before_its_answer(groups):
         ps.increment("f", 0.5)
         ps.set_optimizer(["a"], SGD(lr=0.1))
         ps.push({"a": np.ones(6, np.float32)})
+        g = ps.group(["a"])  # a step group's push: a push of its variables
+        g.pull()
+        g.push({"a": np.full(6, 2.0, np.float32)})
         ps.create_table("emb", 4)
         ps.push_rows("emb", np.array([3, 5, 3]), np.ones((3, 4), np.float32))
         ps.pull(["s"])

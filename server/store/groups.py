@@ -1,0 +1,256 @@
+"""Step groups: a list of variables registered once, then pulled and pushed as one buffer.
+
+A worker that pulls and pushes the same many small variables every step registers them as a
+*group* (``POST /v1/groups``, docs/PROTOCOL.md §3, Step groups). The shard checks the list
+once — names it owns, existing, distinct, dense variables of one dtype, at most
+``--max-request-names`` of them, their bytes within ``--max-request-bytes`` — and keeps the
+variables in order (:class:`Group`); a group's pull then answers the values as one body
+(the variables' bytes back to back, in the group's order, no padding) with the versions as one
+int64 array, and a group's push takes the gradients the same way. Neither names a variable on
+the wire nor looks a name up.
+
+What a group is not: state. It holds no value and changes nothing; a group push is an ordinary
+push of its variables (one operation with the push's ``worker_id`` and ``seq``, journaled and
+replicated as a push by name: :meth:`~server.store.ParameterStore.push`), so a backup needs no
+group to apply it. Groups are not in snapshots and not replicated: a restarted shard, a backup
+promoted to primary, or a shard that let the group go (it keeps at most :data:`MAX_GROUPS`,
+the least recently used goes first) answers its id with 404 ``unknown_group``, and the client
+registers the list again (the SDK does, unseen). A group's id names the shard's start and a
+counter, so an id is never taken for another list.
+
+A group stays right as variables come and go: it holds the :class:`Variable` objects, and once
+a delete ran (:attr:`~server.store.state.StoreState.deletions` moved) or the state was replaced
+whole (a backup brought up to date by a snapshot), each use first checks that every name still
+holds the same variable: if one was deleted (or deleted and made again, whatever its shape),
+each use of the group is refused with 409 ``group_stale``, telling the client to make
+the group again; it never answers another variable's bytes.
+
+No HTTP in here; the event-loop thread only.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import ShardError
+from .checks import native
+
+if TYPE_CHECKING:
+    from .state import StoreState
+    from .variable import Variable
+
+__all__ = ["MAX_GROUPS", "Group", "Groups"]
+
+#: Groups a shard keeps; registering one more lets the least recently used go (its client
+#: registers it again on its next use, as after a restart).
+MAX_GROUPS = 1024
+
+
+class Group:
+    """One registered list of variables, in order, and what its pulls and pushes need."""
+
+    __slots__ = (
+        "id",
+        "names",
+        "variables",
+        "dtype",
+        "shapes",
+        "sizes",
+        "nbytes",
+        "uniform",
+        "checked_at",
+    )
+
+    def __init__(self, gid: str, variables: list[Variable], checked_at: tuple[int, int]) -> None:
+        self.id = gid
+        self.variables = variables
+        self.names = [v.name for v in variables]
+        first = variables[0].value
+        self.dtype: np.dtype = first.dtype
+        self.shapes = [v.value.shape for v in variables]
+        self.sizes = [v.value.size for v in variables]
+        self.nbytes = sum(v.value.nbytes for v in variables)
+        #: Every variable of one shape (with at least one element): the gradients are then the
+        #: rows of one ``(count, *shape)`` block, checked and applied as a table's are.
+        self.uniform: tuple[int, ...] | None = (
+            first.shape if first.size and all(s == first.shape for s in self.shapes) else None
+        )
+        #: The store's (deletions, restores) when the variables were last found current.
+        self.checked_at = checked_at
+
+    def describe(self) -> dict[str, Any]:
+        """The registration's answer (docs/PROTOCOL.md, Step groups)."""
+        return {
+            "group": self.id,
+            "names": self.names,
+            "dtype": self.dtype.str,
+            "shapes": [list(s) for s in self.shapes],
+            "nbytes": self.nbytes,
+            "versions": [v.version for v in self.variables],
+        }
+
+    def versions(self) -> np.ndarray:
+        """The variables' versions, in order, as one int64 array."""
+        return np.fromiter([v.version for v in self.variables], np.int64, len(self.variables))
+
+    def read(self, as_arrays: bool) -> tuple[np.ndarray, list[Any]]:
+        """The versions and the values at this instant: the values as the pieces of one flat
+        body, read-only views of the live memory (:meth:`Variable.export
+        <server.store.variable.Variable.export>`: no update writes them while the pieces are
+        held), or one piece, the slab's block, when the group is one slab's members in its
+        order, all home. ``as_arrays``: the pieces as ndarrays (for a vectored write, which
+        takes any buffer), else byte memoryviews."""
+        variables = self.variables
+        values = [v.export() for v in variables]
+        versions = self.versions()
+        slab = variables[0]._slab
+        if slab is not None and not slab.away and variables == slab.members:
+            return versions, [slab.whole(tuple(values))]
+        if as_arrays:
+            return versions, values
+        return versions, [a.reshape(-1).view(np.uint8).data for a in values]
+
+    def split(self, flat: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+        """A flat gradient buffer (the group's dtype, :attr:`nbytes`) as name -> each
+        variable's gradient (views), and the rows as one block when the group is uniform."""
+        if self.uniform is not None:
+            block = flat.reshape(len(self.names), *self.uniform)
+            return dict(zip(self.names, block)), block
+        out = {}
+        at = 0
+        for name, shape, size in zip(self.names, self.shapes, self.sizes):
+            out[name] = flat[at : at + size].reshape(shape)
+            at += size
+        return out, None
+
+
+class Groups:
+    """A shard's groups by id (module docstring). Registering the same list again gives the
+    same group while the shard keeps it."""
+
+    def __init__(self) -> None:
+        self._token = secrets.token_hex(4)
+        self._count = 0
+        self._by_id: OrderedDict[str, Group] = OrderedDict()
+        self._by_names: dict[tuple[str, ...], str] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def clear(self) -> None:
+        self._by_id.clear()
+        self._by_names.clear()
+
+    def register(
+        self, store: StoreState, names: Sequence[Any], max_names: int, max_bytes: int
+    ) -> Group:
+        """The group of ``names`` (checked whole, nothing kept on a refusal): 400 for an
+        empty, too long or repeated list or mixed dtypes, 400/421/404/409 for names as any verb
+        (bad, not ours, unknown, a table or a partitioned variable), 413 for more bytes than a
+        push may carry."""
+        if not names:
+            raise ShardError(
+                "bad_request",
+                "groups: 'names' is empty: a group needs at least one variable",
+                {"field": "names"},
+            )
+        if len(names) > max_names:
+            raise ShardError(
+                "bad_request",
+                f"groups: {len(names)} names, more than this shard's limit of {max_names} per "
+                "request (--max-request-names): split the variables into several groups",
+                {"field": "names", "limit": max_names},
+            )
+        key = tuple(names)
+        gid = self._by_names.get(key)
+        if gid is not None:
+            have = self._by_id.get(gid)
+            if have is not None and self._current(store, have):
+                self._by_id.move_to_end(gid)
+                return have
+        if len(set(key)) != len(key):
+            seen: set[Any] = set()
+            twice = next(n for n in key if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+            raise ShardError(
+                "bad_request",
+                f"groups: {twice!r} is named twice: name each variable once",
+                {"field": "names", "variable": twice},
+            )
+        variables = store._existing(store.check_names(key))
+        dtypes = {native(v.value.dtype).str for v in variables}
+        if len(dtypes) > 1:
+            by = {}
+            for v in variables:
+                by.setdefault(v.value.dtype.str, v.name)
+            raise ShardError(
+                "bad_request",
+                f"groups: the variables have {len(dtypes)} dtypes ({sorted(by)}; e.g. "
+                f"{sorted(by.values())}): a group holds variables of one dtype, so make one "
+                "group per dtype",
+                {"field": "names", "dtypes": by},
+            )
+        nbytes = sum(v.value.nbytes for v in variables)
+        if nbytes > max_bytes:
+            raise ShardError(
+                "too_large",
+                f"groups: the variables hold {nbytes} bytes, more than a push may carry "
+                f"(--max-request-bytes {max_bytes}): split them into smaller groups",
+                {"field": "names", "nbytes": nbytes, "limit": max_bytes},
+            )
+        self._count += 1
+        group = Group(f"{self._token}-{self._count}", variables, _era(store))
+        if gid is not None:
+            self._by_id.pop(gid, None)
+        self._by_id[group.id] = group
+        self._by_names[key] = group.id
+        while len(self._by_id) > MAX_GROUPS:
+            _, old = self._by_id.popitem(last=False)
+            self._by_names.pop(tuple(old.names), None)
+        return group
+
+    def get(self, store: StoreState, gid: Any) -> Group:
+        """The group ``gid``, its variables current: 404 ``unknown_group`` if this shard does
+        not hold it, 409 ``group_stale`` if one of its variables was deleted since. Changes
+        nothing."""
+        group = self._by_id.get(gid) if type(gid) is str else None
+        if group is None:
+            raise ShardError(
+                "unknown_group",
+                f"this shard holds no group {gid!r} (it restarted, another replica answers "
+                "now, or it let the group go): register the names again (POST /v1/groups; "
+                "the SDK does this by itself)",
+                {"group": gid if isinstance(gid, (str, int)) else repr(gid)},
+            )
+        if group.checked_at != _era(store) and not self._current(store, group):
+            # Kept (a refusal changes nothing: the shard's protocol may offer the request to
+            # the usual way after this), and refused again at each use, until registering the
+            # names again replaces it or it is let go.
+            gone = [n for n, v in zip(group.names, group.variables) if store._vars.get(n) is not v]
+            raise ShardError(
+                "group_stale",
+                f"group {gid!r}: variable(s) {gone[:10]} were deleted (or deleted and made "
+                "again) since the group was made, so its layout no longer holds: make the "
+                "group again (ps.group(names)) once the variables exist",
+                {"group": gid, "variables": gone},
+            )
+        return group
+
+    @staticmethod
+    def _current(store: StoreState, group: Group) -> bool:
+        """Whether every name of ``group`` still holds the same variable (then the group is
+        marked checked as of now)."""
+        known = store._vars
+        if all(known.get(n) is v for n, v in zip(group.names, group.variables)):
+            group.checked_at = _era(store)
+            return True
+        return False
+
+
+def _era(store: StoreState) -> tuple[int, int]:
+    """What moves whenever a name may stop holding the variable it held."""
+    return (store.deletions, store.restores)
