@@ -5,6 +5,7 @@ as one flat buffer per shard (what DDP calls a bucket).
     for step in range(steps):
         params = g.pull()          # name -> view of the group's flat buffer (filled in place)
         g.push(grads)              # dict name -> gradient, or one flat array
+        # or: write each gradient into g.grads[name] (views of a flat buffer), then g.push()
 
 A step of many small variables spends most of a per-variable :meth:`PSClient.pull
 <client_sdk.PSClient.pull>` on the names: each side encodes, looks up and checks every one. A
@@ -60,6 +61,14 @@ class _Base:
         return self._state.views
 
     @property
+    def grads(self) -> dict[str, np.ndarray]:
+        """Name -> a view of the group's own gradient buffer on its shard (made on first use,
+        zeros): write each gradient into its view (``np.copyto``, or ``out=`` of the
+        computation), then ``push()`` with no argument sends those buffers as they are, with
+        nothing gathered or copied — what DDP does with its buckets."""
+        return self._state.grad_views()
+
+    @property
     def flat(self) -> np.ndarray:
         """The flat buffer of a group on one shard (every view is a slice of it)."""
         parts = self._state.parts
@@ -104,10 +113,11 @@ class StepGroup(_Base):
         change every step; :meth:`PSClient.pull` sends only the changed ones)."""
         return self._client._drive(_group.pull(self._client._core, self._state, out))
 
-    def push(self, grads: Any) -> dict[str, Any]:
+    def push(self, grads: Any = None) -> dict[str, Any]:
         """Apply gradients (blocks until every shard applied its part): a dict name ->
-        gradient for every variable of the group (the group's dtype, each variable's shape), or
-        (a group on one shard) one flat array laid out as :attr:`flat`. The versions sent
+        gradient for every variable of the group (the group's dtype, each variable's shape),
+        (a group on one shard) one flat array laid out as :attr:`flat`, or nothing: what
+        :attr:`grads` holds. The versions sent
         are those of the last :meth:`pull`, so the shard measures staleness. Returns
         ``{"versions": name -> new version, "applied": how many were applied, "variables":
         name -> the entry of each that was not}`` (``duplicate``, a sync round's ``accepted``,
@@ -134,6 +144,6 @@ class AsyncStepGroup(_Base):
         """:meth:`StepGroup.pull`."""
         return await self._client._drive(_group.pull(self._client._core, self._state, out))
 
-    async def push(self, grads: Any) -> dict[str, Any]:
+    async def push(self, grads: Any = None) -> dict[str, Any]:
         """:meth:`StepGroup.push`."""
         return await self._client._drive(_group.push(self._client._core, self._state, grads))

@@ -59,6 +59,8 @@ class Part:
     #: The versions of the values in :attr:`flat` (``None`` before the first pull).
     versions: np.ndarray | None = None
     sink: GroupSink | None = None
+    #: The part's own gradient buffer (:meth:`GroupState.grad_views`), made on first use.
+    grad: np.ndarray | None = None
 
     @property
     def count(self) -> int:
@@ -81,6 +83,7 @@ class GroupState:
         self.parts = [Part(shard, part) for shard, part in core.fleet.split(checked).items()]
         #: Name -> a view of its part's flat buffer (made once; what :meth:`pull` fills).
         self.views: dict[str, np.ndarray] = {}
+        self._grad_views: dict[str, np.ndarray] | None = None
 
     def layout(self) -> None:
         """Make each part's flat buffer and the views into it (after the first registration)."""
@@ -95,6 +98,23 @@ class GroupState:
                 views[name] = flat[at : at + size].reshape(shape)
                 at += size
         self.views = {name: views[name] for name in self.names}
+
+    def grad_views(self) -> dict[str, np.ndarray]:
+        """Name -> a view of its part's gradient buffer (made on first use, zeros): a
+        worker writes its gradients there and pushes them with :func:`push` (``grads=None``),
+        nothing gathered or copied."""
+        if self._grad_views is None:
+            views: dict[str, np.ndarray] = {}
+            for part in self.parts:
+                assert part.dtype is not None
+                grad = part.grad = np.zeros(part.count, part.dtype)
+                at = 0
+                for name, shape in zip(part.names, part.shapes):
+                    size = int(np.prod(shape, dtype=np.int64))
+                    views[name] = grad[at : at + size].reshape(shape)
+                    at += size
+            self._grad_views = {name: views[name] for name in self.names}
+        return self._grad_views
 
 
 def register(core: Core, state: GroupState, parts: Sequence[Part] | None = None) -> Flow[None]:
@@ -347,8 +367,9 @@ def _whole(
 
 def push(core: Core, state: GroupState, grads: Any, seq: int | None = None) -> Flow[dict[str, Any]]:
     """Apply gradients to the group's variables, each shard's part as one flat tensor, once
-    per ``seq``. ``grads``: a dict name -> array for every variable of the group, or (a group
-    on one shard) one flat array; the versions sent are the last pulled."""
+    per ``seq``. ``grads``: a dict name -> array for every variable of the group, (a group on
+    one shard) one flat array, or ``None``: the group's own gradient buffers
+    (:meth:`GroupState.grad_views`); the versions sent are the last pulled."""
     if state.parts[0].gid is None:
         yield from register(core, state)
     pieces = _pieces(state, grads)
@@ -388,7 +409,13 @@ def push(core: Core, state: GroupState, grads: Any, seq: int | None = None) -> F
 
 
 def _pieces(state: GroupState, grads: Any) -> dict[int, list[Any]]:
-    """Each part's gradient bytes, in its order (the caller's arrays' own memory)."""
+    """Each part's gradient bytes, in its order (the caller's arrays' own memory; ``None``:
+    the group's own gradient buffers)."""
+    if grads is None:
+        state.grad_views()
+        return {
+            part.shard: [part.grad.data.cast("B")] for part in state.parts if part.grad is not None
+        }
     if isinstance(grads, np.ndarray):
         if len(state.parts) != 1:
             raise BadRequestError(

@@ -92,6 +92,10 @@ def test_a_group_pulls_into_the_callers_buffers_and_pushes_one_flat_array(fleet1
         with pytest.raises(BadRequestError):
             g.push({names[0]: np.ones(3, np.float32)})  # not every variable of the group
         assert ps.pull(names)[names[0]][0] == -1.0  # nothing of the refused pushes applied
+        g.grads[names[2]][...] = 2.0  # the group's own gradient buffer, pushed as it is
+        g.push()
+        after = ps.pull(names)
+        assert [float(after[n][0]) for n in names] == [-1.0, 0.0, -1.0, 2.0]
 
 
 def test_a_big_group_is_received_from_the_socket_into_its_buffer(fleet1):

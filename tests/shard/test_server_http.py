@@ -536,6 +536,7 @@ def test_push_with_a_gradient_table(fleet2, http):
         wire.FEATURE_EMBEDDING_TABLES,
         wire.FEATURE_WIRE_DTYPE,
         wire.FEATURE_ROWS_WIRE_DTYPE,
+        wire.FEATURE_GROUPS,
     ]
 
 
