@@ -76,7 +76,9 @@ OPEN_PATHS = frozenset(
 #: assets (scripts and styles, no data).
 OPEN_PREFIXES = ("/docs/assets/",)
 #: Data-plane ``POST`` paths a read token may use.
-READ_POSTS = frozenset({"/v1/pull", "/v1/wait", "/v1/poll", "/v1/pull_rows"})
+READ_POSTS = frozenset(
+    {"/v1/pull", "/v1/wait", "/v1/poll", "/v1/pull_rows", "/v1/groups", "/v1/group_pull"}
+)
 #: Longest ``Authorization`` header value looked at; a longer one is refused unread (401).
 MAX_AUTHORIZATION = 4096
 #: Refusals are logged at most once per this many seconds (the rest counted in the next line).

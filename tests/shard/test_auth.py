@@ -22,6 +22,7 @@ import pytest
 
 import client_sdk
 from client_sdk import wire
+from client_sdk.wire import groups as group_wire
 from tests.conftest import HTTP_MODES, ROOT, Fleet
 from tests.helpers.eventually import eventually
 from tests.shard.test_server_http import ACCEPT_FRAME, decode_reply
@@ -215,6 +216,30 @@ def test_a_small_table_pull_needs_a_token_too(shard, http):
     assert_401(rep, "wrong")
     rep = raw(http, url, "pull", ask, {"accept": ACCEPT_FRAME, **bearer(READ)})
     assert rep.status == 200 and rep.msg["table"]["versions"] == [0]
+
+
+def test_a_read_token_may_register_and_pull_a_step_group_not_push_it(shard, http):
+    url = shard.urls[0]
+    name, _, _ = setup_state(http, url)
+    assert_401(raw(http, url, "groups", {"names": [name]}), "missing")
+    made = raw(http, url, "groups", {"names": [name]}, bearer(READ))
+    assert made.status == 200, made.msg
+    gid = made.msg["group"]
+    assert_401(raw(http, url, "group_pull", {"group": gid}), "missing")
+    pulled = raw(http, url, "group_pull", {"group": gid}, bearer(READ))
+    assert pulled.status == 200 and pulled.msg["group"] == gid
+    body = group_wire.encode(
+        {"group": gid, "worker_id": "w-read", "seq": 1},
+        None,
+        "grads",
+        "<f4",
+        [np.ones(3, np.float32).data.cast("B")],
+        12,
+    )
+    headers = {"content-type": body.content_type, **bearer(READ)}
+    rep = http.post(f"{url}/v1/group_push", content=body.join(), headers=headers)
+    assert rep.status_code == 403
+    assert state_of(http, url)["variables"][name] == (0, False)
 
 
 def test_inspection_needs_a_read_token_and_probes_are_open(shard, http):
