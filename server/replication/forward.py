@@ -29,6 +29,12 @@ longer holds is ``behind``: it needs a snapshot, not the tail. Each batch of ent
 former primary's write that was never acknowledged) is ``diverged``: a state has no undo, so it
 is sent this primary's whole state, as a ``behind`` one is. A backup that answers 409
 ``stale_epoch`` knows a newer primary: this replica steps down at once.
+
+Once every backup this primary was given has said it applied the log up to some lsn (the last
+it said, for one that stopped answering: it will ask for what follows), the entries up to it
+are let go (:meth:`ReplicationLog.release <server.replication.log.ReplicationLog.release>`),
+and each batch tells the backups that lsn (``stable``), so that they let go of theirs too: as
+primary, none of them would have to send those again either.
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ class Link:
         self.url = url
         #: The lsn the backup said it applied up to (None: not heard from yet).
         self.acked: int | None = None
+        #: The last lsn it said it applied up to, kept while it does not answer (None: not
+        #: heard from, or its log is not this primary's): the log holds what follows it.
+        self.known: int | None = None
         #: ``time.monotonic()`` of its last answer (or of the link's start).
         self.heard = time.monotonic()
         #: ``streaming``, ``behind`` (it needs entries the log let go), ``unreachable``,
@@ -354,7 +363,7 @@ class Forwarder:
                     min(applied, log.head),
                     known if known is not None else log.last_epoch,
                 )
-            link.state, link.acked = "diverged", None
+            link.state, link.acked, link.known = "diverged", None, None
             if self.snapshot is None:
                 await asyncio.sleep(MAX_BACKOFF)
             return
@@ -369,14 +378,26 @@ class Forwarder:
                     applied,
                     log.head,
                 )
-            link.state, link.acked = "ahead", None
+            link.state, link.acked, link.known = "ahead", None, None
             await asyncio.sleep(MAX_BACKOFF)
             return
-        link.acked = applied
+        link.acked = link.known = applied
         link.state = "streaming"
         link.error = None
         link.batches += 1
+        stable = self.stable()
+        if stable is not None:
+            log.release(stable)
         self._wake()
+
+    def stable(self) -> int | None:
+        """The lsn up to which every backup this primary was given has applied its log (each
+        as it last said), so no replica will be sent those entries again (module docstring);
+        ``None`` while one has not said where it is."""
+        known = [link.known for link in self.links.values()]
+        if not known or None in known:
+            return None
+        return min(known)  # type: ignore[type-var]
 
     def _exchange(
         self, link: Link, entries: list[Any], install: dict[str, Any] | None = None
@@ -393,6 +414,9 @@ class Forwarder:
         if entries:
             after = entries[0].lsn - 1
             msg["prev"] = [after, self.log.epoch_at(after)]
+            stable = self.stable()
+            if stable is not None:
+                msg["stable"] = stable
         if install is not None:
             msg["install"] = {**install, "values": {TENSOR: install["values"]}}
         encoded = wire.encode(msg, frame=True)

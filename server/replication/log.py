@@ -26,10 +26,17 @@ The entry is taken, and its lsn given, when the write commits (:mod:`server.stor
 for a push applied on the event loop, once it can no longer be refused and before it writes,
 so :attr:`ReplicationLog.on_commit` (the forwarder) may start sending it while it applies.
 
-The log keeps the newest entries in memory, at most ``max_bytes`` of their arrays (at least
-the newest one): a backup that needs older ones catches up from a snapshot instead. A backup
-keeps the entries it replayed the same way (:meth:`ReplicationLog.append`), at the lsns its
-primary gave them, so it can serve the tail if it becomes primary.
+The log keeps in memory the entries some replica of the group may still need, at most
+``max_bytes`` of their arrays (at least the newest one): a backup that needs older ones catches
+up from a snapshot instead. An entry every replica of the group has applied is let go
+(:meth:`ReplicationLog.release`; the primary knows where each backup is, and tells its backups
+in each batch, :mod:`server.replication.forward`): no replica can ask for it again but one that
+restarts from a snapshot of its own older than it, which is sent a snapshot. So while the
+backups keep up the log holds the writes on their way, and the memory of a push's request body
+goes back to the heap once its backups have it, for the next push to reuse, instead of growing
+the heap by a body per push until ``max_bytes`` is reached. A backup keeps the entries it
+replayed the same way (:meth:`ReplicationLog.append`), at the lsns its primary gave them, so
+it can serve the tail if it becomes primary.
 
 An entry is known by its **(epoch, lsn)**, not its lsn alone: a primary frozen or cut off may
 have applied a write at lsn ``L`` that never reached a backup, while the backup, elected in its
@@ -117,6 +124,8 @@ class ReplicationLog:
         self._added = asyncio.Event()
         #: Entries let go to stay within ``max_bytes``, since the start.
         self.trimmed = 0
+        #: Entries let go once every replica of the group had applied them, since the start.
+        self.released = 0
         #: Called (synchronously, on the loop) each time this replica commits an entry of its
         #: own, possibly in the middle of the write: it must not raise nor wait.
         self.on_commit: Callable[[], None] | None = None
@@ -157,6 +166,16 @@ class ReplicationLog:
         self.head = lsn
         self.base_epoch = epoch
         self._wake()
+
+    def release(self, lsn: int) -> None:
+        """Let go of the entries up to ``lsn``: every replica of the group has applied them,
+        so none will be sent again (module docstring)."""
+        entries = self._entries
+        while entries and entries[0].lsn <= lsn:
+            gone = entries.popleft()
+            self._bytes -= gone.nbytes
+            self.base_epoch = gone.epoch
+            self.released += 1
 
     # -- reading ------------------------------------------------------------------------------
 

@@ -20,7 +20,9 @@ each wrapped as ``{TENSOR: tensor}`` (:mod:`server.replication.log`). :class:`Re
   (:mod:`server.store.journal`) and no other, with its arguments, inside
   :func:`~server.store.journal.replaying`: the same builder and the same application as on
   the primary, the dedup table included;
-* keeps each entry applied in its own log, at the primary's lsn and epoch;
+* keeps each entry applied in its own log, at the primary's lsn and epoch, and lets go of
+  those up to the batch's ``"stable"`` lsn, which every replica of the group has applied
+  (:mod:`server.replication.forward`);
 * answers the lsn it has applied up to.
 
 A batch may instead carry ``"install"``: the primary's whole state as snapshot files, at an
@@ -139,6 +141,9 @@ class Replayer:
             raise _bad(
                 "'install' must be a map with 'lsn', 'epoch', the snapshot's files and 'values'"
             )
+        stable = msg.get("stable")
+        if stable is not None and (type(stable) is not int or stable < 0):
+            raise _bad(f"'stable' must be an int >= 0, got {str(stable)[:120]}")
         prev = msg.get("prev")
         if prev is None and entries:
             raise _bad("a batch of entries needs 'prev': [lsn, epoch] of the entry it follows")
@@ -198,6 +203,8 @@ class Replayer:
                     raise _bad(f"entry {lsn}: the arguments do not fit {method}: {exc}") from None
                 await self._call(lsn, method, call_args, call_kwargs)
                 log.append(Entry(lsn, entry_epoch, method, kept_args, kept_kwargs, sizes[0]))
+            if entries and stable is not None:  # its log agrees with the primary's up to head
+                log.release(min(stable, log.head))
             return log.head
 
     async def _call(self, lsn: int, method: str, args: list[Any], kwargs: dict[str, Any]) -> None:

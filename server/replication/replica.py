@@ -140,6 +140,7 @@ class Replication:
                 "bytes": log.nbytes,
                 "max_bytes": log.max_bytes,
                 "trimmed": log.trimmed,
+                "released": log.released,
             },
             backups=self.forwarder.stats() if self.role.kind == PRIMARY else [],
             refused=self.replayer.refused,

@@ -262,12 +262,20 @@ def test_a_backup_that_stops_is_dropped_then_sent_the_tail_and_rejoins(groups):
         try:
             for _ in range(5):  # the first waits --replica-timeout, then the backup is out
                 ps.increment("c", 1)
-            assert cluster(primary)["in_sync"] == []
+            shown = cluster(primary)
+            assert shown["in_sync"] == []
+            # The log let go of what the backup had applied, and keeps what it lacks.
+            assert (shown["log"]["first_lsn"], shown["log"]["entries"]) == (2, 5)
         finally:
             os.kill(group.pids[1], signal.SIGCONT)
         eventually(lambda: cluster(primary)["in_sync"] == [backup], "the backup rejoined", 30)
         ps.increment("c", 1)
-    assert cluster(backup)["lsn"] == cluster(primary)["lsn"] == 7
+    shown, behind = cluster(primary), cluster(backup)
+    assert behind["lsn"] == shown["lsn"] == 7
+    assert shown["backups"][0]["installs"] == 0  # sent the tail, not a snapshot
+    # Once the backup has a write, neither log keeps it but for the backup's newest write (its
+    # primary said so with the next batch).
+    assert shown["log"]["entries"] == 0 and behind["log"]["entries"] == 1
     _same_state(primary, backup, ["c"])
 
 
