@@ -474,32 +474,40 @@ def segment_sum(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndar
     ``_MAX_LEVELS + 1`` times, in ``np.add.reduceat``'s pairwise order). Ids already distinct
     and sorted come back as they are (no copy).
 
-    After a stable argsort, each row's rank among its id's rows is known; the sum starts as the
-    rank-0 rows and adds the rank-r rows for r = 1, 2, ...: one vectorized pass per level of
-    repeats (a batch repeats an id a few times), whose targets are distinct, so no element is
-    written twice in one pass. Each pass reads its rows from ``grads`` where they are: no
-    sorted copy of the gradients is made (a batch's worth of memory the allocator would
-    otherwise map afresh, page by page, on every call)."""
+    After a stable sort, each row's rank among its id's rows is known. The rows are gathered
+    once into a level-major copy: first the rank-0 row of every id, then the rank-1 rows, and
+    so on, each level's rows in the same order of ids, the ids with the most rows first. The
+    ids that have a rank-r row are then the first ones of the rank-0 block, so each level is
+    one in-place add of a contiguous block into a prefix of the sums (a batch repeats an id a
+    few times: a few adds), and the sums go back to the order of ids in one gather."""
     n = len(ids)
     if n < 2 or bool(np.all(ids[1:] > ids[:-1])):
         return ids, grads
     order, first, starts = _segments(ids)
     unique = ids[order[starts]]
-    if len(starts) == n:
+    u = len(starts)
+    if u == n:
         return unique, grads[order]
-    segment = np.cumsum(first) - 1
-    rank = np.arange(n) - starts[segment]
-    levels = int(rank.max())
-    if levels > _MAX_LEVELS:
+    lengths = np.diff(starts, append=n)
+    levels = int(lengths.max())
+    if levels > _MAX_LEVELS + 1:
         return unique, np.add.reduceat(grads[order], starts, axis=0)
-    summed = np.take(grads, order[starts], axis=0)
-    for level in range(1, levels + 1):
-        at = np.flatnonzero(rank == level)
-        to = segment[at]
-        part = np.take(summed, to, axis=0)
-        part += np.take(grads, order[at], axis=0)
-        put_rows(summed, to, part)
-    return unique, summed
+    # Each id's place among the ids ordered by their row count, most first (stable).
+    by_count = np.argsort((levels - lengths).astype(np.uint8), kind="stable")
+    place = np.empty(u, np.int64)
+    place[by_count] = np.arange(u)
+    # have[r]: the ids with a rank-r row; level r's block starts at offsets[r].
+    have = u - np.cumsum(np.bincount(lengths, minlength=levels + 1))[:-1]
+    offsets = np.cumsum(have) - have
+    segment = np.cumsum(first) - 1  # each sorted row's id (its number among unique)
+    rank = np.arange(n) - starts[segment]
+    source = np.empty(n, np.int64)
+    source[offsets[rank] + place[segment]] = order
+    work = np.take(grads, source, axis=0)
+    for level in range(1, levels):
+        count, at = int(have[level]), int(offsets[level])
+        work[:count] += work[at : at + count]
+    return unique, np.take(work[:u], place, axis=0)
 
 
 def put_rows(dest: np.ndarray, where: np.ndarray, rows: np.ndarray) -> None:

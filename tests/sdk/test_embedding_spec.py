@@ -133,3 +133,22 @@ def test_segment_sum_adds_repeats_in_the_order_given():
     np.testing.assert_array_equal(summed, [[6, 7], [2 + 8, 3 + 9], [0 + 4 + 10, 1 + 5 + 11]])
     same = np.array([1, 2, 3], np.int64)
     np.testing.assert_array_equal(segment_sum(same, grads[:3])[1], grads[:3])
+
+
+def test_segment_sum_is_the_sum_in_order_bit_for_bit():
+    # Ids repeated 1 to 9 times (several levels of repeats, unevenly), gradients of very
+    # different sizes (float32 addition is not associative there): each id's sum is
+    # first + second, + third, ... in the order given, exactly.
+    rng = np.random.default_rng(7)
+    ids = np.repeat(rng.choice(10**9, 60, replace=False), rng.integers(1, 10, 60))
+    rng.shuffle(ids)
+    grads = rng.standard_normal((len(ids), 3)) * 10.0 ** rng.integers(-4, 8, (len(ids), 1))
+    grads = grads.astype(np.float32)
+    unique, summed = segment_sum(ids, grads)
+    assert unique.tolist() == sorted(set(ids.tolist()))
+    for k, i in enumerate(unique):
+        rows = grads[ids == i]
+        total = rows[0].copy()
+        for row in rows[1:]:
+            total += row
+        np.testing.assert_array_equal(summed[k], total)
