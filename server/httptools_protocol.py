@@ -56,7 +56,13 @@ and ``/v1/push_rows``, :mod:`server.immediate`). For such a path, a ``POST`` wit
 response under way, no ``Expect``, no access log and writing not paused, whose body comes whole in
 the read that brings its head (else it goes the usual way from the end of that read, counted in
 flight like any request), is collected by the parser callbacks and given to the answerer there: no
-ASGI scope handed on, no task, no middleware, no ``receive``/``send`` messages. Its answer is
+ASGI scope handed on, no task, no middleware, no ``receive``/``send`` messages. An answerer with a
+``collect_below`` attribute (:data:`COLLECT_BELOW_ATTR`) also takes bodies below that size that
+come over several reads (a ``push_rows`` of a few thousand rows is a few hundred KB, more than
+one read brings): the parser callbacks collect its body until it is whole (one such body per
+connection, within that bound; the read guard's body deadline and pace apply), then answer it
+the same way; a shutdown meanwhile lets it finish and closes the connection after its answer, as
+for a request the app is answering. Its answer is
 written as a shard's responses are (head with body, one vectored write) and the connection goes on
 as after any response (keep-alive timer, reading). When the answerer declines (``None``: any error,
 refusal or wait is the app's to answer) or fails, the request goes to the app as if the parser had
@@ -104,6 +110,7 @@ __all__ = [
     "ANSWER_BELOW",
     "BODY_INTO",
     "BYPASS_BELOW",
+    "COLLECT_BELOW_ATTR",
     "GATHER",
     "IMMEDIATE",
     "Answerer",
@@ -128,8 +135,12 @@ GATHER = "paramshard.gather"
 #: The attribute of the served app (uvicorn's ``config.loaded_app``) that maps a raw request
 #: path (``b"/v1/pull"``) to an :data:`Answerer`: requests the protocol may answer itself.
 IMMEDIATE = "immediate"
-#: Only requests with a ``Content-Length`` below this are answered immediately.
+#: Only requests with a ``Content-Length`` below this are answered immediately (unless their
+#: answerer collects bigger bodies: :data:`COLLECT_BELOW_ATTR`).
 ANSWER_BELOW = 64 * 1024
+#: The attribute of an :data:`Answerer` that takes bodies over several reads: the
+#: ``Content-Length`` (exclusive) below which its requests are collected until whole.
+COLLECT_BELOW_ATTR = "collect_below"
 
 logger = logging.getLogger("paramshard.protocol")
 
@@ -297,8 +308,11 @@ if HttpToolsProtocol is not None:
         _direct: _DirectReader | None = None
 
         #: Set while the current request is to be answered immediately: the answerer and
-        #: the body's pieces so far.
+        #: the body's pieces so far; whether its body may take several reads; whether a
+        #: shutdown came meanwhile (the connection closes after its answer).
         _now: tuple[Answerer, list[bytes]] | None = None
+        _collecting = False
+        _closing = False
 
         #: The size of the read being parsed; of the current head, what arrived of it
         #: counting only the reads after the one it began in (a lower bound), and counting
@@ -318,7 +332,14 @@ if HttpToolsProtocol is not None:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._guard_lost()
+            self._now = None  # a body being collected is dropped with the connection
             super().connection_lost(exc)
+
+        def shutdown(self) -> None:
+            if self._now is not None:  # a body being collected: answer it, then close
+                self._closing = True
+                return
+            super().shutdown()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -342,17 +363,20 @@ if HttpToolsProtocol is not None:
                 raise _HeadTooLarge()
             if self._answerers:
                 answerer = self._answerers.get(self.url)
-                if answerer is not None and self._may_answer_now():
-                    self._now = (answerer, [])
-                    self._announced = None
-                    return
+                if answerer is not None:
+                    below = getattr(answerer, COLLECT_BELOW_ATTR, 0)
+                    if self._may_answer_now(max(below, ANSWER_BELOW)):
+                        self._now = (answerer, [])
+                        self._collecting = below > 0
+                        self._announced = None
+                        return
             self._usual_headers_complete()
 
-        def _may_answer_now(self) -> bool:
+        def _may_answer_now(self, below: int = ANSWER_BELOW) -> bool:
             """Whether the request whose head was just parsed may be answered immediately: a
-            ``POST`` with a small ``Content-Length``, on a keep-alive HTTP/1.1 connection with
-            no response under way or held back, nothing else asked of the protocol (no
-            ``Expect``, upgrade or chunked body), and no access log to write."""
+            ``POST`` with a ``Content-Length`` below ``below``, on a keep-alive HTTP/1.1
+            connection with no response under way or held back, nothing else asked of the
+            protocol (no ``Expect``, upgrade or chunked body), and no access log to write."""
             parser = self.parser
             if (
                 parser.get_method() != b"POST"
@@ -373,7 +397,7 @@ if HttpToolsProtocol is not None:
                 length is not None
                 and b"transfer-encoding" not in headers
                 and length.isdigit()
-                and int(length) < ANSWER_BELOW
+                and int(length) < below
             )
 
         def _request_headers(self) -> dict[bytes, bytes]:
@@ -390,6 +414,9 @@ if HttpToolsProtocol is not None:
                 answer = None
             if answer is None:  # to the app, as if the parser had only now reached each part
                 self._usual_headers_complete()
+                if self._closing:
+                    self._closing = False
+                    self.cycle.keep_alive = False
                 if body:
                     self.on_body(body)
                 self.on_message_complete()
@@ -402,6 +429,9 @@ if HttpToolsProtocol is not None:
             out.write(b"".join(head))
             out.write(Gathered(answer.chunks, answer.nbytes))
             self.on_response_complete()
+            if self._closing:
+                self._closing = False
+                self.transport.close()
 
         def _usual_after_all(self) -> None:
             """A request to answer immediately whose body did not come whole in the read that
@@ -461,6 +491,7 @@ if HttpToolsProtocol is not None:
             now = self._now
             if now is not None:
                 self._now = None
+                self._collecting = False
                 self._answer_now(*now)
                 return
             self._announced = None
@@ -474,7 +505,7 @@ if HttpToolsProtocol is not None:
                 self._head_high += size
             self._read = size
             self._take(data)
-            if self._now is not None:
+            if self._now is not None and not self._collecting:
                 self._usual_after_all()
             if (
                 self._phase == HEAD

@@ -90,6 +90,7 @@ HTTPTOOLS_NEEDS = (
     "on_body",
     "on_message_complete",
     "on_response_complete",
+    "shutdown",
     "data_received",
     "send_400_response",
     "connection_made",
@@ -120,6 +121,7 @@ CYCLE_NEEDS = (
     "disconnected",
     "message_event",
     "waiting_for_100_continue",
+    "keep_alive",
 )
 #: Members of uvicorn's ``H11Protocol`` that :class:`server.readguard.GuardedH11Protocol` uses.
 H11_NEEDS = (

@@ -1,0 +1,115 @@
+"""push_rows bodies that come over several reads, collected by the shard's HTTP protocol and
+answered there (server.httptools_protocol, COLLECT_BELOW_ATTR; server.immediate,
+COLLECT_ROWS_BELOW): the app's bytes, without reaching the app; past the bound, or for a verb
+that does not collect, the app answers; a shutdown meanwhile lets the request finish, a
+client that leaves meanwhile changes nothing.
+
+The shard's real app runs in this process (tests/shard/test_immediate.py's ``shard`` and
+``Connection``), each request fed to the protocol in pieces as a socket would deliver them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from server.httptools_protocol import ANSWER_BELOW, COLLECT_BELOW_ATTR, IMMEDIATE
+from server.immediate import COLLECT_ROWS_BELOW
+from tests.shard.test_immediate import Connection, _push_rows, request, shard
+
+#: Distinct ids of table t (dim 4) whose push_rows body is above ANSWER_BELOW.
+IDS = np.arange(1000, 4000, dtype=np.int64)
+
+
+def _big_push(seq: int) -> bytes:
+    grads = np.ones((len(IDS), 4), np.float32)
+    data = _push_rows({"name": "t", "ids": IDS, "grads": grads, "worker_id": "w", "seq": seq}, True)
+    assert ANSWER_BELOW < len(data) < COLLECT_ROWS_BELOW
+    return data
+
+
+async def _in_pieces(conn: Connection, data: bytes, pieces: int = 3) -> bytes:
+    """Feed ``data`` in ``pieces`` reads; what was written once its reply is complete."""
+    cuts = np.linspace(0, len(data), pieces + 1).astype(int).tolist()
+    for k in range(pieces - 1):
+        assert await conn.send(data[cuts[k] : cuts[k + 1]], replies=0) == b""
+    return await conn.send(data[cuts[-2] :])
+
+
+def test_a_push_rows_over_several_reads_is_answered_at_once_with_the_apps_bytes():
+    async def run() -> None:
+        async with shard() as (one, immediate, _), shard() as (other, _, usual):
+            incarnations = (one.state.incarnation.encode(), other.state.incarnation.encode())
+            for seq in (1, 2, 2):  # the last a retry: "duplicate"
+                data = _big_push(seq)
+                mine = await _in_pieces(Connection(immediate), data)
+                theirs = await _in_pieces(Connection(usual), data)
+                assert mine.startswith(b"HTTP/1.1 200 ")
+                assert mine.replace(incarnations[0], b"") == theirs.replace(incarnations[1], b"")
+            assert immediate.calls == 0 and usual.calls == 3
+            for app in (one, other):
+                table = app.state.tables.get("t")
+                assert table.version == 3 and len(table) == 2 + len(IDS)
+
+    asyncio.run(run())
+
+
+def test_past_the_bound_or_for_a_verb_that_does_not_collect_the_app_answers(monkeypatch):
+    async def run() -> None:
+        async with shard() as (app, immediate, _):
+            answerer = getattr(immediate, IMMEDIATE)[b"/v1/push_rows"]
+            data = _big_push(1)
+            monkeypatch.setattr(answerer, COLLECT_BELOW_ATTR, len(data) - 200)  # the body's size
+            assert (await _in_pieces(Connection(immediate), data)).startswith(b"HTTP/1.1 200 ")
+            assert immediate.calls == 1 and app.state.tables.get("t").version == 2
+            # a pull is answered at once only when its body comes whole in one read
+            pull, conn = request(), Connection(immediate)
+            assert await conn.send(pull[:-5], replies=0) == b""  # the head, most of the body
+            assert (await conn.send(pull[-5:])).startswith(b"HTTP/1.1 200")
+            assert immediate.calls == 2
+            await Connection(immediate).send(pull)
+            assert immediate.calls == 2
+
+    asyncio.run(run())
+
+
+def test_a_shutdown_while_a_body_is_collected_answers_it_then_closes():
+    async def run() -> None:
+        async with shard() as (app, immediate, _):
+            conn = Connection(immediate)
+            data = _big_push(1)
+            assert await conn.send(data[:30_000], replies=0) == b""
+            conn.protocol.shutdown()
+            assert not conn.transport.closed  # the request is under way
+            reply = await conn.send(data[30_000:])
+            assert reply.startswith(b"HTTP/1.1 200 ") and conn.transport.closed
+            assert immediate.calls == 0 and app.state.tables.get("t").version == 2
+            # one the answerer hands to the app (an unknown table): answered, then closed
+            conn = Connection(immediate)
+            grads = np.ones((len(IDS), 4), np.float32)
+            msg = {"name": "nope", "ids": IDS, "grads": grads, "worker_id": "w", "seq": 2}
+            data = _push_rows(msg, True)
+            assert await conn.send(data[:30_000], replies=0) == b""
+            conn.protocol.shutdown()
+            reply = await conn.send(data[30_000:])
+            assert reply.startswith(b"HTTP/1.1 404 ") and conn.transport.closed
+            assert immediate.calls == 1
+            idle = Connection(immediate)
+            idle.protocol.shutdown()
+            assert idle.transport.closed  # an idle connection closes at once, as before
+
+    asyncio.run(run())
+
+
+def test_a_client_that_leaves_while_its_body_is_collected_changes_nothing():
+    async def run() -> None:
+        async with shard() as (app, immediate, _):
+            conn = Connection(immediate)
+            data = _big_push(1)
+            assert await conn.send(data[: len(data) - 10], replies=0) == b""
+            conn.protocol.connection_lost(None)
+            await asyncio.sleep(0.01)
+            assert immediate.calls == 0 and app.state.tables.get("t").version == 1
+
+    asyncio.run(run())
