@@ -16,14 +16,18 @@ etcd refuses writes as soon as it runs again, before any task of its own had a c
 notice; it then steps down and comes back as a backup of whoever holds the key.
 
 Who may campaign: only a replica that has every acknowledged write. The primary keeps the set
-of such replicas in ``<prefix>/shard/<i>/in-sync`` (``{"epoch", "replicas": [URL, ...]}``,
+of such replicas in ``<prefix>/shard/<i>/in-sync`` (``{"epoch", "replicas": [URL, ...],
+"processes": {URL: incarnation}}``,
 every change a revision-checked transaction: :meth:`Leadership.drop` when a backup stopped
 acknowledging, :meth:`Leadership.add` once one caught up). A replica campaigns when that key
 is absent (a new fleet: every replica starts empty) or lists it **and** was written since this
-process started: a replica restarted under the same URL lost what it held in memory. The
-primary writes the set again as it is, at most once per lease TTL, whenever every backup of it
-holds every write (:meth:`Leadership._confirm`), so a listed replica that restarted becomes
-eligible once it has caught up.
+process started: a replica restarted under the same URL lost what it held in memory. The set also
+names the process (its ``incarnation``, new at every start) of each member known to hold every
+write, and a replica is eligible only under its own process's name. The primary writes the set
+again as it is, at most once per lease TTL, when every backup of it says, asked then, that it
+holds the primary's newest write (:meth:`Leadership._confirm`), naming the processes that
+answered: a listed replica that restarted becomes eligible once it has caught up, never on the
+strength of what the process before it acknowledged.
 
 A replica whose whole state its primary replaced (a catch-up: it lagged past the log, or its
 log diverged: it held a write of an older epoch that the primary never had) is ``resyncing``:
@@ -90,6 +94,8 @@ class Peer(NamedTuple):
     eligible: bool
     #: Whether its state is restored (``False`` while it still reads its snapshot).
     restored: bool
+    #: The process that answered (its ``incarnation``: a new one at every start).
+    process: str
 
 
 def _json(kv: KeyValue | None) -> dict[str, Any] | None:
@@ -126,8 +132,12 @@ class Leadership:
         caught_up: Callable[[], bool] = lambda: False,
         restored: Callable[[], bool] = lambda: True,
         headers: dict[str, str] | None = None,
+        process: str = "",
     ) -> None:
         self.role = role
+        #: This process's incarnation: the in-sync set names the process of each replica it
+        #: lists as holding every write (module docstring).
+        self.process = process
         self.etcd = etcd
         self.url = url
         self.group = tuple(group)
@@ -137,6 +147,7 @@ class Leadership:
         self.restored = restored
         #: When (monotonic) the in-sync set was last written again as it was (:meth:`_confirm`).
         self._confirmed = 0.0
+        self._confirming: asyncio.Task[None] | None = None
         self.base = base = f"{prefix.rstrip('/')}/shard/{index}"
         self.primary_key = f"{base}/primary"
         self.in_sync_key = f"{base}/in-sync"
@@ -276,6 +287,9 @@ class Leadership:
             return False
         if self.started_revision is None or in_sync.mod_revision <= self.started_revision:
             return False
+        processes = doc.get("processes") if doc else None
+        if isinstance(processes, dict) and processes.get(self.url) != self.process:
+            return False  # listed, but as a process before this one: what it held is gone
         if self.resyncing:
             assert self._resync_revision is not None
             if in_sync.mod_revision <= self._resync_revision:
@@ -373,8 +387,9 @@ class Leadership:
             # acknowledged write; the forwarder brings it back once it has them.
             same = [u for u in members if u in reached and reached[u].position == mine]
             members = [self.url, *same]
+            processes = {self.url: self.process, **{u: reached[u].process for u in same}}
             if not await self._write_in_sync(
-                members, epoch, in_sync.mod_revision if in_sync else 0
+                members, epoch, in_sync.mod_revision if in_sync else 0, processes
             ):
                 return  # changed under us: nobody may lead on an in-sync set it did not read
             self.eligible, self.restarted = True, False  # listed in a set written just now
@@ -393,6 +408,9 @@ class Leadership:
             )
             await self._hold(lease, ttl, epoch)
         finally:
+            if self._confirming is not None:
+                self._confirming.cancel()
+                self._confirming = None
             if self.role.kind == PRIMARY:
                 self.role.step_down()
             self.role.hold_until(None)
@@ -420,9 +438,10 @@ class Leadership:
             lsn, epoch = view.get("lsn"), view.get("lsn_epoch")
             eligible = isinstance(campaign, dict) and campaign.get("eligible") is True
             restored = not isinstance(campaign, dict) or campaign.get("restored") is not False
-            if type(lsn) is not int or type(epoch) is not int:
+            process = info.get("incarnation")
+            if type(lsn) is not int or type(epoch) is not int or not isinstance(process, str):
                 return url, None
-            return url, Peer((epoch, lsn), eligible, restored)
+            return url, Peer((epoch, lsn), eligible, restored, process)
 
         found = await asyncio.gather(*(ask(u) for u in urls))
         return {url: answer for url, answer in found if answer is not None}
@@ -436,8 +455,13 @@ class Leadership:
             listed = list(self.group)
         return [self.url] + [u for u in self.group if u in listed and u != self.url]
 
-    async def _write_in_sync(self, members: list[str], epoch: int, mod_revision: int) -> bool:
-        value = json.dumps({"epoch": epoch, "replicas": members}).encode()
+    async def _write_in_sync(
+        self, members: list[str], epoch: int, mod_revision: int, processes: dict[str, str]
+    ) -> bool:
+        """Write the in-sync set (``processes``: the process of each member known to hold
+        every write, kept for members only) if its key is still at ``mod_revision``."""
+        known = {u: processes[u] for u in members if u in processes}
+        value = json.dumps({"epoch": epoch, "replicas": members, "processes": known}).encode()
         done, _ = await self.etcd.replace(self.in_sync_key, value, mod_revision)
         return bool(done)
 
@@ -467,20 +491,34 @@ class Leadership:
                 continue
             deadline = sent + ttl * 2 / 3
             role.hold_until(deadline)
-            if sent - self._confirmed >= ttl and self.caught_up():
-                await self._confirm(epoch)
+            if (
+                sent - self._confirmed >= ttl
+                and self.caught_up()
+                and (self._confirming is None or self._confirming.done())
+            ):
+                # Asking the backups may take a second: never in the way of the keepalives.
+                self._confirmed = sent
+                self._confirming = asyncio.get_running_loop().create_task(self._confirm(epoch))
 
     async def _confirm(self, epoch: int) -> None:
-        """Write the in-sync set again as it is (every backup of it holds every write now):
-        a replica of it that restarted since the set was last written becomes eligible."""
-        self._confirmed = time.monotonic()
+        """Write the in-sync set again as it is, naming each member's process, once every
+        backup of it says, now, that it holds every write this primary holds: a replica of it
+        that restarted since the set was last written becomes eligible. Its own answer is what
+        counts, not what the forwarder last heard from it: a backup that restarted empty is
+        still counted as caught up by the forwarder until a write goes to it."""
+        mine = self.position()
+        backups = self.role.in_sync
+        reached = await self._survey(list(backups))
+        if any(u not in reached or reached[u].position != mine for u in backups):
+            return  # one does not answer, or lags: its process is not confirmed
         found, _ = await self.etcd.get(self.in_sync_key)
         doc = _json(found)
         if found is None or doc is None or doc.get("epoch") != epoch:
             return
-        members = [self.url, *self.role.in_sync]
-        if self.role.kind == PRIMARY and self.role.epoch == epoch:
-            await self._write_in_sync(members, epoch, found.mod_revision)
+        members = [self.url, *backups]
+        processes = {self.url: self.process, **{u: reached[u].process for u in backups}}
+        if self.role.kind == PRIMARY and self.role.epoch == epoch and self.role.in_sync == backups:
+            await self._write_in_sync(members, epoch, found.mod_revision, processes)
 
     # -- the in-sync set --------------------------------------------------------------------
 
@@ -521,7 +559,9 @@ class Leadership:
             ):
                 return False  # another primary wrote it: this one is no longer primary
             members = change([u for u in listed if isinstance(u, str)])
-            if await self._write_in_sync(members, epoch, found.mod_revision):
+            processes = doc.get("processes")
+            kept = processes if isinstance(processes, dict) else {}
+            if await self._write_in_sync(members, epoch, found.mod_revision, kept):
                 if self.role.kind == PRIMARY and self.role.epoch == epoch:
                     self.role.set_in_sync(members)
                     return True
@@ -567,6 +607,7 @@ def from_state(state: Any) -> Leadership | None:
         caught_up=caught_up,
         restored=lambda: state.gate.phase not in ("restoring", "failed"),
         headers={"authorization": f"Bearer {config.token[0]}"} if config.token else None,
+        process=state.incarnation,
     )
 
     async def drop(url: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 import uuid
 
 import httpx2
@@ -207,10 +208,16 @@ def test_a_backup_restarted_after_writes_campaigns_only_once_caught_up(tmp_path,
             group.kill(b)
             group.start(b)  # still in the in-sync set (no write waited for it meanwhile)
             # It lost the writes it held: listed or not, it may campaign only once it holds
-            # them again. The primary may feed it and confirm it before this look, so what
-            # holds whatever the timing is the implication, read from one answer.
-            info = http_json(group.urls[b] + "/v1/cluster")
-            assert not info["leadership"]["eligible"] or info["replication"]["lsn"] >= held, info
+            # them again. No write comes for a while, so nothing feeds it; meanwhile the
+            # primary writes the in-sync set again every TTL when its backups hold every
+            # write — from what the restarted process holds, never from what the one before
+            # it acknowledged. What holds whatever the timing is the implication, read from
+            # one answer at a time, over a few TTLs.
+            for _ in range(int(3 * TTL / 0.2)):
+                info = http_json(group.urls[b] + "/v1/cluster")
+                rep, lead = info["replication"], info["leadership"]
+                assert not lead["eligible"] or rep["lsn"] >= held, (lead, rep["lsn"], held)
+                time.sleep(0.2)
             ps.increment("restart_steps")
         # fed the log by the primary, it is confirmed in the set and may campaign again
         one_primary(group)
