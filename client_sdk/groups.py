@@ -84,7 +84,7 @@ class _Base:
         for part in self._state.parts:
             if part.versions is not None:
                 out.update(zip(part.names, part.versions.tolist()))
-        return out
+        return {name: out[name] for name in self._state.names if name in out}
 
     def __repr__(self) -> str:
         state = self._state
@@ -106,11 +106,11 @@ class StepGroup(_Base):
     def pull(self, out: Any = None) -> dict[str, np.ndarray]:
         """The group's values (blocks): name -> :attr:`views` (the group's own buffers,
         overwritten by the next pull). ``out``: one flat array of the group's dtype and size
-        (a group on one shard: the values are received into it, and the result's arrays are
-        :attr:`views`, which then hold the values only as of this pull — copy them, or pass the
-        same ``out`` every step), or a dict name -> array (copied into from :attr:`views`;
-        the result is ``out``). Always moves every value (a group's pull is for variables that
-        change every step; :meth:`PSClient.pull` sends only the changed ones)."""
+        (a group on one shard: the values are received into it, and the result maps each name
+        to a view of ``out``, made once per buffer: pass the same ``out`` every step), or a
+        dict name -> array (copied into from :attr:`views`; the result is ``out``). Always
+        moves every value (a group's pull is for variables that change every step;
+        :meth:`PSClient.pull` sends only the changed ones)."""
         return self._client._drive(_group.pull(self._client._core, self._state, out))
 
     def push(self, grads: Any = None) -> dict[str, Any]:

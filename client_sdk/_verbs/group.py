@@ -20,7 +20,7 @@ its head) they are copied in from the reply, one copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -71,10 +71,12 @@ class GroupState:
     """What a step group keeps (module docstring); its flows are this module's functions."""
 
     def __init__(self, core: Core, names: Any) -> None:
+        if isinstance(names, Iterable) and not isinstance(names, (str, bytes)):
+            names = list(names)  # read once (a generator)
         checked = _args.names(names, "group", core.fleet)
         if not checked:
             raise BadRequestError("group() needs at least one variable name")
-        if len(checked) != len(list(names)):
+        if len(checked) != len(names):
             raise BadRequestError(
                 "group(): a name is listed twice: list each variable once",
                 details={"field": "names"},
@@ -84,6 +86,23 @@ class GroupState:
         #: Name -> a view of its part's flat buffer (made once; what :meth:`pull` fills).
         self.views: dict[str, np.ndarray] = {}
         self._grad_views: dict[str, np.ndarray] | None = None
+        #: The last flat ``out`` pulled into (a group on one shard) and its views.
+        self._out: tuple[np.ndarray, dict[str, np.ndarray]] | None = None
+
+    def views_of(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """Name -> a view of ``flat`` (a caller's flat buffer of a group on one shard), laid
+        out as :attr:`views`; kept for the last buffer given."""
+        if self._out is not None and self._out[0] is flat:
+            return self._out[1]
+        part = self.parts[0]
+        views: dict[str, np.ndarray] = {}
+        at = 0
+        for name, shape in zip(part.names, part.shapes):
+            size = int(np.prod(shape, dtype=np.int64))
+            views[name] = flat[at : at + size].reshape(shape)
+            at += size
+        self._out = (flat, {name: views[name] for name in self.names})
+        return self._out[1]
 
     def layout(self) -> None:
         """Make each part's flat buffer and the views into it (after the first registration)."""
@@ -232,7 +251,7 @@ def pull(core: Core, state: GroupState, out: Any = None) -> Flow[dict[str, np.nd
     if out is None:
         return state.views
     if isinstance(out, np.ndarray):
-        return {name: state.views[name] for name in state.names}
+        return state.views_of(out)
     for name, view in out.items():
         np.copyto(view, state.views[name])
     return dict(out)
@@ -405,7 +424,8 @@ def push(core: Core, state: GroupState, grads: Any, seq: int | None = None) -> F
         applied += int(msg.get("applied", 0))
         if isinstance(msg.get("variables"), dict):
             others.update(msg["variables"])
-    return {"versions": versions, "applied": applied, "variables": others}
+    in_order = {name: versions[name] for name in state.names}
+    return {"versions": in_order, "applied": applied, "variables": others}
 
 
 def _pieces(state: GroupState, grads: Any) -> dict[int, list[Any]]:

@@ -79,7 +79,8 @@ def test_a_group_pulls_into_the_callers_buffers_and_pushes_one_flat_array(fleet1
         out = np.zeros(12, np.float32)
         got = g.pull(out=out)
         np.testing.assert_array_equal(out, np.repeat(np.arange(4, dtype=np.float32), 3))
-        assert set(got) == set(names)
+        assert list(got) == names and np.shares_memory(got[names[1]], out)
+        np.testing.assert_array_equal(got[names[1]], [1.0, 1.0, 1.0])
         g.push(np.ones(12, np.float32))  # SGD(lr=1): every value - 1
         mine = {n: np.zeros(3, np.float32) for n in names}
         assert g.pull(out=mine) == mine
