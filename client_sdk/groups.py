@@ -21,8 +21,9 @@ shard's ``--max-request-names`` (2,048 by default) of them per shard and at most
 ``--max-request-bytes`` of values per shard; no embedding tables and no partitioned variables
 (group their parts, or pull them apart). A group moves values and gradients in the variables'
 own dtype: a client's ``wire_dtype`` does not apply to it. ``StepGroup`` is not thread-safe:
-one training loop uses it (make one group per thread). :class:`StepGroup` drives :class:`~client_sdk.PSClient`,
-:class:`AsyncStepGroup` :class:`~client_sdk.AsyncPSClient`, with the same methods.
+one training loop uses it (make one group per thread). :class:`StepGroup` drives
+:class:`~client_sdk.PSClient`, :class:`AsyncStepGroup` :class:`~client_sdk.AsyncPSClient`, with
+the same methods.
 
 A shard that restarted, a replica that became primary, or a shard that let the group go
 answers the group's id as unknown: the client registers the group again and sends the request
