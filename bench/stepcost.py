@@ -12,7 +12,8 @@ one pull). It starts one shard and the raw-socket server and times, per pull of
 * the shard's HTTP protocol and app for that request, in this process (uvicorn's parser, the
   shard's middleware, the handler, the encoding), writing to a transport that drops what it is
   given (no I/O: what the shard costs per pull beyond the socket);
-* the same two for the variables as a step group (``ps.group(names)``, ``g.pull()``);
+* the same two for the variables as a step group (``ps.group(names)``, ``g.pull()``), and the
+  shard's part of the group's push (``g.push(flat)``, applied with ``Add``);
 * the raw socket moving the same bytes.
 
 What the first line has beyond the two no-I/O lines is the kernel (the copies, waking the
@@ -80,14 +81,18 @@ class NullTransport(asyncio.Transport):
         pass
 
 
-def _shard_in_process(names: list[str], size: int, reps: int, group: bool = False) -> float:
+def _shard_in_process(
+    names: list[str], size: int, reps: int, group: bool = False, push: bool = False
+) -> float:
     """Microseconds per pull through the shard's protocol and app, in this process (with
-    ``group``, per pull of the names as a step group, registered first)."""
+    ``group``, per pull of the names as a step group, registered first; with ``push`` too, per
+    push of zeros to the group, one flat tensor, a seq of its own each)."""
     import uvicorn
     from uvicorn.server import ServerState
 
     from client_sdk import wire
     from client_sdk.optimizers import Add
+    from client_sdk.wire import groups as group_wire
     from server import httptools_protocol as protocol
     from server.app import create_app, serving_app
     from server.config import ShardConfig
@@ -145,12 +150,29 @@ def _shard_in_process(names: list[str], size: int, reps: int, group: bool = Fals
                     app.state.store, names, len(names), 1 << 40
                 ).id
                 pull = request("/v1/group_pull", wire.encode({"group": gid}, tensors=False))
-            for _ in range(min(reps, 50)):
-                await exchange(pull)
+            todo = [pull] * (min(reps, 50) + reps)
+            if group and push:
+                grads = np.zeros(size * len(names), np.float32).data.cast("B")
+                todo = [
+                    request(
+                        "/v1/group_push",
+                        group_wire.encode(
+                            {"group": gid, "worker_id": "stepcost", "seq": seq},
+                            None,
+                            "grads",
+                            "<f4",
+                            [grads],
+                            len(grads),
+                        ),
+                    )
+                    for seq in range(len(todo))
+                ]
+            for raw in todo[: min(reps, 50)]:
+                await exchange(raw)
             samples = []
-            for _ in range(reps):
+            for raw in todo[min(reps, 50) :]:
                 t0 = time.perf_counter()
-                await exchange(pull)
+                await exchange(raw)
                 samples.append(time.perf_counter() - t0)
             return float(np.median(samples)) * 1e6
 
@@ -251,6 +273,10 @@ def run(count: int, size: int, reps: int, out: Callable[[str], None] = print) ->
             add(
                 "  the shard's protocol and app for the group's pull (in this process, no I/O)",
                 _shard_in_process(names, size, reps, group=True),
+            )
+            add(
+                "  the shard's protocol and app for a group push of zeros (in process, no I/O)",
+                _shard_in_process(names, size, reps, group=True, push=True),
             )
             flat = np.zeros(size * count, np.float32)
             add(

@@ -503,7 +503,7 @@ def test_the_step_cost_diagnostic_runs():
 
     lines: list[str] = []
     figures = stepcost.run(3, 10, 5, out=lines.append)
-    assert len(figures) == len(lines) == 8
+    assert len(figures) == len(lines) == 9
     assert all(us > 0 for us in figures.values())
     assert any("the shard's protocol and app" in line for line in lines)
 
