@@ -25,6 +25,7 @@ from client_sdk import (
     UnknownVariableError,
 )
 from client_sdk._verbs import group as group_flow
+from client_sdk.modes import Sync
 from client_sdk.optimizers import SGD, Adam
 from client_sdk.wire import groups as group_wire
 from tests.conftest import OnLoop, http_json
@@ -245,6 +246,28 @@ def test_bad_groups_and_bodies_are_refused_changing_nothing(fleet_factory):
         ok = push(np.ones(5, np.float32), np.zeros(2, np.int64))
         assert ok.status_code == 200, ok.content
         assert msgpack.unpackb(ok.content)["versions"] == [1, 1]
+
+
+def test_a_group_push_to_sync_variables_joins_their_rounds(fleet1):
+    """A group push is a push: a sync variable's gradient joins its round (``accepted``, not
+    counted as applied) and the round applies the mean once it is full."""
+    names = [f"{fresh('sync')}/v{i}" for i in range(2)]
+    with (
+        PSClient(fleet1.urls, worker_id=fresh("w")) as ps,
+        PSClient(fleet1.urls, worker_id=fresh("w")) as other,
+    ):
+        ps.init({n: np.zeros(2, np.float32) for n in names}, SGD(lr=1.0), sync=Sync(replicas=2))
+        mine, theirs = ps.group(names), other.group(names)
+        mine.pull()
+        theirs.pull()
+        first = mine.push({n: np.ones(2, np.float32) for n in names})
+        assert first["applied"] == 0
+        assert {e["status"] for e in first["variables"].values()} == {"accepted"}
+        assert first["versions"] == {n: 0 for n in names}
+        second = theirs.push({n: np.full(2, 3.0, np.float32) for n in names})
+        assert second["versions"] == {n: 1 for n in names}
+        for value in mine.pull().values():
+            np.testing.assert_array_equal(value, [-2.0, -2.0])  # the mean of 1 and 3
 
 
 def test_a_group_on_an_async_client(fleet1):
