@@ -110,6 +110,7 @@ class Control(StoreState):
             deletion.release(var)
         if variables:
             self.collector.released()
+            self.groups.released(variables)
         if variables or removed:
             self._deletions += 1
         self.mutations += 1

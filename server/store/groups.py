@@ -23,7 +23,9 @@ a delete ran (:attr:`~server.store.state.StoreState.deletions` moved) or the sta
 whole (a backup brought up to date by a snapshot), each use first checks that every name still
 holds the same variable: if one was deleted (or deleted and made again, whatever its shape),
 each use of the group is refused with 409 ``group_stale``, telling the client to make
-the group again; it never answers another variable's bytes.
+the group again; it never answers another variable's bytes. A delete makes the groups holding a
+deleted variable stale at once and they let go of their variables (:meth:`Groups.released`),
+so no group keeps a deleted value's memory alive.
 
 No HTTP in here; the event-loop thread only.
 """
@@ -58,6 +60,7 @@ class Group:
         "id",
         "names",
         "variables",
+        "gone",
         "dtype",
         "shapes",
         "sizes",
@@ -69,6 +72,9 @@ class Group:
     def __init__(self, gid: str, variables: list[Variable], checked_at: tuple[int, int]) -> None:
         self.id = gid
         self.variables = variables
+        #: The names deleted since the group was made, once it is found stale (it then holds
+        #: no variable: a deleted value is not kept alive by a group).
+        self.gone: list[str] | None = None
         self.names = [v.name for v in variables]
         first = variables[0].value
         self.dtype: np.dtype = first.dtype
@@ -146,6 +152,17 @@ class Groups:
         self._by_id.clear()
         self._by_names.clear()
 
+    def released(self, deleted: list[Variable]) -> None:
+        """``deleted`` were just deleted: every group holding one of them becomes stale now
+        and lets go of its variables, so that no group keeps a deleted value alive. Work in
+        proportion to the groups' names, on a delete only."""
+        if not self._by_id or not deleted:
+            return
+        ids = {id(v) for v in deleted}
+        for group in self._by_id.values():
+            if group.gone is None and any(id(v) in ids for v in group.variables):
+                _stale(group, [n for n, v in zip(group.names, group.variables) if id(v) in ids])
+
     def register(
         self, store: StoreState, names: Sequence[Any], max_names: int, max_bytes: int
     ) -> Group:
@@ -215,8 +232,8 @@ class Groups:
 
     def get(self, store: StoreState, gid: Any) -> Group:
         """The group ``gid``, its variables current: 404 ``unknown_group`` if this shard does
-        not hold it, 409 ``group_stale`` if one of its variables was deleted since. Changes
-        nothing."""
+        not hold it, 409 ``group_stale`` if one of its variables was deleted since (the group
+        then stays stale, holding no variable). Changes no state."""
         group = self._by_id.get(gid) if type(gid) is str else None
         if group is None:
             raise ShardError(
@@ -226,11 +243,20 @@ class Groups:
                 "the SDK does this by itself)",
                 {"group": gid if isinstance(gid, (str, int)) else repr(gid)},
             )
-        if group.checked_at != _era(store) and not self._current(store, group):
-            # Kept (a refusal changes nothing: the shard's protocol may offer the request to
-            # the usual way after this), and refused again at each use, until registering the
-            # names again replaces it or it is let go.
-            gone = [n for n, v in zip(group.names, group.variables) if store._vars.get(n) is not v]
+        if (
+            group.gone is None
+            and group.checked_at != _era(store)
+            and not self._current(store, group)
+        ):
+            _stale(
+                group,
+                [n for n, v in zip(group.names, group.variables) if store._vars.get(n) is not v],
+            )
+        gone = group.gone
+        if gone is not None:
+            # Kept, without its variables (a refusal changes nothing: the shard's protocol may
+            # offer the request to the usual way after this), and refused again at each use,
+            # until registering the names again replaces it or it is let go.
             raise ShardError(
                 "group_stale",
                 f"group {gid!r}: variable(s) {gone[:10]} were deleted (or deleted and made "
@@ -242,6 +268,8 @@ class Groups:
 
     @staticmethod
     def _current(store: StoreState, group: Group) -> bool:
+        if group.gone is not None:
+            return False
         """Whether every name of ``group`` still holds the same variable (then the group is
         marked checked as of now)."""
         known = store._vars
@@ -249,6 +277,13 @@ class Groups:
             group.checked_at = _era(store)
             return True
         return False
+
+
+def _stale(group: Group, gone: list[str]) -> None:
+    """Mark ``group`` stale (``gone``: the names deleted since it was made) and let go of its
+    variables."""
+    group.gone = gone
+    group.variables = []
 
 
 def _era(store: StoreState) -> tuple[int, int]:
