@@ -136,26 +136,27 @@ def run(ctx: Context) -> list[dict]:
                             for _ in range(INCREMENTS_PER_REP):
                                 with increment_watch:
                                     ps.increment(name + "/counter", 1)
-                for system in clients:
-                    common = {"size": size, "system": system, "reference": system == ALONE}
-                    rows.append(
-                        {
-                            "case": "replication",
-                            "op": "push",
-                            **common,
-                            **summarize(pushes[system].samples, grad.nbytes),
-                            "cpu_ms": cpu["push", system].per_op(reps),
-                        }
-                    )
-                    rows.append(
-                        {
-                            "case": "replication",
-                            "op": "increment",
-                            **common,
-                            **summarize(increments[system].samples),
-                            "cpu_ms": cpu["increment", system].per_op(reps * INCREMENTS_PER_REP),
-                        }
-                    )
+                # One group per op (the table prints the op once over its systems), the
+                # reference first.
+                for op, watches, per_rep in (
+                    ("push", pushes, 1),
+                    ("increment", increments, INCREMENTS_PER_REP),
+                ):
+                    for system in clients:
+                        rows.append(
+                            {
+                                "case": "replication",
+                                "op": op,
+                                "size": size,
+                                "system": system,
+                                "reference": system == ALONE,
+                                **summarize(
+                                    watches[system].samples,
+                                    grad.nbytes if op == "push" else None,
+                                ),
+                                "cpu_ms": cpu[op, system].per_op(reps * per_rep),
+                            }
+                        )
         finally:
             for ps in clients.values():
                 ps.close()
@@ -204,8 +205,10 @@ def notes(rows: list[dict]) -> str:
         + " ".join(f"{x:.1f}" for x in os.getloadavg()),
         f"{'op':<11}{'system':<22}{'worker':>8}{'shard':>8}{'backup':>8}",
     ]
+    op = None
     for r in mine:
         cpu = r["cpu_ms"]
         cells = "".join(f"{'-' if v is None else format(v, '.2f'):>8}" for v in cpu.values())
-        out.append(f"{r['op']:<11}{r['system']:<22}{cells}")
+        out.append(f"{r['op'] if r['op'] != op else '':<11}{r['system']:<22}{cells}")
+        op = r["op"]
     return "\n".join(out)
