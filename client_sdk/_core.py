@@ -51,6 +51,7 @@ from ._parts import Parts
 from ._replicas import Replicas
 from ._replies import Message
 from ._settings import Settings
+from ._stalls import Stalls
 
 if TYPE_CHECKING:
     from ._http.http11 import Into
@@ -90,6 +91,8 @@ class Core:
         self.replicas = Replicas(settings.groups)
         #: Where each shard's requests go now: ``replicas.current``, the same list.
         self.shards = self.replicas.current
+        #: The exchanges in flight to replica groups, abandoned for a new primary (``_stalls.py``).
+        self.stalls = Stalls(self.replicas)
         self.n = len(settings.shards)
         self.cache = VersionCache(self.n)
         self.fleet = Fleet(self.replicas.current, self.cache.drop_shard)
@@ -293,6 +296,7 @@ class Core:
             try:
                 info = self.accept(request, result).msg
                 self.fleet.check_cluster(request.shard, info)
+                self.stalls.note_cluster(request.shard, info)
             except ShardUnavailableError as exc:  # 503 until the deadline
                 unreachable[request.shard] = exc
                 continue

@@ -49,11 +49,13 @@ from . import _replies, wire
 from ._core import Core
 from ._exceptions import ConfigError, ProtocolError, PSError, ShardUnavailableError
 from ._flow import Reply, Result, ShardRequest
+from ._following import Failover, afollow, awatch, cut_by, follow, unwatch, watch
 from ._http.http11 import ReplyTooLarge
 from ._http.httpx_senders import AsyncHTTPXSender, HTTPXSender
 from ._http.native import AsyncNativeSender, NativeSender
-from ._replicas import choose, not_primary
+from ._replicas import not_primary
 from ._settings import Settings
+from ._stalls import Watched
 
 logger = logging.getLogger("client_sdk")
 
@@ -76,16 +78,6 @@ AsyncSender = AsyncNativeSender | AsyncHTTPXSender
 #: What settles a request (anything else :func:`_judge` returns is a delay before a retry, or
 #: a :class:`Failover`).
 _SETTLED = (Reply, PSError)
-
-
-@dataclass(frozen=True)
-class Failover:
-    """The replica asked is not (or no longer reachable as) its index's primary: find the
-    primary (:func:`_follow`), then try again there, after ``delay`` seconds unless the
-    primary is another replica. ``named``: the primary the refusal named, if any."""
-
-    delay: float
-    named: str | None = None
 
 
 @dataclass(frozen=True)
@@ -216,9 +208,17 @@ def send_all(
         return [first] + [f.result() for f in futures]
     started = time.monotonic()
     deadlines = [attempt_deadline(core, req) for req in reqs]
+    watched = [watch(core, req, sender) for req in reqs]
+    try:
+        outcomes = sender.once_all(
+            [cut_by(req, w) for req, w in zip(reqs, watched)], deadlines, submit
+        )
+    finally:
+        for req, w in zip(reqs, watched):
+            unwatch(core, req, w)
     results: list[Result | float | Failover | ToPrimary] = [
-        _judge(core, req, 1, started, outcome)
-        for req, outcome in zip(reqs, sender.once_all(reqs, deadlines, submit))
+        _judge(core, req, 1, started, outcome, w)
+        for req, outcome, w in zip(reqs, outcomes, watched)
     ]
     again = [i for i, r in enumerate(results) if not isinstance(r, _SETTLED)]
     retrying = {i: submit(_retry, sender, core, reqs[i], started, 1, results[i]) for i in again[1:]}
@@ -284,7 +284,7 @@ def _retry(
         if isinstance(delay, ToPrimary):
             req, delay = dataclasses.replace(req, url=None), None
         if isinstance(delay, Failover):
-            delay = _follow(sender, core, req, delay)
+            delay = follow(sender, core, req, delay)
         if delay is not None:
             if abort is None:
                 time.sleep(delay)
@@ -293,21 +293,39 @@ def _retry(
         if abort is not None and abort.fired.is_set():
             return _abandoned(core, req)
         attempt += 1
+        watched = watch(core, req, sender)
         try:
-            outcome: Reply | Exception = sender.once(req, attempt_deadline(core, req))
+            outcome: Reply | Exception = sender.once(
+                cut_by(req, watched), attempt_deadline(core, req)
+            )
         except (*_TRANSPORT_ERRORS, PSError) as exc:
             outcome = exc
-        verdict = _judge(core, req, attempt, started, outcome)
+        finally:
+            unwatch(core, req, watched)
+        verdict = _judge(core, req, attempt, started, outcome, watched)
         if isinstance(verdict, _SETTLED):
             return verdict
         delay = verdict
 
 
 def _judge(
-    core: Core, req: ShardRequest, attempt: int, started: float, outcome: Reply | Exception
+    core: Core,
+    req: ShardRequest,
+    attempt: int,
+    started: float,
+    outcome: Reply | Exception,
+    watched: Watched | None = None,
 ) -> Result | float | Failover | ToPrimary:
     """What the ``attempt``-th try's outcome (a reply, or the exception that ended it) means:
     the request's result, or the seconds to wait before trying again."""
+    if (
+        watched is not None
+        and watched.superseded
+        and isinstance(outcome, _TRANSPORT_ERRORS)
+        and (req.retry_safe or not req.mutating)
+        and time.monotonic() < req.deadline
+    ):
+        return 0.0  # abandoned for the index's new primary (_stalls.py): sent there now
     if req.allow_backup and req.url is not None and _backup_failed(outcome):
         core.replicas.shun(req.url)
         return ToPrimary()
@@ -378,89 +396,29 @@ def _say_waiting(core: Core, req: ShardRequest, started: float, why: str) -> Non
     )
 
 
-# -- following a replicated index's primary ---------------------------------------------------
-
-#: Seconds one ``GET /v1/cluster`` of a replica may take while looking for the primary.
-ASK_TIMEOUT = 2.0
-
-
-def _asks(core: Core, req: ShardRequest) -> list[ShardRequest]:
-    """``GET /v1/cluster`` of every replica of ``req``'s shard index."""
-    deadline = min(req.deadline, time.monotonic() + ASK_TIMEOUT)
-    base = core.get(req.shard, "/v1/cluster", deadline, "cluster")
-    return [
-        ShardRequest(
-            base.shard,
-            base.method,
-            base.path,
-            base.headers,
-            None,
-            False,
-            deadline,
-            "cluster",
-            max_reply=core.max_reply,
-            url=url,
-        )
-        for url in core.replicas.groups[req.shard]
-    ]
-
-
-def _settle_follow(core: Core, req: ShardRequest, failover: Failover, answers: list[Any]) -> float:
-    """Where ``req``'s index goes now, from its replicas' answers: 0 s to wait when that is
-    another replica than before, else the failover's delay."""
-    replicas = core.replicas
-    group = replicas.groups[req.shard]
-    found = choose(group, [a if isinstance(a, Reply) else None for a in answers])
-    if found is None:
-        if failover.named is None:
-            return failover.delay
-        found = failover.named, replicas.epochs[req.shard]  # what the refusal said
-    url, epoch = found
-    return 0.0 if replicas.follow(req.shard, url, epoch) else failover.delay
-
-
-def _follow(sender: Sender, core: Core, req: ShardRequest, failover: Failover) -> float:
-    """Find the primary of ``req``'s shard index and send its requests there; the seconds to
-    wait before trying ``req`` again. Blocks (one short request to each replica)."""
-    answers: list[Any] = []
-    for ask in _asks(core, req):
-        # Each ask has ASK_TIMEOUT of its own: a replica that takes every packet and answers
-        # none (frozen, or cut off) must not use up the time of those asked after it.
-        deadline = min(req.deadline, time.monotonic() + ASK_TIMEOUT)
-        try:
-            answers.append(sender.once(ask, deadline))
-        except (*_TRANSPORT_ERRORS, PSError) as exc:
-            answers.append(exc)
-    return _settle_follow(core, req, failover, answers)
-
-
-async def _afollow(sender: AsyncSender, core: Core, req: ShardRequest, failover: Failover) -> float:
-    """The async twin of :func:`_follow` (the replicas asked at once)."""
-    asks = _asks(core, req)
-    answers = await asyncio.gather(
-        *(sender.once(ask, ask.deadline) for ask in asks), return_exceptions=True
-    )
-    return _settle_follow(core, req, failover, list(answers))
-
-
 async def asend(sender: AsyncSender, core: Core, req: ShardRequest) -> Result:
     """The async twin of :func:`send`."""
     started = time.monotonic()
     attempt = 0
     while True:
         attempt += 1
+        watched = awatch(core, req, sender)
         try:
-            outcome: Reply | Exception = await sender.once(req, attempt_deadline(core, req))
+            outcome: Reply | Exception = await sender.once(
+                cut_by(req, watched), attempt_deadline(core, req)
+            )
         except (*_TRANSPORT_ERRORS, PSError) as exc:
             outcome = exc
-        verdict = _judge(core, req, attempt, started, outcome)
+        finally:
+            unwatch(core, req, watched)
+        verdict = _judge(core, req, attempt, started, outcome, watched)
         if isinstance(verdict, _SETTLED):
             return verdict
         if isinstance(verdict, ToPrimary):
             req = dataclasses.replace(req, url=None)
             continue
         if isinstance(verdict, Failover):
-            verdict = await _afollow(sender, core, req, verdict)
+            verdict = await afollow(sender, core, req, verdict)
         await asyncio.sleep(verdict)
 
 

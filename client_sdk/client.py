@@ -468,6 +468,7 @@ class PSClient(TableMethods):
                 self._pusher.close()
             finally:
                 self._closed = True
+                self._core.stalls.close()
                 self._pool.shutdown(wait=True)
                 self._sender.close()
 
@@ -679,6 +680,7 @@ class AsyncPSClient(AsyncTableMethods):
             await self._pusher.close()
         finally:
             self._closed = True
+            await self._core.stalls.aclose()
             await self._sender.close()
 
     async def __aenter__(self) -> AsyncPSClient:

@@ -10,6 +10,9 @@ whole reply) however the server spaces its bytes. Needs a loop with ``add_reader
 selector loops and uvloop; not the Windows proactor loop, for which ``_transport.py`` uses
 httpx2).
 
+An exchange given an :class:`~client_sdk._abort.Abort` is cut short when it is fired: its
+socket shut down, the wait on it ends and its receive (or send) fails.
+
 Not thread-safe: use a pool from the one event loop that runs its client.
 """
 
@@ -23,6 +26,7 @@ from collections.abc import Generator, Mapping, Sequence
 
 import httpx2
 
+from .._abort import Abort
 from .connection import CONNECT_TIMEOUT, Connection, PoolBase
 from .http11 import Buffer, Exchange, Into, Origin, Response
 from .tls import context, refused
@@ -185,6 +189,13 @@ class Begun:
         self.error: BaseException | None = None
 
 
+def _hold(abort: Abort, conn: AsyncConnection) -> None:
+    """Cut ``conn`` short when ``abort`` is fired: its socket shut down, so that the loop
+    finds it ready and its receive (or send) fails."""
+    sock = conn.sock
+    abort.hold(id(conn), lambda: sock.shutdown(socket.SHUT_RDWR))
+
+
 class AsyncHTTPPool(PoolBase[AsyncConnection]):
     """The asyncio twin of :class:`~client_sdk._http.pool.HTTPPool`: the same arguments and
     behaviour, ``await``-ed. Use it from one event loop."""
@@ -230,12 +241,18 @@ class AsyncHTTPPool(PoolBase[AsyncConnection]):
         exchange, deadline, views = begun.exchange, begun.deadline, begun.views
         origin = exchange.origin
         conn = begun.conn
+        abort = exchange.abort
         try:
             if conn is None:
                 conn = await self._acquire(origin, deadline)
+                if abort is not None:
+                    _hold(abort, conn)
                 await conn.send(views, deadline)
-            elif begun.sending is not None:
-                await conn.send_rest(begun.sending, deadline)
+            else:
+                if abort is not None:
+                    _hold(abort, conn)
+                if begun.sending is not None:
+                    await conn.send_rest(begun.sending, deadline)
             response, reusable = await conn.receive(
                 deadline, self.reply_limit(exchange), exchange.into
             )
@@ -243,6 +260,9 @@ class AsyncHTTPPool(PoolBase[AsyncConnection]):
             if conn is not None:
                 conn.close()
             raise
+        finally:
+            if abort is not None and conn is not None:
+                abort.drop(id(conn))
         if reusable and not self._closed and self._idle.put(origin, conn, time.monotonic()):
             return response
         conn.close()

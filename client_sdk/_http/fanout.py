@@ -19,6 +19,9 @@ exchange's failure or timeout ends that exchange alone. Failures are the pool's
 ``httpx2`` exception classes, returned in the exchange's place for ``_transport.py`` to
 translate and retry.
 
+An exchange given an :class:`~client_sdk._abort.Abort` is cut short when it is fired (its
+socket shut down: the selector sees it ready, and its receive or send fails), as in the pool.
+
 Thread-safety: :func:`exchange_all` may run in several threads at once over one pool. It blocks
 until every exchange ended.
 """
@@ -26,7 +29,9 @@ until every exchange ended.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import selectors
+import socket
 import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
@@ -98,6 +103,9 @@ def exchange_all(pool: HTTPPool, exchanges: Sequence[Exchange], submit: Submit) 
     """
     outcomes: list[Outcome | None] = [None] * len(exchanges)
     flights = _take_off(pool, exchanges, submit, outcomes)
+    held = [(exchanges[f.index].abort, f.conn) for f in flights if exchanges[f.index].abort]
+    for abort, conn in held:  # fired: its socket shut down, the selector sees it at once
+        abort.hold(id(conn), functools.partial(conn.sock.shutdown, socket.SHUT_RDWR))  # type: ignore[union-attr]
     try:
         _fly(pool, flights, outcomes)
     except BaseException:
@@ -105,6 +113,9 @@ def exchange_all(pool: HTTPPool, exchanges: Sequence[Exchange], submit: Submit) 
             if outcomes[flight.index] is None:
                 flight.conn.close()
         raise
+    finally:
+        for abort, conn in held:
+            abort.drop(id(conn))  # type: ignore[union-attr]
     return outcomes  # type: ignore[return-value]
 
 

@@ -19,6 +19,8 @@ reply, and the async one cancels the exchange at its deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -26,6 +28,7 @@ from typing import Any
 import httpx2
 
 from .. import _replies
+from .._abort import Abort
 from .._exceptions import ProtocolError
 from .._flow import Reply, ShardRequest, request_headers
 from .._settings import Settings
@@ -181,6 +184,11 @@ def _in_time(deadline: float) -> None:
         raise httpx2.ReadTimeout("timed out waiting for the whole response")
 
 
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _headers(response: httpx2.Response) -> dict[str, str]:
     return {k.lower(): v for k, v in response.headers.items()}
 
@@ -269,12 +277,41 @@ class AsyncHTTPXSender:
         self.max_reply = settings.max_reply_bytes
 
     async def once(self, req: ShardRequest, deadline: float) -> Reply:
+        if req.abort is not None:
+            return await self._cuttable(req, deadline, req.abort)
         try:
             return await asyncio.wait_for(
                 self._exchange(req, deadline), max(0.0, deadline - time.monotonic())
             )
         except (asyncio.TimeoutError, TimeoutError) as exc:
             raise httpx2.ReadTimeout("timed out waiting for the whole response") from exc
+
+    async def _cuttable(self, req: ShardRequest, deadline: float, abort: Abort) -> Reply:
+        """:meth:`once` of a request whose ``abort`` may cut it short: the exchange runs as a
+        task, cancelled (its connection closed) at its deadline or once ``abort`` is fired
+        (then :class:`httpx2.ReadError`)."""
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._exchange(req, deadline))
+        cut: asyncio.Future[None] = loop.create_future()
+        abort.hold(id(task), functools.partial(loop.call_soon_threadsafe, _settle, cut))  # type: ignore[arg-type]
+        try:
+            await asyncio.wait(
+                (task, cut),
+                timeout=max(0.0, deadline - time.monotonic()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            abort.drop(id(task))
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            cut.cancel()
+        if not task.cancelled():
+            return task.result()
+        if cut.done() and not cut.cancelled():
+            raise httpx2.ReadError("the exchange was abandoned (its shard was left)")
+        raise httpx2.ReadTimeout("timed out waiting for the whole response")
 
     async def _exchange(self, req: ShardRequest, deadline: float) -> Reply:
         url = req.url or self.urls[req.shard]

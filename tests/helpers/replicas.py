@@ -40,7 +40,8 @@ class Group(Fleet):
         data: bool = False,
     ) -> None:
         self.shard = shard
-        self.group_urls = [f"http://127.0.0.1:{p}" for p in ports]
+        scheme = "https" if "--tls-cert" in extra_args else "http"
+        self.group_urls = [f"{scheme}://127.0.0.1:{p}" for p in ports]
         group = "|".join(self.group_urls)
         self._fixed_ports = ports
         super().__init__(n, workdir, ("--replica-group", group, *extra_args), env, data)

@@ -5,7 +5,9 @@ replica group (``URL|URL``: it follows the primary), alternating a push of a one
 (a coordinate of ``v`` of its own) and an increment of ``counter`` by 1, as the history checker
 wants them (tests/helpers/history.py). A write that raises is not acknowledged (what became of
 it is unknown); the worker goes on with its next write, so the workers keep writing through
-every fault until :meth:`Writers.stop`.
+every fault until :meth:`Writers.stop`. ``client(w, name)`` makes worker ``w``'s client
+instead (anything with ``push``, ``increment`` and ``close``: an ``AsyncPSClient`` on a loop of
+its own, a client over httpx2); ``timeout=None`` leaves the SDK's default.
 
 Run as a program (``python -m tests.helpers.writers SHARDS OUT_DIR``) it does the same in a
 process of its own, for workers that must live on another host (a network namespace,
@@ -54,11 +56,13 @@ class Writers:
         shards: str,
         history: History | None = None,
         n: int = WORKERS,
-        timeout: float = 3.0,
+        timeout: float | None = 3.0,
         retry_deadline: float = 30.0,
         record: Callable[[str, str, str, Any, Any], None] | None = None,
+        client: Callable[[int, str], Any] | None = None,
     ) -> None:
         self.shards = shards
+        self.client = client
         self.history = history if history is not None else History()
         self.timeout = timeout
         self.retry_deadline = retry_deadline
@@ -77,11 +81,19 @@ class Writers:
         if self.record is not None:
             self.record(event, worker, verb, args, answer)
 
+    def _client(self, w: int, name: str) -> Any:
+        if self.client is not None:
+            return self.client(w, name)
+        if self.timeout is None:
+            return PSClient(self.shards, worker_id=name, retry_deadline=self.retry_deadline)
+        return PSClient(
+            self.shards, worker_id=name, timeout=self.timeout, retry_deadline=self.retry_deadline
+        )
+
     def _work(self, w: int) -> None:
         name = f"writer-{w}"
-        with PSClient(
-            self.shards, worker_id=name, timeout=self.timeout, retry_deadline=self.retry_deadline
-        ) as ps:
+        ps = self._client(w, name)
+        try:
             for k in range(2 * PER_WORKER):
                 if self._stop.is_set():
                     return
@@ -100,6 +112,8 @@ class Writers:
                 except PSError as exc:  # not acknowledged: what became of it is unknown
                     self.errors.append(f"{name}: {type(exc).__name__}: {exc}"[:300])
                     time.sleep(0.2)
+        finally:
+            ps.close()
 
     def start(self) -> Writers:
         for t in self._threads:

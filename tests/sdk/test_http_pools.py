@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import socket
 import threading
@@ -25,11 +26,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from client_sdk import AsyncPSClient, PSClient, ShardUnavailableError
+from client_sdk._abort import Abort
+from client_sdk._core import Core
 from client_sdk._http import connection
 from client_sdk._http.asyncpool import AsyncHTTPPool
 from client_sdk._http.fanout import exchange_all
 from client_sdk._http.http11 import MAX_IOV, SEND_SLICE, Exchange, Origin, advance, next_send
+from client_sdk._http.httpx_senders import AsyncHTTPXSender
 from client_sdk._http.pool import HTTPPool
+from client_sdk._settings import load_settings
 from client_sdk.placement import shard_for
 
 
@@ -520,3 +525,68 @@ def test_header_lines_seen_before_parse_as_the_first_time_and_bad_ones_never_pas
     for i in range(http11._LINES_KEPT * 2):
         http11._parse_head(b"HTTP/1.1 200 OK\r\nx-n: %d" % i)
     assert len(http11._lines) <= http11._LINES_KEPT
+
+
+# -- cutting an exchange short (its Abort: a race's loser, a primary left for another) ---------
+
+
+def test_an_exchange_cut_by_its_abort_ends_at_once_on_every_layer(scripted):
+    """A fired :class:`~client_sdk._abort.Abort` ends an exchange with a shard that never
+    answers as a lost connection, long before its deadline: in the blocking pool, in the
+    fan-out (the other exchanges answered), in the asyncio pool and over httpx2 (asyncio)."""
+    release = threading.Event()
+
+    def silent(conn: socket.socket, method: str, path: str) -> bool:
+        release.wait(30)
+        return False
+
+    mute, fine = scripted(silent), scripted(ok)
+
+    def far() -> float:
+        return time.monotonic() + 30  # a timeout would say ReadTimeout, after 30 s
+
+    def cut_soon() -> Abort:
+        abort = Abort()
+        threading.Timer(0.2, abort.fire).start()
+        return abort
+
+    def lost(outcome: object) -> bool:
+        return isinstance(outcome, httpx2.TransportError) and not isinstance(
+            outcome, httpx2.TimeoutException
+        )
+
+    try:
+        p = pool()
+        with pytest.raises(httpx2.TransportError) as info:
+            p.request(Origin(mute.url), "GET", "/x", None, deadline=far(), abort=cut_soon())
+        assert lost(info.value)
+        out = exchange_all(
+            p,
+            [
+                Exchange(Origin(mute.url), "GET", "/x", None, deadline=far(), abort=cut_soon()),
+                Exchange(Origin(fine.url), "GET", "/x", None, deadline=far()),
+            ],
+            submit,
+        )
+        assert lost(out[0]) and out[1].status == 200
+
+        async def main() -> None:
+            ap = AsyncHTTPPool(max_idle=2, connect_timeout=5.0, timeout=5.0, max_reply=1 << 30)
+            exchange = Exchange(
+                Origin(mute.url), "GET", "/x", None, deadline=far(), abort=cut_soon()
+            )
+            with pytest.raises(httpx2.TransportError) as info:
+                await ap.exchange(exchange)
+            assert lost(info.value)
+            await ap.close()
+            settings = load_settings([mute.url], "w")
+            sender = AsyncHTTPXSender(settings, httpx2.AsyncHTTPTransport())
+            request = Core(settings).get(0, "/x", far(), "x")
+            with pytest.raises(httpx2.TransportError) as info:
+                await sender.once(dataclasses.replace(request, abort=cut_soon()), far())
+            assert lost(info.value)
+            await sender.close()
+
+        asyncio.run(main())
+    finally:
+        release.set()

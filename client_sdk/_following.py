@@ -1,0 +1,192 @@
+"""Following a replica group's primary: asking its replicas who leads, after a refusal or a
+failure (:func:`follow`) and for an exchange that stopped getting answers (:func:`watch`).
+
+``_transport.py`` decides when, for both shells alike; this module asks and follows:
+
+* :func:`follow` (:func:`afollow`): the replica a request went to refused it (421
+  ``not_primary``) or could not be reached: every replica of the group is asked for its
+  ``GET /v1/cluster``, the index's requests go to the primary they name
+  (:meth:`Replicas.follow <client_sdk._replicas.Replicas.follow>`) and the request is tried
+  again there;
+* :func:`watch` (:func:`awatch`): each attempt at a request to a replica group is watched by
+  the client's :class:`~client_sdk._stalls.Stalls`, whose rule abandons an exchange with a
+  primary that stopped answering once another replica leads; the attempt is sent cut short by
+  the watch (:func:`cut_by`), and the watch's driver (a thread, or a task on the loop) is
+  started on first use, asking a group with :func:`ask_group` (:func:`aask_group`): every
+  replica at once.
+
+Thread-safe (the sync half), or used from the client's event loop (the async half).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2
+
+from ._core import Core
+from ._exceptions import PSError
+from ._flow import Reply, ShardRequest
+from ._http.httpx_senders import AsyncHTTPXSender, HTTPXSender
+from ._http.native import AsyncNativeSender, NativeSender
+from ._replicas import choose
+from ._stalls import Watched
+
+__all__ = [
+    "ASK_TIMEOUT",
+    "Failover",
+    "aask_group",
+    "afollow",
+    "ask_group",
+    "awatch",
+    "cut_by",
+    "follow",
+    "unwatch",
+    "watch",
+]
+
+Sender = NativeSender | HTTPXSender
+AsyncSender = AsyncNativeSender | AsyncHTTPXSender
+#: What one ask may fail with (the transport's, and the SDK's own refusals of a reply).
+_FAILURES = (httpx2.HTTPError, httpx2.InvalidURL, httpx2.StreamError, PSError)
+
+
+@dataclass(frozen=True)
+class Failover:
+    """The replica asked is not (or no longer reachable as) its index's primary: find the
+    primary (:func:`follow`), then try again there, after ``delay`` seconds unless the
+    primary is another replica. ``named``: the primary the refusal named, if any."""
+
+    delay: float
+    named: str | None = None
+
+
+#: Seconds one ``GET /v1/cluster`` of a replica may take while looking for the primary.
+ASK_TIMEOUT = 2.0
+
+
+def _asks(core: Core, shard: int, deadline: float) -> list[ShardRequest]:
+    """``GET /v1/cluster`` of every replica of shard index ``shard``, by ``deadline``."""
+    base = core.get(shard, "/v1/cluster", deadline, "cluster")
+    return [
+        ShardRequest(
+            base.shard,
+            base.method,
+            base.path,
+            base.headers,
+            None,
+            False,
+            deadline,
+            "cluster",
+            max_reply=core.max_reply,
+            url=url,
+        )
+        for url in core.replicas.groups[shard]
+    ]
+
+
+def _settle(
+    core: Core, req: ShardRequest, failover: Failover, answers: list[Reply | None]
+) -> float:
+    """Where ``req``'s index goes now, from its replicas' answers: 0 s to wait when that is
+    another replica than before, else the failover's delay."""
+    replicas = core.replicas
+    found = choose(replicas.groups[req.shard], answers)
+    if found is None:
+        if failover.named is None:
+            return failover.delay
+        found = failover.named, replicas.epochs[req.shard]  # what the refusal said
+    url, epoch = found
+    return 0.0 if replicas.follow(req.shard, url, epoch) else failover.delay
+
+
+def follow(sender: Sender, core: Core, req: ShardRequest, failover: Failover) -> float:
+    """Find the primary of ``req``'s shard index and send its requests there; the seconds to
+    wait before trying ``req`` again. Blocks (one short request to each replica, at once)."""
+    deadline = min(req.deadline, time.monotonic() + ASK_TIMEOUT)
+    return _settle(core, req, failover, ask_group(sender, core, req.shard, deadline))
+
+
+async def afollow(sender: AsyncSender, core: Core, req: ShardRequest, failover: Failover) -> float:
+    """The async twin of :func:`follow`."""
+    deadline = min(req.deadline, time.monotonic() + ASK_TIMEOUT)
+    return _settle(core, req, failover, await aask_group(sender, core, req.shard, deadline))
+
+
+# -- leaving a primary that stopped answering (the rule: _stalls.py) ----------------------------
+
+
+def watch(core: Core, req: ShardRequest, sender: Sender) -> Watched | None:
+    """Watch an attempt at ``req`` starting now (``_stalls.py``), the thread driver started
+    on first use; ``None`` when its index is not watched."""
+    if req.url is not None:  # an ask, or a read sent to a backup: not the primary's
+        return None
+    stalls = core.stalls
+    watched = stalls.begin(req.shard, core.replicas.current[req.shard])
+    if watched is not None and not stalls.driven:
+        stalls.start_thread(lambda shard: ask_group(sender, core, shard))
+    return watched
+
+
+def awatch(core: Core, req: ShardRequest, sender: AsyncSender) -> Watched | None:
+    """The async twin of :func:`watch`: the driver is a task on the running loop."""
+    if req.url is not None:
+        return None
+    stalls = core.stalls
+    watched = stalls.begin(req.shard, core.replicas.current[req.shard])
+    if watched is not None and not stalls.driven:
+        stalls.start_task(lambda shard: aask_group(sender, core, shard))
+    return watched
+
+
+def cut_by(req: ShardRequest, watched: Watched | None) -> ShardRequest:
+    """``req`` as its watched attempt sends it: cut short by the watch's abort (and by the
+    abort of its race, if it is one)."""
+    if watched is None:
+        return req
+    if req.abort is not None:
+        req.abort.hold(id(watched), watched.abort.fire)
+    return dataclasses.replace(req, abort=watched.abort)
+
+
+def unwatch(core: Core, req: ShardRequest, watched: Watched | None) -> None:
+    if watched is not None:
+        core.stalls.end(watched)
+        if req.abort is not None:
+            req.abort.drop(id(watched))
+
+
+def ask_group(
+    sender: Sender, core: Core, shard: int, deadline: float | None = None
+) -> list[Reply | None]:
+    """Every replica of index ``shard``'s ``GET /v1/cluster``, asked at once (``None``: no
+    answer by ``deadline``, by default :data:`ASK_TIMEOUT` from now: a replica that takes
+    every packet and answers none, frozen or cut off, costs that long). Blocks."""
+    asks = _asks(core, shard, deadline or time.monotonic() + ASK_TIMEOUT)
+    submit = core.stalls.ask_pool().submit
+    outcomes: list[Any]
+    if isinstance(sender, NativeSender):
+        outcomes = sender.once_all(asks, [ask.deadline for ask in asks], submit)
+    else:
+        outcomes = []
+        for future in [submit(sender.once, ask, ask.deadline) for ask in asks]:
+            try:
+                outcomes.append(future.result())
+            except _FAILURES as exc:
+                outcomes.append(exc)
+    return [o if isinstance(o, Reply) else None for o in outcomes]
+
+
+async def aask_group(
+    sender: AsyncSender, core: Core, shard: int, deadline: float | None = None
+) -> list[Reply | None]:
+    """The async twin of :func:`ask_group`."""
+    asks = _asks(core, shard, deadline or time.monotonic() + ASK_TIMEOUT)
+    outcomes = await asyncio.gather(
+        *(sender.once(ask, ask.deadline) for ask in asks), return_exceptions=True
+    )
+    return [o if isinstance(o, Reply) else None for o in outcomes]
