@@ -7,12 +7,14 @@ A shard index may be served by a group of replicas, one primary and its backups 
 
 (``,`` separates the indexes, in ``--shard-index`` order; ``|`` the replicas of one index, in
 any order). A client sends each request to the replica it takes for the primary, at first the
-first one listed. When that one cannot be reached, times out, or answers 421 ``not_primary``
-(it is a backup, or stepped down), :func:`find_primary` asks every replica of the group for
-its ``GET /v1/cluster`` and takes the one that says it is primary at the highest epoch (or the
-primary a replica names, when none says so itself); the request is then sent there again, as it
-was: a write with the same ``worker_id`` and ``seq``, which the new primary applies at most
-once (its dedup table is replicated). ``_transport.py`` decides when (both shells alike).
+first one listed. When that one cannot be reached, times out, answers 421 ``not_primary``
+(it is a backup, or stepped down), or has not answered for a lease TTL (cut off, frozen:
+``_stalls.py``), every replica of the group is asked for its ``GET /v1/cluster`` and
+:func:`choose` takes the one that says it is primary at the highest epoch (or the primary a
+replica names, when none says so itself); the request is then sent there again, as it was: a
+write with the same ``worker_id`` and ``seq``, which the new primary applies at most once (its
+dedup table is replicated). ``_transport.py`` decides when (both shells alike),
+``_following.py`` asks.
 
 A read a backup may answer (``pull(..., allow_backup=True)``) goes to one backup of the
 index, :meth:`Replicas.reader`: each client takes one of the replicas other than the primary by

@@ -21,6 +21,9 @@ Whether and when to try again is decided here, once for both shells (:func:`retr
 jitter, ``Retry-After`` honoured, until the call's deadline. A request still retrying after
 :data:`WAITING_LOG_AFTER` seconds says what it waits for in the log (``client_sdk`` logger,
 a warning), so a worker whose shard is not up yet is not silent until ``retry_deadline``.
+A request to a replica group follows its primary (``_following.py``): after a refusal or a
+failure, and when its attempt is abandoned for a new primary by the client's watch of
+exchanges that get no answer (``_stalls.py``): then it is sent there at once.
 
 :func:`send`, :func:`send_all` and :func:`asend` return a :class:`~client_sdk._flow.Reply` or
 the ``PSError`` that prevented one, and never raise transport errors: both senders fail with

@@ -11,7 +11,7 @@ file.
 
 The run: two workers train; the cable of the primary of the index that holds ``global_step`` is
 pulled (its backup is elected, and the workers follow it and train on while the cable is still
-out: a call stuck on the cut primary gives up after the compose file's ``DIGITS_TIMEOUT``) and
+out: a call stuck on the cut primary leaves it once the heir leads, client_sdk/_stalls.py) and
 plugged back in (it rejoins as a backup);
 the primary of an index holding only weights is killed (SIGKILL, as ``docker kill``): its backup
 takes over and the workers carry on without it; it is started again on its volume and comes
@@ -328,7 +328,7 @@ def test_fleet_across_hosts_rides_out_a_cut_cable_and_a_killed_primary(lab, tmp_
 
     # 1. training is under way; pull the cable of the global_step index's primary: its lease
     #    lapses, its backup is elected, and the workers follow it (a call stuck on the cut
-    #    primary gives up after the compose file's DIGITS_TIMEOUT) and train on while the
+    #    primary leaves it once the heir leads) and train on while the
     #    cable is still out; plug it back in: it rejoins as a backup
     fleet.wait_for_step(WORKERS * 100)
     cut_group = fleet.group("global_step")  # every step of every worker goes through it
