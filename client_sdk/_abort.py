@@ -20,19 +20,29 @@ __all__ = ["Abort"]
 class Abort:
     """Cuts short the exchanges of one request (see the module)."""
 
-    __slots__ = ("_cuts", "_lock", "fired")
+    __slots__ = ("_cuts", "_done", "_event", "_lock")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cuts: dict[int, Callable[[], None]] = {}
-        #: Set once :meth:`fire` was called: no retry may start.
-        self.fired = threading.Event()
+        self._done = False
+        self._event: threading.Event | None = None  # made when first asked for: most never are
+
+    @property
+    def fired(self) -> threading.Event:
+        """Set once :meth:`fire` was called: no retry may start."""
+        with self._lock:
+            if self._event is None:
+                self._event = threading.Event()
+                if self._done:
+                    self._event.set()
+            return self._event
 
     def hold(self, key: int, cut: Callable[[], None]) -> None:
         """While the exchange ``key`` (e.g. ``id(connection)``) runs, :meth:`fire` calls
         ``cut``; if fired already, ``cut`` runs now."""
         with self._lock:
-            if not self.fired.is_set():
+            if not self._done:
                 self._cuts[key] = cut
                 return
         _quietly(cut)
@@ -45,7 +55,9 @@ class Abort:
     def fire(self) -> None:
         """Cut every held exchange short, and any held from now on."""
         with self._lock:
-            self.fired.set()
+            self._done = True
+            if self._event is not None:
+                self._event.set()
             cuts, self._cuts = list(self._cuts.values()), {}
         for cut in cuts:
             _quietly(cut)

@@ -10,8 +10,8 @@ failure (:func:`follow`) and for an exchange that stopped getting answers (:func
   again there;
 * :func:`watch` (:func:`awatch`): each attempt at a request to a replica group is watched by
   the client's :class:`~client_sdk._stalls.Stalls`, whose rule abandons an exchange with a
-  primary that stopped answering once another replica leads; the attempt is sent cut short by
-  the watch (:func:`cut_by`), and the watch's driver (a thread, or a task on the loop) is
+  primary that stopped answering once another replica leads; the attempt is sent with the
+  watch's abort (:func:`cut_by`), and the watch's driver (a thread, or a task on the loop) is
   started on first use, asking a group with :func:`ask_group` (:func:`aask_group`): every
   replica at once.
 
@@ -21,13 +21,12 @@ Thread-safe (the sync half), or used from the client's event loop (the async hal
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import httpx2
 
+from ._abort import Abort
 from ._core import Core
 from ._exceptions import PSError
 from ._flow import Reply, ShardRequest
@@ -127,7 +126,7 @@ def watch(core: Core, req: ShardRequest, sender: Sender) -> Watched | None:
         return None
     stalls = core.stalls
     watched = stalls.begin(req.shard, core.replicas.current[req.shard])
-    if watched is not None and not stalls.driven:
+    if watched is not None and not stalls.driven():
         stalls.start_thread(lambda shard: ask_group(sender, core, shard))
     return watched
 
@@ -138,19 +137,19 @@ def awatch(core: Core, req: ShardRequest, sender: AsyncSender) -> Watched | None
         return None
     stalls = core.stalls
     watched = stalls.begin(req.shard, core.replicas.current[req.shard])
-    if watched is not None and not stalls.driven:
+    if watched is not None and not stalls.driven(asyncio.get_running_loop()):
         stalls.start_task(lambda shard: aask_group(sender, core, shard))
     return watched
 
 
-def cut_by(req: ShardRequest, watched: Watched | None) -> ShardRequest:
-    """``req`` as its watched attempt sends it: cut short by the watch's abort (and by the
-    abort of its race, if it is one)."""
+def cut_by(req: ShardRequest, watched: Watched | None) -> Abort | None:
+    """The abort a watched attempt at ``req`` is sent with: the watch's, which the abort of
+    ``req``'s race (if it is one) fires too; ``None`` (the request's own) when not watched."""
     if watched is None:
-        return req
+        return None
     if req.abort is not None:
         req.abort.hold(id(watched), watched.abort.fire)
-    return dataclasses.replace(req, abort=watched.abort)
+    return watched.abort
 
 
 def unwatch(core: Core, req: ShardRequest, watched: Watched | None) -> None:
@@ -168,17 +167,16 @@ def ask_group(
     every packet and answers none, frozen or cut off, costs that long). Blocks."""
     asks = _asks(core, shard, deadline or time.monotonic() + ASK_TIMEOUT)
     submit = core.stalls.ask_pool().submit
-    outcomes: list[Any]
-    if isinstance(sender, NativeSender):
-        outcomes = sender.once_all(asks, [ask.deadline for ask in asks], submit)
-    else:
-        outcomes = []
-        for future in [submit(sender.once, ask, ask.deadline) for ask in asks]:
-            try:
-                outcomes.append(future.result())
-            except _FAILURES as exc:
-                outcomes.append(exc)
-    return [o if isinstance(o, Reply) else None for o in outcomes]
+    # One thread each, not one thread driving all (``fanout.py``): a new connection to a
+    # frozen replica blocks in its connect or TLS handshake until the deadline, which would
+    # leave no time for the others' exchanges.
+    answers: list[Reply | None] = []
+    for future in [submit(sender.once, ask, ask.deadline) for ask in asks]:
+        try:
+            answers.append(future.result())
+        except _FAILURES:
+            answers.append(None)
+    return answers
 
 
 async def aask_group(

@@ -180,12 +180,15 @@ class Stalls:
 
     # -- the drivers ----------------------------------------------------------------------
 
-    @property
-    def driven(self) -> bool:
-        """Whether a driver runs (or ran: the client is closed)."""
-        return self._closed or (
-            self._thread is not None if self._task is None else not self._task.done()
-        )
+    def driven(self, loop: asyncio.AbstractEventLoop | None = None) -> bool:
+        """Whether the thread driver runs (``loop``: the task driver, on that loop), or
+        none may (the client is closed)."""
+        if self._closed:
+            return True
+        if loop is None:
+            return self._thread is not None
+        task = self._task
+        return task is not None and not task.done() and task.get_loop() is loop
 
     def start_thread(self, ask: Ask) -> None:
         """Run the rule on a thread of this client's (once), asking groups with ``ask``."""
@@ -200,10 +203,11 @@ class Stalls:
         self._thread.start()
 
     def ask_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        """Threads the thread driver's asks may use (one per replica of the biggest group)."""
+        """Threads a ``PSClient``'s asks run on, one each (``_following.ask_group``): enough
+        for the thread driver's and a few calls' following at once."""
         with self._lock:
             if self._asks is None:
-                size = max(len(g) for g in self.replicas.groups)
+                size = 4 * max(len(g) for g in self.replicas.groups)
                 self._asks = concurrent.futures.ThreadPoolExecutor(
                     max_workers=size, thread_name_prefix="paramshard-ask"
                 )
@@ -227,10 +231,10 @@ class Stalls:
 
     def start_task(self, ask: AsyncAsk) -> None:
         """Run the rule as a task on the running loop (once per loop), asking with ``ask``."""
-        if self._closed or (self._task is not None and not self._task.done()):
+        loop = asyncio.get_running_loop()
+        if self.driven(loop):
             return
         wake = asyncio.Event()
-        loop = asyncio.get_running_loop()
         self._notify = functools.partial(_soon, loop, wake.set)
         self._task = loop.create_task(self._arun(ask, wake))
 
@@ -266,7 +270,7 @@ class Stalls:
         """Stop the task driver. Idempotent."""
         self._closed = True
         task = self._task
-        if task is not None and not task.done():
+        if task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -214,7 +214,7 @@ def send_all(
     watched = [watch(core, req, sender) for req in reqs]
     try:
         outcomes = sender.once_all(
-            [cut_by(req, w) for req, w in zip(reqs, watched)], deadlines, submit
+            reqs, deadlines, submit, [cut_by(req, w) for req, w in zip(reqs, watched)]
         )
     finally:
         for req, w in zip(reqs, watched):
@@ -299,7 +299,7 @@ def _retry(
         watched = watch(core, req, sender)
         try:
             outcome: Reply | Exception = sender.once(
-                cut_by(req, watched), attempt_deadline(core, req)
+                req, attempt_deadline(core, req), cut_by(req, watched)
             )
         except (*_TRANSPORT_ERRORS, PSError) as exc:
             outcome = exc
@@ -408,7 +408,7 @@ async def asend(sender: AsyncSender, core: Core, req: ShardRequest) -> Result:
         watched = awatch(core, req, sender)
         try:
             outcome: Reply | Exception = await sender.once(
-                cut_by(req, watched), attempt_deadline(core, req)
+                req, attempt_deadline(core, req), cut_by(req, watched)
             )
         except (*_TRANSPORT_ERRORS, PSError) as exc:
             outcome = exc

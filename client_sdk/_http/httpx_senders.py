@@ -226,8 +226,10 @@ class HTTPXSender:
         self.urls = urls if urls is not None else list(settings.shards)
         self.max_reply = settings.max_reply_bytes
 
-    def once(self, req: ShardRequest, deadline: float) -> Reply:
-        Deadlines.set(deadline, req.abort)
+    def once(self, req: ShardRequest, deadline: float, abort: Abort | None = None) -> Reply:
+        """One exchange, by ``deadline``, cut short when ``abort`` (by default the
+        request's) is fired."""
+        Deadlines.set(deadline, abort if abort is not None else req.abort)
         try:
             return self._exchange(req, deadline)
         finally:
@@ -276,9 +278,11 @@ class AsyncHTTPXSender:
         self.urls = urls if urls is not None else list(settings.shards)
         self.max_reply = settings.max_reply_bytes
 
-    async def once(self, req: ShardRequest, deadline: float) -> Reply:
-        if req.abort is not None:
-            return await self._cuttable(req, deadline, req.abort)
+    async def once(self, req: ShardRequest, deadline: float, abort: Abort | None = None) -> Reply:
+        """See :meth:`HTTPXSender.once`."""
+        abort = abort if abort is not None else req.abort
+        if abort is not None:
+            return await self._cuttable(req, deadline, abort)
         try:
             return await asyncio.wait_for(
                 self._exchange(req, deadline), max(0.0, deadline - time.monotonic())

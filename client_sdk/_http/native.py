@@ -8,9 +8,10 @@ buffer: a fraction of httpx2's per-request Python, and a big reply copied once, 
 into its final buffer. A ``PSClient`` call to several shards sends their requests from the
 caller's thread, all at once (``fanout.py``), rather than one thread per shard.
 
-A sender performs one exchange per call, by the deadline it is given; ``_transport.py`` decides
-the deadlines and the retries. Failures are httpx2's exception classes, and
-:class:`~client_sdk.ProtocolError` for a reply refused before it is decoded.
+A sender performs one exchange per call, by the deadline it is given, cut short when its
+:class:`~client_sdk._abort.Abort` is fired (the request's, or one given for the attempt);
+``_transport.py`` decides the deadlines and the retries. Failures are httpx2's exception
+classes, and :class:`~client_sdk.ProtocolError` for a reply refused before it is decoded.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import _replies
+from .._abort import Abort
 from .._exceptions import PSError
 from .._flow import Reply, ShardRequest, request_headers
 from .._settings import Settings
@@ -61,7 +63,7 @@ class _Native:
     def url(self, req: ShardRequest) -> str:
         return req.url or self.urls[req.shard]
 
-    def exchange(self, req: ShardRequest, deadline: float) -> Exchange:
+    def exchange(self, req: ShardRequest, deadline: float, abort: Abort | None = None) -> Exchange:
         return Exchange(
             self.origins[self.url(req)],
             req.method,
@@ -70,7 +72,7 @@ class _Native:
             req.body.chunks if req.body is not None else (),
             deadline=deadline,
             max_reply=req.max_reply,
-            abort=req.abort,
+            abort=abort if abort is not None else req.abort,
             into=req.into,
         )
 
@@ -87,16 +89,21 @@ class NativeSender(_Native):
         super().__init__(settings, urls)
         self.pool = HTTPPool(**_pool_args(settings))
 
-    def once(self, req: ShardRequest, deadline: float) -> Reply:
-        return self.reply(req, self.pool.exchange(self.exchange(req, deadline)))
+    def once(self, req: ShardRequest, deadline: float, abort: Abort | None = None) -> Reply:
+        return self.reply(req, self.pool.exchange(self.exchange(req, deadline, abort)))
 
     def once_all(
-        self, reqs: Sequence[ShardRequest], deadlines: Sequence[float], submit: Submit
+        self,
+        reqs: Sequence[ShardRequest],
+        deadlines: Sequence[float],
+        submit: Submit,
+        aborts: Sequence[Abort | None] | None = None,
     ) -> list[Reply | Exception]:
         """One exchange per request, all at once from this thread (``fanout.py``; ``submit``
         opens new connections); each a :class:`Reply` or the exception :meth:`once` would have
         raised instead."""
-        exchanges = [self.exchange(req, deadline) for req, deadline in zip(reqs, deadlines)]
+        cuts = aborts if aborts is not None else [None] * len(reqs)
+        exchanges = [self.exchange(r, d, a) for r, d, a in zip(reqs, deadlines, cuts)]
         replies: list[Reply | Exception] = []
         for req, outcome in zip(reqs, exchange_all(self.pool, exchanges, submit)):
             if isinstance(outcome, Response):
@@ -120,8 +127,8 @@ class AsyncNativeSender(_Native):
         super().__init__(settings, urls)
         self.pool = AsyncHTTPPool(**_pool_args(settings))
 
-    async def once(self, req: ShardRequest, deadline: float) -> Reply:
-        return self.reply(req, await self.pool.exchange(self.exchange(req, deadline)))
+    async def once(self, req: ShardRequest, deadline: float, abort: Abort | None = None) -> Reply:
+        return self.reply(req, await self.pool.exchange(self.exchange(req, deadline, abort)))
 
     async def close(self) -> None:
         await self.pool.close()
