@@ -21,6 +21,7 @@ Thread-safe (the sync half), or used from the client's event loop (the async hal
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ from ._flow import Reply, ShardRequest
 from ._http.httpx_senders import AsyncHTTPXSender, HTTPXSender
 from ._http.native import AsyncNativeSender, NativeSender
 from ._replicas import choose
-from ._stalls import Watched
+from ._stalls import Decides, Watched
 
 __all__ = [
     "ASK_TIMEOUT",
@@ -107,13 +108,13 @@ def follow(sender: Sender, core: Core, req: ShardRequest, failover: Failover) ->
     """Find the primary of ``req``'s shard index and send its requests there; the seconds to
     wait before trying ``req`` again. Blocks (one short request to each replica, at once)."""
     deadline = min(req.deadline, time.monotonic() + ASK_TIMEOUT)
-    return _settle(core, req, failover, ask_group(sender, core, req.shard, deadline))
+    return _settle(core, req, failover, ask_group(sender, core, req.shard, None, deadline))
 
 
 async def afollow(sender: AsyncSender, core: Core, req: ShardRequest, failover: Failover) -> float:
     """The async twin of :func:`follow`."""
     deadline = min(req.deadline, time.monotonic() + ASK_TIMEOUT)
-    return _settle(core, req, failover, await aask_group(sender, core, req.shard, deadline))
+    return _settle(core, req, failover, await aask_group(sender, core, req.shard, None, deadline))
 
 
 # -- leaving a primary that stopped answering (the rule: _stalls.py) ----------------------------
@@ -127,7 +128,7 @@ def watch(core: Core, req: ShardRequest, sender: Sender) -> Watched | None:
     stalls = core.stalls
     watched = stalls.begin(req.shard, core.replicas.current[req.shard])
     if watched is not None and not stalls.driven():
-        stalls.start_thread(lambda shard: ask_group(sender, core, shard))
+        stalls.start_thread(lambda shard, decides: ask_group(sender, core, shard, decides))
     return watched
 
 
@@ -138,7 +139,7 @@ def awatch(core: Core, req: ShardRequest, sender: AsyncSender) -> Watched | None
     stalls = core.stalls
     watched = stalls.begin(req.shard, core.replicas.current[req.shard])
     if watched is not None and not stalls.driven(asyncio.get_running_loop()):
-        stalls.start_task(lambda shard: aask_group(sender, core, shard))
+        stalls.start_task(lambda shard, decides: aask_group(sender, core, shard, decides))
     return watched
 
 
@@ -160,31 +161,60 @@ def unwatch(core: Core, req: ShardRequest, watched: Watched | None) -> None:
 
 
 def ask_group(
-    sender: Sender, core: Core, shard: int, deadline: float | None = None
+    sender: Sender,
+    core: Core,
+    shard: int,
+    decides: Decides | None = None,
+    deadline: float | None = None,
 ) -> list[Reply | None]:
     """Every replica of index ``shard``'s ``GET /v1/cluster``, asked at once (``None``: no
     answer by ``deadline``, by default :data:`ASK_TIMEOUT` from now: a replica that takes
-    every packet and answers none, frozen or cut off, costs that long). Blocks."""
+    every packet and answers none, frozen or cut off, costs that long), or those that
+    answered once ``decides`` says they are enough (the others' answers are not waited for).
+    Blocks."""
     asks = _asks(core, shard, deadline or time.monotonic() + ASK_TIMEOUT)
     submit = core.stalls.ask_pool().submit
     # One thread each, not one thread driving all (``fanout.py``): a new connection to a
     # frozen replica blocks in its connect or TLS handshake until the deadline, which would
     # leave no time for the others' exchanges.
-    answers: list[Reply | None] = []
-    for future in [submit(sender.once, ask, ask.deadline) for ask in asks]:
+    futures = {submit(sender.once, ask, ask.deadline): r for r, ask in enumerate(asks)}
+    answers: list[Reply | None] = [None] * len(asks)
+    for future in concurrent.futures.as_completed(futures):
         try:
-            answers.append(future.result())
+            answers[futures[future]] = future.result()
         except _FAILURES:
-            answers.append(None)
+            continue
+        if decides is not None and decides(answers):
+            break
     return answers
 
 
 async def aask_group(
-    sender: AsyncSender, core: Core, shard: int, deadline: float | None = None
+    sender: AsyncSender,
+    core: Core,
+    shard: int,
+    decides: Decides | None = None,
+    deadline: float | None = None,
 ) -> list[Reply | None]:
-    """The async twin of :func:`ask_group`."""
+    """The async twin of :func:`ask_group`: the asks not waited for are cancelled."""
     asks = _asks(core, shard, deadline or time.monotonic() + ASK_TIMEOUT)
-    outcomes = await asyncio.gather(
-        *(sender.once(ask, ask.deadline) for ask in asks), return_exceptions=True
-    )
-    return [o if isinstance(o, Reply) else None for o in outcomes]
+    tasks = {asyncio.ensure_future(sender.once(ask, ask.deadline)): r for r, ask in enumerate(asks)}
+    answers: list[Reply | None] = [None] * len(asks)
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                error = task.exception()
+                if error is None:
+                    answers[tasks[task]] = task.result()
+                elif not isinstance(error, _FAILURES):
+                    raise error
+            if decides is not None and decides(answers):
+                break
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+    return answers

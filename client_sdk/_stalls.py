@@ -59,11 +59,13 @@ logger = logging.getLogger("client_sdk")
 #: The lease TTL assumed for a group until one of its replicas says (the shards' default).
 DEFAULT_TTL = 2.0
 
-#: Asks a group's replicas for their ``GET /v1/cluster``: ``answers[r]`` for ``group[r]``.
-Ask = Callable[[int], Sequence[Reply | None]]
+#: Whether the answers so far (``None``: none yet) decide; the asking may stop then.
+Decides = Callable[[Sequence[Reply | None]], bool]
+#: Asks index ``i``'s replicas for their ``GET /v1/cluster``: ``answers[r]`` for ``group[r]``.
+Ask = Callable[[int, Decides], Sequence[Reply | None]]
 #: The ``due`` of an exchange that was cut: never checked again.
 _NEVER = float("inf")
-AsyncAsk = Callable[[int], Awaitable[Sequence[Reply | None]]]
+AsyncAsk = Callable[[int, Decides], Awaitable[Sequence[Reply | None]]]
 
 
 class Watched:
@@ -129,7 +131,14 @@ class Stalls:
         return shards, (min(later) if later else (now if shards else None))
 
     def note_cluster(self, shard: int, info: Mapping[str, Any]) -> None:
-        """Learn index ``shard``'s lease TTL from a replica's ``GET /v1/cluster``."""
+        """Learn index ``shard``'s lease TTL, and the epoch of a primary, from a replica's
+        ``GET /v1/cluster`` (the fleet check's: the epoch of the primary a stall is weighed
+        against)."""
+        view = info.get("replication")
+        if isinstance(view, dict) and view.get("role") == "primary":
+            epoch = view.get("epoch")
+            if type(epoch) is int and epoch > self.replicas.epochs[shard]:
+                self.replicas.epochs[shard] = epoch
         leadership = info.get("leadership", False)
         if leadership is None:  # a group without etcd: nobody is elected, nothing to watch
             self.ttls[shard] = None
@@ -140,22 +149,40 @@ class Stalls:
 
     # -- the rule -------------------------------------------------------------------------
 
+    def stalled(self, shard: int, began: float) -> set[str]:
+        """The replicas of index ``shard`` that exchanges due at ``began`` wait for."""
+        with self._lock:
+            return {w.url for w in self._watched.values() if w.shard == shard and w.due <= began}
+
+    def verdict(
+        self, shard: int, stalled: set[str], answers: Sequence[Reply | None], whole: bool = True
+    ) -> tuple[str, int] | None:
+        """The primary that exchanges waiting on ``stalled`` move to, from the replicas'
+        ``answers`` (``None``: none, or no answer yet): another replica that leads at an
+        epoch no lower than any seen for the index; before every replica answered (not
+        ``whole``), only at a higher epoch than any seen (so higher than the stalled one's,
+        whatever it would answer)."""
+        found = choose(self.replicas.groups[shard], answers)
+        if found is None or not stalled or found[0] in stalled:
+            return None
+        known = self.replicas.epochs[shard]
+        return found if found[1] > known or (whole and found[1] == known) else None
+
     def settle(self, shard: int, answers: Sequence[Reply | None], began: float) -> bool:
         """Apply the rule to index ``shard`` whose exchanges due at ``began`` were checked
-        by asking its replicas (``answers``); whether its exchanges moved to a new primary."""
-        group = self.replicas.groups[shard]
+        by asking its replicas (``answers``, ``None`` for those that did not answer); whether
+        its exchanges moved to a new primary."""
+        with self._lock:
+            mine = [w for w in self._watched.values() if w.shard == shard]
+        stalled = {w.url for w in mine if w.due <= began}
+        found = self.verdict(shard, stalled, answers)
         for reply in answers:
             info = _json(reply)
             if info is not None:
                 self.note_cluster(shard, info)
-        found = choose(group, answers)
-        with self._lock:
-            mine = [w for w in self._watched.values() if w.shard == shard]
-        stalled = {w.url for w in mine if w.due <= began}
-        if found is not None and found[0] not in stalled and stalled:
+        if found is not None:
             url, epoch = found
-            if epoch >= self.replicas.epochs[shard]:
-                self.replicas.follow(shard, url, epoch)
+            if self.replicas.follow(shard, url, epoch) or self.replicas.current[shard] == url:
                 cut = [w for w in mine if w.url != url]
                 logger.warning(
                     "shard %d: %s did not answer for a lease TTL (%.0f s) and %s is its "
@@ -172,11 +199,17 @@ class Stalls:
                     w.due = _NEVER  # ends as soon as its thread or task sees the cut
                     w.abort.fire()
                 return True
-        again = time.monotonic() + (self.ttls[shard] or DEFAULT_TTL)
+        again = began + (self.ttls[shard] or DEFAULT_TTL)  # at once if asking took that long
         for w in mine:
             if w.due <= began:
                 w.due = again
         return False
+
+    def _decides(self, shard: int, began: float) -> Decides:
+        """Whether answers so far (``None``: not yet) already decide a move: the asking
+        need not wait for a replica that does not answer (the frozen one)."""
+        stalled = self.stalled(shard, began)
+        return lambda answers: self.verdict(shard, stalled, answers, whole=False) is not None
 
     # -- the drivers ----------------------------------------------------------------------
 
@@ -221,7 +254,7 @@ class Stalls:
                 if self._closed:
                     return
                 try:
-                    self.settle(shard, ask(shard), now)
+                    self.settle(shard, ask(shard, self._decides(shard, now)), now)
                 except Exception:  # a bug must not stop the watch: say it, go on
                     logger.exception("checking shard %d's stalled requests failed", shard)
             if shards:
@@ -244,7 +277,7 @@ class Stalls:
             shards, next_at = self.due(now)
             for shard in shards:
                 try:
-                    self.settle(shard, await ask(shard), now)
+                    self.settle(shard, await ask(shard, self._decides(shard, now)), now)
                 except Exception:
                     logger.exception("checking shard %d's stalled requests failed", shard)
             if shards:
