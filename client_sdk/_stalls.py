@@ -11,26 +11,29 @@ group (any verb, every HTTP layer, both shells):
   TTL of the group (``leadership.lease_ttl`` of its ``GET /v1/cluster``; :data:`DEFAULT_TTL`
   until a replica said) is *due*;
 * the client then asks every replica of the group for its ``GET /v1/cluster`` at once (one
-  short request each, ``_transport.ASK_TIMEOUT``);
+  short request each, ``_following.ASK_TIMEOUT``), and stops waiting for the others once an
+  answer decides (:meth:`Stalls.verdict`);
 * when the primary they name (:func:`~client_sdk._replicas.choose`: the one that says it is
   primary at the highest epoch) is another replica, at an epoch no lower than any this client
-  saw for the index, the index's requests go there from now on and every exchange still
+  saw for the index (higher, when the stalled replica did not answer: the fleet check noted
+  its epoch), the index's requests go there from now on and every exchange still
   waiting on another replica of the group is abandoned: its connection is cut (its reply, if
   it ever comes, is never read) and the request is sent to the new primary at once, as it
   was: a write with the same ``worker_id`` and ``seq``, which the group applies at most once
   (the dedup table is replicated, and the old primary cannot have a write acknowledged once a
   higher epoch exists);
 * otherwise (the primary is alive, only slow; or no other primary yet) the exchange goes on
-  and is due again one TTL later.
+  and is due again one TTL after the round began.
 
 A group without leadership (a static ``--replica-group`` without etcd: its ``/v1/cluster``
 has no ``leadership``) elects nobody, so its exchanges are not watched. A failover therefore
-costs a request about two lease TTLs plus one ``GET /v1/cluster`` round, whatever its
-``timeout``; ``timeout`` still bounds an exchange with a primary that is merely slow.
+costs a request about two lease TTLs, whatever its ``timeout`` (the lease ends, the new
+primary is elected, the next round finds it); ``timeout`` still bounds an exchange with a
+primary that is merely slow.
 
 :class:`Stalls` is the registry and the rule, without I/O; a driver runs it: a thread for
 ``PSClient`` (:meth:`Stalls.start_thread`), a task on the loop for ``AsyncPSClient``
-(:meth:`Stalls.start_task`), each given how to ask a group (``_transport.py``). An exchange is
+(:meth:`Stalls.start_task`), each given how to ask a group (``_following.py``). An exchange is
 cut through its :class:`~client_sdk._abort.Abort` (each HTTP layer holds it: a socket shut
 down, an httpx2 exchange cancelled). Thread-safe.
 """
