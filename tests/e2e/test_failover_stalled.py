@@ -4,19 +4,21 @@ with SIGSTOP, its socket still open, so that a request sent to it is taken and n
 A replica group elects its primary in a real etcd (lease TTL 2 s); four workers, one per HTTP
 layer of the SDK (``PSClient`` over its own pool, ``AsyncPSClient`` over its asyncio pool, each
 also over an injected httpx2 transport), push one-hot gradients and increment a counter through
-the group (``URL|URL``) with the default ``timeout`` and ``retry_deadline`` (30 s each) while
-the primary is frozen past its lease. Every call returns: a request with no reply for a lease
-TTL makes the SDK ask the group who leads, abandon the frozen primary once another replica
-leads at a higher epoch and send the request there, same seq (client_sdk/_stalls.py). The
-history checker (tests/helpers/history.py) then finds every acknowledged write exactly once on
-every replica, the old primary back as a backup. Over http and over https (the SDK's TLS
-connections; the shards trust the test's CA through ``SSL_CERT_FILE``).
+the group (``URL|URL``) with the default ``timeout`` and ``retry_deadline`` (30 s each), and two
+more pull (over the two pools), while the primary is frozen past its lease. Every call
+returns: a request with no reply for a lease TTL makes the SDK ask the group who leads, abandon
+the frozen primary once another replica leads at a higher epoch and send the request there,
+same seq (client_sdk/_stalls.py). The history checker (tests/helpers/history.py) then finds
+every acknowledged write exactly once on every replica, the old primary back as a backup. Over
+http and over https (the SDK's TLS connections; the shards trust the test's CA through
+``SSL_CERT_FILE``).
 """
 
 from __future__ import annotations
 
 import signal
 import ssl
+import threading
 import uuid
 
 import httpx2
@@ -24,7 +26,7 @@ import numpy as np
 import pytest
 import trustme
 
-from client_sdk import AsyncPSClient, PSClient
+from client_sdk import AsyncPSClient, PSClient, PSError
 from client_sdk.optimizers import SGD
 from tests.conftest import OnLoop
 from tests.e2e.test_faults import check_replicas, progress, role
@@ -101,6 +103,7 @@ def test_every_call_returns_across_a_frozen_primary_with_default_timeouts(
         finally:
             chief.close()
         writers = Writers(shards, n=len(LAYERS), timeout=None, client=make).start()
+        readers = Readers(make)
         try:
             progress(writers)
             group.send(p, signal.SIGSTOP)
@@ -110,10 +113,13 @@ def test_every_call_returns_across_a_frozen_primary_with_default_timeouts(
                 )
                 # Each worker's call to the frozen primary returns, answered by the new one,
                 # and the worker goes on writing there.
-                now = _acked_by_worker(writers)
+                now, read = _acked_by_worker(writers), list(readers.pulls)
                 eventually(
-                    lambda: all(a >= b + 2 for a, b in zip(_acked_by_worker(writers), now)),
-                    "every worker's writes acknowledged by the new primary",
+                    lambda: (
+                        all(a >= b + 2 for a, b in zip(_acked_by_worker(writers), now))
+                        and all(a >= b + 2 for a, b in zip(readers.pulls, read))
+                    ),
+                    "every worker's writes acknowledged and pulls answered by the new primary",
                     timeout=60,
                 )
             finally:
@@ -121,11 +127,42 @@ def test_every_call_returns_across_a_frozen_primary_with_default_timeouts(
             progress(writers)
         finally:
             writers.stop()
-        assert writers.errors == []  # every call returned, none raised
+            readers.stop()
+        assert writers.errors == [] and readers.errors == []  # every call returned
         eventually(lambda: role(group.urls[p]) == "backup", "the old primary a backup", 30)
         assert check_replicas(group, writers.history) == 1 - p
     finally:
         group.close()
+
+
+class Readers:
+    """Two workers pulling ``counter`` without pause (one over the SDK's own pool, one over
+    its asyncio pool), counting the pulls answered; a pull that raises is an error."""
+
+    def __init__(self, make) -> None:
+        self.pulls = [0, 0]
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._read, args=(k, make)) for k in (0, 1)]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, k: int, make) -> None:
+        ps = make(k, f"reader-{k}")
+        try:
+            while not self._stop.is_set():
+                try:
+                    ps.pull(["counter"])
+                    self.pulls[k] += 1
+                except PSError as exc:
+                    self.errors.append(f"reader-{k}: {type(exc).__name__}: {exc}"[:300])
+        finally:
+            ps.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
 
 
 def _acked_by_worker(writers: Writers) -> list[int]:
