@@ -60,6 +60,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -174,7 +175,11 @@ class Leadership:
         #: more writes than itself when it won last.
         self._stand_aside = 0.0
         #: For asking the other replicas what they hold (their ``GET /v1/cluster``).
-        self._http = httpx2.AsyncClient(headers=headers or {}, trust_env=False)
+        # https replicas are verified with the system's CAs (OpenSSL's store, SSL_CERT_FILE),
+        # as the forwarder verifies them; httpx2's own default would be certifi's bundle.
+        self._http = httpx2.AsyncClient(
+            headers=headers or {}, trust_env=False, verify=ssl.create_default_context()
+        )
         self._logged = 0.0
 
     # -- lifetime ---------------------------------------------------------------------------
