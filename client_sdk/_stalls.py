@@ -111,12 +111,8 @@ class Stalls:
         if ttl is None or not self.replicas.replicated(shard):
             return None
         watched = Watched(shard, url, time.monotonic() + ttl)
-        with self._lock:
-            idle = not self._watched
+        with self._lock:  # the driver is not woken: it looks at least once a TTL (due)
             self._watched[id(watched)] = watched
-            notify = self._notify
-        if idle and notify is not None:
-            notify()  # the driver may sleep with nothing to wait for
         return watched
 
     def end(self, watched: Watched) -> None:
@@ -124,14 +120,18 @@ class Stalls:
         with self._lock:
             self._watched.pop(id(watched), None)
 
-    def due(self, now: float) -> tuple[list[int], float | None]:
-        """The indexes with an exchange due at ``now``, and when the next one is due
-        (``None``: nothing watched)."""
+    def due(self, now: float) -> tuple[list[int], float]:
+        """The indexes with an exchange due at ``now``, and when the driver looks next: when
+        the next one is due, or one lease TTL from now when none is watched (an exchange that
+        starts meanwhile is due a TTL after it starts: the driver sees it first). Waking the
+        driver at every exchange instead would cost every request a thread switch."""
         with self._lock:
             watched = list(self._watched.values())
         shards = sorted({w.shard for w in watched if w.due <= now})
         later = [w.due for w in watched if now < w.due < _NEVER]
-        return shards, (min(later) if later else (now if shards else None))
+        if later:
+            return shards, min(later)
+        return shards, now + min((t for t in self.ttls if t is not None), default=DEFAULT_TTL)
 
     def note_cluster(self, shard: int, info: Mapping[str, Any]) -> None:
         """Learn index ``shard``'s lease TTL, and the epoch of a primary, from a replica's
@@ -262,7 +262,7 @@ class Stalls:
                     logger.exception("checking shard %d's stalled requests failed", shard)
             if shards:
                 continue
-            wake.wait(None if next_at is None else max(0.0, next_at - time.monotonic()))
+            wake.wait(max(0.0, next_at - time.monotonic()))
             wake.clear()
 
     def start_task(self, ask: AsyncAsk) -> None:
@@ -285,9 +285,8 @@ class Stalls:
                     logger.exception("checking shard %d's stalled requests failed", shard)
             if shards:
                 continue
-            left = None if next_at is None else max(0.0, next_at - time.monotonic())
             with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
-                await asyncio.wait_for(wake.wait(), left)
+                await asyncio.wait_for(wake.wait(), max(0.0, next_at - time.monotonic()))
             wake.clear()
 
     def close(self) -> None:
