@@ -13,7 +13,8 @@ and times, per request of one :func:`bench.rows.batch` (4,096 ids, half of them 
   ids deduplicated (a push's repeats summed), placed on 2 shards, the request encoded, the
   reply decoded and a pull's rows put back in the order asked for;
 * the shard's HTTP protocol and app for the 1-shard requests, in this process, over a table
-  filled the same way (uvicorn's parser, the shard's middleware, the handler, the encoding),
+  filled the same way (uvicorn's parser, then, as a shard serves both requests, its protocol's
+  own answerer: :mod:`server.immediate`; the handler's checks and store calls, the encoding),
   writing to a transport that drops what it is given (no I/O), and its pieces: the ids
   checked (with their owner, for 2 shards), the id -> row lookup, the rows gathered, a push's
   operation built (gradients checked, repeats summed) and applied (the table's update), the
