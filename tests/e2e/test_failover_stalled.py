@@ -24,7 +24,6 @@ import uuid
 import httpx2
 import numpy as np
 import pytest
-import trustme
 
 from client_sdk import AsyncPSClient, PSClient, PSError
 from client_sdk.optimizers import SGD
@@ -32,6 +31,7 @@ from tests.conftest import OnLoop
 from tests.e2e.test_faults import check_replicas, progress, role
 from tests.e2e.test_leadership import TTL, one_primary
 from tests.helpers.eventually import eventually
+from tests.helpers.pki import loopback_pki
 from tests.helpers.replicas import start_group
 from tests.helpers.writers import PER_WORKER, WORKERS, Writers
 
@@ -42,15 +42,7 @@ LAYERS = ("pool", "asyncio", "httpx2", "httpx2-asyncio")
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """A CA, and a certificate for 127.0.0.1 signed by it, as PEM files."""
-    d = tmp_path_factory.mktemp("pki")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    ca.cert_pem.write_to_path(str(d / "ca.pem"))
-    cert.private_key_pem.write_to_path(str(d / "key.pem"))
-    cert.cert_chain_pems[0].write_to_path(str(d / "cert.pem"))
-    for pem in cert.cert_chain_pems[1:]:
-        pem.write_to_path(str(d / "cert.pem"), append=True)
-    return {k: str(d / f"{k}.pem") for k in ("ca", "cert", "key")}
+    return loopback_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _clients(shards: str, ca: str | None):

@@ -15,27 +15,19 @@ import uuid
 import httpx2
 import numpy as np
 import pytest
-import trustme
 
 import client_sdk
 from client_sdk import wire
 from client_sdk._cache import Lent
 from client_sdk._http.native import AsyncNativeSender, NativeSender
 from tests.conftest import HTTP_MODES, ROOT, OnLoop
+from tests.helpers.pki import loopback_pki
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """A CA, and a certificate for the loopback names signed by it, as PEM files."""
-    d = tmp_path_factory.mktemp("pki")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    ca.cert_pem.write_to_path(str(d / "ca.pem"))
-    cert.private_key_pem.write_to_path(str(d / "key.pem"))
-    cert.cert_chain_pems[0].write_to_path(str(d / "cert.pem"))
-    for pem in cert.cert_chain_pems[1:]:
-        pem.write_to_path(str(d / "cert.pem"), append=True)
-    return {k: str(d / f"{k}.pem") for k in ("ca", "cert", "key")}
+    return loopback_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module", params=HTTP_MODES)
