@@ -29,8 +29,9 @@
   up to :data:`PAUSE_WAIT` seconds, then gets 503 with ``Retry-After``.
 
 The state (:class:`Gate`, which ``server/durability.py`` and the checkpoint routes drive too)
-and the middleware that applies it to requests are one module (under 600 lines): each rule
-above is a state and the point where a request meets it, and the two change together.
+and the middleware that applies it to requests are one module (just past 600 lines, with
+the verb sets each rule uses): each rule above is a state and the point where a request meets
+it, and the two change together.
 Everything runs on the event loop; nothing here is thread-safe.
 """
 

@@ -51,6 +51,10 @@ write this one never had is left out, and the forwarder lets it back in once it 
 this one holds. One that may campaign and holds more makes it stand aside for a TTL, so that
 the most complete replica leads.
 
+One module past 600 lines: the campaign, the survey of the other replicas and the in-sync set
+are one protocol whose rules (who may campaign, who is listed, which process is named) read the
+same keys and state; split, each part would have to restate the others' rules.
+
 Not thread-safe: everything runs on the shard's event loop, as the role requires.
 """
 
