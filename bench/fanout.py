@@ -17,22 +17,41 @@ on one thread; so a call's time is its own per-shard work (building, writing and
 ``k`` requests) plus the slowest shard's answer, not the sum of the shards' answers. On a
 machine with fewer cores than shards the shards' work still shares the cores: the ratios
 here are for 2 cores (bench/README.md, GOALS, says what they bound).
+
+So each row also carries the CPU the call costs, read from /proc over all its repetitions:
+``client_cpu_us`` (this process) and ``shards_cpu_us`` (the fleet's shard processes) per call,
+and ``cpu_floor_us``, the least wall time that CPU allows on this machine: the client's part
+alone (one thread), or everything spread over every core, whichever is longer. A call whose
+mean time is near its floor waits for nothing but the cores; the ``cpu floor`` goal judges the
+biggest fleet's call against it, which tells a machine too small for the fleet from an SDK that
+waits on shards one by one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .context import Context
+from .cpu import CpuMeter
 from .timing import Stopwatch, summarize
 from .transfer import rotated
 
-__all__ = ["COUNT", "DEFAULT_SIZES", "DESCRIPTION", "SHARDS", "label", "names_for", "run"]
+__all__ = [
+    "COUNT",
+    "DEFAULT_SIZES",
+    "DESCRIPTION",
+    "SHARDS",
+    "cpu_floor",
+    "label",
+    "names_for",
+    "run",
+]
 
 COUNT = 16
 SHARDS = (1, 4, 16)
@@ -68,6 +87,13 @@ def names_for(shards: int, n: int) -> list[list[str]]:
     return by_shard
 
 
+def cpu_floor(client_s: float, shards_s: float, cores: int) -> float:
+    """The least wall time a call costing ``client_s`` CPU seconds on the SDK's thread and
+    ``shards_s`` on the shards can take on ``cores`` cores: the client's thread cannot be
+    split, and nothing runs faster than all the CPU spread over every core."""
+    return max(client_s, (client_s + shards_s) / max(cores, 1))
+
+
 def run(ctx: Context) -> list[dict]:
     from client_sdk import PSClient
 
@@ -75,16 +101,24 @@ def run(ctx: Context) -> list[dict]:
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:
         clients: dict[int, Any] = {}
+        pids: dict[int, list[int]] = {}
         for k in fleets:
-            urls = ctx.shard_urls(k)
-            clients[k] = stack.enter_context(PSClient(urls, worker_id=f"bench-fanout-{k}"))
+            fleet = ctx.fleet(k)
+            pids[k] = list(fleet.pids)
+            clients[k] = stack.enter_context(PSClient(fleet.urls, worker_id=f"bench-fanout-{k}"))
         for n in ctx.sizes_for(DEFAULT_SIZES):
-            rows += _one_size(ctx, n, clients, fleets)
+            rows += _one_size(ctx, n, clients, pids, fleets)
     rows.sort(key=lambda r: (r["op"] != "push", r["size"], r["shards"], r["in_turn"]))
     return rows
 
 
-def _one_size(ctx: Context, n: int, clients: dict[int, Any], fleets: tuple[int, ...]) -> list[dict]:
+def _one_size(
+    ctx: Context,
+    n: int,
+    clients: dict[int, Any],
+    pids: dict[int, list[int]],
+    fleets: tuple[int, ...],
+) -> list[dict]:
     from client_sdk.optimizers import Add
 
     rows: list[dict] = []
@@ -95,18 +129,22 @@ def _one_size(ctx: Context, n: int, clients: dict[int, Any], fleets: tuple[int, 
         ps.init({name: value for names in placed[k] for name in names}, optimizer=Add())
     systems = [(k, False) for k in fleets] + [(fleets[-1], True)]
     watches = {(op, s): Stopwatch() for op in ("push", "pull") for s in systems}
+    # per (op, system): CPU of this process and of the fleet's shards over the timed calls;
+    # read outside the stopwatch (a read of 16 /proc files takes a while)
+    meters = {key: (CpuMeter([os.getpid()]), CpuMeter(pids[key[1][0]])) for key in watches}
+
+    def timed(op: str, system: tuple[int, bool], call: Callable[[], Any]) -> Any:
+        client, shards = meters[op, system]
+        with client, shards, watches[op, system]:
+            return call()
 
     def turn(system: tuple[int, bool]) -> None:
         k, in_turn = system
         ps = clients[k]
         groups = placed[k] if in_turn else [[m for ms in placed[k] for m in ms]]
-        with watches["push", system]:
-            for names in groups:
-                ps.push({name: zeros for name in names})
+        timed("push", system, lambda: [ps.push(dict.fromkeys(names, zeros)) for names in groups])
         pulled: dict[str, np.ndarray] = {}
-        with watches["pull", system]:
-            for names in groups:
-                pulled.update(ps.pull(names))
+        timed("pull", system, lambda: [pulled.update(ps.pull(names)) for names in groups])
         if len(pulled) != COUNT or any(v.shape != (n,) for v in pulled.values()):
             raise RuntimeError(f"pulled {len(pulled)} variables; expected {COUNT}")
 
@@ -118,13 +156,27 @@ def _one_size(ctx: Context, n: int, clients: dict[int, Any], fleets: tuple[int, 
         if i == ctx.warmup:
             for w in watches.values():
                 w.samples.clear()
+            for client, shards in meters.values():
+                client.seconds = shards.seconds = 0.0
         for t in rotated(turns, i):
             t()
     for k, ps in clients.items():
         names = [name for names in placed[k] for name in names]
         if not all(np.array_equal(v, value) for v in ps.pull(names).values()):
             raise RuntimeError("values changed by pushing zeros through Add")
+    cores = os.cpu_count() or 1
     for (op, (k, in_turn)), w in watches.items():
+        client, shards = meters[op, (k, in_turn)]
+        cpu: dict[str, float] = {}
+        if client.seconds is not None and shards.seconds is not None and w.samples:
+            calls = len(w.samples)
+            cpu = {
+                "mean_s": sum(w.samples) / calls,
+                "client_cpu_us": client.seconds / calls * 1e6,
+                "shards_cpu_us": shards.seconds / calls * 1e6,
+                "cpu_floor_us": cpu_floor(client.seconds, shards.seconds, cores) / calls * 1e6,
+                "cores": cores,
+            }
         rows.append(
             {
                 "case": "fanout",
@@ -137,6 +189,7 @@ def _one_size(ctx: Context, n: int, clients: dict[int, Any], fleets: tuple[int, 
                 "system": label(k, in_turn),
                 "reference": k == 1,
                 **summarize(w.samples, nbytes),
+                **cpu,
             }
         )
     return rows

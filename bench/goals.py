@@ -384,6 +384,9 @@ def workers_ceiling(two: dict | None, one: dict | None, cores: int | None = None
 #: GOALS, says why on 2 cores), and at most this share of the 16 shards called in turn.
 FANOUT_VS_ONE = 4.0
 FANOUT_VS_IN_TURN = 0.5
+#: ... and its mean time at most this many times the least its CPU allows on the machine's cores
+#: (:func:`bench.fanout.cpu_floor`): the SDK and the shards wait for nothing but the cores.
+FANOUT_VS_CPU_FLOOR = 1.3
 
 
 def _scale_goals(rows: Sequence[dict]) -> list[dict]:
@@ -473,6 +476,22 @@ def _scale_goals(rows: Sequence[dict]) -> list[dict]:
                     "not measured: run the fanout case at its defaults, without --quick",
                 )
             )
+        floor = None
+        if mine is not None and mine.get("cpu_floor_us"):
+            floor = {"mean_s": mine["cpu_floor_us"] / 1e6}
+        out.append(
+            _goal(
+                f"{op} in one call over {most} shards",
+                f"cpu / {mine.get('cores', '?') if mine else '?'} cores",
+                "mean time",
+                mine,
+                floor,
+                "mean_s",
+                False,
+                FANOUT_VS_CPU_FLOOR,
+                "not measured: run the fanout case at its defaults on Linux (/proc)",
+            )
+        )
     return out
 
 

@@ -138,6 +138,11 @@ def test_a_quick_run_measures_every_case_and_writes_its_json(tmp_path):
             )
         if r["case"] == "shardsize":
             assert r["fill_s"] >= 0 and r["bytes"] == shardsize.HOT * 1000 * 4
+        if r["case"] == "fanout":  # the CPU a call costs, on both sides, and what it allows
+            assert r["client_cpu_us"] >= 0 and r["shards_cpu_us"] >= 0
+            assert r["cpu_floor_us"] == pytest.approx(
+                fanout.cpu_floor(r["client_cpu_us"], r["shards_cpu_us"], r["cores"])
+            )
     assert "KB per connection" in out and "variables/s" in out
     # a framework's step copies nothing parameter-sized (torch's pull receives into the
     # parameters); its model is fixed, so its goals are measured at any size
@@ -424,7 +429,16 @@ def test_the_scale_goals_bound_growth_in_variables_workers_and_shards():
             errors=2,
         ),
         _row("fanout", "pull", n, fanout.label(1), median_s=0.001),
-        _row("fanout", "pull", n, fanout.label(16), median_s=0.003),
+        _row(
+            "fanout",
+            "pull",
+            n,
+            fanout.label(16),
+            median_s=0.003,
+            mean_s=0.0032,
+            cpu_floor_us=2000.0,
+            cores=2,
+        ),
         _row("fanout", "pull", n, fanout.label(16, in_turn=True), median_s=0.005),
     ]
     by = {(g["goal"], g["versus"], g["measure"]): g for g in goals.evaluate(rows)}
@@ -443,7 +457,16 @@ def test_the_scale_goals_bound_growth_in_variables_workers_and_shards():
     assert one["met"] and one["ratio"] == pytest.approx(3.0)
     in_turn = by["pull in one call over 16 shards", "16 in turn", "median time"]
     assert in_turn["met"] is False and in_turn["ratio"] == pytest.approx(0.6)
+    cores = by["pull in one call over 16 shards", "cpu / 2 cores", "mean time"]
+    assert cores["met"] is False and cores["ratio"] == pytest.approx(1.6)
     assert by["push in one call over 16 shards", fanout.label(1), "median time"]["met"] is None
+    assert by["push in one call over 16 shards", "cpu / ? cores", "mean time"]["met"] is None
+
+
+def test_the_fanout_floor_is_the_clients_thread_or_all_the_cpu_over_every_core():
+    assert fanout.cpu_floor(0.9, 2.0, 2) == pytest.approx(1.45)
+    assert fanout.cpu_floor(0.9, 0.1, 2) == pytest.approx(0.9)  # the client's thread
+    assert fanout.cpu_floor(0.9, 2.0, 0) == pytest.approx(2.9)
 
 
 def test_the_workers_goal_says_what_this_machines_cores_allow():
