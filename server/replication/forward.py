@@ -30,6 +30,12 @@ former primary's write that was never acknowledged) is ``diverged``: a state has
 is sent this primary's whole state, as a ``behind`` one is. A backup that answers 409
 ``stale_epoch`` knows a newer primary: this replica steps down at once.
 
+A link waiting for the log's next entry counts its backup as holding every write; one that
+restarted meanwhile (empty, or from an older snapshot) says otherwise when leadership's survey
+asks it (:meth:`Forwarder.recheck`), and its link then asks it where it is and feeds it at once,
+with no write coming. A link's task that fails (a bug) is logged and starts over
+(:meth:`Forwarder._run`).
+
 Once every backup this primary was given has said it applied the log up to some lsn (the last
 it said, for one that stopped answering: it will ask for what follows), the entries up to it
 are let go (:meth:`ReplicationLog.release <server.replication.log.ReplicationLog.release>`),
@@ -63,6 +69,8 @@ FIRST_BACKOFF = 0.02
 MAX_BACKOFF = 0.5
 #: The largest answer a backup may send (a batch's answer is a few dozen bytes).
 MAX_REPLY = 1 << 20
+#: A link whose task fails again and again logs it at most once per this many seconds.
+LOG_EVERY = 10.0
 
 
 class Link:
@@ -77,7 +85,8 @@ class Link:
         self.known: int | None = None
         #: ``time.monotonic()`` of its last answer (or of the link's start).
         self.heard = time.monotonic()
-        #: ``streaming``, ``behind`` (it needs entries the log let go), ``unreachable``,
+        #: ``starting``, ``streaming``, ``behind`` (it needs entries the log let go),
+        #: ``unreachable``, ``failed`` (its task failed: a bug, logged; it starts over),
         #: ``diverged`` (its log holds a write this primary's does not: it is sent this
         #: primary's whole state), ``ahead`` (it holds writes this primary lacks, and this
         #: primary is not authoritative: nothing is sent to it).
@@ -92,6 +101,8 @@ class Link:
         self.idle = False
         #: A batch :meth:`Forwarder.kick` started for it (entries, exchange), not yet finished.
         self.started: tuple[list[Any], Begun] | None = None
+        #: ``time.monotonic()`` of the last failure of its task logged (:meth:`Forwarder._run`).
+        self.logged = -LOG_EVERY
 
     def stats(self, head: int) -> dict[str, Any]:
         return {
@@ -189,9 +200,7 @@ class Forwarder:
             for url in new.in_sync:
                 if url not in self.links:
                     link = self.links[url] = Link(url)
-                    link.task = asyncio.get_running_loop().create_task(
-                        self._run(link), name=f"paramshard-forward-{url}"
-                    )
+                    self._start_link(link)
         self._wake()
 
     async def _stop_link(self, link: Link) -> None:
@@ -271,13 +280,72 @@ class Forwarder:
             )
         return self._pool
 
+    def _start_link(self, link: Link) -> None:
+        link.task = asyncio.get_running_loop().create_task(
+            self._run(link), name=f"paramshard-forward-{link.url}"
+        )
+
     async def _run(self, link: Link) -> None:
-        try:
-            await self._feed(link)
-        finally:
-            started, link.started = link.started, None
-            if started is not None and started[1].conn is not None:
-                started[1].conn.close()  # begun, never finished: mid-request
+        """Feed the backup of ``link`` until cancelled (or it knows a newer primary). A failed
+        exchange is handled in the feed; anything else raised there is a bug, which must not end
+        the link (its backup would never be fed again, nor let back into the in-sync set): it is
+        logged with the backup's URL and traceback, and the link starts over, asking the backup
+        where it is first. It is not dropped at once: a write waiting for it drops it after
+        ``timeout`` if the link fails again, as for any backup that stops applying writes."""
+        backoff = FIRST_BACKOFF
+        while True:
+            try:
+                await self._feed(link)
+                return
+            except Exception as exc:
+                link.failures += 1
+                link.error = f"{type(exc).__name__}: {exc}"[:300]
+                link.state, link.acked = "failed", None
+                now = time.monotonic()
+                if now - link.logged >= LOG_EVERY:
+                    link.logged = now
+                    logger.exception(
+                        "forwarding to backup %s failed (a bug: please report it with this "
+                        "traceback); its link starts over in %.3g s",
+                        link.url,
+                        backoff,
+                    )
+                if link.heard > now - backoff:  # it answered since the last failure
+                    backoff = FIRST_BACKOFF
+                await asyncio.sleep(backoff)
+                backoff = min(MAX_BACKOFF, backoff * 2)
+            finally:
+                started, link.started = link.started, None
+                if started is not None and started[1].conn is not None:
+                    started[1].conn.close()  # begun, never finished: mid-request
+
+    def recheck(self, url: str, position: tuple[int, int]) -> None:
+        """The backup of ``url`` said (asked by leadership's survey) that it holds the log up
+        to ``position`` (epoch, lsn of its newest write). When its link waits for the log's next
+        entry, counting it as holding every write, and that is not what it said (it restarted
+        since it last answered: empty, or from an older snapshot), the link asks it where it is
+        now, and sends it what it lacks, without waiting for a write to come."""
+        link = self.links.get(url)
+        if (
+            link is None
+            or link.task is None
+            or not link.idle
+            or link.started is not None
+            or link.acked is None
+            or position == (self.log.epoch_at(link.acked), link.acked)
+        ):
+            return
+        logger.info(
+            "backup %s holds lsn %d of epoch %d, not the lsn %d it applied: it restarted; "
+            "it is sent what it lacks",
+            url,
+            position[1],
+            position[0],
+            link.acked,
+        )
+        link.task.cancel()  # waiting for the log's next entry: nothing begun is lost
+        link.acked, link.idle, link.state = None, False, "starting"
+        self._start_link(link)
 
     async def _feed(self, link: Link) -> None:
         backoff = FIRST_BACKOFF

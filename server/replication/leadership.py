@@ -27,7 +27,10 @@ write, and a replica is eligible only under its own process's name. The primary 
 again as it is, at most once per lease TTL, when every backup of it says, asked then, that it
 holds the primary's newest write (:meth:`Leadership._confirm`), naming the processes that
 answered: a listed replica that restarted becomes eligible once it has caught up, never on the
-strength of what the process before it acknowledged.
+strength of what the process before it acknowledged. One that answers holding less than its
+link last heard (it restarted, with no write since) is fed at once by the forwarder
+(:meth:`Forwarder.recheck <server.replication.forward.Forwarder.recheck>`), not at the next
+write.
 
 A replica whose whole state its primary replaced (a catch-up: it lagged past the log, or its
 log diverged: it held a write of an older epoch that the primary never had) is ``resyncing``:
@@ -150,6 +153,9 @@ class Leadership:
         self.position = position
         self.caught_up = caught_up
         self.restored = restored
+        #: Told of each backup that answered :meth:`_confirm`'s survey holding another
+        #: (epoch, lsn) than this primary: the forwarder feeds it if it restarted meanwhile.
+        self.behind: Callable[[str, tuple[int, int]], None] = lambda url, position: None
         #: When (monotonic) the in-sync set was last written again as it was (:meth:`_confirm`).
         self._confirmed = 0.0
         self._confirming: asyncio.Task[None] | None = None
@@ -514,10 +520,14 @@ class Leadership:
         backup of it says, now, that it holds every write this primary holds: a replica of it
         that restarted since the set was last written becomes eligible. Its own answer is what
         counts, not what the forwarder last heard from it: a backup that restarted empty is
-        still counted as caught up by the forwarder until a write goes to it."""
+        counted as caught up by the forwarder until this answer tells it otherwise
+        (:attr:`behind`), and its link then feeds it."""
         mine = self.position()
         backups = self.role.in_sync
         reached = await self._survey(list(backups))
+        for url, peer in reached.items():
+            if peer.position != mine:  # its link may count it as holding what it lost
+                self.behind(url, peer.position)
         if any(u not in reached or reached[u].position != mine for u in backups):
             return  # one does not answer, or lags: its process is not confirmed
         found, _ = await self.etcd.get(self.in_sync_key)
@@ -627,6 +637,7 @@ def from_state(state: Any) -> Leadership | None:
 
     replication.forwarder.drop = drop
     replication.forwarder.rejoin = rejoin
+    leadership.behind = replication.forwarder.recheck
     # Elected holding every acknowledged write: a backup holding writes it lacks holds only
     # unacknowledged ones, and is replaced by its state.
     replication.forwarder.authoritative = True

@@ -208,8 +208,8 @@ def test_a_backup_restarted_after_writes_campaigns_only_once_caught_up(tmp_path,
             group.kill(b)
             group.start(b)  # still in the in-sync set (no write waited for it meanwhile)
             # It lost the writes it held: listed or not, it may campaign only once it holds
-            # them again. No write comes for a while, so nothing feeds it; meanwhile the
-            # primary writes the in-sync set again every TTL when its backups hold every
+            # them again. No write comes for a while; the primary's survey finds it behind and
+            # feeds it, and writes the in-sync set again every TTL when its backups hold every
             # write — from what the restarted process holds, never from what the one before
             # it acknowledged. What holds whatever the timing is the implication, read from
             # one answer at a time, over a few TTLs.
@@ -223,6 +223,45 @@ def test_a_backup_restarted_after_writes_campaigns_only_once_caught_up(tmp_path,
         one_primary(group)
         with PSClient(group.urls[b], worker_id="w-restart-check") as backup:
             assert backup.pull(["restart_steps"], allow_backup=True)["restart_steps"] == 6
+    finally:
+        group.close()
+
+
+def test_an_idle_backup_restarted_is_fed_with_no_write_coming(tmp_path, etcd):
+    """A backup killed and restarted empty while no worker writes: its link still counts it as
+    holding every write, but the primary's survey of its backups finds it behind and feeds it,
+    with no write coming. Within a bound it holds every acknowledged write, and the in-sync set
+    names its new process (it may take over again)."""
+    group, prefix = elected_group(tmp_path, etcd)
+    try:
+        p, _ = one_primary(group)
+        b = 1 - p
+        with PSClient(group.urls[p], worker_id="w-idle") as ps:
+            for _ in range(5):
+                ps.increment("idle_steps")
+        held = http_json(group.urls[p] + "/v1/cluster")["replication"]["lsn"]
+        group.kill(b)
+        group.start(b)  # empty, still listed in the in-sync set: no write waited for it
+        process = http_json(group.urls[b] + "/v1/cluster")["incarnation"]
+        seen = []
+
+        def fed():
+            time.sleep(0.1)
+            info = http_json(group.urls[b] + "/v1/cluster")
+            in_sync = json.loads(etcd_key(etcd, f"{prefix}/shard/0/in-sync").value)
+            seen[:] = [info["replication"]["lsn"], in_sync]
+            return (
+                info["replication"]["lsn"] >= held
+                and in_sync["processes"].get(group.urls[b]) == process
+                and info["leadership"]["eligible"]
+            )
+
+        try:
+            eventually(fed, "the restarted backup fed and confirmed with no write", timeout=20)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; held {held}, seen {seen}") from None
+        with PSClient(group.urls[b], worker_id="w-idle-check") as backup:
+            assert backup.pull(["idle_steps"], allow_backup=True)["idle_steps"] == 5
     finally:
         group.close()
 

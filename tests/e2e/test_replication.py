@@ -18,6 +18,9 @@ backup is read through its own pulls (``allow_backup=True``: a backup answers th
   and sent the tail it missed when it answers again, then rejoins; one that needs writes the
   primary's log let go (``--replication-log-bytes``) gets a snapshot of the primary's state;
 * a replica restarted from its own snapshot resumes the log where the snapshot was taken;
+* a link whose task fails (a bug, injected into the primary's process: no reply a backup can
+  send makes it fail) is logged with the backup's URL and traceback and starts over; the
+  backup stays in the in-sync set and is fed;
 * history (tests/helpers/history.py): 4 workers pushing and incrementing; the primary is
   killed with SIGKILL; the backup holds every write they saw acknowledged, exactly once.
 """
@@ -315,6 +318,39 @@ def test_a_replica_restarted_from_its_snapshot_resumes_the_log_there(groups):
         ps.increment("c", 1)
     assert cluster(backup)["lsn"] == 4
     _same_state(primary, backup, ["c"], changes=False)
+
+
+#: Run in each replica before it serves: the first answer of a backup its forwarder handles
+#: raises, as a bug in it would (no reply a backup can send does).
+FAILING_LINK = """
+import server.replication.forward as forward
+answered = forward.Forwarder._answered
+failed = []
+async def failing(self, link, *args):
+    if not failed:
+        failed.append(link.url)
+        raise RuntimeError("injected failure of a link")
+    return await answered(self, link, *args)
+forward.Forwarder._answered = failing
+"""
+
+
+def test_a_link_whose_task_fails_is_logged_and_starts_over(groups):
+    group = groups(2, "--replica-timeout", "30", prelude=FAILING_LINK)
+    primary, backup = group.urls
+    with PSClient([primary], worker_id="w-link") as ps:
+        assert ps.increment("c", 2) == 2
+        # Acknowledged with the backup holding it, not after the backup was dropped.
+        shown = cluster(primary)
+        assert shown["in_sync"] == [backup], shown
+        assert ps.pull(["c"])["c"] == 2
+    with PSClient([backup], worker_id="w-read") as reader:
+        assert reader.pull(["c"], allow_backup=True)["c"] == 2
+    (link,) = shown["backups"]
+    assert link["failures"] >= 1 and link["state"] == "streaming", link
+    log = group.tail(0, 400)
+    assert f"forwarding to backup {backup} failed" in log, log
+    assert "RuntimeError: injected failure of a link" in log and "Traceback" in log, log
 
 
 def test_no_acknowledged_write_is_lost_when_the_primary_is_killed(groups):

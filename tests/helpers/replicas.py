@@ -9,7 +9,8 @@ the race costs a retry, never a failed test.
 :class:`Group` is a :class:`tests.conftest.Fleet` whose every process serves the same shard
 index (``--shard-index 0 --num-shards 1`` unless told otherwise): ``urls[0]`` is the primary,
 the others its backups; ``kill(i)``, ``stop(i)`` and ``start(i)`` act on one replica;
-``data=True`` gives each a data dir of its own.
+``data=True`` gives each a data dir of its own; ``prelude=CODE`` runs CODE in each replica
+before it serves (as :class:`tests.conftest.Fleet` does).
 """
 
 from __future__ import annotations
@@ -38,13 +39,16 @@ class Group(Fleet):
         shard: tuple[int, int] = (0, 1),
         env: dict[str, str] | None = None,
         data: bool = False,
+        prelude: str = "",
     ) -> None:
         self.shard = shard
         scheme = "https" if "--tls-cert" in extra_args else "http"
         self.group_urls = [f"{scheme}://127.0.0.1:{p}" for p in ports]
         group = "|".join(self.group_urls)
         self._fixed_ports = ports
-        super().__init__(n, workdir, ("--replica-group", group, *extra_args), env, data)
+        super().__init__(
+            n, workdir, ("--replica-group", group, *extra_args), env, data, prelude=prelude
+        )
 
     def serve_args(self, i: int) -> list[str]:
         args = super().serve_args(i)
