@@ -11,12 +11,15 @@ owner (a wrong URL list is refused by the shard it reaches, not answered for the
 shard), and :data:`FORWARDED`, which a shard never follows again (no loops). The answer carries
 ``x-paramshard-owner: <index>/<N>``. An owner listed as a replica group (``a|b``) is asked at
 each replica in turn until one answers (every replica answers inspection, a backup from its own
-state). Without ``--fleet-urls``, or for a forwarded request, the shard answers its own 421
-``not_owner`` (the refusal :func:`follow` is given); an owner that does not answer is 503.
+state); an ``https`` owner's certificate is verified against the system's CAs (OpenSSL's
+store, or ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``: a private CA). Without ``--fleet-urls``, or
+for a forwarded request, the shard answers its own 421 ``not_owner`` (the refusal
+:func:`follow` is given); an owner that does not answer is 503.
 """
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 import httpx2
@@ -42,8 +45,14 @@ def _client(request: Request) -> httpx2.AsyncClient:
     state = request.app.state
     client = getattr(state, "follow_client", None)
     if client is None:
+        # https owners are verified with the system's CAs (OpenSSL's store, SSL_CERT_FILE /
+        # SSL_CERT_DIR), as the other replicas and the forwarder verify them; httpx2's own
+        # default, without the environment, ignores SSL_CERT_FILE: a private CA would fail.
         client = state.follow_client = httpx2.AsyncClient(
-            timeout=TIMEOUT, trust_env=False, follow_redirects=False
+            timeout=TIMEOUT,
+            trust_env=False,
+            follow_redirects=False,
+            verify=ssl.create_default_context(),
         )
     return client
 

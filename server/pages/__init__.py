@@ -25,7 +25,7 @@ from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Respon
 
 from ..errors import ShardError
 from ..replication.group import primary_of
-from .replicas import replicas_view
+from .replicas import replicas_view, verify_context
 
 __all__ = ["ASSETS", "PROBE_TIMEOUT", "router", "swagger_files"]
 
@@ -120,7 +120,8 @@ async def fleet(request: Request) -> JSONResponse:
     urls: list[str | None] = list(config.fleet_urls) or [None] * config.num_shards
     limit = asyncio.Semaphore(PROBE_CONCURRENCY)
     headers = {"authorization": auth} if auth else {}
-    async with httpx2.AsyncClient(timeout=PROBE_TIMEOUT, headers=headers) as client:
+    tls = verify_context(state)  # the system's CAs (SSL_CERT_FILE: a private CA)
+    async with httpx2.AsyncClient(timeout=PROBE_TIMEOUT, headers=headers, verify=tls) as client:
         shards = await asyncio.gather(
             *(_probe(client, limit, i, url, state) for i, url in enumerate(urls))
         )

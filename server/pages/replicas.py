@@ -12,6 +12,7 @@ server/replication/group.py's rule (as ``paramshard status`` and the fleet view 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from typing import Any
 
 import httpx2
@@ -19,6 +20,16 @@ import httpx2
 from ..replication.group import in_sync, lag, primary_of
 
 __all__ = ["replicas_view"]
+
+
+def verify_context(state: Any) -> ssl.SSLContext:
+    """How this shard's pages verify the https shards they probe: the system's CAs (OpenSSL's
+    store, or ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``: a private CA), as the replicas verify each
+    other; read once per process (loading the CA files costs milliseconds)."""
+    tls = getattr(state, "verify_context", None)
+    if tls is None:
+        tls = state.verify_context = ssl.create_default_context()
+    return tls
 
 
 def _self(state: Any) -> dict[str, Any]:
@@ -62,7 +73,9 @@ async def replicas_view(state: Any, auth: str | None, timeout: float) -> dict[st
     group = list(config.replica_group) or [config.advertise_url]
     mine = config.advertise_url
     headers = {"authorization": auth} if auth else {}
-    async with httpx2.AsyncClient(timeout=timeout, headers=headers, trust_env=False) as client:
+    async with httpx2.AsyncClient(
+        timeout=timeout, headers=headers, trust_env=False, verify=verify_context(state)
+    ) as client:
         answers = await asyncio.gather(
             *(
                 asyncio.sleep(0, _self(state))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,7 +104,10 @@ class EtcdClient:
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.timeout = timeout
         self._current = 0
-        self._client = client or httpx2.AsyncClient(timeout=timeout, trust_env=False)
+        # https endpoints verified with the system's CAs (SSL_CERT_FILE: a private CA)
+        self._client = client or httpx2.AsyncClient(
+            timeout=timeout, trust_env=False, verify=ssl.create_default_context()
+        )
 
     async def close(self) -> None:
         await self._client.aclose()

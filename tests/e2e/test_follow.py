@@ -2,17 +2,20 @@
 whose shards know each other's URLs (``--fleet-urls``), ``GET /v1/variables/NAME`` sent to
 any shard answers with the owner's answer, JSON or ``.npy``, with the caller's token; a shard
 without the URLs answers 421. ``paramshard get`` prints a variable and a counter's value from
-the fleet. A worker whose shard does not answer says so in its log after a few seconds."""
+the fleet. A fleet serving https with a private CA's certificates follows the variable
+too. A worker whose shard does not answer says so in its log after a few seconds."""
 
 from __future__ import annotations
 
 import io
 import logging
 import os
+import ssl
 import subprocess
 import sys
 import uuid
 
+import httpx2
 import numpy as np
 import pytest
 
@@ -20,6 +23,7 @@ import client_sdk
 from client_sdk import wire
 from client_sdk.placement import shard_for
 from tests.conftest import ROOT
+from tests.helpers.pki import loopback_pki
 from tests.helpers.ports import refused_port
 
 TOKEN = "follow-token-" + "f6" * 16
@@ -95,6 +99,32 @@ def test_without_fleet_urls_a_shard_answers_421(fleet_factory, http):
     name = next(n for n in (f"p{k}" for k in range(100)) if shard_for(n, 2) == 1)
     r = http.get(f"{plain.urls[0]}/v1/variables/{name}")
     assert r.status_code == 421 and r.json()["error"]["details"]["owners"] == {name: 1}
+
+
+def test_a_tls_fleet_with_a_private_ca_follows_the_variable(fleet_factory, tmp_path):
+    """Shards serving https with a certificate of a private CA, which they trust through
+    ``SSL_CERT_FILE``: asked of any shard, a variable is answered by its owner, and the fleet
+    view reaches every shard (httpx2's default without the environment would not trust it)."""
+    pki = loopback_pki(tmp_path)
+    fleet = fleet_factory(
+        2, "--tls-cert", pki["cert"], "--tls-key", pki["key"], env={"SSL_CERT_FILE": pki["ca"]}
+    )
+    fleet.env["PARAMSHARD_FLEET_URLS"] = ",".join(fleet.urls)
+    for i in range(2):
+        fleet.stop(i)
+        fleet.start(i)
+    name = f"tls-{uuid.uuid4().hex[:8]}"
+    owner = shard_for(name, 2)
+    with client_sdk.PSClient(fleet.urls, "w-tls", verify=pki["ca"]) as ps:
+        ps.init({name: np.full(3, 7.0, np.float32)})
+    other = fleet.urls[1 - owner]
+    with httpx2.Client(verify=ssl.create_default_context(cafile=pki["ca"])) as http:
+        r = http.get(f"{other}/v1/variables/{name}", params={"values": "true"})
+        assert r.status_code == 200, r.text
+        assert r.json()["values"] == [7.0] * 3
+        assert r.headers["x-paramshard-owner"] == f"{owner}/2"
+        shards = http.get(f"{other}/v1/fleet").json()["shards"]
+        assert [s.get("up") for s in shards] == [True, True], shards
 
 
 def test_counters_show_their_value(fleet, names, http):
