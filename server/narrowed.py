@@ -30,6 +30,7 @@ import asyncio
 import sys
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -157,12 +158,21 @@ class NarrowedCache:
             self.nbytes -= self._entries.pop(key).narrowed.nbytes
 
 
-async def narrow_pull(rows: PullRows, wire_dtype: str, cache: NarrowedCache) -> list[int]:
+async def narrow_pull(
+    rows: PullRows,
+    wire_dtype: str,
+    cache: NarrowedCache,
+    bound: Callable[[str], float] | None = None,
+) -> list[int]:
     """Narrow, in place in ``rows``, every float32 value to ``wire_dtype`` (its type string
     too), from ``cache`` where it holds the value's current version; return the indices of
     the rows narrowed. 422 ``bad_tensor`` naming the variable for a value beyond float16's
     range. ``rows``' values are views no later write changes (:meth:`Variable.export
-    <server.store.variable.Variable.export>`), so big ones are narrowed off the loop."""
+    <server.store.variable.Variable.export>`), so big ones are narrowed off the loop.
+    ``bound(name)``, asked for each big value before anything else happens (the value the
+    store bounds is then the one in ``rows``), is at least its largest magnitude
+    (:meth:`Reads.bound <server.store.reads.Reads.bound>`): within float16's range, its
+    narrowing is not read again for infinities."""
     narrowed, todo = [], []
     for i, value in enumerate(rows.values):
         if value is None or value.dtype != _F4:
@@ -181,12 +191,16 @@ async def narrow_pull(rows: PullRows, wire_dtype: str, cache: NarrowedCache) -> 
     values = [rows.values[i] for i in todo]
     dtypes = [rows.dtypes[i] for i in todo]
     into: list[np.ndarray | None] = [None] * len(todo)
-    if wire_dtype == halves.FLOAT16 and cache.max_bytes:
+    in_range = [False] * len(todo)
+    if wire_dtype == halves.FLOAT16:
         for k, i in enumerate(todo):
             value = rows.values[i]
             if value is not None and value.nbytes >= CACHE_FROM:
-                into[k] = cache.spare(names[k], wire_dtype, value)
-    args = (names, values, dtypes, wire_dtype, into)
+                if cache.max_bytes:
+                    into[k] = cache.spare(names[k], wire_dtype, value)
+                if bound is not None:
+                    in_range[k] = bound(names[k]) <= halves.FLOAT16_MAX
+    args = (names, values, dtypes, wire_dtype, into, in_range)
     try:
         if sum(v.nbytes for v in values if v is not None) <= NARROW_ON_LOOP:
             halves.narrow_rows(*args)

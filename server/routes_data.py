@@ -309,7 +309,7 @@ async def _narrowed(
     ``bad_tensor`` for a value beyond float16's range."""
     store = _store(request)
     rows = store.pull_rows(names, versions)
-    narrowed = await narrow_pull(rows, wire_dtype, request.app.state.narrowed)
+    narrowed = await narrow_pull(rows, wire_dtype, request.app.state.narrowed, store.bound)
     if narrowed:
         rows.whole = None
     gather = gathers(request.scope)

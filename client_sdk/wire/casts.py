@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["NUMKONG", "NUMPY", "backend", "to_float16", "to_float32"]
+__all__ = ["NUMKONG", "NUMPY", "backend", "to_float16", "to_float16_in_range", "to_float32"]
 
 logger = logging.getLogger("paramshard.wire")
 
@@ -64,8 +64,8 @@ _PROBES = np.array(
 
 _Narrow = Callable[[np.ndarray, np.ndarray], bool]
 _Widen = Callable[[np.ndarray, np.ndarray], None]
-#: (backend, narrow, widen), once :func:`_pick` ran.
-_chosen: tuple[str, _Narrow, _Widen] | None = None
+#: (backend, narrow, widen, narrow without looking for infinities), once :func:`_pick` ran.
+_chosen: tuple[str, _Narrow, _Widen, _Widen] | None = None
 #: Blocks whose narrowing the check asks whether they hold an infinity (NaN: not one).
 _INFINITIES = (
     [1.0, np.inf, np.nan, -2.0],
@@ -103,7 +103,7 @@ def _same_bits(got: np.ndarray, want: np.ndarray) -> bool:
     )
 
 
-def _numkong() -> tuple[_Narrow, _Widen] | str:
+def _numkong() -> tuple[_Narrow, _Widen, _Widen] | str:
     """NumKong's two casts, or why not (a sentence)."""
     try:
         import numkong
@@ -129,6 +129,12 @@ def _numkong() -> tuple[_Narrow, _Widen] | str:
         else:
             _numpy_cast(src, out)
 
+    def cast(src: np.ndarray, out: np.ndarray) -> None:
+        if src.dtype == _F4 and out.dtype == _F2:
+            astype(src, "float16", out=out)
+        else:
+            _numpy_cast(src, out)
+
     rng = np.random.default_rng(0)
     probes = np.concatenate([_PROBES, rng.standard_normal(4096, _F4) * 1000]).astype(_F4)
     halves = np.arange(1 << 16, dtype=np.uint16).view(_F2)
@@ -145,7 +151,7 @@ def _numkong() -> tuple[_Narrow, _Widen] | str:
         return "numkong's astype rounds differently from numpy on the check's values"
     if infinities != [any(abs(v) >= _F16_INF for v in x) for x in _INFINITIES]:
         return "numkong's minmax misses an infinity (or finds one) on the check's values"
-    return narrow, widen
+    return narrow, widen, cast
 
 
 def backend() -> str:
@@ -153,13 +159,13 @@ def backend() -> str:
     return (_chosen or _pick())[0]
 
 
-def _pick() -> tuple[str, _Narrow, _Widen]:
+def _pick() -> tuple[str, _Narrow, _Widen, _Widen]:
     global _chosen
     found = _numkong()
     if isinstance(found, str):
         if found != "not installed":
             logger.warning("float16 casts use numpy (slower): %s", found)
-        _chosen = (NUMPY, _numpy_narrow, _numpy_cast)
+        _chosen = (NUMPY, _numpy_narrow, _numpy_cast, _numpy_cast)
     else:
         _chosen = (NUMKONG, *found)
     return _chosen
@@ -171,6 +177,12 @@ def to_float16(src: np.ndarray, out: np.ndarray) -> bool:
     float16's range becomes one here: the caller looks, and refuses it
     (:func:`client_sdk.wire.halves.narrow`). Never ``False`` when ``out`` holds one."""
     return (_chosen or _pick())[1](src, out)
+
+
+def to_float16_in_range(src: np.ndarray, out: np.ndarray) -> None:
+    """:func:`to_float16` of ``src`` known to hold no magnitude beyond float16's largest
+    (65504): the cast alone, without looking for infinities in ``out`` afterwards."""
+    (_chosen or _pick())[3](src, out)
 
 
 def to_float32(src: np.ndarray, out: np.ndarray) -> None:

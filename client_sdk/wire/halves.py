@@ -35,6 +35,7 @@ from .tensors import parse_dtype
 __all__ = [
     "BFLOAT16",
     "FLOAT16",
+    "FLOAT16_MAX",
     "WIRE_DTYPES",
     "bfloat16",
     "check_wire_dtype",
@@ -47,6 +48,8 @@ __all__ = [
 
 FLOAT16 = "float16"
 BFLOAT16 = "bfloat16"
+#: float16's largest finite value: a float32 of at most this magnitude narrows to a finite one.
+FLOAT16_MAX = 65504.0
 #: The values a pull's ``wire_dtype`` (and ``PSClient(wire_dtype=...)``) may take.
 WIRE_DTYPES = (FLOAT16, BFLOAT16)
 #: Elements narrowed per cast: numpy casts small pieces much more slowly, so blocks are big;
@@ -96,19 +99,26 @@ def _dtype(wire_dtype: str) -> np.dtype:
 
 
 def narrow(
-    value: np.ndarray, wire_dtype: str, name: str = "tensor", out: np.ndarray | None = None
+    value: np.ndarray,
+    wire_dtype: str,
+    name: str = "tensor",
+    out: np.ndarray | None = None,
+    in_range: bool = False,
 ) -> tuple[np.ndarray, str]:
     """``value`` (float32) rounded to nearest in ``wire_dtype``, as it goes on the wire: a new
     array (or ``out``, C-contiguous, of ``value``'s shape and the wire dtype) and its type
     string (``"<f2"``; or ``"<bf2"`` for bfloat16, whose array then holds its bits as
     ``uint16``, the form a socket and a memoryview take). Refuses (:class:`WireError`
-    ``bad_tensor``) a finite entry beyond the dtype's range, which would become an infinity.
-    A big array is converted by several threads (:func:`_blocks`)."""
+    ``bad_tensor``) a finite entry beyond the dtype's range, which would become an infinity,
+    unless ``in_range`` says that ``value`` holds no magnitude beyond :data:`FLOAT16_MAX`
+    (a shard that knows a bound of its value: the cast is then not read again). A big array
+    is converted by several threads (:func:`_blocks`)."""
     dtype = _dtype(wire_dtype)
     if out is None or out.shape != value.shape or out.dtype != dtype or not out.flags.c_contiguous:
         out = np.empty(value.shape, dtype)
     src, dst = value.reshape(-1), out.reshape(-1)
-    check = dtype == _F2  # bfloat16 holds float32's range
+    half = dtype == _F2
+    check = half and not in_range  # bfloat16 holds float32's range
 
     def part(start: int, stop: int) -> None:
         for at in range(start, stop, _BLOCK):
@@ -117,11 +127,13 @@ def narrow(
             if check:  # an overflow becomes an infinity: found here, and refused
                 if casts.to_float16(block, narrowed):
                     _refuse_overflow(block, narrowed, name)
+            elif half:
+                casts.to_float16_in_range(block, narrowed)
             else:
                 np.copyto(narrowed, block, casting="unsafe")
 
     _blocks(src.size, part)
-    if check:
+    if half:
         return out, "<f2"
     return out.view(np.uint16), BFLOAT16_STR
 
@@ -228,14 +240,19 @@ def narrow_rows(
     dtypes: list[str | None],
     wire_dtype: str,
     into: list[np.ndarray | None] | None = None,
+    in_range: list[bool] | None = None,
 ) -> list[int]:
     """Narrow, in place in these parallel lists, every float32 value to ``wire_dtype`` as it
     goes on the wire (:func:`narrow`; its type string too), into the array ``into`` gives for
-    it where it gives one; return the indices of the rows narrowed."""
+    it where it gives one, without the range check where ``in_range`` says it holds no
+    magnitude beyond :data:`FLOAT16_MAX`; return the indices of the rows narrowed."""
     narrowed = []
     for i, value in enumerate(values):
         if value is not None and value.dtype == _F4:
             out = into[i] if into is not None else None
-            values[i], dtypes[i] = narrow(value, wire_dtype, f"variable {names[i]!r}", out)
+            fits = in_range[i] if in_range is not None else False
+            values[i], dtypes[i] = narrow(
+                value, wire_dtype, f"variable {names[i]!r}", out, in_range=fits
+            )
             narrowed.append(i)
     return narrowed

@@ -14,6 +14,7 @@ Thread-safety: none; call from one thread (the event loop's).
 from __future__ import annotations
 
 import asyncio
+import math
 import operator
 from collections.abc import Awaitable, Iterable, Mapping
 from typing import Any
@@ -105,6 +106,13 @@ class Reads(StoreState):
                 add_dtype(dtype)
                 add_shape(shape)
         return rows
+
+    def bound(self, name: str) -> float:
+        """At least the largest magnitude in ``name``'s current value, as the store keeps it
+        for its updates (:attr:`Variable.bound <server.store.variable.Variable.bound>`);
+        ``inf`` where it is not known (or there is no such variable)."""
+        var = self._vars.get(name)
+        return math.inf if var is None else var.bound
 
     async def wait(self, names: Iterable[str], timeout: float) -> dict[str, Any]:
         """Wait until every name exists or ``timeout`` seconds (at most 30) pass; the reply
