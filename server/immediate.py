@@ -8,8 +8,9 @@ functions are the answerers' verbs: :func:`pull_now` (``POST /v1/pull`` in the t
 :func:`group_push_now`. The protocol offers a request to its path's
 answerer when it is small (``Content-Length`` below
 :data:`~server.httptools_protocol.ANSWER_BELOW`) and came whole in one read, or, for
-``push_rows``, once its body is whole when it is below :data:`COLLECT_ROWS_BELOW` (a batch of
-a few thousand rows takes several reads; the protocol collects it); it is answered here only
+``push_rows`` and ``group_push``, once its body is whole when it is below
+:data:`COLLECT_ROWS_BELOW` / :data:`COLLECT_GROUP_BELOW` (a batch of a few thousand rows, or a
+step group's gradients, takes several reads; the protocol collects it); it is answered here only
 when all of these hold:
 
 * it passes the fleet check as the SDK sends it, and carries a token that may read (a pull) or
@@ -75,6 +76,11 @@ _MSGPACK_ONLY = {_MSGPACK: wire.MSGPACK}
 #: A push_rows body below this many bytes is answered here even when it comes over several
 #: reads (it is applied on the event loop either way): 1 MiB, about 3,900 rows of 64 float32.
 COLLECT_ROWS_BELOW = 1 << 20
+
+#: A group_push body below this many bytes is answered here even when it comes over several
+#: reads (below :data:`~server.store.apply.OFFLOAD_BYTES` it is applied on the event loop
+#: either way): 1 MiB, a step group of 256 float32 variables of 1,000 elements.
+COLLECT_GROUP_BELOW = 1 << 20
 
 #: ``now(target, headers, msg, body)``: a verb's reply to a request whose message is ``msg``
 #: (``body``: its framed body, which the message's tensors point into, or ``None`` for a msgpack
@@ -168,7 +174,7 @@ def group_push_now(
     worker_id, seq, group, grads, versions, finite, block = group_push_args(store, msg, body)
     if store.settling(grads):
         return None
-    result = store.push(worker_id, seq, grads, versions, finite=finite, block=block)
+    result = store.push(worker_id, seq, grads, versions, finite=finite, block=block, group=group)
     return group_push_reply(group, result)
 
 
@@ -241,7 +247,7 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
         ),
         b"/v1/group_pull": answerer("group_pull", group_pull_now, store, _MSGPACK_ONLY),
         b"/v1/group_push": answerer(
-            "group_push", group_push_now, store, {_FRAME: wire.FRAME}, WRITE
+            "group_push", group_push_now, store, {_FRAME: wire.FRAME}, WRITE, COLLECT_GROUP_BELOW
         ),
     }
 

@@ -28,7 +28,7 @@ from .errors import ShardError
 from .httptools_protocol import gathers
 from .routes_data import BODY_DOC, bad_field, message, name_list, reply, required, writer
 from .store import ParameterStore, finite_rows
-from .store.groups import Group
+from .store.groups import Group, GroupGrads, GroupVersions, RowsApplied
 
 __all__ = [
     "group_pull_reply",
@@ -86,7 +86,7 @@ async def group_pull(request: Request) -> Response:
 
 def group_push_args(
     store: ParameterStore, msg: Mapping[str, Any], body: wire.Buffer | None
-) -> tuple[str, int, Group, dict[str, np.ndarray], dict[str, int] | None, Any, Any]:
+) -> tuple[str, int, Group, GroupGrads, GroupVersions | None, Any, Any]:
     """A group push's ``(worker_id, seq, group, grads, versions, finite, block)``, checked
     (400 for a field, 422 for a gradient tensor that is not the group's dtype and size)."""
     worker_id, seq = writer(msg, "group_push", required=True)
@@ -121,7 +121,7 @@ def group_push_args(
             )
     flat = np.frombuffer(body, group.dtype, group.nbytes // group.dtype.itemsize, offset)
     grads, block = group.split(flat)
-    versions = None if held is None else dict(zip(group.names, held.tolist()))
+    versions = None if held is None else GroupVersions(group, held)
     finite = finite_rows(group.names, block) if block is not None else {}
     return worker_id, seq, group, grads, versions, finite, block
 
@@ -130,8 +130,11 @@ def group_push_reply(group: Group, result: Mapping[str, Mapping[str, Any]]) -> w
     """A group push's reply: every variable's new version, in order, how many were applied,
     and the entries of those that were not (a retry's ``duplicate``, a sync round's
     ``accepted``, a ``dropped`` one)."""
-    versions = [entry["version"] for entry in result.values()]
-    others = {name: entry for name, entry in result.items() if entry["status"] != "applied"}
+    if isinstance(result, RowsApplied):  # every one applied
+        versions, others = result.versions, {}
+    else:
+        versions = [entry["version"] for entry in result.values()]
+        others = {name: entry for name, entry in result.items() if entry["status"] != "applied"}
     msg: dict[str, Any] = {
         "group": group.id,
         "versions": versions,
@@ -150,5 +153,7 @@ async def group_push(request: Request) -> Response:
     msg, body = await message(request, scan=False, tensors=True)
     store = _store(request)
     worker_id, seq, group, grads, versions, finite, block = group_push_args(store, msg, body)
-    result = await store.push_async(worker_id, seq, grads, versions, finite=finite, block=block)
+    result = await store.push_async(
+        worker_id, seq, grads, versions, finite=finite, block=block, group=group
+    )
     return EncodedResponse(group_push_reply(group, result))

@@ -68,7 +68,7 @@ __all__ = ["DROPPED_KWARGS", "ENTRY_OVERHEAD", "TENSOR", "Entry", "ReplicationLo
 #: not a name's character), so an argument's own maps are never mistaken for one.
 TENSOR = "#nd"
 #: Keyword arguments of the store's writes that are hints a backup does without: never logged.
-DROPPED_KWARGS = frozenset({"block"})
+DROPPED_KWARGS = frozenset({"block", "group"})
 #: Bytes an entry is counted for beyond its arrays' (its fields, containers and names).
 ENTRY_OVERHEAD = 256
 

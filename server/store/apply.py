@@ -407,6 +407,9 @@ class OffLoop:
         #: How many variables a push is writing in place off the loop right now (see
         #: :meth:`readable`): 0 nearly always, so readers check one int.
         self.in_place = 0
+        #: How many variables a push is computing off the loop right now (their ``writing``
+        #: set): 0 nearly always, so a write or a check of many variables looks at one int.
+        self.writing = 0
 
     async def push(self, op: Push) -> None:
         """Check and apply a big push (past the dedup table; after :meth:`settled` for its
@@ -439,6 +442,7 @@ class OffLoop:
         ]
         loop = asyncio.get_running_loop()
         done = loop.create_future()
+        self.writing += len(variables)
         for var, computed in zip(variables, outputs):
             var.writing = done
             if computed is None:
@@ -448,6 +452,7 @@ class OffLoop:
             try:
                 await loop.run_in_executor(None, _compute_off_loop, plans, outputs)
             finally:
+                self.writing -= len(variables)
                 for var in variables:
                     var.writing = None
                     if var.in_place:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import secrets
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .state import StoreState
     from .variable import Variable
 
-__all__ = ["MAX_GROUPS", "Group", "Groups"]
+__all__ = ["MAX_GROUPS", "Group", "GroupGrads", "GroupVersions", "Groups", "RowsApplied"]
 
 #: Groups a shard keeps; registering one more lets the least recently used go (its client
 #: registers it again on its next use, as after a restart).
@@ -66,6 +66,7 @@ class Group:
         "sizes",
         "nbytes",
         "uniform",
+        "pushable",
         "checked_at",
     )
 
@@ -86,6 +87,9 @@ class Group:
         self.uniform: tuple[int, ...] | None = (
             first.shape if first.size and all(s == first.shape for s in self.shapes) else None
         )
+        #: Gradients may be pushed to it: its one dtype is a float one (the store's
+        #: :func:`~server.store.checks.check_dtypes_and_shapes`, once for the group).
+        self.pushable = self.dtype.kind == "f"
         #: The store's (deletions, restores) when the variables were last found current.
         self.checked_at = checked_at
 
@@ -121,18 +125,135 @@ class Group:
             return versions, values
         return versions, [a.reshape(-1).view(np.uint8).data for a in values]
 
-    def split(self, flat: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    def split(self, flat: np.ndarray) -> tuple[GroupGrads, np.ndarray | None]:
         """A flat gradient buffer (the group's dtype, :attr:`nbytes`) as name -> each
-        variable's gradient (views), and the rows as one block when the group is uniform."""
+        variable's gradient (views, made when asked), and the rows as one block when the
+        group is uniform."""
         if self.uniform is not None:
             block = flat.reshape(len(self.names), *self.uniform)
-            return dict(zip(self.names, block)), block
-        out = {}
+            return GroupGrads(self, block), block
+        return GroupGrads(self, flat), None
+
+    def cut(self, flat: np.ndarray) -> list[np.ndarray]:
+        """A flat buffer of the group's dtype and :attr:`nbytes` as each variable's part
+        (views, in order)."""
+        out = []
         at = 0
-        for name, shape, size in zip(self.names, self.shapes, self.sizes):
-            out[name] = flat[at : at + size].reshape(shape)
+        for shape, size in zip(self.shapes, self.sizes):
+            out.append(flat[at : at + size].reshape(shape))
             at += size
-        return out, None
+        return out
+
+
+class GroupGrads(Mapping[str, np.ndarray]):
+    """A group push's gradients as name -> gradient (a view of the request's body), made
+    without a step per variable: the store takes a current group's :meth:`rows` as they are
+    (:meth:`Writes.push <server.store.writes.Writes.push>`), while anything else (the journal,
+    a push whose group went stale meanwhile) reads it as a mapping."""
+
+    __slots__ = ("_group", "_data", "_rows", "_index")
+
+    def __init__(self, group: Group, data: np.ndarray) -> None:
+        self._group = group
+        #: The block of rows (a uniform group) or the flat buffer.
+        self._data = data
+        self._rows: list[np.ndarray] | None = None
+        self._index: dict[str, int] | None = None
+
+    def rows(self) -> list[np.ndarray]:
+        """The gradients in the group's order."""
+        if self._rows is None:
+            group = self._group
+            self._rows = list(self._data) if group.uniform is not None else group.cut(self._data)
+        return self._rows
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(self._group.names)}
+        return self.rows()[self._index[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._group.names)
+
+    def __len__(self) -> int:
+        return len(self._group.names)
+
+
+class GroupVersions(Mapping[str, int]):
+    """A group push's ``versions`` (each gradient's version, as the worker pulled it) as name
+    -> version over the int64 array the request carries, made without a step per variable;
+    :class:`RowsApplied` takes the array as it is."""
+
+    __slots__ = ("_group", "array", "_values", "_index")
+
+    def __init__(self, group: Group, array: np.ndarray) -> None:
+        self._group = group
+        #: The versions in the group's order (int64, one per variable).
+        self.array = array
+        self._values: list[int] | None = None
+        self._index: dict[str, int] | None = None
+
+    def __getitem__(self, name: str) -> int:
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(self._group.names)}
+            self._values = self.array.tolist()
+        return self._values[self._index[name]]  # type: ignore[index]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._group.names)
+
+    def __len__(self) -> int:
+        return len(self._group.names)
+
+
+class RowsApplied(Mapping[str, dict[str, Any]]):
+    """A step group's push applied whole (:meth:`Writes.push
+    <server.store.writes.Writes.push>` with its group): name -> ``{"status": "applied",
+    "version", "staleness"}`` as any push answers, each entry made only when asked;
+    :attr:`versions` holds the new versions in the group's order."""
+
+    __slots__ = ("_variables", "versions", "_held", "_index")
+
+    def __init__(
+        self, variables: list[Variable], versions: list[int], held: Mapping[str, int] | None
+    ) -> None:
+        self._variables = variables
+        self.versions = versions
+        self._held = held
+        self._index: dict[str, int] | None = None
+
+    def worst(self) -> int | None:
+        """The largest staleness (the version a gradient was applied to less the one it was
+        computed on), or None if the push said no version."""
+        held = self._held
+        if not held:
+            return None
+        if isinstance(held, GroupVersions) and len(held.array) == len(self.versions):
+            return int((np.array(self.versions, np.int64) - held.array).max()) - 1
+        names = [var.name for var in self._variables]
+        if len(held) != len(names):
+            seen = [(i, held[n]) for i, n in enumerate(names) if n in held]
+            if not seen:
+                return None
+            return max(self.versions[i] - 1 - v for i, v in seen)
+        before = np.array(self.versions, np.int64)
+        before -= np.fromiter(map(held.__getitem__, names), np.int64, len(names))
+        return int(before.max()) - 1
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        if self._index is None:
+            self._index = {var.name: i for i, var in enumerate(self._variables)}
+        i = self._index[name]
+        version = self.versions[i]
+        seen = self._held.get(name) if self._held else None
+        staleness = None if seen is None else version - 1 - seen
+        return {"status": "applied", "version": version, "staleness": staleness}
+
+    def __iter__(self) -> Iterator[str]:
+        return (var.name for var in self._variables)
+
+    def __len__(self) -> int:
+        return len(self._variables)
 
 
 class Groups:

@@ -81,6 +81,7 @@ __all__ = [
     "increment_delta",
     "init",
     "push",
+    "push_fitted",
 ]
 
 DEFAULT_OPTIMIZER: Optimizer = SGD(lr=0.01)
@@ -260,10 +261,15 @@ class Push:
     finite: Mapping[str, float]
     block: np.ndarray | None
     squares: list[float]
+    #: Every gradient has its variable's float dtype and shape by construction (a step
+    #: group's, :func:`push_fitted`): neither checked nor cast again.
+    fitted: bool = False
 
     @property
     def nbytes(self) -> int:
         """The gradients' bytes, as received."""
+        if self.block is not None and len(self.block) == len(self.grads):  # them as one array
+            return self.block.nbytes
         return sum(g.nbytes for g in self.grads)
 
 
@@ -283,12 +289,33 @@ def push(
     return Push(worker_id, seq, variables, todo, versions, finite, block, [])
 
 
+def push_fitted(
+    variables: list[Variable],
+    worker_id: str,
+    seq: int,
+    rows: list[np.ndarray],
+    versions: Mapping[str, int] | None,
+    finite: Mapping[str, float],
+    block: np.ndarray | None,
+) -> Push:
+    """A push of ``rows`` (in the order of ``variables``) whose dtypes and shapes fit by
+    construction: a step group's gradients, views of one flat buffer of the group's dtype cut
+    to its variables' shapes, the group's variables all of that float dtype (its
+    ``pushable``), checked once when the group was made. So no gradient is looked at one by
+    one here, and :func:`check_values` reads only those not in ``finite``."""
+    return Push(worker_id, seq, variables, rows, versions, finite, block, [], True)
+
+
 def check_values(op: Push) -> None:
     """Check a push's gradients as they are applied (cast to the variable's dtype, finite;
     422 otherwise), on this thread: ``op.grads`` becomes them and ``op.squares`` at least
     their sums of squares. The ones in ``op.finite`` that need no cast are not read again."""
     finite = op.finite
     squares = op.squares
+    if op.fitted and len(finite) == len(op.grads):
+        # Each gradient has its variable's dtype (no cast) and was found finite on arrival.
+        squares.extend(map(finite.__getitem__, [var.name for var in op.variables]))
+        return
     with np.errstate(all="ignore"):  # once per push, not per variable (it is not free)
         op.grads = [
             grad_to_apply(var, grad, finite.get(var.name), squares)

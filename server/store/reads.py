@@ -180,6 +180,8 @@ class Reads(StoreState):
     def settling(self, names: Iterable[str]) -> bool:
         """Whether :meth:`settled` would wait for ``names`` now: a push computing off the loop
         writes one of them."""
+        if not self._off_loop.writing:
+            return False
         known = self._vars
         return any(
             v.writing is not None

@@ -32,6 +32,7 @@ from client_sdk.modes import ASYNC
 from ..errors import ShardError
 from . import apply, layouts, modes, operations, optimizer_change
 from .dedup import MAX_RESULTS
+from .groups import Group, GroupGrads, RowsApplied
 from .journal import journaled
 from .rounds import RoundStats
 from .staleness import Window
@@ -111,6 +112,7 @@ class Writes(StoreState):
         *,
         finite: Mapping[str, float] = _NONE,
         block: np.ndarray | None = None,
+        group: Group | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Apply one gradient per variable with the variable's optimizer, on this thread, once
         per ``(worker_id, seq)``: a seq already applied is answered ``"duplicate"``.
@@ -121,13 +123,47 @@ class Writes(StoreState):
         squares; they are not checked again unless they are cast. An update whose result would
         not be finite (an overflow) is refused whole, 422, and changes nothing. ``block``: the
         gradients, when they are the rows of one array in the order of ``grads`` (a table's,
-        ``wire.table_rows(..., with_block=True)``). The event loop calls :meth:`push_async`
-        instead.
+        ``wire.table_rows(..., with_block=True)``). ``group``: the step group whose gradients
+        these are (``grads`` its :class:`~server.store.groups.GroupGrads`), a hint the journal
+        leaves out: while the group is current its variables and their fit were checked when it
+        was made, so they are not looked up nor checked one by one again. The event loop calls
+        :meth:`push_async` instead.
         """
-        variables = self._checked(grads)
-        apply.not_being_written(variables)
-        op = operations.push(variables, worker_id, seq, grads, versions, finite, block)
+        variables = self._fitted(group) or self._checked(grads)
+        if self._off_loop.writing:
+            apply.not_being_written(variables)
+        op = self._build_push(variables, worker_id, seq, grads, versions, finite, block, group)
         return self._push_now(op, bool(self._moded) and modes.check_request(op))
+
+    def _fitted(self, group: Group | None) -> list[Variable] | None:
+        """``group``'s variables if it is current and pushable (every name holds the variable
+        it held when the group was made, all of one float dtype), else None."""
+        if (
+            group is None
+            or not group.pushable
+            or group.gone is not None
+            or group.checked_at != (self._deletions, self.restores)
+        ):
+            return None
+        return group.variables
+
+    def _build_push(
+        self,
+        variables: list[Variable],
+        worker_id: str,
+        seq: int,
+        grads: Mapping[str, np.ndarray],
+        versions: Mapping[str, int] | None,
+        finite: Mapping[str, float],
+        block: np.ndarray | None,
+        group: Group | None,
+    ) -> operations.Push:
+        """The push's operation: a current group's rows as they are (:func:`operations.push_fitted
+        <server.store.operations.push_fitted>`), else each gradient looked up and checked."""
+        if isinstance(grads, GroupGrads) and variables is self._fitted(group):
+            rows = grads.rows()
+            return operations.push_fitted(variables, worker_id, seq, rows, versions, finite, block)
+        return operations.push(variables, worker_id, seq, grads, versions, finite, block)
 
     def _push_now(self, op: operations.Push, moded: bool = False) -> dict[str, dict[str, Any]]:
         """:meth:`push` of a push built already, all of it on this thread; ``moded``: it names
@@ -160,6 +196,7 @@ class Writes(StoreState):
         *,
         finite: Mapping[str, float] = _NONE,
         block: np.ndarray | None = None,
+        group: Group | None = None,
     ) -> dict[str, dict[str, Any]]:
         """:meth:`push` for the event loop, with big updates computed off it.
 
@@ -172,14 +209,14 @@ class Writes(StoreState):
         once every variable of the push is done: a pull sees the value before the push or
         after it, never a torn one.
         """
-        variables = self._checked(grads)
+        variables = self._fitted(group) or self._checked(grads)
         while True:
             deletions = self._deletions
             await self._off_loop.settled(variables)
             if self._deletions == deletions:
                 break
             variables = self._checked(grads)  # a delete ran meanwhile: 404 if it was one of ours
-        op = operations.push(variables, worker_id, seq, grads, versions, finite, block)
+        op = self._build_push(variables, worker_id, seq, grads, versions, finite, block, group)
         moded = bool(self._moded) and modes.check_request(op)
         if moded or op.nbytes < apply.OFFLOAD_BYTES:  # a moded push: on the loop, whole
             return self._push_now(op, moded)
@@ -278,6 +315,8 @@ class Writes(StoreState):
         """The bookkeeping of a push whose new values are in place: each version, update count
         and optimizer step count up by one, one clock reading for all, the seq recorded; the
         push's result."""
+        if op.fitted:
+            return self._rows_applied(op)
         variables, worker_id = op.variables, op.worker_id
         held = op.versions or {}
         now = time.time()
@@ -307,6 +346,29 @@ class Writes(StoreState):
         if self.waiters.waiting:
             self.waiters.wake([var.name for var in variables])
         return out
+
+    def _rows_applied(self, op: operations.Push) -> RowsApplied:
+        """:meth:`_applied` for a step group's push (``op.fitted``): the same bookkeeping,
+        with no object made per variable (the result is a :class:`RowsApplied`) and the
+        push's largest staleness taken over the versions as one array."""
+        variables, worker_id = op.variables, op.worker_id
+        now = time.time()
+        for var in variables:
+            var.version += 1
+            var.updates += 1
+            var.steps += 1
+            var.last_update = now
+            var.last_writer = worker_id
+        count = len(variables)
+        versions = [var.version for var in variables]
+        result = RowsApplied(variables, versions, op.versions)
+        self._state_version += count
+        self.mutations += count
+        self.dedup.record(worker_id, op.seq)
+        self.dedup.gradients(worker_id, count, 0, 0, 0, result.worst())
+        if self.waiters.waiting:
+            self.waiters.wake([var.name for var in variables])
+        return result
 
     def _moded_applied(self, moded: modes.ModedPush) -> dict[str, dict[str, Any]]:
         """The bookkeeping of a push to sync or bounded variables once written: the versions

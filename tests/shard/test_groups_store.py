@@ -1,5 +1,6 @@
 """The store's step groups (server/store/groups.py) without HTTP: what a delete does to the
-groups holding a deleted variable. The groups over HTTP and the SDK: tests/e2e/test_groups.py."""
+groups holding a deleted variable; a group push taken whole equals a push by name. The groups
+over HTTP and the SDK: tests/e2e/test_groups.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 
 from server.errors import ShardError
-from server.store import ParameterStore
+from server.store import ParameterStore, finite_rows
+from server.store.groups import GroupVersions, RowsApplied
 
 
 def test_a_delete_makes_the_groups_holding_the_variable_let_go_of_it():
@@ -26,3 +28,55 @@ def test_a_delete_makes_the_groups_holding_the_variable_let_go_of_it():
         store.groups.get(store, kept.id)
     assert refused.value.code == "group_stale"
     assert store.groups.get(store, other.id) is other
+
+
+def _group_push(store, group, seq, flat, held=None, hinted=True):
+    """A group push as the shard's routes make it (server/routes_groups.py), with the group
+    as the store's hint or without it (each gradient looked up and checked)."""
+    grads, block = group.split(flat)
+    versions = None if held is None else GroupVersions(group, np.array(held, np.int64))
+    finite = finite_rows(group.names, block) if block is not None else {}
+    return store.push(
+        "w", seq, grads, versions, finite=finite, block=block, group=group if hinted else None
+    )
+
+
+@pytest.mark.parametrize("shapes", [[(3,)] * 4, [(3,), (2, 2), (1,), (5,)]], ids=["rows", "mixed"])
+def test_a_group_push_with_its_group_does_what_a_push_by_name_does(shapes):
+    """The store takes a current group's gradients without looking at them one by one: its
+    answer, the versions, values and the workers' staleness figures equal those of the same
+    pushes made by name on a twin store (a refusal included: an integer group gets 422)."""
+    names = [f"v{i}" for i in range(len(shapes))]
+    stores, groups = [], []
+    for _ in range(2):
+        store = ParameterStore(0, 1)
+        store.init(
+            {
+                n: (np.arange(np.prod(s), dtype=np.float32).reshape(s), None)
+                for n, s in zip(names, shapes)
+            }
+        )
+        store.init({"i": (np.zeros(2, np.int32), None), "j": (np.zeros(2, np.int32), None)})
+        stores.append(store)
+        groups.append(store.groups.register(store, names, 16, 1 << 20))
+    size = sum(int(np.prod(s)) for s in shapes)
+    answers = []
+    for (store, group), hinted in zip(zip(stores, groups), (True, False)):
+        got = []
+        for seq, held in enumerate([None, [0] * len(names), [0, 1, 0, 2][: len(names)]], 1):
+            flat = np.full(size, 0.5 * seq, np.float32)
+            result = _group_push(store, group, seq, flat, held, hinted)
+            assert isinstance(result, RowsApplied) is hinted  # the group's way was taken
+            got.append({name: dict(entry) for name, entry in result.items()})
+        got.append(_group_push(store, group, 2, np.ones(size, np.float32), None, hinted))
+        ints = store.groups.register(store, ["i", "j"], 16, 1 << 20)
+        with pytest.raises(ShardError) as refused:
+            _group_push(store, ints, 9, np.ones(4, np.int32), None, hinted)
+        got.append(refused.value.code)
+        got.append({n: (v.version, v.value.tolist()) for n, v in store._vars.items()})
+        totals = store.dedup.totals
+        got.append((totals.pushes, totals.staleness, totals.staleness_sum, totals.gradients))
+        answers.append(got)
+    assert answers[0] == answers[1]
+    assert answers[0][2]["v0"]["staleness"] == 2 and answers[0][3]["v0"]["status"] == "duplicate"
+    assert answers[0][4] == "bad_tensor"
