@@ -285,7 +285,8 @@ def test_a_pull_of_a_variable_being_written_in_place_goes_to_the_app():
             store = app.state.store
             var = store._vars["b"]
             var.in_place, var.writing = True, asyncio.get_running_loop().create_future()
-            store._off_loop.in_place += 1
+            store._off_loop.in_place += 1  # as OffLoop.push marks a variable it writes
+            store._off_loop.writing += 1
             assert not store.settled_now(["a", "b"]) and store.settled_now(["a", "c", 3])
             conn = Connection(immediate)
             pending = asyncio.ensure_future(conn.send(request()))
@@ -295,6 +296,7 @@ def test_a_pull_of_a_variable_being_written_in_place_goes_to_the_app():
             var.writing.set_result(None)
             var.writing, var.in_place = None, False
             store._off_loop.in_place -= 1
+            store._off_loop.writing -= 1
             _table(await pending)
 
     asyncio.run(run())
@@ -578,6 +580,7 @@ def test_a_push_to_a_name_written_off_the_loop_goes_to_the_app():
         async with shard() as (app, immediate, _usual):
             var = app.state.store._vars["a"]
             var.writing = asyncio.get_running_loop().create_future()
+            app.state.store._off_loop.writing += 1  # as OffLoop.push marks a variable it writes
             conn = Connection(immediate)
             pending = asyncio.ensure_future(
                 conn.send(_push({"worker_id": "w", "seq": 1}, "table", {"a": A3}))
@@ -587,6 +590,7 @@ def test_a_push_to_a_name_written_off_the_loop_goes_to_the_app():
             assert not pending.done() and immediate.calls == 1  # the app waits for the writer
             var.writing.set_result(None)
             var.writing = None
+            app.state.store._off_loop.writing -= 1
             assert (await pending).startswith(b"HTTP/1.1 200 ")
 
     asyncio.run(run())

@@ -1,8 +1,8 @@
-"""push_rows bodies that come over several reads, collected by the shard's HTTP protocol and
-answered there (server.httptools_protocol, COLLECT_BELOW_ATTR; server.immediate,
-COLLECT_ROWS_BELOW): the app's bytes, without reaching the app; past the bound, or for a verb
-that does not collect, the app answers; a shutdown meanwhile lets the request finish, a
-client that leaves meanwhile changes nothing.
+"""push_rows and group_push bodies that come over several reads, collected by the shard's
+HTTP protocol and answered there (server.httptools_protocol, COLLECT_BELOW_ATTR;
+server.immediate, COLLECT_ROWS_BELOW, COLLECT_GROUP_BELOW): the app's bytes, without reaching
+the app; past the bound, or for a verb that does not collect, the app answers; a shutdown
+meanwhile lets the request finish, a client that leaves meanwhile changes nothing.
 
 The shard's real app runs in this process (tests/shard/test_immediate.py's ``shard`` and
 ``Connection``), each request fed to the protocol in pieces as a socket would deliver them.
@@ -14,8 +14,9 @@ import asyncio
 
 import numpy as np
 
+from client_sdk.wire import groups as group_wire
 from server.httptools_protocol import ANSWER_BELOW, COLLECT_BELOW_ATTR, IMMEDIATE
-from server.immediate import COLLECT_ROWS_BELOW
+from server.immediate import COLLECT_GROUP_BELOW, COLLECT_ROWS_BELOW
 from tests.shard.test_immediate import Connection, _push_rows, request, shard
 
 #: Distinct ids of table t (dim 4) whose push_rows body is above ANSWER_BELOW.
@@ -51,6 +52,43 @@ def test_a_push_rows_over_several_reads_is_answered_at_once_with_the_apps_bytes(
             for app in (one, other):
                 table = app.state.tables.get("t")
                 assert table.version == 3 and len(table) == 2 + len(IDS)
+
+    asyncio.run(run())
+
+
+def test_a_group_push_over_several_reads_is_answered_at_once_with_the_apps_bytes():
+    """A step group's push (64 x 1,000 float32: above ANSWER_BELOW) is collected and applied
+    in the protocol, as the app would answer it (server.immediate, COLLECT_GROUP_BELOW)."""
+    names = [f"g{i}" for i in range(64)]
+
+    def group_push(gid: str, seq: int) -> bytes:
+        grads = np.full(64 * 1000, seq, np.float32).data.cast("B")
+        enc = group_wire.encode(
+            {"group": gid, "worker_id": "w", "seq": seq}, None, "grads", "<f4", [grads], len(grads)
+        )
+        data = request(path="/v1/group_push", body=enc.join(), ctype=enc.content_type)
+        assert ANSWER_BELOW < len(data) < COLLECT_GROUP_BELOW
+        return data
+
+    async def run() -> None:
+        async with shard() as (one, immediate, _), shard() as (other, _, usual):
+            ids = []
+            for app in (one, other):
+                store = app.state.store
+                store.init({n: (np.zeros(1000, np.float32), None) for n in names})
+                ids.append(store.groups.register(store, names, 64, 1 << 20).id)
+            incarnations = (one.state.incarnation.encode(), other.state.incarnation.encode())
+            for seq in (1, 2, 2):  # the last a retry: "duplicate"
+                mine = await _in_pieces(Connection(immediate), group_push(ids[0], seq))
+                theirs = await _in_pieces(Connection(usual), group_push(ids[1], seq))
+                assert mine.startswith(b"HTTP/1.1 200 ")
+                mine = mine.replace(incarnations[0], b"").replace(ids[0].encode(), b"")
+                theirs = theirs.replace(incarnations[1], b"").replace(ids[1].encode(), b"")
+                assert mine == theirs
+            assert immediate.calls == 0 and usual.calls == 3
+            for app in (one, other):
+                got = app.state.store.pull(names[-1:])[names[-1]]
+                assert got["version"] == 2 and np.isclose(got["value"][0], -0.03)  # SGD, lr 0.01
 
     asyncio.run(run())
 
