@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["CpuMeter", "MachineMeter", "cpu_seconds", "machine_busy_seconds"]
+__all__ = ["CpuMeter", "MachineMeter", "cpu_seconds", "cpu_split", "machine_busy_seconds"]
 
 _TICK = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
@@ -21,6 +21,13 @@ _TICK = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds used so far by process ``pid`` (all its threads), or ``None``
     if it cannot be read (no /proc, or the process is gone)."""
+    split = cpu_split(pid)
+    return None if split is None else split[0] + split[1]
+
+
+def cpu_split(pid: int) -> tuple[float, float] | None:
+    """User and system CPU seconds used so far by process ``pid`` (all its threads), or
+    ``None`` if they cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -29,7 +36,7 @@ def cpu_seconds(pid: int) -> float | None:
     # The name (field 2) is in parentheses and may hold spaces: split after its last ")".
     fields = stat.rsplit(b")", 1)[1].split()
     utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of the whole line
-    return (utime + stime) * _TICK
+    return utime * _TICK, stime * _TICK
 
 
 def machine_busy_seconds() -> float | None:

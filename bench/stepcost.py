@@ -14,17 +14,29 @@ one pull). It starts one shard and the raw-socket server and times, per pull of
   given (no I/O: what the shard costs per pull beyond the socket);
 * the same two for the variables as a step group (``ps.group(names)``, ``g.pull()``), and the
   shard's part of the group's push (``g.push(flat)``, applied with ``Add``);
-* the raw socket moving the same bytes.
+* the raw socket moving the same bytes, and 8 bytes (its floor: a round trip of two
+  wake-ups and four system calls);
+* then, live, per group pull, group push (the gradient buffer ``g.grads``, versions sent),
+  raw pull and raw push of the same bytes, where the wall time goes: the calling process's
+  CPU in user space (its Python) and in the kernel (system calls, the copies out of and into
+  the socket), the server's the same way (``/proc/<pid>/stat``, over all repetitions: a tick
+  is 10 ms, all threads), and the rest, when
+  neither ran: waking the other side (on this VM an idle vCPU halts without polling, so each
+  wake-up pays a halt exit and an interrupt), and, on a loaded machine, waiting for a core.
+  Two processes taking turns, so wall = client + server + rest (the rest may be negative when
+  they overlap: the client reads the first bytes while the server still writes).
 
 What the first line has beyond the two no-I/O lines is the kernel (the copies, waking the
-other side) and each process running with caches the other one and the copies just used.
-Blocking; about half a minute at the defaults.
+other side) and each process running with caches the other one and the copies just used;
+the live split says how much of each.
+Blocking; about a minute at the defaults.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from . import processes
+from .cpu import cpu_split
 from .rawsock import RawClient
 
 __all__ = ["NullTransport", "main", "run"]
@@ -188,6 +201,22 @@ def _shard_in_process(
         protocol._vectored = vectored
 
 
+def _live_split(fn: Callable[[], object], reps: int, server_pid: int) -> list[float]:
+    """Microseconds per call of ``fn`` over ``reps`` calls in a row: wall, this process's
+    user and system CPU, the server's user and system CPU, and the rest (wall less those)."""
+    fn()
+    me = os.getpid()
+    before = [*(cpu_split(me) or (0.0, 0.0)), *(cpu_split(server_pid) or (0.0, 0.0))]
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    wall = time.perf_counter() - t0
+    after = [*(cpu_split(me) or (0.0, 0.0)), *(cpu_split(server_pid) or (0.0, 0.0))]
+    used = [b - a for a, b in zip(before, after)]
+    per = 1e6 / reps
+    return [wall * per, *(u * per for u in used), (wall - sum(used)) * per]
+
+
 def run(count: int, size: int, reps: int, out: Callable[[str], None] = print) -> dict[str, float]:
     """The figures, in microseconds per pull, keyed as printed."""
     from client_sdk import PSClient
@@ -287,6 +316,21 @@ def run(count: int, size: int, reps: int, out: Callable[[str], None] = print) ->
                 f"raw socket: {nbytes / 1e3:,.0f} KB pulled",
                 _median_us(lambda: sock.pull(nbytes), reps),
             )
+            add("raw socket: 8 bytes pulled", _median_us(lambda: sock.pull(8), reps))
+            live = (
+                ("group pull", group.pull, fleet.pids[0]),
+                ("group push", lambda: group.push(), fleet.pids[0]),
+                ("raw pull", lambda: sock.pull(nbytes), raw.pid),
+                ("raw push", lambda: sock.push(flat), raw.pid),
+            )
+            for what, fn, pid in live:
+                wall, c_user, c_sys, s_user, s_sys, rest = _live_split(fn, reps, pid)
+                add(f"{what}, live: wall per call (mean of {reps} in a row)", wall)
+                add(f"  {what}: the caller's CPU in user space (Python)", c_user)
+                add(f"  {what}: the caller's CPU in the kernel (system calls, copies)", c_sys)
+                add(f"  {what}: the server's CPU in user space", s_user)
+                add(f"  {what}: the server's CPU in the kernel", s_sys)
+                add(f"  {what}: neither running (wake-ups, waiting for a core)", rest)
     return figures
 
 

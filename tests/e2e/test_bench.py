@@ -526,8 +526,10 @@ def test_the_step_cost_diagnostic_runs():
 
     lines: list[str] = []
     figures = stepcost.run(3, 10, 5, out=lines.append)
-    assert len(figures) == len(lines) == 9
-    assert all(us > 0 for us in figures.values())
+    assert len(figures) == len(lines) == 34
+    # the live split's CPU figures may be 0 over a few calls (a tick is 10 ms), the rest < 0
+    assert all(us > 0 for k, us in figures.items() if ": " not in k)
+    assert sum("live: wall" in k for k in figures) == 4
     assert any("the shard's protocol and app" in line for line in lines)
 
 
