@@ -12,6 +12,7 @@ shard's HTTP protocol, which answers a small group pull or push itself when it c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -122,8 +123,20 @@ def group_push_args(
     flat = np.frombuffer(body, group.dtype, group.nbytes // group.dtype.itemsize, offset)
     grads, block = group.split(flat)
     versions = None if held is None else GroupVersions(group, held)
-    finite = finite_rows(group.names, block) if block is not None else {}
-    return worker_id, seq, group, grads, versions, finite, block
+    return worker_id, seq, group, grads, versions, _finite(group, flat, block), block
+
+
+def _finite(group: Group, flat: np.ndarray, block: np.ndarray | None) -> dict[str, float]:
+    """The gradients found finite, each with at least its sum of squares (the store's
+    ``finite``): all of them at once when the sum of squares of the whole flat buffer is
+    finite (one reduction, whatever the shapes), else row by row for a uniform group
+    (:func:`~server.store.finite_rows`), else none (the store checks each)."""
+    if flat.dtype.kind == "f" and flat.dtype.itemsize >= 4 and flat.size:  # f2: the store
+        with np.errstate(all="ignore"):
+            total = float(np.dot(flat, flat))
+        if math.isfinite(total):
+            return dict.fromkeys(group.names, total)
+    return finite_rows(group.names, block) if block is not None else {}
 
 
 def group_push_reply(group: Group, result: Mapping[str, Mapping[str, Any]]) -> wire.Encoded:
