@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import math
 from typing import Any, Literal
 
@@ -38,6 +39,7 @@ MAX_JSON_VALUES = 65_536
 _BLOCK = 1 << 20
 
 router = APIRouter(tags=["inspection (JSON)"])
+logger = logging.getLogger("paramshard.server")
 
 
 def _store(request: Request) -> ParameterStore:
@@ -80,58 +82,115 @@ def value_stats(value: np.ndarray) -> dict[str, float | None]:
     }
 
 
-@router.get("/v1/cluster")
-async def cluster(request: Request) -> dict[str, Any]:
-    """This shard's place in the fleet, its incarnation and what it holds."""
+@router.get("/v1/cluster", response_model=None)
+async def cluster(request: Request) -> Response:
+    """This shard's place in the fleet, its incarnation and what it holds.
+
+    Workers check their shard list against it and find a group's primary through it, so it
+    answers whatever state the shard is in: the fleet fields come from the configuration,
+    and each part read from the shard's state (:data:`_CLUSTER_PARTS`) that raises (a bug) is
+    logged with its traceback and shown in ``errors`` instead (``{part: message}``), never as
+    a 500."""
     state = request.app.state
-    store = _store(request)
-    leadership = getattr(state, "leadership", None)
-    return {
-        "shard_index": state.config.shard_index,
-        "num_shards": state.config.num_shards,
+    config = state.config
+    body: dict[str, Any] = {
+        "shard_index": config.shard_index,
+        "num_shards": config.num_shards,
         "incarnation": state.incarnation,
         "protocol_version": wire.PROTOCOL_VERSION,
-        "features": [
-            wire.FEATURE_TABLES,
-            wire.FEATURE_PACKED,
-            wire.FEATURE_COUNTER_KIND,
-            wire.FEATURE_POLL,
-            wire.FEATURE_SET_OPTIMIZER,
-            wire.FEATURE_DELETE,
-            wire.FEATURE_EMBEDDING_TABLES,
-            wire.FEATURE_WIRE_DTYPE,
-            wire.FEATURE_ROWS_WIRE_DTYPE,
-            wire.FEATURE_GROUPS,
-        ],
+        "features": list(_FEATURES),
         "version": __version__,
         "started_at": state.started_at,
+        "max_table_ids": config.max_table_ids,
+        "max_table_rows": config.max_table_rows,
+        "max_request_bytes": config.max_request_bytes,
+        "max_request_names": config.max_request_names,
+        "partition_bytes": config.partition_bytes,
+        "data_dir": config.data_dir is not None,  # where it is: the shard's log only
+    }
+    errors: dict[str, str] = {}
+    for part, read in _CLUSTER_PARTS:
+        try:
+            body.update(read(state))
+        except Exception as exc:
+            logger.exception("GET /v1/cluster: its part %r failed (a bug)", part)
+            errors[part] = f"{type(exc).__name__}: {exc}"[:300]
+    if errors:
+        body["errors"] = errors
+    return Response(json.dumps(body, default=_plain), media_type=wire.JSON)
+
+
+_FEATURES = (
+    wire.FEATURE_TABLES,
+    wire.FEATURE_PACKED,
+    wire.FEATURE_COUNTER_KIND,
+    wire.FEATURE_POLL,
+    wire.FEATURE_SET_OPTIMIZER,
+    wire.FEATURE_DELETE,
+    wire.FEATURE_EMBEDDING_TABLES,
+    wire.FEATURE_WIRE_DTYPE,
+    wire.FEATURE_ROWS_WIRE_DTYPE,
+    wire.FEATURE_GROUPS,
+)
+
+
+def _plain(obj: Any) -> Any:
+    """A value of ``/v1/cluster`` that is not JSON by itself (a numpy scalar): as JSON."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return str(obj)
+
+
+def _held(state: Any) -> dict[str, Any]:
+    store = state.store
+    return {
         "variables": len(store),
         "bytes": store.nbytes,
         "tables": len(state.tables),
         "table_bytes": sum(t.nbytes for t in state.tables.tables.values()),
-        "max_table_ids": state.config.max_table_ids,
-        "max_table_rows": state.config.max_table_rows,
-        "max_request_bytes": state.config.max_request_bytes,
-        "max_request_names": state.config.max_request_names,
-        "partition_bytes": state.config.partition_bytes,
         "partitioned": len(store.layouts),
         "state_version": store.state_version,
         "polls_waiting": store.waiters.polls,
-        "data_dir": state.config.data_dir is not None,  # where it is: the shard's log only
-        "restored": state.durability.restored,
-        "last_snapshot": state.durability.last,
-        "cannot_persist": state.durability.cannot_persist,
-        "admission": state.gate.stats(),
-        "auth": {"mode": state.auth.mode, "refused": dict(state.auth.refused)},
-        # Since the start, for rates (``paramshard status``): pushes applied, pulls answered 200.
+        # Since the start, for rates (``paramshard status``): pushes applied, pulls answered
+        # 200.
         "pushes_applied": store.dedup.totals.pushes,
         "pulls_answered": state.traffic.statuses("pull").get(200, 0),
+    }
+
+
+def _durability(state: Any) -> dict[str, Any]:
+    durability = state.durability
+    return {
+        "restored": durability.restored,
+        "last_snapshot": durability.last,
+        "cannot_persist": durability.cannot_persist,
+    }
+
+
+def _admission(state: Any) -> dict[str, Any]:
+    return {
+        "admission": state.gate.stats(),
+        "auth": {"mode": state.auth.mode, "refused": dict(state.auth.refused)},
         "half_cache": state.narrowed.stats(),
-        "replication": (
-            state.role.view.to_json() if state.replication is None else state.replication.stats()
-        ),
+    }
+
+
+def _replication(state: Any) -> dict[str, Any]:
+    replication = state.replication
+    leadership = getattr(state, "leadership", None)  # set once the lifespan started it
+    return {
+        "replication": (state.role.view.to_json() if replication is None else replication.stats()),
         "leadership": leadership.status() if leadership is not None else None,
     }
+
+
+#: The parts of ``/v1/cluster`` read from the shard's state, each on its own (:func:`cluster`).
+_CLUSTER_PARTS = (
+    ("held", _held),
+    ("durability", _durability),
+    ("admission", _admission),
+    ("replication", _replication),
+)
 
 
 @router.get("/v1/workers")
