@@ -153,8 +153,9 @@ class Leadership:
         self.position = position
         self.caught_up = caught_up
         self.restored = restored
-        #: Told of each backup that answered :meth:`_confirm`'s survey holding another
-        #: (epoch, lsn) than this primary: the forwarder feeds it if it restarted meanwhile.
+        #: Told of each backup that answered :meth:`_confirm`'s survey as a process the in-sync
+        #: set does not name, holding another (epoch, lsn) than this primary: it restarted,
+        #: and the forwarder feeds it if its link waits for a write meanwhile.
         self.behind: Callable[[str, tuple[int, int]], None] = lambda url, position: None
         #: When (monotonic) the in-sync set was last written again as it was (:meth:`_confirm`).
         self._confirmed = 0.0
@@ -525,13 +526,18 @@ class Leadership:
         mine = self.position()
         backups = self.role.in_sync
         reached = await self._survey(list(backups))
+        found, _ = await self.etcd.get(self.in_sync_key)
+        doc = _json(found)
+        named = doc.get("processes") if doc else None
+        confirmed = named if isinstance(named, dict) else {}
         for url, peer in reached.items():
-            if peer.position != mine:  # its link may count it as holding what it lost
+            # A process the set does not name that lags: it restarted since it was confirmed
+            # (one confirmed that lags has writes on the way), and its link may count it as
+            # holding what the process before it held.
+            if peer.position != mine and confirmed.get(url) != peer.process:
                 self.behind(url, peer.position)
         if any(u not in reached or reached[u].position != mine for u in backups):
             return  # one does not answer, or lags: its process is not confirmed
-        found, _ = await self.etcd.get(self.in_sync_key)
-        doc = _json(found)
         if found is None or doc is None or doc.get("epoch") != epoch:
             return
         members = [self.url, *backups]
