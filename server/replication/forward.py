@@ -293,6 +293,7 @@ class Forwarder:
         where it is first. It is not dropped at once: a write waiting for it drops it after
         ``timeout`` if the link fails again, as for any backup that stops applying writes."""
         backoff = FIRST_BACKOFF
+        batches = link.batches
         while True:
             try:
                 await self._feed(link)
@@ -301,6 +302,9 @@ class Forwarder:
                 link.failures += 1
                 link.error = f"{type(exc).__name__}: {exc}"[:300]
                 link.state, link.acked = "failed", None
+                if link.batches > batches:  # batches went through since the last failure
+                    backoff = FIRST_BACKOFF
+                batches = link.batches
                 now = time.monotonic()
                 if now - link.logged >= LOG_EVERY:
                     link.logged = now
@@ -310,8 +314,6 @@ class Forwarder:
                         link.url,
                         backoff,
                     )
-                if link.heard > now - backoff:  # it answered since the last failure
-                    backoff = FIRST_BACKOFF
                 await asyncio.sleep(backoff)
                 backoff = min(MAX_BACKOFF, backoff * 2)
             finally:
