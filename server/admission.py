@@ -102,7 +102,7 @@ LONG = frozenset({"wait", "poll"})
 #: Batches a primary forwards to this replica (server/replication): admitted like a read (the
 #: room they take is counted), never held back by a pause (the primary's writes in flight
 #: wait for them).
-REPLICATION = frozenset({"replicate"})
+REPLICATION = frozenset({"replicate", "stage"})
 
 Render = Callable[..., Response]
 

@@ -26,7 +26,7 @@ from .headers import header
 from .httptools_protocol import BODY_INTO, Gathered, gathers
 from .store import SCAN_FROM, FiniteScan
 
-__all__ = ["COALESCE_BELOW", "EncodedResponse", "coalesce", "read_body"]
+__all__ = ["COALESCE_BELOW", "EncodedResponse", "coalesce", "read_body", "read_sized"]
 
 
 #: Body chunks below this size are joined into one message with their small neighbours (one
@@ -143,6 +143,17 @@ async def read_body(request: Request, limit: int, scan: bool = False) -> tuple[w
         ) from None
 
 
+async def read_sized(request: Request, size: int) -> wire.Buffer:
+    """The body of ``size`` bytes, whatever its content type (a stage's, server.replication);
+    400 when it ends early or runs long."""
+    try:
+        return await _read_sized(request, size)
+    except ClientDisconnect:
+        raise ShardError(
+            "bad_request", "the client went away before sending the whole body"
+        ) from None
+
+
 async def _read_sized(request: Request, size: int, scan: bool = False) -> wire.Buffer:
     into = request.scope.get("extensions", {}).get(BODY_INTO)
     if into is not None and into.size == size:
@@ -150,13 +161,25 @@ async def _read_sized(request: Request, size: int, scan: bool = False) -> wire.B
         finite = FiniteScan(buf) if scan and size >= SCAN_FROM else None
         if finite is not None:
             request.state.finite = finite.finite  # filled in as the body arrives
-        if into.receive_into(buf, finite):  # the rest of the body is written straight into buf
-            async for chunk in request.stream():
-                if len(chunk):
-                    raise RuntimeError("body bytes came through receive() after receive_into")
-            if into.received != size:
-                raise ShardError("bad_request", f"body ended after {into.received} of {size} bytes")
-            return buf
+        # A primary streams a big body on to its backups as it arrives (server.replication).
+        replication = getattr(request.app.state, "replication", None)
+        staging = None if replication is None else replication.stage_body(buf)
+        watch = finite if staging is None else staging.watch(finite)
+        try:
+            if into.receive_into(buf, watch):  # the rest of the body goes straight into buf
+                async for chunk in request.stream():
+                    if len(chunk):
+                        raise RuntimeError("body bytes came through receive() after receive_into")
+                if into.received != size:
+                    raise ShardError(
+                        "bad_request", f"body ended after {into.received} of {size} bytes"
+                    )
+                if staging is not None:
+                    staging.done()
+                return buf
+        finally:
+            if staging is not None:
+                staging.abort()  # (a no-op once done)
     whole: bytes | None = None
     buf: memoryview | None = None
     pos = 0

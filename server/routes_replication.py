@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from client_sdk import wire
 
-from .bodies import read_body
+from .bodies import read_body, read_sized
 from .errors import ShardError
 from .routes_data import BODY_DOC, reply
 
@@ -38,3 +38,17 @@ async def replicate(request: Request) -> Response:
     body, kind = await read_body(request, state.config.max_request_bytes, False)
     msg = wire.unpack(body, kind)
     return reply(request, await replication.replicate(msg, body if kind == wire.FRAME else None))
+
+
+@router.post("/stage", openapi_extra=BODY_DOC)
+async def stage(request: Request) -> Response:
+    """Hold a body a primary streams while it receives it, under its `X-Paramshard-Stage` id,
+    until a forwarded entry names it: -> `{"staged": <bytes>}`. Never applied on its own."""
+    replication = request.app.state.replication
+    if replication is None:
+        raise ShardError(
+            "conflict",
+            "this shard is not a replica of a group (no --replica-group): it holds no stages",
+            {"role": "standalone"},
+        )
+    return reply(request, await replication.stages.receive(request, read_sized))

@@ -59,8 +59,9 @@ from client_sdk._http.http11 import Exchange, Origin
 from ..errors import ShardError
 from .log import TENSOR, ReplicationLog
 from .role import PRIMARY, Role, RoleView, not_primary
+from .stages import Stager, Staging
 
-__all__ = ["Forwarder", "Link"]
+__all__ = ["Forwarder", "Link", "StageMissing"]
 
 logger = logging.getLogger("paramshard.replication")
 
@@ -71,6 +72,14 @@ MAX_BACKOFF = 0.5
 MAX_REPLY = 1 << 20
 #: A link whose task fails again and again logs it at most once per this many seconds.
 LOG_EVERY = 10.0
+
+
+class StageMissing(Exception):
+    """A backup does not hold stages a batch named (:mod:`server.replication.stages`)."""
+
+    def __init__(self, ids: list[str]) -> None:
+        super().__init__(f"missing stages {ids}")
+        self.ids = ids
 
 
 class Link:
@@ -151,6 +160,8 @@ class Forwarder:
         #: state (``diverged``). Without (static roles) such a backup is ``ahead``: left alone.
         self.authoritative = False
         self._running = False
+        #: Streams big bodies to the backups while they arrive (:mod:`.stages`).
+        self.stager = Stager(self.headers)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -176,8 +187,17 @@ class Forwarder:
             except Exception:  # the link's task sends it the usual way
                 logger.exception("starting a batch to %s failed", link.url)
 
+    def stage_body(self, buf: memoryview) -> Staging | None:
+        """Stream the big body ``buf`` receives to the backups that are streaming (module
+        docstring of :mod:`.stages`); ``None`` when none is."""
+        if not self._running or self.role.kind != PRIMARY:
+            return None
+        urls = [u for u, link in self.links.items() if link.state == "streaming"]
+        return self.stager.begin(urls, buf) if urls else None
+
     async def stop(self) -> None:
         self._running = False
+        self.stager.stop()
         if self.log.on_commit == self.kick:
             self.log.on_commit = None
         for link in list(self.links.values()):
@@ -396,6 +416,9 @@ class Forwarder:
                 logger.warning("backup %s: %s; stepping down", link.url, exc.message)
                 self.role.step_down()
                 return
+            except StageMissing as exc:  # sent again, the bytes inline
+                self.stager.missed(link.url, exc.ids, entries)
+                continue
             except Exception as exc:
                 link.failures += 1
                 link.error = f"{type(exc).__name__}: {exc}"[:300]
@@ -476,11 +499,18 @@ class Forwarder:
         ``install``), its tensors the entries' own memory; entries name the write they follow
         (``prev``: its lsn and epoch, which the log holds as the one before them)."""
         role = self.role
-        msg: dict[str, Any] = {
-            "epoch": role.epoch,
-            "primary": role.view.url,
-            "entries": [e.to_wire() for e in entries],
-        }
+        wired = []
+        stages: list[str] = []
+        for e in entries:
+            stage = e.stage
+            if stage is not None and link.url in stage.links:
+                wired.append(stage.refer(e.to_wire()))
+                stages.append(stage.id)
+            else:
+                wired.append(e.to_wire())
+        msg: dict[str, Any] = {"epoch": role.epoch, "primary": role.view.url, "entries": wired}
+        if stages:
+            msg["stages"] = stages
         if entries:
             after = entries[0].lsn - 1
             msg["prev"] = [after, self.log.epoch_at(after)]
@@ -511,6 +541,9 @@ class Forwarder:
         code, details = error.get("code"), error.get("details") or {}
         if code == "stale_epoch":
             raise ShardError("stale_epoch", str(error.get("message")), details)
+        missing = details.get("missing_stages")
+        if code == "conflict" and type(missing) is list and missing:
+            raise StageMissing([str(i) for i in missing])
         applied, epoch = details.get("applied_lsn"), details.get("lsn_epoch")
         if code == "conflict" and type(applied) is int and type(epoch) is int:
             return applied, epoch  # its log is elsewhere than we thought

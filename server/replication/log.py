@@ -53,6 +53,7 @@ Thread-safety: none; the event loop's thread only.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -62,7 +63,14 @@ import numpy as np
 
 from .role import Role
 
-__all__ = ["DROPPED_KWARGS", "ENTRY_OVERHEAD", "TENSOR", "Entry", "ReplicationLog"]
+__all__ = [
+    "DROPPED_KWARGS",
+    "ENTRY_OVERHEAD",
+    "TENSOR",
+    "Entry",
+    "ReplicationLog",
+    "current_stage",
+]
 
 #: The key of the one-entry map an entry holds each array in: no variable's name (``#`` is
 #: not a name's character), so an argument's own maps are never mistaken for one.
@@ -71,6 +79,11 @@ TENSOR = "#nd"
 DROPPED_KWARGS = frozenset({"block", "group"})
 #: Bytes an entry is counted for beyond its arrays' (its fields, containers and names).
 ENTRY_OVERHEAD = 256
+#: The stage the current request's body was streamed as (:mod:`server.replication.stages`):
+#: the write's entry keeps it, so that it names the stage instead of carrying those bytes.
+current_stage: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "paramshard_stage", default=None
+)
 
 
 @dataclass(slots=True)
@@ -84,6 +97,9 @@ class Entry:
     kwargs: dict[str, Any]
     #: Bytes counted against the log's bound.
     nbytes: int
+    #: The stage its request's body was streamed as to some backups
+    #: (:class:`server.replication.stages.Stage`), or ``None``.
+    stage: Any = None
 
     def to_wire(self) -> list[Any]:
         return [self.lsn, self.epoch, self.method, self.args, self.kwargs]
@@ -134,7 +150,7 @@ class ReplicationLog:
 
     def begin(
         self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[str, list[Any], dict[str, Any], int]:
+    ) -> tuple[str, list[Any], dict[str, Any], int, Any]:
         self.role.check_writable()
         sizes = [ENTRY_OVERHEAD]
         kept_args = [_kept(a, sizes) for a in args]
@@ -142,11 +158,11 @@ class ReplicationLog:
         block = kwargs.get("block")
         if isinstance(block, np.ndarray):  # the gradients' memory: no scratch space either
             block.flags.writeable = False
-        return method, kept_args, kept_kwargs, sizes[0]
+        return method, kept_args, kept_kwargs, sizes[0], current_stage.get()
 
-    def commit(self, begun: tuple[str, list[Any], dict[str, Any], int]) -> None:
-        method, args, kwargs, nbytes = begun
-        self._add(Entry(self.head + 1, self.role.epoch, method, args, kwargs, nbytes))
+    def commit(self, begun: tuple[str, list[Any], dict[str, Any], int, Any]) -> None:
+        method, args, kwargs, nbytes, stage = begun
+        self._add(Entry(self.head + 1, self.role.epoch, method, args, kwargs, nbytes, stage))
         if self.on_commit is not None:
             self.on_commit()
 

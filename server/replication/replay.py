@@ -50,6 +50,7 @@ from ..errors import ShardError
 from ..store.journal import replaying
 from .log import ENTRY_OVERHEAD, TENSOR, Entry, ReplicationLog
 from .role import Role
+from .stages import STAGED, StageStore
 
 __all__ = ["Replayer", "writes_of"]
 
@@ -72,14 +73,23 @@ def _bad(message: str) -> ShardError:
     return ShardError("bad_request", f"replicate: {message}")
 
 
-def _decoded(obj: Any, body: wire.Buffer | None, sizes: list[int]) -> tuple[Any, Any]:
+def _decoded(
+    obj: Any, body: wire.Buffer | None, sizes: list[int], stages: Mapping[str, Any] | None = None
+) -> tuple[Any, Any]:
     """``obj`` as received, twice: as the method takes it (each ``{TENSOR: t}`` a read-only
-    array over the body's bytes, so no update uses it as scratch space) and as the log keeps
-    it (the same arrays, wrapped again)."""
+    array over the body's bytes, each ``{STAGED: [id, t]}`` one over that stage's, so no update
+    uses it as scratch space) and as the log keeps it (the same arrays, wrapped as
+    ``{TENSOR: array}``)."""
     if type(obj) is dict:
-        if len(obj) == 1 and TENSOR in obj:
+        if len(obj) == 1 and (TENSOR in obj or STAGED in obj):
             try:
-                array = wire.decode_tensor(obj[TENSOR], body)
+                if TENSOR in obj:
+                    array = wire.decode_tensor(obj[TENSOR], body)
+                else:
+                    ref = obj[STAGED]
+                    if type(ref) is not list or len(ref) != 2 or ref[0] not in (stages or {}):
+                        raise _bad(f"{STAGED} must be [id, tensor] naming a stage of 'stages'")
+                    array = wire.decode_tensor(ref[1], stages[ref[0]])  # type: ignore[index]
             except wire.WireError as exc:
                 raise _bad(f"a tensor of an entry: {exc.message}") from None
             array.flags.writeable = False
@@ -87,10 +97,10 @@ def _decoded(obj: Any, body: wire.Buffer | None, sizes: list[int]) -> tuple[Any,
             return array, {TENSOR: array}
         call, kept = {}, {}
         for k, v in obj.items():
-            call[k], kept[k] = _decoded(v, body, sizes)
+            call[k], kept[k] = _decoded(v, body, sizes, stages)
         return call, kept
     if type(obj) is list:
-        pairs = [_decoded(v, body, sizes) for v in obj]
+        pairs = [_decoded(v, body, sizes, stages) for v in obj]
         return [c for c, _ in pairs], [k for _, k in pairs]
     return obj, obj
 
@@ -104,8 +114,11 @@ class Replayer:
         log: ReplicationLog,
         writes: Mapping[str, Any],
         install: Callable[[dict[str, Any], Any], Awaitable[None]] | None = None,
+        stages: StageStore | None = None,
     ) -> None:
         self.role = role
+        #: The stages the primary streamed to this replica (:mod:`server.replication.stages`).
+        self.stages = stages
         self.log = log
         #: Replaces the whole state with a catch-up's (its message and its values' array).
         self.install = install
@@ -165,6 +178,14 @@ class Replayer:
                     "each entry must be [lsn, epoch, method, args, kwargs] naming a journaled "
                     f"write, got {str(raw)[:120]}"
                 )
+        names = msg.get("stages")
+        if names is not None and (
+            type(names) is not list
+            or not names
+            or any(type(i) is not str for i in names)
+            or self.stages is None
+        ):
+            raise _bad("'stages' must be a list of the ids of the stages the entries name")
         if entries:
             at, at_epoch = prev
             for raw in entries:
@@ -175,6 +196,9 @@ class Replayer:
                     )
                 at, at_epoch = raw[0], raw[1]
         self.role.accept_forwarded(epoch, primary)
+        staged = None
+        if names:  # bytes the entries name, streamed while the primary received them
+            staged = await self.stages.take(names, self.log.head, self.log.last_epoch)  # type: ignore[union-attr]
         async with self.lock:
             self.role.accept_forwarded(epoch, primary)  # again: another batch may have won
             log = self.log
@@ -195,8 +219,8 @@ class Replayer:
                 )
             for lsn, entry_epoch, method, args, kwargs in entries:
                 sizes = [ENTRY_OVERHEAD]
-                call_args, kept_args = _decoded(args, body, sizes)
-                call_kwargs, kept_kwargs = _decoded(kwargs, body, sizes)
+                call_args, kept_args = _decoded(args, body, sizes, staged)
+                call_kwargs, kept_kwargs = _decoded(kwargs, body, sizes, staged)
                 try:
                     self._signatures[method].bind(*call_args, **call_kwargs)
                 except TypeError as exc:

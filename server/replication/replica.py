@@ -22,6 +22,7 @@ from .forward import Forwarder
 from .log import ReplicationLog
 from .replay import Replayer, writes_of
 from .role import PRIMARY, Role
+from .stages import STAGE_FROM, StageStore, Staging
 
 __all__ = ["MAX_BATCH_BYTES", "Replication"]
 
@@ -50,7 +51,14 @@ class Replication:
         self.tables = tables
         self.log = ReplicationLog(role, config.replication_log_bytes)
         store.journal = self.log
-        self.replayer = Replayer(role, self.log, writes_of(store, tables), self._install)
+        self.stages = StageStore(
+            config.replication_log_bytes,
+            max_age=config.replica_timeout,
+            wait=config.replica_timeout / 4,
+        )
+        self.replayer = Replayer(
+            role, self.log, writes_of(store, tables), self._install, self.stages
+        )
         headers = {}
         if config.token:
             headers["authorization"] = f"Bearer {config.token[0]}"
@@ -72,6 +80,13 @@ class Replication:
 
     async def stop(self) -> None:
         await self.forwarder.stop()
+
+    def stage_body(self, buf: memoryview) -> Staging | None:
+        """A big body arriving at this replica (``buf`` receives it), streamed to the backups
+        as it does when this replica is primary (:mod:`server.replication.stages`)."""
+        if buf.nbytes < STAGE_FROM:
+            return None
+        return self.forwarder.stage_body(buf)
 
     async def synced(self) -> None:
         """Return once every backup of the in-sync set has applied every write taken so far
@@ -144,6 +159,7 @@ class Replication:
             },
             backups=self.forwarder.stats() if self.role.kind == PRIMARY else [],
             refused=self.replayer.refused,
+            stages={**self.stages.stats(), **self.forwarder.stager.stats()},
             installed=self.replayer.installed,
             changes=self.store.mutations,
         )
