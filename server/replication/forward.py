@@ -189,8 +189,9 @@ class Forwarder:
 
     def stage_body(self, buf: memoryview) -> Staging | None:
         """Stream the big body ``buf`` receives to the backups that are streaming (module
-        docstring of :mod:`.stages`); ``None`` when none is."""
-        if not self._running or self.role.kind != PRIMARY:
+        docstring of :mod:`.stages`); ``None`` when none is, or when the body is above the
+        log's bound (which bounds the stages a backup holds too)."""
+        if not self._running or self.role.kind != PRIMARY or buf.nbytes > self.log.max_bytes:
             return None
         urls = [u for u, link in self.links.items() if link.state == "streaming"]
         return self.stager.begin(urls, buf) if urls else None

@@ -190,12 +190,14 @@ class Stager:
                             length = int(value)
                     await reader.readexactly(length)
                     if not head.startswith(b"HTTP/1.1 200"):
-                        logger.debug("stage to %s: %s", url, head.split(b"\r\n")[0][:100])
+                        # Refused, maybe before the whole body was read: never reused.
+                        raise ConnectionError(head.split(b"\r\n")[0][:100].decode(errors="replace"))
                     conn.busy = False
             except asyncio.CancelledError:
                 conn.close()
                 raise
-            except Exception:
+            except Exception as exc:
+                logger.debug("stages to %s: %s", url, exc)
                 conn.close()
                 await asyncio.sleep(backoff)
                 backoff = min(1.0, backoff * 2)
