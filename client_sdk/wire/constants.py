@@ -41,6 +41,7 @@ __all__ = [
     "HEADER_PROTOCOL",
     "HEADER_ROLE",
     "HEADER_SHARD",
+    "HEADER_STAGE",
     "HEADER_STATE_VERSION",
     "JSON",
     "MAX_NDIM",
@@ -66,6 +67,9 @@ HEADER_STATE_VERSION = "x-paramshard-state-version"
 #: a variable deleted and made again may reach the version a client cached of the old one, so
 #: a client keys cached values by incarnation and this count together.
 HEADER_DELETIONS = "x-paramshard-deletions"
+#: Between replicas: the id of a stage, a body a primary streams to a backup as it arrives
+#: (docs/PROTOCOL.md §6, Stages).
+HEADER_STAGE = "x-paramshard-stage"
 #: A data-plane request names the shard it is meant for, ``"<index>/<num_shards>"``; a shard
 #: that is not that one answers 421 ``fleet_mismatch``.
 HEADER_FLEET = "x-paramshard-fleet"

@@ -418,7 +418,8 @@ class Forwarder:
                 self.role.step_down()
                 return
             except StageMissing as exc:  # sent again, the bytes inline
-                self.stager.missed(link.url, exc.ids, entries)
+                if not self.stager.missed(link.url, exc.ids, entries):
+                    await asyncio.sleep(MAX_BACKOFF)  # stages it was not sent: never in a loop
                 continue
             except Exception as exc:
                 link.failures += 1

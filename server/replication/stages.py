@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 from starlette.requests import Request
 
+from client_sdk import wire
 from client_sdk._http.http11 import Origin
 from client_sdk.wire.tensors import dtype_str
 
@@ -53,7 +54,7 @@ STAGE_FROM = 1 << 20
 #: The key of the one-entry map naming an array's bytes in a stage: ``[id, tensor map]``.
 STAGED = "#staged"
 #: The header naming a stage.
-HEADER = "x-paramshard-stage"
+HEADER = wire.HEADER_STAGE
 
 
 class Stage:
@@ -162,14 +163,17 @@ class Stager:
                 conn.close()  # _serve connects again
         stage.links.clear()
 
-    def missed(self, url: str, ids: list[str], entries: Iterable[Any]) -> None:
+    def missed(self, url: str, ids: list[str], entries: Iterable[Any]) -> int:
         """The backup of ``url`` does not hold the stages ``ids``: ``entries`` name them to it
-        no more (they carry their bytes)."""
+        no more (they carry their bytes). Returns how many of them named one to it."""
         self.resent += len(ids)
+        named = 0
         for entry in entries:
             stage = entry.stage
-            if stage is not None and stage.id in ids:
+            if stage is not None and stage.id in ids and url in stage.links:
                 stage.links.discard(url)
+                named += 1
+        return named
 
     async def _serve(self, url: str, conn: _Conn) -> None:
         """Keep ``conn`` connected and read the answers of its stages."""
