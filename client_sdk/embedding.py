@@ -17,7 +17,7 @@ The spec is shared by the SDK and the shard, like :mod:`client_sdk.optimizers`:
   row on any shard count, after any restart, in any language: docs/PROTOCOL.md §1 states the
   steps;
 * :func:`segment_sum`: the sum of the gradients of each distinct id (sort-based), as a push
-  applies them.
+  applies them (:func:`segment_sums`: the same, for a caller that splits them).
 
 Optimizers on tables take no learning-rate ``schedule`` (a row's updates are counted per row;
 there is no one step for the table to schedule by); ``clip_norm`` scales a push's gradient as a
@@ -56,6 +56,7 @@ __all__ = [
     "mix64",
     "put_rows",
     "segment_sum",
+    "segment_sums",
     "spec_from_wire",
     "table_key",
 ]
@@ -472,26 +473,38 @@ def segment_sum(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndar
     """``(unique ids, sorted; the sum of each one's gradient rows)``: sort-based, the rows of an
     id added in the order given (first + second, + third, ...; for an id given more than
     ``_MAX_LEVELS + 1`` times, in ``np.add.reduceat``'s pairwise order). Ids already distinct
-    and sorted come back as they are (no copy).
+    and sorted come back as they are (no copy). The sums are :func:`segment_sums`' gathered."""
+    unique, base, index = segment_sums(ids, grads)
+    return unique, base if index is None else np.take(base, index, axis=0)
+
+
+def segment_sums(
+    ids: np.ndarray, grads: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """:func:`segment_sum` but for its last gather: ``(unique, base, index)``, the sum of
+    ``unique[k]`` being row ``index[k]`` of ``base`` (row ``k`` where ``index`` is ``None``).
+    A caller that splits the sums (a push through several shards) gathers each part from
+    ``base`` once (``base[index[positions]]``), instead of gathering all of them in order and
+    then each part again.
 
     After a stable sort, each row's rank among its id's rows is known. The rows are gathered
     once into a level-major copy: first the rank-0 row of every id, then the rank-1 rows, and
     so on, each level's rows in the same order of ids, the ids with the most rows first. The
     ids that have a rank-r row are then the first ones of the rank-0 block, so each level is
     one in-place add of a contiguous block into a prefix of the sums (a batch repeats an id a
-    few times: a few adds), and the sums go back to the order of ids in one gather."""
+    few times: a few adds); ``index`` is each id's place in that order."""
     n = len(ids)
     if n < 2 or bool(np.all(ids[1:] > ids[:-1])):
-        return ids, grads
+        return ids, grads, None
     order, first, starts = _segments(ids)
     unique = ids[order[starts]]
     u = len(starts)
     if u == n:
-        return unique, grads[order]
+        return unique, grads, order
     lengths = np.diff(starts, append=n)
     levels = int(lengths.max())
     if levels > _MAX_LEVELS + 1:
-        return unique, np.add.reduceat(grads[order], starts, axis=0)
+        return unique, np.add.reduceat(grads[order], starts, axis=0), None
     # Each id's place among the ids ordered by their row count, most first (stable).
     by_count = np.argsort((levels - lengths).astype(np.uint8), kind="stable")
     place = np.empty(u, np.int64)
@@ -507,7 +520,7 @@ def segment_sum(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndar
     for level in range(1, levels):
         count, at = int(have[level]), int(offsets[level])
         work[:count] += work[at : at + count]
-    return unique, np.take(work[:u], place, axis=0)
+    return unique, work, place
 
 
 def put_rows(dest: np.ndarray, where: np.ndarray, rows: np.ndarray) -> None:

@@ -27,7 +27,7 @@ from .._exceptions import BadTensorError, ProtocolError
 from .._fleet import MAX_TABLE_IDS
 from .._flow import Flow, ShardRequest
 from .._replies import Message
-from ..embedding import TableSpec, distinct, put_rows, segment_sum
+from ..embedding import TableSpec, distinct, put_rows, segment_sums
 from ..placement import row_shard
 from ..wire import halves
 
@@ -220,23 +220,25 @@ def push_rows(core: Core, name: Any, ids: Any, grads: Any) -> Flow[dict[str, Any
         )
     with np.errstate(over="ignore"):
         array = array.astype(np.float32, copy=False)
-    unique, summed = segment_sum(ids, array)
+    unique, base, index = segment_sums(ids, array)
     deadline = core.deadline()
     yield from core.require_fleet(deadline)
     _require_tables(core)
     worker_id = core.settings.worker_id
     parts = _parts(core, name, unique)
     wire_dtype = _half(core, parts, "push_rows")
+    whole = len(parts) == 1  # one request: the arrays as they are
+    if index is not None and (whole or wire_dtype is not None):
+        base, index = np.take(base, index, axis=0), None  # the sums in the order of unique
     if wire_dtype is not None:
         try:
-            summed = halves.narrow_array(
-                summed, wire_dtype, f"push_rows: the gradients of table {name!r}"
+            base = halves.narrow_array(
+                base, wire_dtype, f"push_rows: the gradients of table {name!r}"
             )
         except wire.WireError as exc:
             raise BadTensorError(
                 exc.message, code="bad_tensor", details={"table": name, "field": "grads"}
             ) from None
-    whole = len(parts) == 1  # one request: the arrays as they are
     batch = [
         core.post(
             shard,
@@ -244,7 +246,7 @@ def push_rows(core: Core, name: Any, ids: Any, grads: Any) -> Flow[dict[str, Any
             {
                 "name": name,
                 "ids": unique if whole else unique[positions],
-                "grads": summed if whole else np.take(summed, positions, axis=0),
+                "grads": base if whole else _part(base, index, positions),
                 "worker_id": worker_id,
                 "seq": core.next_seq(),
             },
@@ -276,6 +278,12 @@ def push_rows(core: Core, name: Any, ids: Any, grads: Any) -> Flow[dict[str, Any
         counted += only
         duplicate += status == "duplicate"
     return {"rows": rows, "created": created, "counted": counted, "duplicate": duplicate}
+
+
+def _part(base: np.ndarray, index: np.ndarray | None, positions: np.ndarray) -> np.ndarray:
+    """The summed gradients of ``unique[positions]`` (:func:`segment_sums`' form): one gather
+    from the level-major sums, not one into the order of ids and another for the part."""
+    return np.take(base, positions if index is None else index[positions], axis=0)
 
 
 def _bad_reply(core: Core, request: ShardRequest, wanted: str) -> ProtocolError:

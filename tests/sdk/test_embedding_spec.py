@@ -15,6 +15,7 @@ from client_sdk.embedding import (
     Zeros,
     initial_rows,
     segment_sum,
+    segment_sums,
     spec_from_wire,
 )
 from client_sdk.optimizers import SGD, Adam, Cosine, SpecError
@@ -152,3 +153,26 @@ def test_segment_sum_is_the_sum_in_order_bit_for_bit():
         for row in rows[1:]:
             total += row
         np.testing.assert_array_equal(summed[k], total)
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [3, 8, 20, 41],  # distinct and sorted: the gradients as given
+        [41, 3, 20, 8],  # distinct: the gradients in the order of ids
+        [5, 3, 5, -1, 3, 5, 9, 9, 7],  # a few repeats: the level-major sums
+        [4] * 70 + [1, 2, 1],  # more repeats than the levels: reduceat
+    ],
+)
+def test_segment_sums_split_into_any_parts_are_segment_sums_bits(ids):
+    # A push through several shards gathers each shard's sums from segment_sums' base: the
+    # same bits as segment_sum's sums of those ids, for every part.
+    ids = np.array(ids, np.int64)
+    grads = np.random.default_rng(3).standard_normal((len(ids), 5)).astype(np.float32)
+    unique, summed = segment_sum(ids, grads)
+    got_unique, base, index = segment_sums(ids, grads)
+    np.testing.assert_array_equal(got_unique, unique)
+    every = np.arange(len(unique))
+    for positions in (every, every[::2], every[-1:]):
+        rows = np.take(base, positions if index is None else index[positions], axis=0)
+        np.testing.assert_array_equal(rows.view(np.uint32), summed[positions].view(np.uint32))
