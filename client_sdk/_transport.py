@@ -73,6 +73,7 @@ __all__ = [
     "retry_delay",
     "send",
     "send_all",
+    "settle",
     "sync_sender",
 ]
 
@@ -190,6 +191,18 @@ def _translate(
 def send(sender: Sender, core: Core, req: ShardRequest) -> Result:
     """Send one request, retrying as :func:`retry_delay` allows. Blocks; thread-safe."""
     return _retry(sender, core, req, time.monotonic(), 0, None)
+
+
+def settle(
+    sender: Sender, core: Core, req: ShardRequest, started: float, outcome: Reply | Exception
+) -> Result:
+    """:func:`send`, but for a request whose first attempt (made at ``started``, not watched:
+    the direct path, ``_direct.py``) already had ``outcome``, the reply or the exception that
+    ended it: its result, the attempts after it made as :func:`send` makes them."""
+    verdict = _judge(core, req, 1, started, outcome)
+    if isinstance(verdict, _SETTLED):
+        return verdict
+    return _retry(sender, core, req, started, 1, verdict)
 
 
 def send_all(

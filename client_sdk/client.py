@@ -153,11 +153,15 @@ class PSClient(TableMethods):
 
     # -- driving the core -------------------------------------------------------------------
 
-    def _drive(self, flow: Flow[T]) -> T:
+    def _drive(self, flow: Flow[T], first: list[Result] | None = None) -> T:
+        """Run ``flow``; ``first``: the results of its first batch, sent already (by the
+        direct path, ``_direct.py``)."""
         if self._closed:
             raise closed_error()
         try:
             batch = next(flow)
+            if first is not None:
+                batch = flow.send(first)
             while True:
                 batch = flow.send(self._send_all(batch))
         except StopIteration as stop:

@@ -25,6 +25,11 @@ one training loop uses it (make one group per thread). :class:`StepGroup` drives
 :class:`~client_sdk.PSClient`, :class:`AsyncStepGroup` :class:`~client_sdk.AsyncPSClient`, with
 the same methods.
 
+A :class:`StepGroup` on one ``http://`` shard that has no replicas takes the direct path
+(``_direct.py``): its pull and push are sent and received from the calling thread, the pull's
+request built once, with the general path's retries, deadlines and errors for anything but a
+``200``.
+
 A shard that restarted, a replica that became primary, or a shard that let the group go
 answers the group's id as unknown: the client registers the group again and sends the request
 again, unseen (a push keeps its ``seq``: applied once). If a variable of the group was deleted
@@ -38,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._direct import GroupRoute
 from ._verbs import group as _group
 
 if TYPE_CHECKING:
@@ -104,6 +110,8 @@ class StepGroup(_Base):
         client._drive(_group.register(client._core, state))
         super().__init__(state)
         self._client = client
+        #: The direct path of a group on one shard, where it is taken (``_direct.py``).
+        self._route = GroupRoute.make(client, state)
 
     def pull(self, out: Any = None) -> dict[str, np.ndarray]:
         """The group's values (blocks): name -> :attr:`views` (the group's own buffers,
@@ -113,6 +121,9 @@ class StepGroup(_Base):
         dict name -> array (copied into from :attr:`views`; the result is ``out``). Always
         moves every value (a group's pull is for variables that change every step;
         :meth:`PSClient.pull` sends only the changed ones)."""
+        route = self._route
+        if route is not None and route.ready():
+            return route.pull(out)
         return self._client._drive(_group.pull(self._client._core, self._state, out))
 
     def push(self, grads: Any = None) -> dict[str, Any]:
@@ -125,6 +136,9 @@ class StepGroup(_Base):
         name -> the entry of each that was not}`` (``duplicate``, a sync round's ``accepted``,
         ``dropped``; as :meth:`PSClient.push` describes them). Retried with its ``seq`` after
         any connection failure: applied once."""
+        route = self._route
+        if route is not None and route.ready():
+            return route.push(grads)
         return self._client._drive(_group.push(self._client._core, self._state, grads))
 
 

@@ -40,7 +40,19 @@ from .._http.http11 import body_buffer
 from .._replies import Message
 from ..wire import groups as group_wire
 
-__all__ = ["GroupSink", "GroupState", "Part", "pull", "push", "register"]
+__all__ = [
+    "GroupSink",
+    "GroupState",
+    "Part",
+    "gradient_pieces",
+    "out_targets",
+    "pull",
+    "pulled",
+    "push",
+    "pushed",
+    "register",
+    "take",
+]
 
 
 @dataclass
@@ -228,7 +240,7 @@ def pull(core: Core, state: GroupState, out: Any = None) -> Flow[dict[str, np.nd
     :attr:`GroupState.views` (or the caller's arrays: ``out``)."""
     if state.parts[0].gid is None:
         yield from register(core, state)
-    targets = _out(state, out)
+    targets = out_targets(state, out)
     deadline = core.deadline()
 
     def request(part: Part) -> ShardRequest:
@@ -247,7 +259,12 @@ def pull(core: Core, state: GroupState, out: Any = None) -> Flow[dict[str, np.nd
     batch, results = yield from _send(core, state, request)
     replies = core.collect(batch, results)
     for part, sent, reply in zip(state.parts, batch, replies):
-        _take(core, part, sent, reply)
+        take(core, part, sent, reply)
+    return pulled(state, out)
+
+
+def pulled(state: GroupState, out: Any) -> dict[str, np.ndarray]:
+    """What :func:`pull` returns once every part's values arrived."""
     if out is None:
         return state.views
     if isinstance(out, np.ndarray):
@@ -257,7 +274,7 @@ def pull(core: Core, state: GroupState, out: Any = None) -> Flow[dict[str, np.nd
     return dict(out)
 
 
-def _out(state: GroupState, out: Any) -> dict[int, np.ndarray] | None:
+def out_targets(state: GroupState, out: Any) -> dict[int, np.ndarray] | None:
     """Where each part's pull arrives: ``out`` as one flat array (a group on one shard), or
     ``None`` (the group's own buffers: a dict ``out`` is copied into after)."""
     if out is None:
@@ -301,7 +318,7 @@ def _out(state: GroupState, out: Any) -> dict[int, np.ndarray] | None:
     return None
 
 
-def _take(core: Core, part: Part, request: ShardRequest, reply: Message) -> None:
+def take(core: Core, part: Part, request: ShardRequest, reply: Message) -> None:
     """A part's pull reply: its versions kept; its values in the sink's target (received
     there, or copied there from the body)."""
     url = core.url(part.shard)
@@ -391,7 +408,7 @@ def push(core: Core, state: GroupState, grads: Any, seq: int | None = None) -> F
     (:meth:`GroupState.grad_views`); the versions sent are the last pulled."""
     if state.parts[0].gid is None:
         yield from register(core, state)
-    pieces = _pieces(state, grads)
+    pieces = gradient_pieces(state, grads)
     deadline = core.deadline()
     worker_id = core.settings.worker_id
     seqs = {part.shard: core.next_seq() if seq is None else seq for part in state.parts}
@@ -410,7 +427,11 @@ def push(core: Core, state: GroupState, grads: Any, seq: int | None = None) -> F
         return replace(sent, body=body)
 
     batch, results = yield from _send(core, state, request)
-    replies = core.collect(batch, results)
+    return pushed(core, state, core.collect(batch, results))
+
+
+def pushed(core: Core, state: GroupState, replies: list[Message]) -> dict[str, Any]:
+    """What :func:`push` returns, from each part's reply (in the parts' order)."""
     versions: dict[str, int] = {}
     applied = 0
     others: dict[str, Any] = {}
@@ -428,7 +449,7 @@ def push(core: Core, state: GroupState, grads: Any, seq: int | None = None) -> F
     return {"versions": in_order, "applied": applied, "variables": others}
 
 
-def _pieces(state: GroupState, grads: Any) -> dict[int, list[Any]]:
+def gradient_pieces(state: GroupState, grads: Any) -> dict[int, list[Any]]:
     """Each part's gradient bytes, in its order (the caller's arrays' own memory; ``None``:
     the group's own gradient buffers)."""
     if grads is None:

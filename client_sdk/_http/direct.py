@@ -1,0 +1,164 @@
+"""One exchange over the blocking pool's connections, driven from the calling thread with as
+little Python as HTTP allows: the SDK's direct path (``client_sdk/_direct.py``).
+
+:func:`exchange` sends the request's buffers as they are given (the head already made, so a
+caller that sends the same request again and again builds it once) with one ``sendmsg``, then
+receives the reply into the connection's buffer with one ``recv_into`` and parses it in place
+when it is the common case: a whole ``HTTP/1.1 200`` head with a ``Content-Length`` body and
+nothing asking to close. Its body is then received straight into one buffer of its size, or
+through the exchange's receiver (:class:`~client_sdk._http.http11.Into`: a step group's values
+into its flat buffer). Anything else (another status, a head split across receives, a chunked
+body) is handed, with the bytes already received, to the general parser
+(:func:`~client_sdk._http.http11.read_response`), so every reply is read and refused exactly as
+the pools read and refuse it.
+
+Deadlines, reuse and failures are the blocking pool's (``pool.py``): the socket is waited for
+(``poll``) only when it is not ready and never past the exchange's deadline; a connection whose
+exchange failed is closed; failures are httpx2's exception classes. Plain ``http://`` only
+(over TLS the pools' own exchanges are used). Blocks; thread-safe as the pool is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import httpx2
+
+from .connection import _NOT_NOW
+from .http11 import Buffer, Into, Origin, ReplyTooLarge, Response, _parse_head, body_buffer
+from .http11 import read_response as parse_response
+from .pool import BlockingConnection, HTTPPool
+
+__all__ = ["exchange"]
+
+_CRLF2 = b"\r\n\r\n"
+
+
+def exchange(
+    pool: HTTPPool,
+    origin: Origin,
+    views: list[Buffer],
+    deadline: float,
+    max_reply: int,
+    into: Into | None = None,
+) -> Response:
+    """Send ``views`` (the request's head, then its body's buffers; consumed) to ``origin``
+    and return the whole response, all of it by ``deadline`` (``time.monotonic()`` seconds),
+    its body at most ``max_reply`` bytes (a ``200``'s through ``into`` if given). Raises
+    httpx2's errors as :meth:`HTTPPool.exchange <client_sdk._http.pool.HTTPPool.exchange>`."""
+    conn = pool.take_idle(origin) or pool.connect(origin, deadline)
+    try:
+        _send(conn, views, deadline)
+        response, reusable = _receive(conn, deadline, max_reply, into)
+    except BaseException:
+        conn.close()
+        raise
+    pool.release(origin, conn, reusable)
+    return response
+
+
+def _send(conn: BlockingConnection, views: list[Buffer], deadline: float) -> None:
+    try:
+        sent = conn.sock.sendmsg(views)
+    except _NOT_NOW:
+        sent = 0
+    except OSError as exc:
+        raise httpx2.WriteError(str(exc) or type(exc).__name__) from exc
+    for i, view in enumerate(views):
+        n = len(view)
+        if sent < n:
+            conn.send([memoryview(view)[sent:], *views[i + 1 :]], deadline)  # the rest
+            return
+        sent -= n
+
+
+def _recv(conn: BlockingConnection, into: memoryview, deadline: float, ready: bool = True) -> int:
+    """One ``recv_into`` (0: the server closed the connection), tried at once if ``ready``,
+    else once the socket is readable (a reply is never there the moment its request left:
+    a receive that finds nothing costs a system call and an exception)."""
+    recv_into = conn.sock.recv_into
+    while True:
+        if not ready and not conn._wait(False, deadline):
+            raise httpx2.ReadTimeout("timed out waiting for the whole response")
+        try:
+            return recv_into(into)
+        except _NOT_NOW:
+            ready = False
+        except OSError as exc:
+            raise httpx2.ReadError(str(exc) or type(exc).__name__) from exc
+
+
+def _receive(
+    conn: BlockingConnection, deadline: float, max_size: int, into: Into | None
+) -> tuple[Response, bool]:
+    buf = conn.buf
+    view = memoryview(buf)
+    n = _recv(conn, view, deadline, ready=False)
+    at = buf.find(_CRLF2, 0, n)
+    if at < 0 or not buf.startswith(b"HTTP/1.1 200 "):
+        return _general(conn, n, deadline, max_size, into)
+    status, _, headers = _parse_head(bytes(view[:at]))
+    length = headers.get("content-length")
+    if (
+        length is None
+        or not length.isdigit()
+        or "transfer-encoding" in headers
+        or "connection" in headers
+    ):
+        return _general(conn, n, deadline, max_size, into)
+    size = int(length)
+    if size > max_size:
+        raise ReplyTooLarge(size, max_size, declared=True)
+    start = at + 4
+    have = n - start
+    if have >= size:
+        return Response(status, headers, bytes(view[start : start + size])), have == size
+    if into is not None:
+        return Response(status, headers, _into(conn, into, view[start:n], size, deadline)), True
+    content = body_buffer(size)
+    content[:have] = view[start:n]
+    while have < size:
+        got = _recv(conn, content[have:], deadline)
+        if got == 0:
+            raise httpx2.RemoteProtocolError(
+                f"the server closed the connection after {have} of {size} body bytes"
+            )
+        have += got
+    return Response(status, headers, content), True
+
+
+def _into(
+    conn: BlockingConnection, into: Into, got: memoryview, size: int, deadline: float
+) -> Buffer:
+    steps = into.receive(got, size)
+    pos = len(got)
+    try:
+        target = next(steps)
+        while True:
+            n = _recv(conn, target, deadline)
+            if n == 0:
+                raise httpx2.RemoteProtocolError(
+                    f"the server closed the connection after {pos} of {size} body bytes"
+                )
+            pos += n
+            target = steps.send(n)
+    except StopIteration as done:
+        content: Buffer = done.value
+        return content
+
+
+def _general(
+    conn: BlockingConnection, n: int, deadline: float, max_size: int, into: Into | None
+) -> tuple[Response, bool]:
+    """The response read by the general parser, which is given the ``n`` bytes already in
+    the connection's buffer as if it had received them itself."""
+    reading: Generator[memoryview, int, Any] = parse_response(conn.buf, max_size, into)
+    try:
+        next(reading)  # the whole buffer, where the n bytes are
+        target = reading.send(n)
+        while True:
+            target = reading.send(_recv(conn, target, deadline))
+    except StopIteration as done:
+        result: tuple[Response, bool] = done.value
+        return result
