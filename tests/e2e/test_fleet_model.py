@@ -365,7 +365,7 @@ def test_workers_against_a_model_while_shards_restart(fleet_factory):
     run_state_machine_as_test(
         RestartingFleetMachine,
         settings=settings(
-            max_examples=examples(12),
+            max_examples=examples(8),
             stateful_step_count=25,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],

@@ -50,7 +50,7 @@ from server.store.journal import journaled_methods
 from tests.conftest import http_json
 from tests.helpers.eventually import eventually
 from tests.helpers.history import History
-from tests.helpers.replicas import cluster, start_group
+from tests.helpers.replicas import cluster
 
 #: The data plane's write verbs this module drives through a group (each must be one of the
 #: shard's write verbs, and each of those must be here).
@@ -80,22 +80,6 @@ JOURNALED = {
     ],
     "EmbeddingTables": ["create", "push"],
 }
-
-
-@pytest.fixture
-def groups(tmp_path):
-    """``groups(n, *flags, **kwargs)``: a replica group (tests/helpers/replicas.py), stopped
-    when the test ends."""
-    made = []
-
-    def make(*args, **kwargs):
-        group = start_group(tmp_path / f"g{len(made)}", *args, **kwargs)
-        made.append(group)
-        return group
-
-    yield make
-    for group in made:
-        group.close()
 
 
 def test_every_write_verb_is_driven_here():
