@@ -30,9 +30,13 @@ from .http11 import Buffer, Into, Origin, ReplyTooLarge, Response, _parse_head, 
 from .http11 import read_response as parse_response
 from .pool import BlockingConnection, HTTPPool
 
-__all__ = ["exchange"]
+__all__ = ["FIRST_RECEIVE", "exchange"]
 
 _CRLF2 = b"\r\n\r\n"
+#: The first receive of a reply that has a receiver takes at most this many bytes (its head and
+#: the start of its body), so that the rest goes from the socket straight where the receiver
+#: says rather than through the connection's buffer.
+FIRST_RECEIVE = 8192
 
 
 def exchange(
@@ -94,7 +98,7 @@ def _receive(
 ) -> tuple[Response, bool]:
     buf = conn.buf
     view = memoryview(buf)
-    n = _recv(conn, view, deadline, ready=False)
+    n = _recv(conn, view if into is None else view[:FIRST_RECEIVE], deadline, ready=False)
     at = buf.find(_CRLF2, 0, n)
     if at < 0 or not buf.startswith(b"HTTP/1.1 200 "):
         return _general(conn, n, deadline, max_size, into)

@@ -2,7 +2,9 @@
 pool and the fan-out, for ``PSClient``) and :class:`AsyncNativeSender` (the asyncio pool).
 
 ``_transport.py`` uses them unless a transport is injected, for ``http://`` and ``https://``
-shards alike (TLS: ``tls.py``).
+shards alike (TLS: ``tls.py``). A blocking exchange with one ``http://`` shard that is not
+part of a race nor watched for stalls is driven by ``direct.py`` (the common reply parsed in
+place, without the pool's generator layers).
 They write the body's own buffers with ``sendmsg`` and read a reply body straight into one
 buffer: a fraction of httpx2's per-request Python, and a big reply copied once, from the socket
 into its final buffer. A ``PSClient`` call to several shards sends their requests from the
@@ -25,10 +27,11 @@ from .._abort import Abort
 from .._exceptions import PSError
 from .._flow import Reply, ShardRequest, request_headers
 from .._settings import Settings
+from . import direct
 from .asyncpool import AsyncHTTPPool
 from .connection import CONNECT_TIMEOUT, idle_per_shard
 from .fanout import exchange_all
-from .http11 import Exchange, Origin, Response
+from .http11 import Buffer, Exchange, Origin, Response, request_head
 from .pool import HTTPPool
 from .tls import context
 
@@ -90,7 +93,16 @@ class NativeSender(_Native):
         self.pool = HTTPPool(**_pool_args(settings))
 
     def once(self, req: ShardRequest, deadline: float, abort: Abort | None = None) -> Reply:
-        return self.reply(req, self.pool.exchange(self.exchange(req, deadline, abort)))
+        origin = self.origins[self.url(req)]
+        if origin.tls or abort is not None or req.abort is not None:
+            return self.reply(req, self.pool.exchange(self.exchange(req, deadline, abort)))
+        views: list[Buffer] = [request_head(origin, req.method, req.path, request_headers(req))]
+        if req.body is not None:
+            views += req.body.chunks
+        max_reply = self.pool.max_reply if req.max_reply is None else req.max_reply
+        return self.reply(
+            req, direct.exchange(self.pool, origin, views, deadline, max_reply, req.into)
+        )
 
     def once_all(
         self,

@@ -21,6 +21,7 @@ from client_sdk import (
     BadTensorError,
     ConflictError,
     PSClient,
+    ShardUnavailableError,
     StaleGroupError,
     UnknownVariableError,
 )
@@ -29,6 +30,7 @@ from client_sdk.modes import Sync
 from client_sdk.optimizers import SGD, Adam
 from client_sdk.wire import groups as group_wire
 from tests.conftest import OnLoop, http_json
+from tests.helpers.dropproxy import DroppingProxy
 from tests.helpers.names import fresh, spread
 from tests.helpers.replicas import cluster, start_group
 
@@ -135,6 +137,31 @@ def test_a_retried_group_push_is_applied_once(fleet1):
         assert again["versions"] == {n: 1 for n in names}
         for value in ps.pull(names).values():
             np.testing.assert_array_equal(value, [-1.0, -1.0])
+
+
+def test_a_group_on_one_shard_goes_direct_and_keeps_the_general_rules(fleet1):
+    """The direct path (client_sdk/_direct.py) of a group on one http shard: a push whose
+    reply is lost is retried with its seq (applied once); a reply that never comes is a
+    timeout, retried until the retry deadline, then the general path's error."""
+    names = [f"{fresh('direct')}/v{i}" for i in range(3)]
+    with DroppingProxy(("127.0.0.1", fleet1.ports[0])) as relay:
+        with PSClient([relay.url], worker_id=fresh("w"), timeout=0.5, retry_deadline=1.5) as ps:
+            ps.init({n: np.zeros(2, np.float32) for n in names}, SGD(lr=1.0))
+            g = ps.group(names)
+            assert g._route is not None  # taken
+            g.pull()
+            relay.drop = lambda method, path, n: path == "/v1/group_push" and n == 1
+            again = g.push({n: np.ones(2, np.float32) for n in names})
+            assert relay.drops == 1
+            assert again["applied"] == 0  # the lost reply's push was the one applied
+            assert {e["status"] for e in again["variables"].values()} == {"duplicate"}
+            for n, value in g.pull().items():
+                np.testing.assert_array_equal(value, [-1.0, -1.0], err_msg=n)
+            relay.deliver = lambda sock, method, path, reply: True  # never answers
+            with pytest.raises(ShardUnavailableError, match="did not answer group_pull in time"):
+                g.pull()
+    with PSClient(fleet1.urls, worker_id=fresh("w"), transport=httpx2.HTTPTransport()) as ps:
+        assert ps.group(names)._route is None  # an injected transport: the general path
 
 
 def test_a_forgotten_group_is_registered_again_unseen(fleet_factory):
