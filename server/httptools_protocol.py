@@ -61,13 +61,18 @@ ASGI scope handed on, no task, no middleware, no ``receive``/``send`` messages. 
 come over several reads (a ``push_rows`` of a few thousand rows is a few hundred KB, more than
 one read brings): the parser callbacks collect its body until it is whole (one such body per
 connection, within that bound; the read guard's body deadline and pace apply), then answer it
-the same way; a shutdown meanwhile lets it finish and closes the connection after its answer, as
-for a request the app is answering. Its answer is
-written as a shard's responses are (head with body, one vectored write) and the connection goes on
-as after any response (keep-alive timer, reading). When the answerer declines (``None``: any error,
-refusal or wait is the app's to answer) or fails, the request goes to the app as if the parser had
-just reached its head, body and end. The work saved is a sizeable part of a small pull's time in
-the shard (``python -m bench.stepcost`` shows the shard's part).
+the same way. When, after a read, at least :data:`BYPASS_BELOW` bytes of such a body are still
+to come and the answerer's room check (:data:`COLLECT_ROOM_ATTR`) allows a buffer of the body's
+size, the body is collected into one: the pieces so far copied in, the rest written there by
+the kernel through :class:`_DirectReader` as for :class:`BodyInto`, past the parser, and the
+answerer is given that buffer (a ``bytearray``), not pieces joined into a new ``bytes``. A
+shutdown meanwhile lets it finish and closes the connection after its answer, as for a request
+the app is answering. Its answer is written as a shard's responses are (head with body, one
+vectored write) and the connection goes on as after any response (keep-alive timer, reading).
+When the answerer declines (``None``: any error, refusal or wait is the app's to answer) or
+fails, the request goes to the app as if the parser had just reached its head, body and end.
+The work saved is a sizeable part of a small pull's time in the shard (``python -m
+bench.stepcost`` shows the shard's part).
 
 It is passed to uvicorn as its ``http`` protocol class (``uvicorn.Config(http=...)``, a
 documented option), on the fast path only (:func:`server.upstream.serving`). It relies on
@@ -111,6 +116,7 @@ __all__ = [
     "BODY_INTO",
     "BYPASS_BELOW",
     "COLLECT_BELOW_ATTR",
+    "COLLECT_ROOM_ATTR",
     "GATHER",
     "IMMEDIATE",
     "Answerer",
@@ -141,6 +147,10 @@ ANSWER_BELOW = 64 * 1024
 #: The attribute of an :data:`Answerer` that takes bodies over several reads: the
 #: ``Content-Length`` (exclusive) below which its requests are collected until whole.
 COLLECT_BELOW_ATTR = "collect_below"
+#: The attribute of a collecting :data:`Answerer` that says whether a buffer of a given size
+#: may be made now for a body it collects (``room(nbytes) -> bool``; on a shard, its gate's
+#: ``room_now``). Without it, collected bodies stay in pieces.
+COLLECT_ROOM_ATTR = "collect_room"
 
 logger = logging.getLogger("paramshard.protocol")
 
@@ -160,11 +170,12 @@ class Immediate:
 
 
 #: ``answer(headers, body)``: the :class:`Immediate` response to a whole request (``headers``:
-#: its headers, names lower-case, the first of repeated ones; ``body``: all of it), or
+#: its headers, names lower-case, the first of repeated ones; ``body``: all of it, a ``bytes``
+#: or, collected into one buffer, a ``bytearray``), or
 #: ``None`` to hand the request to the app the usual way, which then answers it. Runs on the
 #: event loop, inside the protocol's parser callback: it must not block, and should not raise
 #: (an exception is logged and the request goes the usual way).
-Answerer = Callable[[dict[bytes, bytes], bytes], Immediate | None]
+Answerer = Callable[[dict[bytes, bytes], bytes | bytearray], Immediate | None]
 
 
 class BodyPieces:
@@ -313,6 +324,8 @@ if HttpToolsProtocol is not None:
         _now: tuple[Answerer, list[bytes]] | None = None
         _collecting = False
         _closing = False
+        #: Body bytes of the request being collected that have not arrived yet.
+        _now_left = 0
 
         #: The size of the read being parsed; of the current head, what arrived of it
         #: counting only the reads after the one it began in (a lower bound), and counting
@@ -368,6 +381,7 @@ if HttpToolsProtocol is not None:
                     if self._may_answer_now(max(below, ANSWER_BELOW)):
                         self._now = (answerer, [])
                         self._collecting = below > 0
+                        self._now_left = int(self._request_headers()[b"content-length"])
                         self._announced = None
                         return
             self._usual_headers_complete()
@@ -478,6 +492,7 @@ if HttpToolsProtocol is not None:
         def on_body(self, body: bytes) -> None:
             if self._now is not None:
                 self._now[1].append(body)
+                self._now_left -= len(body)
                 return
             if self._announced is not None:
                 self._announced -= len(body)
@@ -560,6 +575,34 @@ if HttpToolsProtocol is not None:
             if left is not None and left >= BYPASS_BELOW and self.parser is not None:
                 self._bypass = left
                 self._announced = None
+            elif self._collecting and self._now_left >= BYPASS_BELOW and self._now is not None:
+                self._collect_into(self._now[0], self._now[1])
+
+        def _collect_into(self, answerer: Answerer, pieces: list[bytes]) -> None:
+            """The rest of a body being collected for ``answerer`` (at least
+            :data:`BYPASS_BELOW` bytes to come) goes straight into one buffer of the body's
+            size, if the answerer's room check allows one: the pieces so far are copied in, and
+            the transport reads the rest there (:class:`_DirectReader`), past the parser; once
+            it is full, :meth:`on_message_complete` answers with the buffer as the body."""
+            room = getattr(answerer, COLLECT_ROOM_ATTR, None)
+            arrived = sum(len(piece) for piece in pieces)
+            size = arrived + self._now_left
+            if room is None or not room(size):
+                return
+            buffer = bytearray(size)
+            view = memoryview(buffer)
+            pos = 0
+            for piece in pieces:
+                view[pos : pos + len(piece)] = piece
+                pos += len(piece)
+            into = BodyInto(self, None, size)
+            into.received = arrived
+            self._now = (answerer, [buffer])  # type: ignore[list-item]
+            self._bypass, self._now_left = size - arrived, 0
+            self._into, self._into_buffer = into, view
+            if self._direct is None:
+                self._direct = _DirectReader(self)
+            self.transport.set_protocol(self._direct)
 
         def _receive_into(self, into: BodyInto, buffer: memoryview) -> bool:
             """:meth:`BodyInto.receive_into`: move what the app has not received yet into

@@ -10,8 +10,9 @@ answerer when it is small (``Content-Length`` below
 :data:`~server.httptools_protocol.ANSWER_BELOW`) and came whole in one read, or, for
 ``push_rows`` and ``group_push``, once its body is whole when it is below
 :data:`COLLECT_ROWS_BELOW` / :data:`COLLECT_GROUP_BELOW` (a batch of a few thousand rows, or a
-step group's gradients, takes several reads; the protocol collects it); it is answered here only
-when all of these hold:
+step group's gradients, takes several reads; the protocol collects it, into one buffer of the
+body's size when the gate has room for it now); it is answered here only when all of these
+hold:
 
 * it passes the fleet check as the SDK sends it, and carries a token that may read (a pull) or
   write (the others) when the shard has tokens;
@@ -47,7 +48,7 @@ from .app import ShardMiddleware
 from .auth import READ, WRITE, Guard
 from .embedding import EmbeddingTables
 from .errors import ShardError
-from .httptools_protocol import COLLECT_BELOW_ATTR, Answerer, Immediate
+from .httptools_protocol import COLLECT_BELOW_ATTR, COLLECT_ROOM_ATTR, Answerer, Immediate
 from .metrics import Traffic
 from .replication.reads import ALLOW_BACKUP, read_refusal
 from .routes_data import increment_args, pull_args, pull_table, push_args, writer
@@ -199,7 +200,7 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     ) -> Answerer:
         writes = access == WRITE
 
-        def answer(headers: Mapping[bytes, bytes], body: bytes) -> Immediate | None:
+        def answer(headers: Mapping[bytes, bytes], body: bytes | bytearray) -> Immediate | None:
             if (
                 not shard.meant_for_me(headers.get(_FLEET_KEY))
                 or not guard.allows(headers, access)
@@ -235,6 +236,7 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
 
         if collect_below:
             setattr(answer, COLLECT_BELOW_ATTR, collect_below)
+            setattr(answer, COLLECT_ROOM_ATTR, gate.room_now)
         return answer
 
     return {

@@ -74,7 +74,7 @@ class Connection:
         """Feed ``data``; what was written once ``replies`` responses are complete (or the
         connection closed)."""
         before = len(self.transport.calls)
-        self.protocol.data_received(data)
+        self.feed(data)
         deadline = asyncio.get_running_loop().time() + 5.0
         for i in itertools.count():
             if (
@@ -85,6 +85,20 @@ class Connection:
                 break
             await asyncio.sleep(0 if i < 100 else 0.001)
         return self.transport.sent(before)
+
+    def feed(self, data: bytes) -> None:
+        """Deliver ``data`` as a socket read would, to the protocol the transport has now
+        (one that reads into its own buffer, :class:`asyncio.BufferedProtocol`, through it)."""
+        while data:
+            protocol = self.transport.get_protocol() or self.protocol
+            if not isinstance(protocol, asyncio.BufferedProtocol):
+                protocol.data_received(data)
+                return
+            buf = protocol.get_buffer(len(data))
+            n = min(len(buf), len(data))
+            buf[:n] = data[:n]
+            protocol.buffer_updated(n)
+            data = data[n:]
 
 
 def _complete(transport: Recorder, before: int) -> int:

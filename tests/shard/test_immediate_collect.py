@@ -15,7 +15,13 @@ import asyncio
 import numpy as np
 
 from client_sdk.wire import groups as group_wire
-from server.httptools_protocol import ANSWER_BELOW, COLLECT_BELOW_ATTR, IMMEDIATE
+from server.httptools_protocol import (
+    ANSWER_BELOW,
+    BYPASS_BELOW,
+    COLLECT_BELOW_ATTR,
+    COLLECT_ROOM_ATTR,
+    IMMEDIATE,
+)
 from server.immediate import COLLECT_GROUP_BELOW, COLLECT_ROWS_BELOW
 from tests.shard.test_immediate import Connection, _push_rows, request, shard
 
@@ -52,6 +58,56 @@ def test_a_push_rows_over_several_reads_is_answered_at_once_with_the_apps_bytes(
             for app in (one, other):
                 table = app.state.tables.get("t")
                 assert table.version == 3 and len(table) == 2 + len(IDS)
+
+    asyncio.run(run())
+
+
+def test_the_rest_of_a_big_collected_body_is_read_into_one_buffer(monkeypatch):
+    """Once BYPASS_BELOW bytes or more of a collected body are still to come, and the gate has
+    room for the body, the rest is written straight into one buffer of its size (the
+    transport's protocol is then a BufferedProtocol) and answered from it, as the app would;
+    without room it is collected in pieces, with the same answer; a client that leaves while
+    its body is read into the buffer changes nothing."""
+    ids = np.arange(1000, 12_000, dtype=np.int64)  # a 260 KB body: 3 reads of ~90 KB
+
+    def push(seq: int, name: str = "t") -> bytes:
+        grads = np.full((len(ids), 4), seq, np.float32)
+        msg = {"name": name, "ids": ids, "grads": grads, "worker_id": "w", "seq": seq}
+        data = _push_rows(msg, True)
+        assert BYPASS_BELOW < len(data) // 3 and len(data) < COLLECT_ROWS_BELOW
+        return data
+
+    async def run() -> None:
+        async with shard() as (one, immediate, _), shard() as (other, _, usual):
+            incarnations = (one.state.incarnation.encode(), other.state.incarnation.encode())
+            answerer = getattr(immediate, IMMEDIATE)[b"/v1/push_rows"]
+            for seq, room in ((1, True), (2, False), (2, True)):  # the last a retry
+                if not room:
+                    monkeypatch.setattr(answerer, COLLECT_ROOM_ATTR, lambda nbytes: False)
+                data = push(seq)
+                conn = Connection(immediate)
+                third = len(data) // 3
+                assert await conn.send(data[:third], replies=0) == b""
+                direct = isinstance(conn.transport.get_protocol(), asyncio.BufferedProtocol)
+                assert direct == room
+                mine = await conn.send(data[third:])
+                assert conn.transport.get_protocol() in (None, conn.protocol)
+                theirs = await _in_pieces(Connection(usual), data)
+                assert mine.startswith(b"HTTP/1.1 200 ")
+                assert mine.replace(incarnations[0], b"") == theirs.replace(incarnations[1], b"")
+                monkeypatch.undo()
+            assert immediate.calls == 0 and usual.calls == 3
+            rows = [app.state.tables.get("t").gather(ids) for app in (one, other)]
+            assert np.array_equal(rows[0], rows[1])
+            assert one.state.tables.get("t").version == other.state.tables.get("t").version == 3
+            # a client that leaves while its body is read into the buffer: nothing changes
+            conn = Connection(immediate)
+            data = push(3)
+            assert await conn.send(data[: len(data) // 3], replies=0) == b""
+            assert isinstance(conn.transport.get_protocol(), asyncio.BufferedProtocol)
+            conn.transport.get_protocol().connection_lost(None)
+            await asyncio.sleep(0.01)
+            assert immediate.calls == 0 and one.state.tables.get("t").version == 3
 
     asyncio.run(run())
 
