@@ -456,8 +456,9 @@ def pushed(core: Core, state: GroupState, replies: list[Message]) -> dict[str, A
         applied += int(msg.get("applied", 0))
         if isinstance(msg.get("variables"), dict):
             others.update(msg["variables"])
-    in_order = {name: versions[name] for name in state.names}
-    return {"versions": in_order, "applied": applied, "variables": others}
+    if len(state.parts) != 1:  # one part's names are the group's, in its order already
+        versions = {name: versions[name] for name in state.names}
+    return {"versions": versions, "applied": applied, "variables": others}
 
 
 def gradient_pieces(state: GroupState, grads: Any) -> dict[int, list[Any]]:
