@@ -2,8 +2,9 @@
 
 The SDK reaches ``http://`` shards over its own keep-alive connections (``connection.py``),
 driven by a blocking pool (``pool.py``, for :class:`~client_sdk.PSClient`), an asyncio one
-(``asyncpool.py``, for :class:`~client_sdk.AsyncPSClient`) and a fan-out that drives all of a
-call's exchanges from one thread (``fanout.py``). All of them speak the subset of HTTP/1.1 the
+(``asyncpool.py``, for :class:`~client_sdk.AsyncPSClient`), a fan-out that drives all of a
+call's exchanges from one thread (``fanout.py``) and the blocking direct exchange that parses the
+common reply in place (``direct.py``). All of them speak the subset of HTTP/1.1 the
 data plane needs, with as little Python per request as they can, and share everything but the
 waiting, which lives here and in ``connection.py``:
 

@@ -5,7 +5,10 @@ into the connection's buffer or, for a big body, straight into the body's own bu
 (``connection.py``). Sockets are non-blocking once connected: a send or receive is tried at once
 and waits (``poll``) only when the socket is not ready, never past the exchange's deadline, so
 the timeout bounds the whole exchange (connect, request, whole reply) however the server spaces
-its bytes. Idle connections are kept per origin and reused by the rules of ``connection.py``.
+its bytes. Idle connections are kept per origin and reused by the rules of ``connection.py``. The
+native sender drives most exchanges over these connections through ``direct.py`` instead of
+:meth:`HTTPPool.exchange` (the common reply parsed in place; TLS, races and watched exchanges
+come here).
 Against the same shard, a ``PSClient.pull`` (or ``AsyncPSClient``'s) through this pool takes a
 fraction of the time it takes through httpx2, for a 4 KB variable and for a 100 MB one
 (``python -m bench.breakdown`` compares them).
