@@ -426,9 +426,6 @@ def initial_rows(spec: TableSpec, name: str, ids: np.ndarray) -> np.ndarray:
 _MAX_LEVELS = 64
 
 
-_LOW16 = np.uint64(0xFFFF)
-
-
 def _stable_order(ids: np.ndarray) -> np.ndarray:
     """``np.argsort(ids, kind="stable")`` of int64 ``ids`` [n >= 1], sorted 16 bits at a time
     from the lowest (LSD radix: numpy sorts 16-bit keys stably by counting, in one pass) over
@@ -437,25 +434,29 @@ def _stable_order(ids: np.ndarray) -> np.ndarray:
     spanning 10^6."""
     low = ids.min()
     span = int(ids.max()) - int(low)
-    offset = ids.view(np.uint64) - np.asarray(low).view(np.uint64)  # modulo 2^64: exact
-    order = np.argsort((offset & _LOW16).astype(np.uint16), kind="stable")
+    offset: np.ndarray = ids.view(np.uint64) - low.view(np.uint64)  # modulo 2^64: exact
+    # (a cast to uint16 keeps the low 16 bits; the methods skip numpy's Python wrappers: on a
+    # batch whose memory is out of the cache, each call costs more than its arithmetic)
+    order: np.ndarray = offset.astype(np.uint16).argsort(kind="stable")
     shift = 16
     while shift < 64 and span >> shift:
-        key = ((offset >> _M(shift)) & _LOW16).astype(np.uint16)
-        order = order[np.argsort(key[order], kind="stable")]
+        key = (offset >> _M(shift)).astype(np.uint16)
+        order = order[key[order].argsort(kind="stable")]
         shift += 16
     return order
 
 
-def _segments(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(order, first, starts)`` of int64 ``ids`` [n >= 1]: the stable sorting permutation,
-    whether each sorted position starts a run of one id, and where the runs start."""
+def _segments(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(order, first, starts, unique)`` of int64 ``ids`` [n >= 1]: the stable sorting
+    permutation, whether each sorted position starts a run of one id, where the runs start,
+    and the distinct ids (sorted)."""
     order = _stable_order(ids)
     ordered = ids[order]
     first = np.empty(len(ids), dtype=bool)
     first[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    return order, first, np.flatnonzero(first)
+    starts = first.nonzero()[0]
+    return order, first, starts, ordered[starts]
 
 
 def distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -463,10 +464,10 @@ def distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ``np.unique(ids, return_inverse=True)`` gives for int64 ``ids`` [n], in fewer passes."""
     if not len(ids):
         return ids, np.zeros(0, np.int64)
-    order, first, starts = _segments(ids)
+    order, first, _, unique = _segments(ids)
     inverse = np.empty(len(ids), np.int64)
-    inverse[order] = np.cumsum(first) - 1
-    return ids[order[starts]], inverse
+    inverse[order] = first.cumsum() - 1
+    return unique, inverse
 
 
 def segment_sum(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -475,7 +476,7 @@ def segment_sum(ids: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndar
     ``_MAX_LEVELS + 1`` times, in ``np.add.reduceat``'s pairwise order). Ids already distinct
     and sorted come back as they are (no copy). The sums are :func:`segment_sums`' gathered."""
     unique, base, index = segment_sums(ids, grads)
-    return unique, base if index is None else np.take(base, index, axis=0)
+    return unique, base if index is None else base.take(index, axis=0)
 
 
 def segment_sums(
@@ -494,31 +495,31 @@ def segment_sums(
     one in-place add of a contiguous block into a prefix of the sums (a batch repeats an id a
     few times: a few adds); ``index`` is each id's place in that order."""
     n = len(ids)
-    if n < 2 or bool(np.all(ids[1:] > ids[:-1])):
+    if n < 2 or bool((ids[1:] > ids[:-1]).all()):
         return ids, grads, None
-    order, first, starts = _segments(ids)
-    unique = ids[order[starts]]
+    order, first, starts, unique = _segments(ids)
     u = len(starts)
     if u == n:
         return unique, grads, order
-    lengths = np.diff(starts, append=n)
+    lengths = np.empty(u, np.int64)
+    np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
+    lengths[-1] = n - starts[-1]
     levels = int(lengths.max())
     if levels > _MAX_LEVELS + 1:
         return unique, np.add.reduceat(grads[order], starts, axis=0), None
     # Each id's place among the ids ordered by their row count, most first (stable).
-    by_count = np.argsort((levels - lengths).astype(np.uint8), kind="stable")
+    by_count = (levels - lengths).astype(np.uint8).argsort(kind="stable")
     place = np.empty(u, np.int64)
     place[by_count] = np.arange(u)
     # have[r]: the ids with a rank-r row; level r's block starts at offsets[r].
-    have = u - np.cumsum(np.bincount(lengths, minlength=levels + 1))[:-1]
-    offsets = np.cumsum(have) - have
-    segment = np.cumsum(first) - 1  # each sorted row's id (its number among unique)
+    have = u - np.bincount(lengths, minlength=levels + 1).cumsum()[:-1]
+    offsets = have.cumsum() - have
+    segment = first.cumsum() - 1  # each sorted row's id (its number among unique)
     rank = np.arange(n) - starts[segment]
     source = np.empty(n, np.int64)
     source[offsets[rank] + place[segment]] = order
-    work = np.take(grads, source, axis=0)
-    for level in range(1, levels):
-        count, at = int(have[level]), int(offsets[level])
+    work = grads.take(source, axis=0)
+    for count, at in zip(have[1:].tolist(), offsets[1:].tolist()):
         work[:count] += work[at : at + count]
     return unique, work, place
 
@@ -540,4 +541,4 @@ def put_rows(dest: np.ndarray, where: np.ndarray, rows: np.ndarray) -> None:
         dest[where] = rows
         return
     item = np.dtype((np.void, dest.shape[1] * dest.itemsize))
-    np.put(dest.view(item).reshape(-1), where, rows.view(item).reshape(-1), mode="clip")
+    dest.view(item).reshape(-1).put(where, rows.view(item).reshape(-1), mode="clip")

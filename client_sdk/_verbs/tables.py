@@ -128,7 +128,7 @@ def _parts(core: Core, name: str, ids: np.ndarray) -> list[tuple[int, np.ndarray
     if core.n == 1 and len(ids) <= most[0]:
         return [(0, np.arange(len(ids)))]
     for shard in range(core.n):
-        positions = np.flatnonzero(shards == shard) if core.n > 1 else np.arange(len(ids))
+        positions = (shards == shard).nonzero()[0] if core.n > 1 else np.arange(len(ids))
         for start in range(0, len(positions), most[shard]):
             out.append((shard, positions[start : start + most[shard]]))
     return out
@@ -168,13 +168,13 @@ def pull_rows(core: Core, name: Any, ids: Any) -> Flow[np.ndarray]:
     ]
     core.table_dims[name] = width = got[0].shape[1]
     if len(got) == 1:  # every row from one request, in the order of unique: no merge
-        return np.asarray(np.take(got[0], inverse, axis=0), dtype=np.float32)
+        return np.asarray(got[0].take(inverse, axis=0), dtype=np.float32)
     out = np.empty((len(unique), width), np.float32)
     for rows, (_, positions) in zip(got, parts):
         if rows.shape[1] != width:
             raise _bad_reply(core, batch[0], f"rows of one width, got {width} and {rows.shape[1]}")
         put_rows(out, positions, rows)  # a half-precision part: assigned, widened
-    return np.take(out, inverse, axis=0)
+    return out.take(inverse, axis=0)
 
 
 def _rows(core: Core, request: ShardRequest, reply: Message, n: int, dim: int | None) -> np.ndarray:
@@ -229,7 +229,7 @@ def push_rows(core: Core, name: Any, ids: Any, grads: Any) -> Flow[dict[str, Any
     wire_dtype = _half(core, parts, "push_rows")
     whole = len(parts) == 1  # one request: the arrays as they are
     if index is not None and (whole or wire_dtype is not None):
-        base, index = np.take(base, index, axis=0), None  # the sums in the order of unique
+        base, index = base.take(index, axis=0), None  # the sums in the order of unique
     if wire_dtype is not None:
         try:
             base = halves.narrow_array(
@@ -283,7 +283,7 @@ def push_rows(core: Core, name: Any, ids: Any, grads: Any) -> Flow[dict[str, Any
 def _part(base: np.ndarray, index: np.ndarray | None, positions: np.ndarray) -> np.ndarray:
     """The summed gradients of ``unique[positions]`` (:func:`segment_sums`' form): one gather
     from the level-major sums, not one into the order of ids and another for the part."""
-    return np.take(base, positions if index is None else index[positions], axis=0)
+    return base.take(positions if index is None else index[positions], axis=0)
 
 
 def _bad_reply(core: Core, request: ShardRequest, wanted: str) -> ProtocolError:

@@ -87,15 +87,15 @@ class IdIndex:
             return np.full(len(ids), _EMPTY, dtype=np.int64)
         slots, mask = self._slots, self._mask
         home = self._home(ids)
-        pairs = np.take(slots, home, axis=0)  # (id, row) of each first slot
+        pairs = slots.take(home, axis=0)  # (id, row) of each first slot
         out = pairs[:, 1].copy()  # right where the first slot holds the id or is empty (-1)
-        walk = np.flatnonzero((out != _EMPTY) & (pairs[:, 0] != ids))
+        walk = ((out != _EMPTY) & (pairs[:, 0] != ids)).nonzero()[0]
         if not len(walk):
             return out
         out[walk] = _EMPTY
         want, start = ids[walk], home[walk] + 1
         while True:
-            window = np.take(slots, (start[:, None] + _OFFSETS) & mask, axis=0)
+            window = slots.take((start[:, None] + _OFFSETS) & mask, axis=0)
             found = window[..., 1]
             stop = (found == _EMPTY) | (window[..., 0] == want[:, None])
             first = stop.argmax(axis=1)

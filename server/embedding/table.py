@@ -94,7 +94,7 @@ class EmbeddingTable:
         out = np.empty((len(ids), self.dim), np.float32)
         have = where >= 0
         if have.all():
-            np.take(self.rows, where, axis=0, out=out, mode="clip")  # clip: no copy of out
+            self.rows.take(where, axis=0, out=out, mode="clip")  # clip: no copy of out
             return out
         out[have] = self.rows[where[have]]
         missing = ~have
@@ -164,10 +164,10 @@ class EmbeddingTable:
             step[old, 0] = self.steps[have]
             step[new, 0] = 0
         else:  # mode="clip": numpy takes into ``out`` itself (with "raise", into a copy)
-            np.take(self.rows, have, axis=0, out=value, mode="clip")
+            self.rows.take(have, axis=0, out=value, mode="clip")
             for key, slot in state.items():
-                np.take(self.slots[key], have, axis=0, out=slot, mode="clip")
-            np.take(self.steps, have, out=step[:, 0], mode="clip")
+                self.slots[key].take(have, axis=0, out=slot, mode="clip")
+            self.steps.take(have, out=step[:, 0], mode="clip")
         step += 1
         # Only read (scratch=False): the operation's gradients stay as they came, and the
         # rule's temporaries cost what a copy of them to write into would.
