@@ -1,5 +1,6 @@
 """The direct path: a :class:`~client_sdk.StepGroup`'s pull and push when the whole group lives
-on one shard, sent and received from the calling thread without the general machinery.
+on one shard, and :meth:`PSClient.pull <client_sdk.PSClient.pull>` of names that all live on
+one shard, sent and received from the calling thread without the general machinery.
 
 A step's call to one shard needs none of what lets a call reach many (the flow's batches, the
 fan-out, a thread per retry, the stall watch) but paid for all of it in Python on every step.
@@ -20,6 +21,15 @@ the error a status means). Anything but a ``200`` reply -- a transport failure, 
 of its first attempt (:func:`client_sdk._transport.settle`), and the verb's flow goes on from
 there (``PSClient._drive(first=...)``): the same retries and backoff under the same deadlines,
 the push under the same ``seq``, the group registered again, the same errors.
+
+:class:`PullRoute` does the same for a plain pull (no ``newer_than``, ``min_version``,
+``out``, ``allow_backup``, nor ``wire_dtype``) of a list of names on one such shard, none of
+them partitioned, the shard checked against the list and taking tensor tables: its request's
+head and the body's fixed part are built once per list of names, and each call adds only the
+versions the cache holds (``_cache.py``; read and stored as the general pull does,
+``_verbs/pull.py``, whose :func:`~client_sdk._verbs.pull.take` decodes the reply). A reply
+with rows the cache cannot stand for (the shard restarted) sends the call down the general
+path from its start, as does every other outcome but a ``200`` from its first attempt on.
 """
 
 from __future__ import annotations
@@ -28,9 +38,10 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import numpy as np
 
-from . import _replies
+from . import _replies, wire
 from ._core import REPLY_HEADROOM
 from ._exceptions import PSError
 from ._flow import Reply, ShardRequest, request_headers
@@ -40,13 +51,18 @@ from ._http.native import NativeSender
 from ._pusher import closed_error
 from ._transport import _TRANSPORT_ERRORS, settle
 from ._verbs import group as _group
+from ._verbs import partitioned as _partitioned
+from ._verbs.pull import plan, reply_bound, take
 from .wire import FRAME
 from .wire import groups as group_wire
 
 if TYPE_CHECKING:
     from .client import PSClient
 
-__all__ = ["GroupRoute"]
+__all__ = ["GroupRoute", "PullRoute", "direct_pull"]
+
+#: Lists of names whose pull routes a client keeps (all dropped when full).
+MAX_PULL_ROUTES = 64
 
 
 class GroupRoute:
@@ -202,3 +218,119 @@ class GroupRoute:
             first = self._general(dataclasses.replace(req, body=body), started, outcome)
             return client._drive(_group.push(core, state, grads, seq), first)
         return _group.pushed(core, state, [core.accept(req, reply)])
+
+
+def direct_pull(client: PSClient, names: Any) -> dict[str, np.ndarray] | None:
+    """A plain pull of ``names`` by the direct path (module docstring); ``None`` where it is
+    not taken: the caller takes the general path."""
+    if type(names) is not list and type(names) is not tuple:
+        return None
+    routes = client._pull_routes
+    try:
+        route = routes[tuple(names)]
+    except KeyError:
+        route = PullRoute.make(client, names)
+        if len(routes) >= MAX_PULL_ROUTES:
+            routes.clear()
+        routes[tuple(names)] = route
+    except TypeError:  # an unhashable item: the general path says what is wrong with it
+        return None
+    return None if route is None else route.pull()
+
+
+class PullRoute:
+    """The direct path of a plain pull of one list of names from one shard (module
+    docstring). Thread-safe: nothing of a call is kept."""
+
+    __slots__ = ("client", "names", "shard", "pool", "origin", "url", "req", "head", "bare")
+
+    def __init__(self, client: PSClient, names: list[str], shard: int) -> None:
+        sender = client._sender
+        assert isinstance(sender, NativeSender)
+        core = client._core
+        self.client = client
+        self.names = names
+        self.shard = shard
+        self.pool = sender.pool
+        self.url = sender.urls[shard]
+        self.origin = sender.origins[self.url]
+        msg = {"names": names, "layout": "table", "uniform": True, "packed": True}
+        #: A request of the call (its ``max_reply`` and ``deadline`` set per call).
+        self.req = core.post(shard, "pull", msg, 0.0, mutating=False, names=names)
+        head = request_head(self.origin, "POST", self.req.path, self.req.headers)
+        self.head = head[:-2] + f"content-type: {wire.MSGPACK}\r\ncontent-length: ".encode()
+        #: The body without versions; with them, its map has one more entry at the end.
+        self.bare: bytes = msgpack.packb(msg, use_bin_type=True)
+
+    @classmethod
+    def make(cls, client: PSClient, names: Any) -> PullRoute | None:
+        """The route of a pull of ``names`` by ``client``, or ``None`` where the direct path
+        is not taken whatever the state (module docstring)."""
+        sender = client._sender
+        core = client._core
+        if not isinstance(sender, NativeSender) or core.settings.wire_dtype is not None:
+            return None
+        try:
+            checked, groups = plan(core, names)
+        except PSError:  # the general path raises it
+            return None
+        if len(groups) != 1:
+            return None
+        shard = next(iter(groups))
+        if core.replicas.replicated(shard) or sender.origins[sender.urls[shard]].tls:
+            return None
+        return cls(client, checked, shard)
+
+    def _body(self, versions: list[int | None] | None) -> bytes:
+        bare = self.bare
+        if versions is None:
+            return bare
+        # fixmap of n entries -> n + 1: the versions go last, as the general path puts them
+        packed: bytes = msgpack.packb(versions)
+        return bytes((bare[0] + 1,)) + bare[1:] + b"\xa8versions" + packed
+
+    def pull(self) -> dict[str, np.ndarray] | None:
+        """The values of the names, or ``None`` where this call takes the general path
+        from its start (the shard not checked yet, a name known partitioned since)."""
+        client = self.client
+        if client._closed:
+            raise closed_error()
+        core = client._core
+        fleet, shard, names = core.fleet, self.shard, self.names
+        if (
+            not fleet.is_checked(shard)
+            or not fleet.tables[shard]
+            or len(names) > fleet.max_names[shard]
+            or core.parts.of(names)
+        ):
+            return None
+        entries, writes = core.cache.held(names, fleet.era(shard))
+        versions = None if entries is None else [c[1] if c is not None else None for c in entries]
+        body = self._body(versions)
+        req = dataclasses.replace(self.req, max_reply=reply_bound(core, names))
+        started = time.monotonic()
+        try:
+            r = exchange(
+                self.pool,
+                self.origin,
+                [self.head + b"%d\r\n\r\n" % len(body), body],
+                started + core.settings.timeout,
+                req.max_reply or 0,
+            )
+            outcome: Reply | Exception = Reply(r.status, r.headers, r.content)
+            _replies.refuse_encoded(r.headers, r.status, self.url)
+        except (*_TRANSPORT_ERRORS, PSError) as exc:
+            outcome = exc
+        if type(outcome) is not Reply or outcome.status != 200:
+            req = dataclasses.replace(
+                req,
+                body=wire.Encoded(wire.MSGPACK, [body], len(body)),
+                deadline=started + core.settings.retry_deadline,
+            )
+            first = [settle(client._sender, core, req, started, outcome)]
+            return client._drive(_partitioned.pull(core, names), first)
+        out: dict[str, np.ndarray] = {}
+        if take(core, req, core.accept(req, outcome), (entries, writes), out):
+            # rows the cache cannot stand for (the shard restarted): the general path
+            return client._drive(_partitioned.pull(core, names))
+        return out

@@ -142,6 +142,10 @@ class Fleet:
         with self._lock:
             return [i for i in range(self.n) if not self._checked[i]]
 
+    def is_checked(self, shard: int) -> bool:
+        """Whether ``shard`` is checked against the list now (one flag read, no lock)."""
+        return self._checked[shard]
+
     def checked(self, shard: int) -> None:
         with self._lock:
             self._checked[shard] = True

@@ -31,6 +31,7 @@ import numpy as np
 
 from . import _args, _transport, _verbs
 from ._core import Core
+from ._direct import PullRoute, direct_pull
 from ._exceptions import PSError
 from ._flow import Flow, Result, ShardRequest
 from ._pusher import AsyncPusher, Pusher, closed_error
@@ -140,6 +141,8 @@ class PSClient(TableMethods):
         self._pusher = Pusher(max_inflight, self._push_job, _verbs.merge_push)
         self._close_lock = threading.Lock()
         self._closed = False
+        #: The direct path of pulls by list of names (``_direct.py``; None: not taken).
+        self._pull_routes: dict[tuple[str, ...], PullRoute | None] = {}
 
     @property
     def shards(self) -> tuple[str, ...]:
@@ -296,6 +299,10 @@ class PSClient(TableMethods):
         """
         core = self._core.backup_reads() if allow_backup else self._core
         if newer_than is None and min_version is None:
+            if out is None and not allow_backup:
+                got = direct_pull(self, names)
+                if got is not None:
+                    return got
             return self._drive(_verbs.partitioned.pull(core, names, out))
         return self._drive(
             _verbs.partitioned.poll(core, names, newer_than, min_version, timeout, out)

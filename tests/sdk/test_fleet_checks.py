@@ -214,6 +214,23 @@ def test_restarted_shard_is_checked_again_and_its_cached_values_dropped(fleet_fa
         assert "/v1/cluster" in rec
 
 
+def test_direct_pull_after_a_restart_pulls_again_what_the_cache_cannot_stand_for(fleet_factory):
+    # The shard comes back without state and the variable is made again at the version the
+    # client holds: the reply says "not modified" from another incarnation, so the pull
+    # (the direct path's: native connections, one shard) must ask again without versions.
+    fleet = fleet_factory(1)
+    old, new = np.zeros(4), np.arange(4.0)
+    with PSClient(fleet.urls) as ps, PSClient(fleet.urls) as other:
+        ps.init({"w": old})
+        ps.pull(["w"])  # the shard checked, "w" cached at version 0
+        np.testing.assert_array_equal(ps.pull(["w"])["w"], old)
+        fleet.stop(0)
+        fleet.start(0)
+        assert other.init({"w": new})["w"] == {"version": 0, "created": True}
+        np.testing.assert_array_equal(ps.pull(["w"])["w"], new)
+        np.testing.assert_array_equal(ps.pull(["w"])["w"], new)
+
+
 def test_wait_ready_fails_fast_on_a_wrong_shard_list(fleet2):
     with PSClient(list(reversed(fleet2.urls))) as ps:
         with pytest.raises(FleetMismatchError):  # not a NotReadyError after the timeout
