@@ -29,6 +29,7 @@ from .errors import ShardError
 from .httptools_protocol import gathers
 from .routes_data import BODY_DOC, bad_field, message, name_list, reply, required, writer
 from .store import ParameterStore, finite_rows
+from .store.checks import OneBound
 from .store.groups import Group, GroupGrads, GroupVersions, RowsApplied
 
 __all__ = [
@@ -135,7 +136,7 @@ def _finite(group: Group, flat: np.ndarray, block: np.ndarray | None) -> dict[st
         with np.errstate(all="ignore"):
             total = float(np.dot(flat, flat))
         if math.isfinite(total):
-            return dict.fromkeys(group.names, total)
+            return OneBound.of(group.names, total)
     return finite_rows(group.names, block) if block is not None else {}
 
 

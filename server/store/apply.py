@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -139,7 +139,7 @@ def push(op: Push) -> None:
 
 
 def one_update(
-    variables: list[Variable], grads: list[np.ndarray], block: np.ndarray | None
+    variables: list[Variable], grads: Sequence[np.ndarray], block: np.ndarray | None
 ) -> tuple[np.ndarray, Optimizer] | None:
     """For a push whose gradients ``grads`` are the rows of ``block``, in order: when the
     variables are every member of one slab, in its order, all home, none held by a reader,

@@ -58,6 +58,7 @@ __all__ = [
     "SCAN_FROM",
     "SMALL_CHECK",
     "FiniteScan",
+    "OneBound",
     "all_finite",
     "cast_checked",
     "check_dtypes_and_shapes",
@@ -337,6 +338,23 @@ class FiniteScan:
         return rows
 
 
+class OneBound(dict[str, float]):
+    """Gradients found finite by one reduction over all of them: name -> ``total``, their
+    sum of squares together (at least each one's). ``total`` is there as one figure, so a
+    caller needing it per gradient repeats it instead of reading the map name by name."""
+
+    __slots__ = ("total",)
+
+    total: float
+
+    @classmethod
+    def of(cls, names: Sequence[str], total: float) -> OneBound:
+        """``names`` each found finite, their sum of squares together ``total``."""
+        found = cls.fromkeys(names, total)
+        found.total = total
+        return found
+
+
 def finite_rows(names: list[str], block: np.ndarray | None) -> dict[str, float]:
     """The names whose gradient is finite, each with at least its sum of squares, checked in
     one pass over ``block``, the gradients
@@ -371,6 +389,6 @@ def finite_rows(names: list[str], block: np.ndarray | None) -> dict[str, float]:
             span = as_strided(rows, ((n - 1) * (stride // item) + width,), (item,))
             total = float(np.dot(span, span))  # at least each row's sum of squares
             if math.isfinite(total):
-                return dict.fromkeys(names, total)
+                return OneBound.of(names, total)
         squares = np.einsum("ij,ij->i", rows, rows).tolist()
     return {name: s for name, s in zip(names, squares) if math.isfinite(s)}

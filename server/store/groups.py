@@ -46,7 +46,15 @@ if TYPE_CHECKING:
     from .state import StoreState
     from .variable import Variable
 
-__all__ = ["MAX_GROUPS", "Group", "GroupGrads", "GroupVersions", "Groups", "RowsApplied"]
+__all__ = [
+    "MAX_GROUPS",
+    "Group",
+    "GroupGrads",
+    "GroupRows",
+    "GroupVersions",
+    "Groups",
+    "RowsApplied",
+]
 
 #: Groups a shard keeps; registering one more lets the least recently used go (its client
 #: registers it again on its next use, as after a restart).
@@ -167,6 +175,11 @@ class GroupGrads(Mapping[str, np.ndarray]):
             self._rows = list(self._data) if group.uniform is not None else group.cut(self._data)
         return self._rows
 
+    def ordered(self) -> GroupRows:
+        """The gradients in the group's order, cut into one array per variable only when read
+        one by one: an update of the whole block (a slab's) needs just their count."""
+        return GroupRows(self)
+
     def __getitem__(self, name: str) -> np.ndarray:
         if self._index is None:
             self._index = {n: i for i, n in enumerate(self._group.names)}
@@ -177,6 +190,24 @@ class GroupGrads(Mapping[str, np.ndarray]):
 
     def __len__(self) -> int:
         return len(self._group.names)
+
+
+class GroupRows(Sequence[np.ndarray]):
+    """:meth:`GroupGrads.rows` as a sequence whose length is known without making the rows."""
+
+    __slots__ = ("_grads",)
+
+    def __init__(self, grads: GroupGrads) -> None:
+        self._grads = grads
+
+    def __len__(self) -> int:
+        return len(self._grads._group.names)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._grads.rows()[i]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return iter(self._grads.rows())
 
 
 class GroupVersions(Mapping[str, int]):

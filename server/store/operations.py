@@ -46,7 +46,7 @@ Pure functions of their arguments; they change nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,7 @@ from client_sdk.optimizers import SGD, Optimizer, from_wire
 from .. import optim
 from ..errors import ShardError
 from .checks import (
+    OneBound,
     cast_checked,
     check_dtypes_and_shapes,
     finite_squares,
@@ -256,7 +257,7 @@ class Push:
     worker_id: str
     seq: int
     variables: list[Variable]
-    grads: list[np.ndarray]
+    grads: Sequence[np.ndarray]
     versions: Mapping[str, int] | None
     finite: Mapping[str, float]
     block: np.ndarray | None
@@ -293,7 +294,7 @@ def push_fitted(
     variables: list[Variable],
     worker_id: str,
     seq: int,
-    rows: list[np.ndarray],
+    rows: Sequence[np.ndarray],
     versions: Mapping[str, int] | None,
     finite: Mapping[str, float],
     block: np.ndarray | None,
@@ -314,7 +315,10 @@ def check_values(op: Push) -> None:
     squares = op.squares
     if op.fitted and len(finite) == len(op.grads):
         # Each gradient has its variable's dtype (no cast) and was found finite on arrival.
-        squares.extend(map(finite.__getitem__, [var.name for var in op.variables]))
+        if type(finite) is OneBound:  # all at once: one figure for each
+            squares.extend([finite.total] * len(op.grads))
+        else:
+            squares.extend(map(finite.__getitem__, [var.name for var in op.variables]))
         return
     with np.errstate(all="ignore"):  # once per push, not per variable (it is not free)
         op.grads = [

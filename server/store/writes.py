@@ -161,7 +161,7 @@ class Writes(StoreState):
         """The push's operation: a current group's rows as they are (:func:`operations.push_fitted
         <server.store.operations.push_fitted>`), else each gradient looked up and checked."""
         if isinstance(grads, GroupGrads) and variables is self._fitted(group):
-            rows = grads.rows()
+            rows = grads.ordered()
             return operations.push_fitted(variables, worker_id, seq, rows, versions, finite, block)
         return operations.push(variables, worker_id, seq, grads, versions, finite, block)
 
