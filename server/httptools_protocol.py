@@ -65,7 +65,11 @@ the same way. When, after a read, at least :data:`BYPASS_BELOW` bytes of such a 
 to come and the answerer's room check (:data:`COLLECT_ROOM_ATTR`) allows a buffer of the body's
 size, the body is collected into one: the pieces so far copied in, the rest written there by
 the kernel through :class:`_DirectReader` as for :class:`BodyInto`, past the parser, and the
-answerer is given that buffer (a ``bytearray``), not pieces joined into a new ``bytes``. A
+answerer is given that buffer (a ``bytearray``), not pieces joined into a new ``bytes``. A big
+read that starts such a request (a step group's push: the first read brings its head and a few
+hundred KB) is fed to the parser up to the end of the head only; when more of the body is to
+come than the read holds, the body's bytes of that read are copied into the buffer from the
+read itself, with no piece made of them by the parser. A
 shutdown meanwhile lets it finish and closes the connection after its answer, as for a request
 the app is answering. Its answer is written as a shard's responses are (head with body, one
 vectored write) and the connection goes on as after any response (keep-alive timer, reading).
@@ -570,6 +574,18 @@ if HttpToolsProtocol is not None:
                 data = data[take:]
                 if not data:
                     return
+            elif (
+                len(data) >= BYPASS_BELOW
+                and type(data) is bytes
+                and self._now is None
+                and self._into is None
+                and data.startswith(b"POST ")
+                and self._collects(data)
+            ):
+                end = data.find(b"\r\n\r\n", 5, self.limits.max_head_bytes + 4)
+                if 0 < end < len(data) - 4:
+                    self._take_head_first(memoryview(data), end + 4)
+                    return
             super().data_received(data)
             left = self._announced
             if left is not None and left >= BYPASS_BELOW and self.parser is not None:
@@ -577,6 +593,40 @@ if HttpToolsProtocol is not None:
                 self._announced = None
             elif self._collecting and self._now_left >= BYPASS_BELOW and self._now is not None:
                 self._collect_into(self._now[0], self._now[1])
+
+        def _collects(self, data: bytes) -> bool:
+            """Whether ``data`` starts a ``POST`` to an answerer that collects bodies over
+            several reads (its target as the parser will see it)."""
+            space = data.find(b" ", 5, 5 + 256)
+            answerer = self._answerers.get(data[5:space]) if space > 0 else None
+            return answerer is not None and getattr(answerer, COLLECT_BELOW_ATTR, 0) > 0
+
+        def _take_head_first(self, data: memoryview, end: int) -> None:
+            """A big read that starts a request for a collecting answerer, parsed in two feeds
+            (for the parser any split of its input is the same): the head up to ``end``
+            first. If more of the body is to come than the read holds, and the body is
+            collected into one buffer (:meth:`_collect_into`), the rest of the read is copied
+            there straight from the read, not first made into a piece by the parser and
+            copied from that; else the rest is parsed as it would have been."""
+            super().data_received(data[:end])  # type: ignore[arg-type]
+            if self.transport.is_closing():
+                return  # refused (a bad head): nothing more is read from it
+            rest = data[end:]
+            now = self._now
+            if (
+                now is not None
+                and self._collecting
+                and self._now_left > len(rest)
+                and self._now_left >= BYPASS_BELOW
+            ):
+                self._collect_into(now[0], [])
+                if self._into is not None and self._into_buffer is not None:
+                    take = len(rest)  # less than the body: the body takes it all
+                    self._into_buffer[:take] = rest
+                    self._got -= take  # counted with the read already
+                    self._direct_received(take)
+                    return
+            self._take(rest)  # type: ignore[arg-type]
 
         def _collect_into(self, answerer: Answerer, pieces: list[bytes]) -> None:
             """The rest of a body being collected for ``answerer`` (at least

@@ -21,6 +21,7 @@ from server.httptools_protocol import (
     COLLECT_BELOW_ATTR,
     COLLECT_ROOM_ATTR,
     IMMEDIATE,
+    ShardHttpProtocol,
 )
 from server.immediate import COLLECT_GROUP_BELOW, COLLECT_ROWS_BELOW
 from tests.shard.test_immediate import Connection, _push_rows, request, shard
@@ -145,6 +146,63 @@ def test_a_group_push_over_several_reads_is_answered_at_once_with_the_apps_bytes
             for app in (one, other):
                 got = app.state.store.pull(names[-1:])[names[-1]]
                 assert got["version"] == 2 and np.isclose(got["value"][0], -0.03)  # SGD, lr 0.01
+
+    asyncio.run(run())
+
+
+def test_the_body_in_the_read_that_brings_a_collected_heads_goes_to_the_buffer(monkeypatch):
+    """A read that brings a collected request's head and part of its body (a group push of
+    64 x 1,000 float32, the read a third of it): only the head goes to the parser; the body's
+    bytes of that read are copied into the body's buffer from the read itself (the parser
+    makes no piece of them), the rest comes through the buffer, and the answer and the values
+    are the app's."""
+    names = [f"g{i}" for i in range(64)]
+    parsed: list[int] = []
+    on_body = ShardHttpProtocol.on_body
+
+    def counted(self, body):  # the body bytes the parser hands on
+        parsed.append(len(body))
+        return on_body(self, body)
+
+    monkeypatch.setattr(ShardHttpProtocol, "on_body", counted)
+
+    async def run() -> None:
+        async with shard() as (one, immediate, _), shard() as (other, _, usual):
+            ids = []
+            for app in (one, other):
+                store = app.state.store
+                store.init({n: (np.zeros(1000, np.float32), None) for n in names})
+                ids.append(store.groups.register(store, names, 64, 1 << 20).id)
+            replies = []
+            for gid, app in zip(ids, (immediate, usual)):
+                grads = np.arange(64 * 1000, dtype=np.float32).data.cast("B")
+                enc = group_wire.encode(
+                    {"group": gid, "worker_id": "w", "seq": 1},
+                    None,
+                    "grads",
+                    "<f4",
+                    [grads],
+                    len(grads),
+                )
+                data = request(path="/v1/group_push", body=enc.join(), ctype=enc.content_type)
+                conn = Connection(app)
+                parsed.clear()
+                assert await conn.send(data[: len(data) // 3], replies=0) == b""
+                if app is immediate:
+                    assert parsed == []
+                    assert isinstance(conn.transport.get_protocol(), asyncio.BufferedProtocol)
+                replies.append(await conn.send(data[len(data) // 3 :]))
+                if app is immediate:
+                    assert parsed == []
+                    assert conn.transport.get_protocol() in (None, conn.protocol)
+                replies[-1] = replies[-1].replace(gid.encode(), b"")
+            incarnation = one.state.incarnation.encode(), other.state.incarnation.encode()
+            mine, theirs = (r.replace(i, b"") for r, i in zip(replies, incarnation))
+            assert mine.startswith(b"HTTP/1.1 200 ") and mine == theirs
+            assert immediate.calls == 0 and usual.calls == 1
+            values = [app.state.store.pull(names)[names[-1]]["value"] for app in (one, other)]
+            assert np.array_equal(values[0], values[1])
+            assert np.isclose(values[0][-1], -0.01 * (64 * 1000 - 1))  # SGD, lr 0.01
 
     asyncio.run(run())
 
