@@ -231,6 +231,21 @@ def test_direct_pull_after_a_restart_pulls_again_what_the_cache_cannot_stand_for
         np.testing.assert_array_equal(ps.pull(["w"])["w"], new)
 
 
+def test_direct_pull_of_a_variable_deleted_and_made_again_by_another_worker(fleet1):
+    # Made again at the version this client holds: only the reply's deletions header says
+    # that its value is another, so the repeated pulls' shortcut past re-checking the
+    # headers must not be taken for it.
+    name = f"again_{uuid.uuid4().hex[:8]}"
+    old, new = np.zeros(4), np.arange(4.0)
+    with PSClient(fleet1.urls) as ps, PSClient(fleet1.urls) as other:
+        ps.init({name: old})
+        for _ in range(2):
+            np.testing.assert_array_equal(ps.pull([name])[name], old)
+        assert other.delete([name]) == [name]
+        assert other.init({name: new})[name] == {"version": 0, "created": True}
+        np.testing.assert_array_equal(ps.pull([name])[name], new)
+
+
 def test_wait_ready_fails_fast_on_a_wrong_shard_list(fleet2):
     with PSClient(list(reversed(fleet2.urls))) as ps:
         with pytest.raises(FleetMismatchError):  # not a NotReadyError after the timeout
