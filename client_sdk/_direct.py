@@ -24,14 +24,15 @@ the push under the same ``seq``, the group registered again, the same errors.
 
 :class:`PullRoute` does the same for a plain pull (no ``newer_than``, ``min_version``,
 ``out``, ``allow_backup``, nor ``wire_dtype``) of a list of names on one such shard, none of
-them partitioned, the shard checked against the list and taking tensor tables: its request's
-head and the body's fixed part are built once per list of names, and each call adds only the
-versions the cache holds (``_cache.py``; read and stored as the general pull does,
-``_verbs/pull.py``, whose :func:`~client_sdk._verbs.pull.take` decodes the reply). A reply
-whose headers are those of the last reply the route accepted is not checked and noted again:
-they name the same shard, incarnation, state version and deletions. A reply
-with rows the cache cannot stand for (the shard restarted) sends the call down the general
-path from its start, as does every other outcome but a ``200`` from its first attempt on.
+them partitioned, every shard checked against the list (as every verb makes sure first) and
+that one taking tensor tables: its request's head and the body's fixed part are built once
+per list of names, and each call adds only the versions the cache holds (``_cache.py``; read
+and stored as the general pull does, ``_verbs/pull.py``, whose
+:func:`~client_sdk._verbs.pull.take` decodes the reply). A reply whose headers are those of
+the last reply the route accepted is not checked and noted again: they name the same shard,
+incarnation, state version and deletions. A reply with rows the cache cannot stand for (the
+shard restarted) sends the call down the general path from its start, as does every other
+outcome but a ``200`` from its first attempt on.
 """
 
 from __future__ import annotations
@@ -309,14 +310,14 @@ class PullRoute:
 
     def pull(self) -> dict[str, np.ndarray] | None:
         """The values of the names, or ``None`` where this call takes the general path
-        from its start (the shard not checked yet, a name known partitioned since)."""
+        from its start (a shard not checked yet, a name known partitioned since)."""
         client = self.client
         if client._closed:
             raise closed_error()
         core = client._core
         fleet, shard, names = core.fleet, self.shard, self.names
         if (
-            not fleet.is_checked(shard)
+            not fleet.all_checked()
             or not fleet.tables[shard]
             or len(names) > fleet.max_names[shard]
             or core.parts.of(names)

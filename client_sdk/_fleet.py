@@ -142,9 +142,10 @@ class Fleet:
         with self._lock:
             return [i for i in range(self.n) if not self._checked[i]]
 
-    def is_checked(self, shard: int) -> bool:
-        """Whether ``shard`` is checked against the list now (one flag read, no lock)."""
-        return self._checked[shard]
+    def all_checked(self) -> bool:
+        """Whether every shard is checked against the list now (:meth:`unchecked` is empty),
+        read without the lock: a verb that finds it true has nothing to check first."""
+        return all(self._checked)
 
     def checked(self, shard: int) -> None:
         with self._lock:

@@ -10,7 +10,7 @@ import httpx2
 import numpy as np
 import pytest
 
-from client_sdk import FleetMismatchError, NotReadyError, PSClient, wire
+from client_sdk import FleetMismatchError, NotReadyError, PSClient, ShardUnavailableError, wire
 from client_sdk.placement import shard_for
 from tests.helpers.eventually import eventually
 from tests.helpers.ports import refused_port
@@ -244,6 +244,20 @@ def test_direct_pull_of_a_variable_deleted_and_made_again_by_another_worker(flee
         assert other.delete([name]) == [name]
         assert other.init({name: new})[name] == {"version": 0, "created": True}
         np.testing.assert_array_equal(ps.pull([name])[name], new)
+
+
+def test_a_pull_from_one_shard_still_checks_every_shard_first(fleet_factory):
+    # As every verb does: a shard of the list that was never checked (it is down) fails the
+    # pull even of names on another one, the direct path's (one shard) included.
+    fleet = fleet_factory(2)
+    name = name_on(0)
+    with PSClient(fleet.urls) as other:
+        other.init({name: np.zeros(2)})
+    fleet.stop(1)
+    with PSClient(fleet.urls, retry_deadline=0.3) as ps:
+        for _ in range(2):  # the first checks shard 0, which the second then finds checked
+            with pytest.raises(ShardUnavailableError):
+                ps.pull([name])
 
 
 def test_wait_ready_fails_fast_on_a_wrong_shard_list(fleet2):
