@@ -362,4 +362,6 @@ class PullRoute:
         if take(core, req, message, (entries, writes), out):
             # rows the cache cannot stand for (the shard restarted): the general path
             return client._drive(_partitioned.pull(core, names))
-        return out
+        if list(out) == names:
+            return out
+        return {name: out[name] for name in names}  # the caller's order, as the general path

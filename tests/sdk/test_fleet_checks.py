@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from client_sdk import FleetMismatchError, NotReadyError, PSClient, ShardUnavailableError, wire
+from client_sdk.optimizers import Add
 from client_sdk.placement import shard_for
 from tests.helpers.eventually import eventually
 from tests.helpers.ports import refused_port
@@ -244,6 +245,18 @@ def test_direct_pull_of_a_variable_deleted_and_made_again_by_another_worker(flee
         assert other.delete([name]) == [name]
         assert other.init({name: new})[name] == {"version": 0, "created": True}
         np.testing.assert_array_equal(ps.pull([name])[name], new)
+
+
+def test_a_pull_answers_in_the_callers_order_whichever_values_changed(fleet1):
+    # The reply puts the values that changed before those the cache stands for.
+    a, b = (f"order_{k}_{uuid.uuid4().hex[:8]}" for k in "ab")
+    with PSClient(fleet1.urls) as ps:
+        ps.init({a: np.zeros(4), b: np.zeros(4)}, Add())
+        assert list(ps.pull([a, b])) == [a, b]
+        ps.push({b: np.ones(4)})
+        pulled = ps.pull([a, b])
+        assert list(pulled) == [a, b]
+        np.testing.assert_array_equal(pulled[b], np.ones(4))
 
 
 def test_a_pull_from_one_shard_still_checks_every_shard_first(fleet_factory):
