@@ -58,7 +58,7 @@ LR, REG = 0.1, 0.002
 #: A run passes at a test RMSE of at most TARGET times the noise floor.
 TARGET = 1.10
 #: Passes over the training ratings, and ratings per step (per worker).
-EPOCHS, BATCH = 5, 4096
+EPOCHS, BATCH = 8, 4096
 
 
 @dataclass(frozen=True)

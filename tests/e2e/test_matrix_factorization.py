@@ -68,7 +68,7 @@ def test_four_asynchronous_workers_reach_the_noise_floor(fleet_factory):
     assert floor == pytest.approx(0.3) and ratio == pytest.approx(rmse / floor, abs=1e-3)
     assert ratio <= mf.TARGET, out[-3000:]
     for k in range(4):  # every worker ran every epoch
-        assert f"[w{k}] epoch 5/5" in out, out[-3000:]
+        assert f"[w{k}] epoch {mf.EPOCHS}/{mf.EPOCHS}" in out, out[-3000:]
     # the fleet's rows give the RMSE the run printed; every user and item has one row, and
     # both shards hold some of each table
     from client_sdk import PSClient
