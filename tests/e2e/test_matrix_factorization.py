@@ -69,18 +69,20 @@ def test_four_asynchronous_workers_reach_the_noise_floor(fleet_factory):
     assert ratio <= mf.TARGET, out[-3000:]
     for k in range(4):  # every worker ran every epoch
         assert f"[w{k}] epoch {mf.EPOCHS}/{mf.EPOCHS}" in out, out[-3000:]
-    # the fleet's rows give the RMSE the run printed; every user and item has one row, and
-    # both shards hold some of each table
+    # the fleet's rows give the RMSE the run printed; every user and item has one row, both
+    # shards hold some of each table, and each shard applied every push: a table's version
+    # counts the pushes applied to it, one per worker step (each batch reaches both shards)
     from client_sdk import PSClient
 
     data = mf.make_ratings()
     with PSClient(fleet.urls, worker_id="check") as ps:
         assert mf.evaluate(ps, data, "mf") == pytest.approx(rmse, abs=1e-4)
+    steps = 4 * mf.EPOCHS * -(-data.part(0, 4)[2].size // mf.BATCH)
     for name, ids in zip(mf.table_names("mf"), (data.train_users, data.train_items)):
-        rows = [
-            httpx2.get(f"{url}/v1/tables/{name}", timeout=10).json()["rows"] for url in fleet.urls
-        ]
+        tables = [httpx2.get(f"{url}/v1/tables/{name}", timeout=10).json() for url in fleet.urls]
+        rows = [t["rows"] for t in tables]
         assert min(rows) > 0 and sum(rows) == np.unique(ids).size
+        assert [t["version"] for t in tables] == [steps, steps]
 
 
 def test_the_numpy_reference_reaches_the_target_and_the_mean_does_not():
