@@ -65,13 +65,13 @@ the same way. When, after a read, at least :data:`BYPASS_BELOW` bytes of such a 
 to come and the answerer's room check (:data:`COLLECT_ROOM_ATTR`) allows a buffer of the body's
 size, the body is collected into one: the pieces so far copied in, the rest written there by
 the kernel through :class:`_DirectReader` as for :class:`BodyInto`, past the parser, and the
-answerer is given that buffer (a ``bytearray``), not pieces joined into a new ``bytes``. A big
-read that starts such a request (a step group's push: the first read brings its head and a few
-hundred KB) is fed to the parser up to the end of the head only; when more of the body is to
-come than the read holds, the body's bytes of that read are copied into the buffer from the
-read itself, with no piece made of them by the parser. A
-shutdown meanwhile lets it finish and closes the connection after its answer, as for a request
-the app is answering. Its answer is written as a shard's responses are (head with body, one
+answerer is given that buffer (a writable ``memoryview``), not pieces joined into a new
+``bytes``. A big read that starts such a request (a step group's push: the first read brings
+its head and a few hundred KB) is fed to the parser up to the end of the head only; when more
+of the body is to come than the read holds, the body's bytes of that read are copied into the
+buffer from the read itself, with no piece made of them by the parser. A shutdown meanwhile
+lets it finish and closes the connection after its answer, as for a request the app is
+answering. Its answer is written as a shard's responses are (head with body, one
 vectored write) and the connection goes on as after any response (keep-alive timer, reading).
 When the answerer declines (``None``: any error, refusal or wait is the app's to answer) or
 fails, the request goes to the app as if the parser had just reached its head, body and end.
@@ -110,6 +110,8 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from .headers import request_headers
 from .readguard import BODY, DEFAULT_LIMITS, HEAD, IDLE, INVALID, EdgeLimits, ReadGuard
@@ -175,11 +177,11 @@ class Immediate:
 
 #: ``answer(headers, body)``: the :class:`Immediate` response to a whole request (``headers``:
 #: its headers, names lower-case, the first of repeated ones; ``body``: all of it, a ``bytes``
-#: or, collected into one buffer, a ``bytearray``), or
+#: or, collected into one buffer, a writable byte ``memoryview``), or
 #: ``None`` to hand the request to the app the usual way, which then answers it. Runs on the
 #: event loop, inside the protocol's parser callback: it must not block, and should not raise
 #: (an exception is logged and the request goes the usual way).
-Answerer = Callable[[dict[bytes, bytes], bytes | bytearray], Immediate | None]
+Answerer = Callable[[dict[bytes, bytes], bytes | memoryview], Immediate | None]
 
 
 class BodyPieces:
@@ -639,15 +641,16 @@ if HttpToolsProtocol is not None:
             size = arrived + self._now_left
             if room is None or not room(size):
                 return
-            buffer = bytearray(size)
-            view = memoryview(buffer)
+            # Not a bytearray: that is zero-filled first, a pass over the body's bytes that the
+            # copies below and the reads make pointless (np.empty memory, as the app's bodies).
+            view = memoryview(np.empty(size, np.uint8))
             pos = 0
             for piece in pieces:
                 view[pos : pos + len(piece)] = piece
                 pos += len(piece)
             into = BodyInto(self, None, size)
             into.received = arrived
-            self._now = (answerer, [buffer])  # type: ignore[list-item]
+            self._now = (answerer, [view])  # type: ignore[list-item]
             self._bypass, self._now_left = size - arrived, 0
             self._into, self._into_buffer = into, view
             if self._direct is None:

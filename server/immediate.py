@@ -200,7 +200,7 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     ) -> Answerer:
         writes = access == WRITE
 
-        def answer(headers: Mapping[bytes, bytes], body: bytes | bytearray) -> Immediate | None:
+        def answer(headers: Mapping[bytes, bytes], body: bytes | memoryview) -> Immediate | None:
             if (
                 not shard.meant_for_me(headers.get(_FLEET_KEY))
                 or not guard.allows(headers, access)
