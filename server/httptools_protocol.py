@@ -69,7 +69,13 @@ answerer is given that buffer (a writable ``memoryview``), not pieces joined int
 ``bytes``. A big read that starts such a request (a step group's push: the first read brings
 its head and a few hundred KB) is fed to the parser up to the end of the head only; when more
 of the body is to come than the read holds, the body's bytes of that read are copied into the
-buffer from the read itself, with no piece made of them by the parser. A shutdown meanwhile
+buffer from the read itself, with no piece made of them by the parser. And once a connection
+has had a body collected into one buffer, it reads at most :data:`SMALL_READ` bytes at a time
+whenever no body is being written into a buffer (:class:`_SmallReads`): the read that brings
+the next such request's head then brings only a little of its body, and the rest is read
+straight into its buffer, where the loop's own reads (uvloop's are 256 KiB) would first copy
+most of the body into a ``bytes`` object that is then copied again into the buffer. A
+shutdown meanwhile
 lets it finish and closes the connection after its answer, as for a request the app is
 answering. Its answer is written as a shard's responses are (head with body, one
 vectored write) and the connection goes on as after any response (keep-alive timer, reading).
@@ -108,6 +114,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -150,6 +157,9 @@ IMMEDIATE = "immediate"
 #: Only requests with a ``Content-Length`` below this are answered immediately (unless their
 #: answerer collects bigger bodies: :data:`COLLECT_BELOW_ATTR`).
 ANSWER_BELOW = 64 * 1024
+#: The most a connection that has had a body collected into one buffer reads at a time
+#: (:class:`_SmallReads`): a request answered immediately, head and body, still comes in one.
+SMALL_READ = ANSWER_BELOW + 16 * 1024
 #: The attribute of an :data:`Answerer` that takes bodies over several reads: the
 #: ``Content-Length`` (exclusive) below which its requests are collected until whole.
 COLLECT_BELOW_ATTR = "collect_below"
@@ -323,6 +333,9 @@ if HttpToolsProtocol is not None:
         _into: BodyInto | None = None
         _into_buffer: memoryview | None = None
         _direct: _DirectReader | None = None
+        #: The transport's protocol whenever no body is read into a buffer, once a body was
+        #: collected into one on this connection (:class:`_SmallReads`).
+        _small: _SmallReads | None = None
 
         #: Set while the current request is to be answered immediately: the answerer and
         #: the body's pieces so far; whether its body may take several reads; whether a
@@ -655,6 +668,8 @@ if HttpToolsProtocol is not None:
             self._into, self._into_buffer = into, view
             if self._direct is None:
                 self._direct = _DirectReader(self)
+            if self._small is None:
+                self._small = _SmallReads(self)
             self.transport.set_protocol(self._direct)
 
         def _receive_into(self, into: BodyInto, buffer: memoryview) -> bool:
@@ -701,7 +716,7 @@ if HttpToolsProtocol is not None:
             # it may hold the buffer, and the scope holds this BodyInto in a reference cycle.)
             into.watch = None  # type: ignore[union-attr]
             self._into = self._into_buffer = None
-            self.transport.set_protocol(self)
+            self.transport.set_protocol(self._small or self)
             self.parser = new_parser(self)
             self.on_message_complete()
 
@@ -771,6 +786,45 @@ if HttpToolsProtocol is not None:
 
         def is_closing(self) -> bool:
             return self.transport.is_closing()
+
+    _reads = threading.local()
+
+    def _small_buffer() -> memoryview:
+        """This thread's buffer for :class:`_SmallReads` (each read is copied out of it before
+        anything else runs on the thread, so all the connections of a loop share one)."""
+        buffer = getattr(_reads, "buffer", None)
+        if buffer is None:
+            buffer = _reads.buffer = memoryview(bytearray(SMALL_READ))
+        return buffer
+
+    class _SmallReads(asyncio.BufferedProtocol):
+        """The transport's protocol on a connection that has had a body collected into one
+        buffer, whenever no body is being read into a buffer: each read, at most
+        :data:`SMALL_READ` bytes, goes to the HTTP protocol's ``data_received`` as ``bytes``;
+        the other callbacks go to the HTTP protocol (see the module)."""
+
+        __slots__ = ("http",)
+
+        def __init__(self, http: ShardHttpProtocol) -> None:
+            self.http = http
+
+        def get_buffer(self, sizehint: int) -> memoryview:
+            return _small_buffer()
+
+        def buffer_updated(self, nbytes: int) -> None:
+            self.http.data_received(_small_buffer()[:nbytes].tobytes())
+
+        def eof_received(self) -> bool | None:
+            return self.http.eof_received()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.http.connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            self.http.pause_writing()
+
+        def resume_writing(self) -> None:
+            self.http.resume_writing()
 
     class _DirectReader(asyncio.BufferedProtocol):
         """The transport's protocol while a body is written into the app's buffer: reads go

@@ -21,6 +21,7 @@ from server.httptools_protocol import (
     COLLECT_BELOW_ATTR,
     COLLECT_ROOM_ATTR,
     IMMEDIATE,
+    SMALL_READ,
     ShardHttpProtocol,
 )
 from server.immediate import COLLECT_GROUP_BELOW, COLLECT_ROWS_BELOW
@@ -92,7 +93,7 @@ def test_the_rest_of_a_big_collected_body_is_read_into_one_buffer(monkeypatch):
                 direct = isinstance(conn.transport.get_protocol(), asyncio.BufferedProtocol)
                 assert direct == room
                 mine = await conn.send(data[third:])
-                assert conn.transport.get_protocol() in (None, conn.protocol)
+                assert conn.transport.get_protocol() in (None, conn.protocol, conn.protocol._small)
                 theirs = await _in_pieces(Connection(usual), data)
                 assert mine.startswith(b"HTTP/1.1 200 ")
                 assert mine.replace(incarnations[0], b"") == theirs.replace(incarnations[1], b"")
@@ -194,7 +195,11 @@ def test_the_body_in_the_read_that_brings_a_collected_heads_goes_to_the_buffer(m
                 replies.append(await conn.send(data[len(data) // 3 :]))
                 if app is immediate:
                     assert parsed == []
-                    assert conn.transport.get_protocol() in (None, conn.protocol)
+                    assert conn.transport.get_protocol() in (
+                        None,
+                        conn.protocol,
+                        conn.protocol._small,
+                    )
                 replies[-1] = replies[-1].replace(gid.encode(), b"")
             incarnation = one.state.incarnation.encode(), other.state.incarnation.encode()
             mine, theirs = (r.replace(i, b"") for r, i in zip(replies, incarnation))
@@ -203,6 +208,71 @@ def test_the_body_in_the_read_that_brings_a_collected_heads_goes_to_the_buffer(m
             values = [app.state.store.pull(names)[names[-1]]["value"] for app in (one, other)]
             assert np.array_equal(values[0], values[1])
             assert np.isclose(values[0][-1], -0.01 * (64 * 1000 - 1))  # SGD, lr 0.01
+
+    asyncio.run(run())
+
+
+def test_after_a_collected_body_a_connection_reads_little_before_the_next_one(monkeypatch):
+    """Once a connection has had a body collected into one buffer, it reads at most SMALL_READ
+    bytes at a time: the next group push arriving all at once brings its head and a little of
+    its body in its first read (copied into the body's buffer, not parsed), the rest is read
+    into the buffer; a small request on it is still answered at once; the answers and values
+    are the app's."""
+    names = [f"g{i}" for i in range(64)]
+    reads: list[int] = []
+    parsed: list[int] = []
+    data_received, on_body = ShardHttpProtocol.data_received, ShardHttpProtocol.on_body
+
+    def counted_read(self, data):
+        reads.append(len(data))
+        return data_received(self, data)
+
+    def counted_body(self, body):
+        parsed.append(len(body))
+        return on_body(self, body)
+
+    monkeypatch.setattr(ShardHttpProtocol, "data_received", counted_read)
+    monkeypatch.setattr(ShardHttpProtocol, "on_body", counted_body)
+
+    def group_push(gid: str, seq: int) -> bytes:
+        grads = np.full(64 * 1000, seq, np.float32).data.cast("B")
+        enc = group_wire.encode(
+            {"group": gid, "worker_id": "w", "seq": seq}, None, "grads", "<f4", [grads], len(grads)
+        )
+        return request(path="/v1/group_push", body=enc.join(), ctype=enc.content_type)
+
+    async def run() -> None:
+        async with shard() as (one, immediate, _), shard() as (other, _, usual):
+            ids = []
+            for app in (one, other):
+                store = app.state.store
+                store.init({n: (np.zeros(1000, np.float32), None) for n in names})
+                ids.append(store.groups.register(store, names, 64, 1 << 20).id)
+            mine_conn, theirs_conn = Connection(immediate), Connection(usual)
+            pull = request()  # a small pull, answered in the protocol
+            for seq in (1, 2, 3):
+                data = group_push(ids[0], seq)
+                reads.clear()
+                parsed.clear()
+                if seq == 1:  # over several reads: collected into one buffer
+                    mine = await _in_pieces(mine_conn, data)
+                else:  # all at once, as a socket holding all of it would give it
+                    mine = await mine_conn.send(data)
+                    assert max(reads) <= SMALL_READ < len(data) and parsed == []
+                theirs = await theirs_conn.send(group_push(ids[1], seq))
+                mine = mine.replace(ids[0].encode(), b"").replace(
+                    one.state.incarnation.encode(), b""
+                )
+                theirs = theirs.replace(ids[1].encode(), b"")
+                assert mine.startswith(b"HTTP/1.1 200 ")
+                assert mine == theirs.replace(other.state.incarnation.encode(), b"")
+                calls = immediate.calls
+                assert (await mine_conn.send(pull)).startswith(b"HTTP/1.1 200 ")
+                assert immediate.calls == calls  # answered in the protocol, as before
+            assert immediate.calls == 0
+            values = [app.state.store.pull(names)[names[-1]]["value"] for app in (one, other)]
+            assert np.array_equal(values[0], values[1])
+            assert np.isclose(values[0][0], -0.01 * 6)  # SGD, lr 0.01: 1 + 2 + 3
 
     asyncio.run(run())
 
