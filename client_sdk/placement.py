@@ -14,6 +14,7 @@ arithmetic modulo 2**64), then jump consistent hash of that key.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 
@@ -27,6 +28,7 @@ __all__ = [
     "name_key",
     "row_keys",
     "row_shard",
+    "rows_on",
     "shard_for",
     "validate_name",
 ]
@@ -90,14 +92,20 @@ def shard_for(name: str, num_shards: int) -> int:
 _M = np.uint64
 _GOLDEN = _M(0x9E3779B97F4A7C15)
 _JUMP = _M(2862933555777941757)
+_TOP = _M(1 << 63)
 
 
 def row_keys(table: str, ids: np.ndarray) -> np.ndarray:
     """The 64-bit placement keys (uint64 [n]) of rows ``ids`` (int64 [n]) of ``table``."""
     from .embedding import mix64  # imports numpy only; placement stays importable alone
 
-    keys = np.asarray(ids, dtype=np.int64).view(np.uint64)
-    return mix64(_M(name_key(table)) + keys * _GOLDEN)
+    keys = np.asarray(ids, dtype=np.int64).view(np.uint64) * _GOLDEN
+    keys += _M(_table_key(table))
+    return mix64(keys)
+
+
+#: A table's :func:`name_key`, kept: every push and pull of its rows places them.
+_table_key = functools.lru_cache(maxsize=1024)(name_key)
 
 
 def jump_hash_array(keys: np.ndarray, num_buckets: int) -> np.ndarray:
@@ -141,6 +149,26 @@ def row_shard(table: str, ids: np.ndarray, num_shards: int) -> np.ndarray:
     if num_shards == 1:
         return np.zeros(len(ids), dtype=np.int64)
     return jump_hash_array(row_keys(table, ids), num_shards)
+
+
+def rows_on(table: str, ids: np.ndarray, num_shards: int, shard: int) -> bool:
+    """Whether every row ``ids`` (int64 [n]) of ``table`` is on ``shard``: what
+    ``(row_shard(table, ids, num_shards) == shard).all()`` says, in fewer passes for 2
+    shards (a shard checking the rows of each request it is sent)."""
+    if not len(ids):
+        return True
+    if num_shards == 1:
+        return shard == 0
+    if num_shards != 2:
+        return bool((row_shard(table, ids, num_shards) == shard).all())
+    # The bucket is the top bit of the stepped key (jump_hash_array): all 0 for shard 0, all
+    # 1 for shard 1; one reduction tells, with no array of buckets.
+    stepped = row_keys(table, ids)
+    stepped *= _JUMP
+    stepped += _M(1)
+    if shard == 0:
+        return bool(stepped.max() < _TOP)
+    return shard == 1 and bool(stepped.min() >= _TOP)
 
 
 def _is_int(value: object) -> bool:

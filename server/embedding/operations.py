@@ -21,7 +21,7 @@ import numpy as np
 
 from client_sdk.embedding import TableSpec, segment_sum, spec_from_wire
 from client_sdk.optimizers import SpecError
-from client_sdk.placement import row_shard
+from client_sdk.placement import row_shard, rows_on
 
 from .. import optim
 from ..errors import ShardError
@@ -122,7 +122,7 @@ def check_ids(name: str, ids: Any, max_ids: int, shard_index: int, num_shards: i
         )
     if ids.dtype != np.int64:
         ids = ids.astype(np.int64)
-    if num_shards > 1 and len(ids):
+    if num_shards > 1 and len(ids) and not rows_on(name, ids, num_shards, shard_index):
         owners = row_shard(name, ids, num_shards)
         wrong = np.flatnonzero(owners != shard_index)
         if len(wrong):

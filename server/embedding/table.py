@@ -150,8 +150,11 @@ class EmbeddingTable:
                 "ids per push",
                 {"table": self.name, "limit": room, "rows": len(self.index)},
             )
-        old = ~new
-        have = where[old] if fresh else where
+        if fresh:
+            old = ~new
+            have = where[old]
+        else:
+            have = where
         value = np.empty((len(ids), self.dim), np.float32)
         state = {key: np.empty_like(value) for key in self._slot_names}
         step = np.empty((len(ids), 1), np.int64)

@@ -19,7 +19,7 @@ from client_sdk.embedding import (
     spec_from_wire,
 )
 from client_sdk.optimizers import SGD, Adam, Cosine, SpecError
-from client_sdk.placement import jump_hash, jump_hash_array, row_keys, row_shard
+from client_sdk.placement import jump_hash, jump_hash_array, row_keys, row_shard, rows_on
 
 VECTORS = {  # docs/PROTOCOL.md §1, table "emb": id -> (row_key, shard for N=1, 2, 3, 4, 8, 100)
     0: (0x1C8DFF301EFC0E0C, (0, 1, 1, 1, 1, 32)),
@@ -49,6 +49,25 @@ def test_vectorized_jump_hash_is_the_scalar_one():
         assert jump_hash_array(keys, n).tolist() == [jump_hash(int(k), n) for k in keys]
     with pytest.raises(ValueError):
         jump_hash_array(keys, 0)
+
+
+def test_rows_on_says_whether_every_row_is_on_the_shard():
+    rng = np.random.default_rng(3)
+    ids = np.concatenate(
+        [list(VECTORS), rng.integers(-(2**63), 2**63 - 1, 2000, dtype=np.int64), [-(2**63)]]
+    ).astype(np.int64)
+    for n in (1, 2, 3, 5):
+        owners = row_shard("emb", ids, n)
+        for shard in range(n):
+            mine = ids[owners == shard]
+            assert rows_on("emb", mine, n, shard)
+            assert rows_on("emb", ids, n, shard) == (n == 1)
+            for one in ids[:40]:  # a single row: on its shard, on no other
+                assert rows_on("emb", np.array([one]), n, shard) == (
+                    row_shard("emb", np.array([one]), n)[0] == shard
+                )
+        assert rows_on("emb", ids[:0], n, n - 1)  # no rows: all of them are anywhere
+    assert not rows_on("emb", ids[:1], 2, 2)  # no shard 2 of 2
 
 
 def test_growing_a_fleet_moves_rows_only_to_the_new_shard():
