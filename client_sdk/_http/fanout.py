@@ -4,11 +4,11 @@ A call that touches several ``http://`` shards sends one request to each. Giving
 thread costs every request a hand-off (a pool thread woken, the GIL passed back and forth, a
 future waited on: several voluntary context switches per call, on top of the HTTP).
 :func:`exchange_all` instead drives all of them
-from the caller's thread over non-blocking sockets and one :mod:`selectors` selector: each
+from the caller's thread over non-blocking sockets and one ``select.poll`` object: each
 request's head and body buffers go out with ``sendmsg`` as its socket takes bytes, and each
 reply is read into its connection's buffer, or a big body into its own preallocated buffer, as
 it arrives (the connections' own sending and receiving, ``connection.py``, resumed whenever
-the selector says their socket is ready).
+``poll`` says their socket is ready).
 
 The rules are the blocking pool's (``pool.py``): each exchange holds its connection alone,
 taken idle from the :class:`~client_sdk._http.pool.HTTPPool` or opened anew (new connections are
@@ -20,7 +20,7 @@ exchange's failure or timeout ends that exchange alone. Failures are the pool's
 translate and retry.
 
 An exchange given an :class:`~client_sdk._abort.Abort` is cut short when it is fired (its
-socket shut down: the selector sees it ready, and its receive or send fails), as in the pool.
+socket shut down: ``poll`` sees it ready, and its receive or send fails), as in the pool.
 
 Thread-safety: :func:`exchange_all` may run in several threads at once over one pool. It blocks
 until every exchange ended.
@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import math
+import select
 import selectors
 import socket
 import time
@@ -47,13 +49,24 @@ __all__ = ["Outcome", "exchange_all"]
 Outcome = Response | httpx2.HTTPError
 Submit = Callable[..., "concurrent.futures.Future[BlockingConnection]"]
 
-_Selector = getattr(selectors, "PollSelector", selectors.SelectSelector)
+_POLL = getattr(select, "poll", None)
+_READ, _WRITE = getattr(select, "POLLIN", 1), getattr(select, "POLLOUT", 4)
 
 
 class _Flight:
     """One exchange under way on its connection: sending, then receiving."""
 
-    __slots__ = ("index", "origin", "conn", "steps", "receiving", "deadline", "max_reply", "into")
+    __slots__ = (
+        "index",
+        "origin",
+        "conn",
+        "fd",
+        "steps",
+        "receiving",
+        "deadline",
+        "max_reply",
+        "into",
+    )
 
     def __init__(
         self,
@@ -66,6 +79,7 @@ class _Flight:
         self.index = index
         self.origin = exchange.origin
         self.conn = conn
+        self.fd = -1  # its socket's, while it is waited for (_Waiting)
         self.steps: Generator[None, None, Any] | None = conn.sending(exchange.views())
         self.receiving = False
         self.deadline = deadline  # for the whole exchange
@@ -104,7 +118,7 @@ def exchange_all(pool: HTTPPool, exchanges: Sequence[Exchange], submit: Submit) 
     outcomes: list[Outcome | None] = [None] * len(exchanges)
     flights = _take_off(pool, exchanges, submit, outcomes)
     held = [(exchanges[f.index].abort, f.conn) for f in flights if exchanges[f.index].abort]
-    for abort, conn in held:  # fired: its socket shut down, the selector sees it at once
+    for abort, conn in held:  # fired: its socket shut down, poll sees it at once
         abort.hold(id(conn), functools.partial(conn.sock.shutdown, socket.SHUT_RDWR))  # type: ignore[union-attr]
     try:
         _fly(pool, flights, outcomes)
@@ -162,45 +176,89 @@ def _close_opened(future: concurrent.futures.Future[BlockingConnection]) -> None
         future.result().close()
 
 
+class _Waiting:
+    """The flights waiting for their socket to be writable (sending) or readable (receiving),
+    by file descriptor: one ``select.poll`` object, whose calls are all this needs (a
+    selector where there is none, as on Windows)."""
+
+    __slots__ = ("flights", "_poll", "_selector")
+
+    def __init__(self) -> None:
+        self.flights: dict[int, _Flight] = {}
+        self._poll = _POLL() if _POLL is not None else None
+        self._selector = None if _POLL is not None else selectors.SelectSelector()
+
+    def add(self, flight: _Flight) -> None:
+        fd = flight.fd = flight.conn.sock.fileno()
+        self.flights[fd] = flight
+        if self._poll is not None:
+            self._poll.register(fd, _READ if flight.receiving else _WRITE)
+        else:
+            mask = selectors.EVENT_READ if flight.receiving else selectors.EVENT_WRITE
+            self._selector.register(fd, mask)  # type: ignore[union-attr]
+
+    def now_reading(self, flight: _Flight) -> None:
+        if self._poll is not None:
+            self._poll.modify(flight.fd, _READ)
+        else:
+            self._selector.modify(flight.fd, selectors.EVENT_READ)  # type: ignore[union-attr]
+
+    def drop(self, flight: _Flight) -> None:
+        del self.flights[flight.fd]
+        if self._poll is not None:
+            self._poll.unregister(flight.fd)
+        else:
+            self._selector.unregister(flight.fd)  # type: ignore[union-attr]
+
+    def ready(self, timeout: float) -> list[_Flight]:
+        """The flights whose socket is ready (or failed), waiting up to ``timeout`` seconds."""
+        flights = self.flights
+        if self._poll is not None:
+            return [flights[fd] for fd, _ in self._poll.poll(math.ceil(max(0.0, timeout) * 1e3))]
+        return [flights[key.fd] for key, _ in self._selector.select(max(0.0, timeout))]  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        if self._selector is not None:
+            self._selector.close()
+
+
 def _fly(pool: HTTPPool, flights: list[_Flight], outcomes: list[Outcome | None]) -> None:
     """Drive the flights until each has its outcome."""
-    with _Selector() as selector:
+    waiting = _Waiting()
+    try:
         for flight in flights:
             try:
                 flight.step()
             except httpx2.HTTPError as exc:
                 _fail(flight, exc, outcomes)
                 continue
-            selector.register(
-                flight.conn.sock,
-                selectors.EVENT_READ if flight.receiving else selectors.EVENT_WRITE,
-                flight,
-            )
-        pending = selector.get_map()
+            waiting.add(flight)
+        pending = waiting.flights
         while pending:
-            soonest = min(key.data.deadline for key in pending.values())
-            ready = selector.select(max(0.0, soonest - time.monotonic()))
+            soonest = min(flight.deadline for flight in pending.values())
+            ready = waiting.ready(soonest - time.monotonic())
             now = time.monotonic()
-            for key, _ in ready:
-                flight = key.data
+            for flight in ready:
                 sending = not flight.receiving
                 try:
                     result = flight.step()
                     if sending:
                         if flight.receiving:
-                            selector.modify(key.fileobj, selectors.EVENT_READ, flight)
+                            waiting.now_reading(flight)
                         continue
                 except httpx2.HTTPError as exc:
-                    selector.unregister(key.fileobj)
+                    waiting.drop(flight)
                     _fail(flight, exc, outcomes)
                     continue
                 if result is not None:
-                    selector.unregister(key.fileobj)
+                    waiting.drop(flight)
                     outcomes[flight.index] = result[0]
                     pool.release(flight.origin, flight.conn, result[1])
-            for key in [key for key in pending.values() if key.data.deadline <= now]:
-                selector.unregister(key.fileobj)
-                _fail(key.data, key.data.timed_out(), outcomes)
+            for flight in [flight for flight in pending.values() if flight.deadline <= now]:
+                waiting.drop(flight)
+                _fail(flight, flight.timed_out(), outcomes)
+    finally:
+        waiting.close()
 
 
 def _fail(flight: _Flight, exc: httpx2.HTTPError, outcomes: list[Outcome | None]) -> None:

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from client_sdk import AsyncPSClient, PSClient, ShardUnavailableError
 from client_sdk._abort import Abort
 from client_sdk._core import Core
-from client_sdk._http import connection
+from client_sdk._http import connection, fanout
 from client_sdk._http.asyncpool import AsyncHTTPPool
 from client_sdk._http.fanout import exchange_all
 from client_sdk._http.http11 import MAX_IOV, SEND_SLICE, Exchange, Origin, advance, next_send
@@ -342,7 +342,15 @@ def submit(fn, *args):
     return future
 
 
-def test_exchanges_run_at_once_from_one_thread_and_reuse_their_connections(scripted):
+@pytest.fixture(params=["poll", "selector"])
+def waits_with(request, monkeypatch):
+    """exchange_all waiting on select.poll, and on a selector as where there is no poll."""
+    if request.param == "selector":
+        monkeypatch.setattr(fanout, "_POLL", None)
+    return request.param
+
+
+def test_exchanges_run_at_once_from_one_thread_and_reuse_their_connections(scripted, waits_with):
     gate = threading.Barrier(2)
     payload = np.arange(2_000_000, dtype=np.uint8).tobytes()
 
@@ -368,7 +376,7 @@ def test_exchanges_run_at_once_from_one_thread_and_reuse_their_connections(scrip
     assert [s.requests for s in servers] == [[("POST", "/x")] * 2] * 2
 
 
-def test_one_exchange_failing_ends_it_alone(scripted):
+def test_one_exchange_failing_ends_it_alone(scripted, waits_with):
     release = threading.Event()
 
     def silent(conn: socket.socket, method: str, path: str) -> bool:
