@@ -67,11 +67,30 @@ async def register(request: Request) -> Response:
 
 
 def group_pull_reply(store: ParameterStore, group: Group, as_arrays: bool) -> wire.Encoded:
-    """A group pull's reply: the versions and the values, one flat tensor."""
+    """A group pull's reply: the versions and the values, one flat tensor. Its header (the
+    group's id, the tensors' types, sizes and offsets) is the same at every pull of a group,
+    so it is encoded at the first and kept (:attr:`Group.pull_head
+    <server.store.groups.Group.pull_head>`) with the padding around the versions."""
     versions, pieces = group.read(as_arrays)
-    return group_wire.encode(
-        {"group": group.id}, versions, "values", group.dtype.str, pieces, group.nbytes
-    )
+    versions = np.ascontiguousarray(versions, group_wire.VERSIONS_DTYPE)
+    kept = group.pull_head
+    if kept is None:
+        encoded = group_wire.encode(
+            {"group": group.id}, versions, "values", group.dtype.str, pieces, group.nbytes
+        )
+        # [prefix, header, padding, versions, (padding,) *pieces]
+        chunks = encoded.chunks
+        kept = group.pull_head = (
+            b"".join(chunks[:3]),
+            b"".join(chunks[4 : len(chunks) - len(pieces)]),
+        )
+    before, between = kept
+    chunks: list[wire.Buffer] = [before, versions.data.cast("B")]
+    if between:
+        chunks.append(between)
+    chunks += pieces
+    size = len(before) + versions.nbytes + len(between) + group.nbytes
+    return wire.Encoded(wire.FRAME, chunks, size)
 
 
 @router.post("/group_pull", openapi_extra=BODY_DOC)

@@ -76,6 +76,7 @@ class Group:
         "uniform",
         "pushable",
         "checked_at",
+        "pull_head",
     )
 
     def __init__(self, gid: str, variables: list[Variable], checked_at: tuple[int, int]) -> None:
@@ -100,6 +101,10 @@ class Group:
         self.pushable = self.dtype.kind == "f"
         #: The store's (deletions, restores) when the variables were last found current.
         self.checked_at = checked_at
+        #: What a pull's reply body holds besides the versions and values, which never
+        #: changes for a group: the bytes before the versions, and those between them and
+        #: the values (:func:`server.routes_groups.group_pull_reply`); made at the first pull.
+        self.pull_head: tuple[bytes, bytes] | None = None
 
     def describe(self) -> dict[str, Any]:
         """The registration's answer (docs/PROTOCOL.md, Step groups)."""

@@ -80,3 +80,28 @@ def test_a_group_push_with_its_group_does_what_a_push_by_name_does(shapes):
     assert answers[0] == answers[1]
     assert answers[0][2]["v0"]["staleness"] == 2 and answers[0][3]["v0"]["status"] == "duplicate"
     assert answers[0][4] == "bad_tensor"
+
+
+@pytest.mark.parametrize("shapes", [[(3,)] * 4, [(3,), (2, 2), (1,), (5,)]], ids=["rows", "mixed"])
+def test_a_group_pull_reply_is_what_encoding_it_whole_gives(shapes):
+    """A group pull's reply keeps its header from the first pull: every later pull, with other
+    versions and values, is byte for byte what encoding the reply whole gives."""
+    from client_sdk.wire import groups as group_wire
+    from server.routes_groups import group_pull_reply
+
+    names = [f"v{i}" for i in range(len(shapes))]
+    store = ParameterStore(0, 1)
+    store.init({n: (np.ones(s, np.float32), None) for n, s in zip(names, shapes)})
+    group = store.groups.register(store, names, 16, 1 << 20)
+    flat = np.full(group.nbytes // 4, 0.5, np.float32)
+    for seq in range(3):
+        for as_arrays in (True, False):
+            got = group_pull_reply(store, group, as_arrays)
+            versions, pieces = group.read(as_arrays)
+            whole = group_wire.encode(
+                {"group": group.id}, versions, "values", "<f4", pieces, group.nbytes
+            )
+            assert got.join() == whole.join() and got.nbytes == whole.nbytes
+            assert got.nbytes == len(got.join())
+        _group_push(store, group, seq, flat)
+    assert group.pull_head is not None
