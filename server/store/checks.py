@@ -101,7 +101,7 @@ def all_finite(a: np.ndarray) -> bool:
     dtype = a.dtype
     if dtype.kind != "f" or a.size == 0:
         return True
-    if dtype.itemsize >= 4:  # BLAS raises no floating-point warnings: no errstate needed
+    if dtype.itemsize >= 4:  # may warn of an overflow: under the caller's errstate
         flat = a if a.ndim == 1 else a.reshape(-1)
         total = float(np.dot(flat, flat))
     elif a.size <= SMALL_CHECK:
