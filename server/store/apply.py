@@ -47,7 +47,7 @@ from .checks import grad_to_apply, native, tensor_error
 from .journal import decided
 from .operations import Assign, Increment, Init, Push
 from .slab import homes
-from .variable import Variable
+from .variable import Variable, none_held
 
 __all__ = [
     "OFFLOAD_BYTES",
@@ -165,10 +165,8 @@ def one_update(
     for var in variables:
         if var.optimizer is not opt:
             return None
-        if var.shared:
-            if var.held():
-                return None
-            var.shared = False
+    if not none_held(variables):
+        return None
     return slab.rows(dtype, shape), opt
 
 

@@ -46,7 +46,7 @@ from .rounds import Round, RoundStats
 from .slab import Slab
 from .staleness import EMPTY, Window
 
-__all__ = ["REFCOUNTS", "Variable"]
+__all__ = ["REFCOUNTS", "Variable", "none_held"]
 
 #: Whether reference counts can tell that no reader holds a value any more (CPython's are
 #: exact). Elsewhere a value, once handed out, counts as held until an update replaces it.
@@ -350,3 +350,23 @@ class Variable:
             "nbytes": self.value.nbytes,
             **self.mode.summary(),
         }
+
+
+def none_held(variables: list[Variable]) -> bool:
+    """Whether no reader holds the value of any of ``variables``: :meth:`Variable.held` for
+    many at once, the same reference counts read without a method call per variable (a step
+    group's push asks it of every member of a slab). Each one found not held is marked not
+    shared, as :meth:`Variable.target` does; stops at the first one held."""
+    if not REFCOUNTS:
+        return not any(var.shared for var in variables)
+    refs, once = _refs, _HELD_ONCE
+    for var in variables:
+        if var.shared:
+            # No local names for the arrays here: each would add a reference of its own.
+            if var._view is not None:
+                if refs(var._view) > once or refs(var.value) > once + 1:
+                    return False
+            elif refs(var.value) > once:
+                return False
+            var.shared = False
+    return True

@@ -274,6 +274,13 @@ def test_a_push_to_all_of_a_slab_is_one_update_and_the_same_as_one_by_one(monkey
     del reply
     assert push(grads.copy()) == [(4,)] * 3  # the values come home one by one
     assert push(grads.copy()) == [(3, 4)]
+    kept = store.pull(["b"])["b"]["value"]  # a reader of one member
+    before = kept.copy()
+    assert push(grads.copy()) == [(4,)] * 3
+    np.testing.assert_array_equal(kept, before)
+    del kept
+    assert push(grads.copy()) == [(4,)] * 3  # b comes home
+    assert push(grads.copy()) == [(3, 4)]
     assert push(grads[:2].copy(), names[:2]) == [(4,)] * 2  # not every member
     assert push(grads[::-1].copy(), names[::-1]) == [(4,)] * 3  # not in the slab's order
     assert push(grads.copy(), cast=True) == [(4,)] * 3  # cast first, one by one
