@@ -41,6 +41,7 @@ import numpy as np
 
 from ..errors import ShardError
 from .checks import native
+from .variable import export_all
 
 if TYPE_CHECKING:
     from .state import StoreState
@@ -129,7 +130,7 @@ class Group:
         order, all home. ``as_arrays``: the pieces as ndarrays (for a vectored write, which
         takes any buffer), else byte memoryviews."""
         variables = self.variables
-        values = [v.export() for v in variables]
+        values = export_all(variables)
         versions = self.versions()
         slab = variables[0]._slab
         if slab is not None and not slab.away and variables == slab.members:

@@ -46,7 +46,7 @@ from .rounds import Round, RoundStats
 from .slab import Slab
 from .staleness import EMPTY, Window
 
-__all__ = ["REFCOUNTS", "Variable", "none_held"]
+__all__ = ["REFCOUNTS", "Variable", "export_all", "none_held"]
 
 #: Whether reference counts can tell that no reader holds a value any more (CPython's are
 #: exact). Elsewhere a value, once handed out, counts as held until an update replaces it.
@@ -370,3 +370,15 @@ def none_held(variables: list[Variable]) -> bool:
                 return False
             var.shared = False
     return True
+
+
+def export_all(variables: list[Variable]) -> list[np.ndarray]:
+    """:meth:`Variable.export` of each of ``variables``, in order, without a method call per
+    variable where the read-only view is made already (a step group's pull exports every
+    member of a slab)."""
+    out = []
+    for var in variables:
+        var.shared = True
+        view = var._view
+        out.append(view if view is not None else var.export())
+    return out

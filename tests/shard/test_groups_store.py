@@ -105,3 +105,27 @@ def test_a_group_pull_reply_is_what_encoding_it_whole_gives(shapes):
             assert got.nbytes == len(got.join())
         _group_push(store, group, seq, flat)
     assert group.pull_head is not None
+
+
+def test_a_group_pull_reply_being_written_keeps_its_bytes_through_pushes():
+    """A group pull's reply holds its values' memory while it is written: a group push
+    meanwhile writes elsewhere, so the reply's bytes do not change; once the reply is gone
+    the values go on from what the pushes made."""
+    from server.routes_groups import group_pull_reply
+
+    names = [f"v{i}" for i in range(4)]
+    store = ParameterStore(0, 1)
+    store.init({n: (np.ones(3, np.float32), None) for n in names})
+    group = store.groups.register(store, names, 16, 1 << 20)
+    flat = np.full(12, 0.5, np.float32)
+    group_pull_reply(store, group, True)  # pulled, the reply gone: the training loop
+    _group_push(store, group, 0, flat.copy())  # in place (the store may use its memory)
+    reply = group_pull_reply(store, group, True)
+    sent = b"".join(bytes(memoryview(c).cast("B")) for c in reply.chunks)
+    for seq in (1, 2):
+        _group_push(store, group, seq, flat.copy())
+        assert b"".join(bytes(memoryview(c).cast("B")) for c in reply.chunks) == sent
+    del reply
+    _group_push(store, group, 3, flat.copy())
+    got = store.pull(names)
+    assert all(np.allclose(got[n]["value"], 1 - 0.01 * 0.5 * 4) for n in names)  # SGD, lr 0.01
