@@ -38,6 +38,30 @@ def _big_push(seq: int) -> bytes:
     return data
 
 
+#: The members of the step group the group-push tests register: 64 float32 variables of 1,000.
+GROUP = [f"g{i}" for i in range(64)]
+
+
+def _register_group(*apps) -> list[str]:
+    """Make :data:`GROUP`'s variables (zeros) on each app's store and register it there; the
+    groups' ids, in the apps' order."""
+    ids = []
+    for app in apps:
+        store = app.state.store
+        store.init({n: (np.zeros(1000, np.float32), None) for n in GROUP})
+        ids.append(store.groups.register(store, GROUP, 64, 1 << 20).id)
+    return ids
+
+
+def _group_push(gid: str, seq: int) -> bytes:
+    """A push of ``seq`` into every value of group ``gid``: 256,000 bytes of gradients."""
+    grads = np.full(64 * 1000, seq, np.float32).data.cast("B")
+    enc = group_wire.encode(
+        {"group": gid, "worker_id": "w", "seq": seq}, None, "grads", "<f4", [grads], len(grads)
+    )
+    return request(path="/v1/group_push", body=enc.join(), ctype=enc.content_type)
+
+
 async def _in_pieces(conn: Connection, data: bytes, pieces: int = 3) -> bytes:
     """Feed ``data`` in ``pieces`` reads; what was written once its reply is complete."""
     cuts = np.linspace(0, len(data), pieces + 1).astype(int).tolist()
@@ -117,24 +141,15 @@ def test_the_rest_of_a_big_collected_body_is_read_into_one_buffer(monkeypatch):
 def test_a_group_push_over_several_reads_is_answered_at_once_with_the_apps_bytes():
     """A step group's push (64 x 1,000 float32: above ANSWER_BELOW) is collected and applied
     in the protocol, as the app would answer it (server.immediate, COLLECT_GROUP_BELOW)."""
-    names = [f"g{i}" for i in range(64)]
 
     def group_push(gid: str, seq: int) -> bytes:
-        grads = np.full(64 * 1000, seq, np.float32).data.cast("B")
-        enc = group_wire.encode(
-            {"group": gid, "worker_id": "w", "seq": seq}, None, "grads", "<f4", [grads], len(grads)
-        )
-        data = request(path="/v1/group_push", body=enc.join(), ctype=enc.content_type)
+        data = _group_push(gid, seq)
         assert ANSWER_BELOW < len(data) < COLLECT_GROUP_BELOW
         return data
 
     async def run() -> None:
         async with shard() as (one, immediate, _), shard() as (other, _, usual):
-            ids = []
-            for app in (one, other):
-                store = app.state.store
-                store.init({n: (np.zeros(1000, np.float32), None) for n in names})
-                ids.append(store.groups.register(store, names, 64, 1 << 20).id)
+            ids = _register_group(one, other)
             incarnations = (one.state.incarnation.encode(), other.state.incarnation.encode())
             for seq in (1, 2, 2):  # the last a retry: "duplicate"
                 mine = await _in_pieces(Connection(immediate), group_push(ids[0], seq))
@@ -145,7 +160,7 @@ def test_a_group_push_over_several_reads_is_answered_at_once_with_the_apps_bytes
                 assert mine == theirs
             assert immediate.calls == 0 and usual.calls == 3
             for app in (one, other):
-                got = app.state.store.pull(names[-1:])[names[-1]]
+                got = app.state.store.pull(GROUP[-1:])[GROUP[-1]]
                 assert got["version"] == 2 and np.isclose(got["value"][0], -0.03)  # SGD, lr 0.01
 
     asyncio.run(run())
@@ -157,7 +172,6 @@ def test_the_body_in_the_read_that_brings_a_collected_heads_goes_to_the_buffer(m
     bytes of that read are copied into the body's buffer from the read itself (the parser
     makes no piece of them), the rest comes through the buffer, and the answer and the values
     are the app's."""
-    names = [f"g{i}" for i in range(64)]
     parsed: list[int] = []
     on_body = ShardHttpProtocol.on_body
 
@@ -169,11 +183,7 @@ def test_the_body_in_the_read_that_brings_a_collected_heads_goes_to_the_buffer(m
 
     async def run() -> None:
         async with shard() as (one, immediate, _), shard() as (other, _, usual):
-            ids = []
-            for app in (one, other):
-                store = app.state.store
-                store.init({n: (np.zeros(1000, np.float32), None) for n in names})
-                ids.append(store.groups.register(store, names, 64, 1 << 20).id)
+            ids = _register_group(one, other)
             replies = []
             for gid, app in zip(ids, (immediate, usual)):
                 grads = np.arange(64 * 1000, dtype=np.float32).data.cast("B")
@@ -205,7 +215,7 @@ def test_the_body_in_the_read_that_brings_a_collected_heads_goes_to_the_buffer(m
             mine, theirs = (r.replace(i, b"") for r, i in zip(replies, incarnation))
             assert mine.startswith(b"HTTP/1.1 200 ") and mine == theirs
             assert immediate.calls == 0 and usual.calls == 1
-            values = [app.state.store.pull(names)[names[-1]]["value"] for app in (one, other)]
+            values = [app.state.store.pull(GROUP)[GROUP[-1]]["value"] for app in (one, other)]
             assert np.array_equal(values[0], values[1])
             assert np.isclose(values[0][-1], -0.01 * (64 * 1000 - 1))  # SGD, lr 0.01
 
@@ -218,7 +228,6 @@ def test_after_a_collected_body_a_connection_reads_little_before_the_next_one(mo
     its body in its first read (copied into the body's buffer, not parsed), the rest is read
     into the buffer; a small request on it is still answered at once; the answers and values
     are the app's."""
-    names = [f"g{i}" for i in range(64)]
     reads: list[int] = []
     parsed: list[int] = []
     data_received, on_body = ShardHttpProtocol.data_received, ShardHttpProtocol.on_body
@@ -234,24 +243,13 @@ def test_after_a_collected_body_a_connection_reads_little_before_the_next_one(mo
     monkeypatch.setattr(ShardHttpProtocol, "data_received", counted_read)
     monkeypatch.setattr(ShardHttpProtocol, "on_body", counted_body)
 
-    def group_push(gid: str, seq: int) -> bytes:
-        grads = np.full(64 * 1000, seq, np.float32).data.cast("B")
-        enc = group_wire.encode(
-            {"group": gid, "worker_id": "w", "seq": seq}, None, "grads", "<f4", [grads], len(grads)
-        )
-        return request(path="/v1/group_push", body=enc.join(), ctype=enc.content_type)
-
     async def run() -> None:
         async with shard() as (one, immediate, _), shard() as (other, _, usual):
-            ids = []
-            for app in (one, other):
-                store = app.state.store
-                store.init({n: (np.zeros(1000, np.float32), None) for n in names})
-                ids.append(store.groups.register(store, names, 64, 1 << 20).id)
+            ids = _register_group(one, other)
             mine_conn, theirs_conn = Connection(immediate), Connection(usual)
             pull = request()  # a small pull, answered in the protocol
             for seq in (1, 2, 3):
-                data = group_push(ids[0], seq)
+                data = _group_push(ids[0], seq)
                 reads.clear()
                 parsed.clear()
                 if seq == 1:  # over several reads: collected into one buffer
@@ -259,7 +257,7 @@ def test_after_a_collected_body_a_connection_reads_little_before_the_next_one(mo
                 else:  # all at once, as a socket holding all of it would give it
                     mine = await mine_conn.send(data)
                     assert max(reads) <= SMALL_READ < len(data) and parsed == []
-                theirs = await theirs_conn.send(group_push(ids[1], seq))
+                theirs = await theirs_conn.send(_group_push(ids[1], seq))
                 mine = mine.replace(ids[0].encode(), b"").replace(
                     one.state.incarnation.encode(), b""
                 )
@@ -270,7 +268,7 @@ def test_after_a_collected_body_a_connection_reads_little_before_the_next_one(mo
                 assert (await mine_conn.send(pull)).startswith(b"HTTP/1.1 200 ")
                 assert immediate.calls == calls  # answered in the protocol, as before
             assert immediate.calls == 0
-            values = [app.state.store.pull(names)[names[-1]]["value"] for app in (one, other)]
+            values = [app.state.store.pull(GROUP)[GROUP[-1]]["value"] for app in (one, other)]
             assert np.array_equal(values[0], values[1])
             assert np.isclose(values[0][0], -0.01 * 6)  # SGD, lr 0.01: 1 + 2 + 3
 
