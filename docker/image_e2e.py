@@ -424,7 +424,18 @@ def run_fleet(fleet: Fleet) -> dict[str, Any]:
     at_kill = step() or 0
     killed_at = time.monotonic()
     eng("kill", "--signal", "KILL", container)
-    wait_for(f"{other} to take over", lambda: fleet.role(other) == "primary", 60, every=0.1)
+    try:
+        wait_for(f"{other} to take over", lambda: fleet.role(other) == "primary", 60, every=0.1)
+    except Failed as exc:
+        try:
+            seen = json.dumps(fleet.cluster(other).get("replication"), default=str)[:3000]
+        except (httpx2.HTTPError, ValueError, KeyError) as why:
+            seen = f"no answer ({type(why).__name__}: {why})"
+        raise Failed(
+            f"{exc}; {other}'s replication state: {seen}\n{other}'s log:\n"
+            f"{eng.logs(fleet.container(other))[-4000:]}\netcd's log:\n"
+            f"{eng.logs(fleet.container('etcd'))[-2000:]}"
+        ) from None
     facts["failover_s"] = round(time.monotonic() - killed_at, 2)
     log(f"{victim} killed (SIGKILL); {other} primary {facts['failover_s']} s later")
     moved = step() or 0
