@@ -428,11 +428,14 @@ def run_fleet(fleet: Fleet) -> dict[str, Any]:
         wait_for(f"{other} to take over", lambda: fleet.role(other) == "primary", 60, every=0.1)
     except Failed as exc:
         try:
-            seen = json.dumps(fleet.cluster(other).get("replication"), default=str)[:3000]
+            view = fleet.cluster(other)
+            seen = json.dumps({k: view.get(k) for k in ("replication", "leadership")}, default=str)[
+                :3000
+            ]
         except (httpx2.HTTPError, ValueError, KeyError) as why:
             seen = f"no answer ({type(why).__name__}: {why})"
         raise Failed(
-            f"{exc}; {other}'s replication state: {seen}\n{other}'s log:\n"
+            f"{exc}; {other}'s replication and leadership: {seen}\n{other}'s log:\n"
             f"{eng.logs(fleet.container(other))[-4000:]}\netcd's log:\n"
             f"{eng.logs(fleet.container('etcd'))[-2000:]}"
         ) from None
