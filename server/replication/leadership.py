@@ -25,7 +25,8 @@ process started: a replica restarted under the same URL lost what it held in mem
 names the process (its ``incarnation``, new at every start) of each member known to hold every
 write, and a replica is eligible only under its own process's name. The primary writes the set
 again as it is, at most once per lease TTL, when every backup of it says, asked then, that it
-holds the primary's newest write (:meth:`Leadership._confirm`), naming the processes that
+holds the primary's newest write of that moment or a later one (:meth:`Leadership._confirm`;
+writes may keep coming meanwhile), naming the processes that
 answered: a listed replica that restarted becomes eligible once it has caught up, never on the
 strength of what the process before it acknowledged. One that answers holding less than its
 link last heard (it restarted, with no write since) is fed at once by the forwarder
@@ -518,8 +519,8 @@ class Leadership:
 
     async def _confirm(self, epoch: int) -> None:
         """Write the in-sync set again as it is, naming each member's process, once every
-        backup of it says, now, that it holds every write this primary holds: a replica of it
-        that restarted since the set was last written becomes eligible. Its own answer is what
+        backup of it says that it holds every write this primary held when it asked: a replica
+        of it that restarted since the set was last written becomes eligible. Its own answer is what
         counts, not what the forwarder last heard from it: a backup that restarted empty is
         counted as caught up by the forwarder until this answer tells it otherwise
         (:attr:`behind`), and its link then feeds it."""
@@ -534,9 +535,12 @@ class Leadership:
             # A process the set does not name that lags: it restarted since it was confirmed
             # (one confirmed that lags has writes on the way), and its link may count it as
             # holding what the process before it held.
-            if peer.position != mine and confirmed.get(url) != peer.process:
+            if peer.position < mine and confirmed.get(url) != peer.process:
                 self.behind(url, peer.position)
-        if any(u not in reached or reached[u].position != mine for u in backups):
+        # A backup holds every write this primary held when the survey began if its newest
+        # is that one or a later one of this primary's (writes keep coming while it is asked:
+        # one that must match exactly is never confirmed while a worker writes without pause).
+        if any(u not in reached or reached[u].position < mine for u in backups):
             return  # one does not answer, or lags: its process is not confirmed
         if found is None or doc is None or doc.get("epoch") != epoch:
             return
@@ -610,13 +614,18 @@ def from_state(state: Any) -> Leadership | None:
     replication = state.replication
     log, role, links = replication.log, state.role, replication.forwarder.links
 
+    held = [0]  # the log's head at the previous call
+
     def caught_up() -> bool:
-        """Every backup of the in-sync set has applied every write this primary holds."""
-        head = log.head
+        """Every backup of the in-sync set has applied every write this primary held at the
+        previous call (a keepalive or more earlier): a write still on its way to a backup is
+        not a lag, or a primary written to without pause would never confirm its backups."""
+        head, before = log.head, held[0]
+        held[0] = head
         for url in role.in_sync:
             link = links.get(url)
             acked = link.acked if link is not None else None
-            if head and (acked is None or acked < head):
+            if before and (acked is None or acked < before):
                 return False
         return True
 
