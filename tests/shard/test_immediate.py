@@ -29,6 +29,7 @@ from server import admission
 from server.app import create_app, serving_app
 from server.config import ShardConfig
 from server.httptools_protocol import ANSWER_BELOW, IMMEDIATE, ShardHttpProtocol
+from server.upstream import new_parser
 from tests.helpers.recorder import Recorder
 
 NAMES = ["a", "b", "c"]
@@ -328,6 +329,78 @@ def test_an_answerer_that_fails_hands_the_request_to_the_app(caplog):
                 mine, theirs = await both(immediate, usual, request())
             assert mine == theirs and immediate.calls == 1
             assert "answering b'/v1/pull' immediately failed" in caplog.text
+
+    asyncio.run(run())
+
+
+class Callbacks:
+    """Counts the parser callbacks a protocol gets (its ``on_message_begin`` and
+    ``on_header``): none for a request it reads without the parser."""
+
+    def __init__(self, protocol) -> None:
+        self.count = 0
+        for name in ("on_message_begin", "on_header"):
+            setattr(protocol, name, self._counted(getattr(protocol, name)))
+        protocol.parser = new_parser(protocol)  # it binds the callbacks when made
+
+    def _counted(self, callback):
+        def counted(*args):
+            self.count += 1
+            return callback(*args)
+
+        return counted
+
+
+def test_a_whole_request_in_one_read_is_answered_without_the_parser():
+    """A small request that comes whole in one read, with a head as the SDK writes it, is read
+    without the HTTP parser (server.whole_heads); the same request over two reads, or with a
+    head only the parser reads the same as every other (a capital in a name, more space
+    around a value, a header twice), goes through the parser; the answers are the same."""
+    sdk_like = request(extra="x-paramshard-fleet: 0/1\r\n")
+    head, _, body = sdk_like.partition(b"\r\n\r\n")
+    parser_only = [
+        sdk_like.replace(b"accept:", b"Accept:"),
+        sdk_like.replace(b"host: shard", b"host:  shard"),
+        sdk_like.replace(b"host: shard", b"host:shard"),
+        sdk_like.replace(b"host: shard", b"host: shard "),
+        sdk_like.replace(b"host: shard\r\n", b"host: shard\r\nhost: shard\r\n"),
+        sdk_like.replace(b"host: shard\r\n", b"host: shard\r\nx-empty:\r\n"),
+    ]
+
+    async def run() -> None:
+        async with shard() as (_app, immediate, usual):
+            conn = Connection(immediate)
+            seen = Callbacks(conn.protocol)
+            expected = await Connection(usual).send(sdk_like)
+            for _ in range(3):  # a new connection's first request, then between requests
+                assert await conn.send(sdk_like) == expected
+            assert seen.count == 0 and immediate.calls == 0
+            conn.feed(head)
+            assert await conn.send(b"\r\n\r\n" + body) == expected
+            assert seen.count > 0 and immediate.calls == 0
+            for data in parser_only:
+                seen.count = 0
+                assert await conn.send(data) == expected, data
+                assert seen.count > 0 and immediate.calls == 0, data
+            assert not conn.transport.closed
+
+    asyncio.run(run())
+
+
+def test_a_request_the_answerer_declines_is_offered_to_it_once():
+    async def run() -> None:
+        async with shard() as (_app, immediate, usual):
+            answerers = getattr(immediate, IMMEDIATE)
+            pull, offered = answerers[b"/v1/pull"], []
+
+            def counting(headers, body):
+                offered.append(body)
+                return pull(headers, body)
+
+            answerers[b"/v1/pull"] = counting
+            declined = request({"names": NAMES})  # the map layout: the app answers it
+            mine, theirs = await both(immediate, usual, declined)
+            assert mine == theirs and immediate.calls == 1 and len(offered) == 1
 
     asyncio.run(run())
 

@@ -1,0 +1,75 @@
+"""server.whole_heads: which heads of a whole small request are read without the parser.
+Every head it does not take goes to the parser (tests/shard/test_immediate.py checks that the
+answers are the same either way)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.whole_heads import whole_request
+
+PATHS = {b"/v1/pull": None}
+BODY = b"\x81\xa5names\x91\xa1a"
+HEAD = (
+    b"POST /v1/pull HTTP/1.1\r\nhost: 127.0.0.1:8000\r\nx-paramshard-fleet: 0/1\r\n"
+    b"accept: application/x-paramshard-frame, application/msgpack\r\n"
+    b"authorization: Bearer a: b\r\ncontent-type: application/msgpack\r\n"
+)
+
+
+def whole(head: bytes = HEAD, body: bytes = BODY, length: int | None = None) -> bytes:
+    size = len(body) if length is None else length
+    return head + b"content-length: %d\r\n\r\n" % size + body
+
+
+def test_a_head_as_the_sdk_writes_it_is_read():
+    path, headers, body = whole_request(whole(), PATHS, 65536)
+    assert path == b"/v1/pull" and body == BODY
+    assert headers[b"authorization"] == b"Bearer a: b"  # split at the first ": " only
+    assert headers[b"content-length"] == b"%d" % len(BODY)
+    assert headers[b"accept"].endswith(b", application/msgpack")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        whole(length=len(BODY) + 1),  # a body still to come
+        whole() + b"POST",  # the start of another request after it
+        whole(HEAD.replace(b"/v1/pull", b"/v1/pull?x=1")),
+        whole(HEAD.replace(b"/v1/pull", b"/v1/push")),
+        whole(HEAD.replace(b"POST", b"PUT ")),
+        whole(HEAD.replace(b"HTTP/1.1", b"HTTP/1.0")),
+        whole(HEAD.replace(b"host:", b"Host:")),
+        whole(HEAD.replace(b"host:", b"host :")),
+        whole(HEAD.replace(b"host: ", b"host:")),
+        whole(HEAD.replace(b"host: ", b"host:  ")),
+        whole(HEAD.replace(b"host: ", b"host: \t")),
+        whole(HEAD.replace(b"8000\r\n", b"8000 \r\n")),
+        whole(HEAD.replace(b"8000\r\n", b"8000\r\n continued\r\n")),  # obsolete folding
+        whole(HEAD.replace(b"8000\r\n", b"8000\nx-a: b\r\n")),  # a bare LF
+        whole(HEAD.replace(b"8000\r\n", b"80\r00\r\n")),  # a bare CR
+        whole(HEAD.replace(b"8000", b"80\x0000")),
+        whole(HEAD.replace(b"8000", b"80\xe900")),
+        whole(HEAD.replace(b"host: ", b"ho(st: ")),
+        whole(HEAD + b"x-empty:\r\n"),
+        whole(HEAD + b": no name\r\n"),
+        whole(HEAD + b"host: again\r\n"),
+        whole(HEAD + b"transfer-encoding: chunked\r\n"),
+        whole(HEAD + b"expect: 100-continue\r\n"),
+        whole(HEAD + b"connection: close\r\n"),
+        whole(HEAD + b"upgrade: websocket\r\n"),
+        whole(HEAD + b"content-length: %d\r\n" % len(BODY)),  # twice
+        HEAD + b"content-length: +5\r\n\r\n12345",
+        HEAD + b"\r\n" + BODY,  # no content-length
+        b"POST /v1/pull HTTP/1.1\r\n\r\n",
+    ],
+)
+def test_any_other_head_is_left_to_the_parser(data):
+    assert whole_request(data, PATHS, 65536) is None
+
+
+def test_a_head_above_the_bound_is_left_to_the_parser():
+    data = whole()
+    head = data.index(b"\r\n\r\n") + 4
+    assert whole_request(data, PATHS, head) is not None
+    assert whole_request(data, PATHS, head - 1) is None
