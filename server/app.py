@@ -232,6 +232,12 @@ class ShardMiddleware:
         #: The shard's replication, if it is a replica of a group: a write's answer waits
         #: until its backups have the write (:meth:`Replication.synced`).
         self.replication: Replication | None = getattr(state, "replication", None)
+        #: The shard's admission gate and store, read by every reply (none in a bare app).
+        self._gate: Gate | None = getattr(state, "gate", None)
+        self._store: ParameterStore | None = getattr(state, "store", None)
+        #: The last headers :meth:`reply_headers` made for a shard without replicas, with the
+        #: state version and deletions count they carry.
+        self._last: tuple[int, int, list[tuple[bytes, bytes]]] = (-1, -1, [])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -318,18 +324,26 @@ class ShardMiddleware:
         store's deletions count was ``deletions`` and, on a replica of a group, when the
         replica was at ``position`` (:func:`~server.replication.reads.position_headers`;
         ``None``: now, for a reply made
-        without waiting, whose values are read in the same step)."""
-        state = self.state
-        if state is None or state.gate.phase not in ("ready", "draining"):
+        without waiting, whose values are read in the same step). The list may be the one
+        given last time (same version and count, no replicas): callers do not change it."""
+        gate, store = self._gate, self._store
+        if gate is None or store is None or gate.phase not in ("ready", "draining"):
             return self.headers
-        store = state.store
-        headers = [*self.headers, (_STATE_VERSION, str(store.state_version).encode())]
+        version = store.state_version
         if deletions is None:
             deletions = store.deletions
+        replication = self.replication
+        if replication is None:
+            last = self._last
+            if last[0] == version and last[1] == deletions:
+                return last[2]
+        headers = [*self.headers, (_STATE_VERSION, str(version).encode())]
         if deletions:
             headers.append((_DELETIONS, str(deletions).encode()))
-        if self.replication is not None:
-            headers += position_headers(self.replication) if position is None else position
+        if replication is not None:
+            headers += position_headers(replication) if position is None else position
+        else:
+            self._last = (version, deletions, headers)
         return headers
 
     def _deletions(self) -> int:

@@ -19,8 +19,8 @@ hold:
 * the gate would admit it at once, and, for a write, the shard takes writes with no wait and no
   refusal to give, and has no replicas (:func:`_writes_at_once`: a replica's write waits for its
   backups, through :class:`~server.app.ShardMiddleware`); for a read on a replica of a group,
-  the replica answers reads now (:func:`_reads_here`: a primary, or a backup asked with
-  ``x-paramshard-allow-backup``, :mod:`server.replication.reads`);
+  the replica answers reads now (:func:`~server.replication.reads.read_refusal` finds no
+  refusal: a primary, or a backup asked with ``x-paramshard-allow-backup``);
 * its body is one the SDK sends (content type, size within ``--max-request-bytes``, a msgpack
   map) and its verb can answer it with no error, no ``await`` and nothing off the loop (no push
   writing one of its variables in a worker thread).
@@ -189,6 +189,7 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     shard = ShardMiddleware(app, state.config, state.incarnation, state)
     guard: Guard = state.auth
     traffic: Traffic | None = getattr(state, "traffic", None)
+    replication = shard.replication  # as the shard's middleware reads it: once
 
     def answerer(
         verb: str,
@@ -205,8 +206,12 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
                 not shard.meant_for_me(headers.get(_FLEET_KEY))
                 or not guard.allows(headers, access)
                 or not gate.room_now(len(body))
-                or (writes and not _writes_at_once(state))
-                or (not writes and not _reads_here(state, headers))
+                or (writes and (replication is not None or not _writes_at_once(gate)))
+                or (
+                    not writes
+                    and replication is not None
+                    and read_refusal(replication, state, headers.get(ALLOW_BACKUP)) is not None
+                )
             ):
                 return None
             kind = kinds.get(headers.get(b"content-type", b""))
@@ -254,26 +259,10 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     }
 
 
-def _reads_here(state: Any, headers: Mapping[bytes, bytes]) -> bool:
-    """Whether this shard answers a read now: one without replicas always; a replica of a
-    group as :func:`~server.replication.reads.refusal` says (a refusal goes the usual way,
-    which sends it)."""
-    replication = getattr(state, "replication", None)
-    return (
-        replication is None or read_refusal(replication, state, headers.get(ALLOW_BACKUP)) is None
-    )
-
-
-def _writes_at_once(state: Any) -> bool:
+def _writes_at_once(gate: Gate) -> bool:
     """Whether a write may be applied and acknowledged right now, with no wait and no refusal
     to give: what :class:`~server.admission.AdmissionMiddleware` would let straight through
-    (the shard is ready, takes writes, no fleet checkpoint pauses or holds them), on a shard
-    without replicas (a replica's writes wait for its backups, or are refused: the usual way,
-    through :class:`~server.app.ShardMiddleware`)."""
-    gate: Gate = state.gate
-    return (
-        gate.write_refusal() is None
-        and gate.paused_for is None
-        and not gate.closed
-        and getattr(state, "replication", None) is None
-    )
+    (the shard is ready, takes writes, no fleet checkpoint pauses or holds them). (A replica's
+    writes wait for its backups, or are refused: the usual way, through
+    :class:`~server.app.ShardMiddleware`; the caller checks for replicas.)"""
+    return gate.write_refusal() is None and gate.paused_for is None and not gate.closed

@@ -405,6 +405,38 @@ def test_a_request_the_answerer_declines_is_offered_to_it_once():
     asyncio.run(run())
 
 
+def test_the_shard_headers_of_an_immediate_answer_follow_the_store():
+    """Each reply answered in the protocol carries the state version and deletions count of
+    the moment, as the app's do: the headers the shard kept from the last reply are not
+    reused once either moved."""
+
+    def shard_headers(sent: bytes) -> dict[str, str]:
+        head = sent.partition(b"\r\n\r\n")[0].decode().split("\r\n")[1:]
+        return {k: v for k, _, v in (line.partition(": ") for line in head)}
+
+    async def run() -> None:
+        async with shard() as (app, immediate, usual):
+            conn, plain = Connection(immediate), Connection(usual)
+            store = app.state.store
+            pull = request({"names": ["a", "b"], "layout": "table"})
+            seen = []
+            for step in range(3):
+                mine, theirs = await conn.send(pull), await plain.send(pull)
+                assert mine == theirs and immediate.calls == 0
+                seen.append(shard_headers(mine))
+                if step == 0:
+                    store.push("w", 1, {"a": np.ones(3, np.float32)})
+                elif step == 1:
+                    await store.delete("w", 2, names=["c"])
+            versions = [int(h["x-paramshard-state-version"]) for h in seen]
+            assert versions[1] == versions[0] + 1 and versions[2] == store.state_version
+            assert "x-paramshard-deletions" not in seen[0]
+            assert "x-paramshard-deletions" not in seen[1]
+            assert seen[2]["x-paramshard-deletions"] == "1"
+
+    asyncio.run(run())
+
+
 def test_immediate_answers_keep_the_connection_and_the_order_of_replies():
     """On one connection: pulls answered at once, an assign through the app in between, and
     pipelined requests answered in the order they came (a pull behind an assign in flight
