@@ -54,22 +54,26 @@ class OnLoop:
 
 #: The modules that take longest (tens of seconds each on a quiet machine), run first: `make
 #: test` hands whole modules to its pytest processes in collection order, so a long module
-#: collected last would run alone while the other process sits idle. The order is all this
+#: collected last would run alone while the other processes sit idle. The order is all this
 #: changes; a module missing here runs in its place.
 LONGEST_FIRST = (
     "tests/e2e/test_faults.py",
-    "tests/e2e/test_bench.py",
-    "tests/e2e/test_cli.py",
     "tests/e2e/test_leadership.py",
     "tests/shard/test_durability.py",
-    "tests/shard/test_hostile_http.py",
-    "tests/e2e/test_fleet_model.py",
     "tests/e2e/test_multihost.py",
+    "tests/e2e/test_bench.py",
+    "tests/e2e/test_jax_worker.py",
+    "tests/shard/test_hostile_http.py",
+    "tests/e2e/test_demo.py",
+    "tests/e2e/test_cli.py",
+    "tests/e2e/test_failover_stalled.py",
+    "tests/shard/test_snapshot_safety.py",
+    "tests/e2e/test_dashboard.py",
     "tests/shard/test_store_model.py",
+    "tests/e2e/test_fleet_model.py",
+    "tests/e2e/test_replication.py",
     "tests/sdk/test_hostile_replies.py",
     "tests/shard/test_fuzz_requests.py",
-    "tests/e2e/test_failover_stalled.py",
-    "tests/e2e/test_demo.py",
 )
 
 

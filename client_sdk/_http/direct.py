@@ -12,6 +12,11 @@ body) is handed, with the bytes already received, to the general parser
 (:func:`~client_sdk._http.http11.read_response`), so every reply is read and refused exactly as
 the pools read and refuse it.
 
+:func:`exchange_all` does the same for a call's requests to several shards over idle
+connections: all sent, then all replies read in order, from the calling thread with no
+per-exchange objects (the fanout, ``fanout.py``, takes the calls it does not: a connection to
+open, a request too big to go out at once, one that can be aborted).
+
 Deadlines, reuse and failures are the blocking pool's (``pool.py``): the socket is waited for
 (``poll``) only when it is not ready and never past the exchange's deadline; a connection whose
 exchange failed is closed; failures are httpx2's exception classes. Plain ``http://`` only
@@ -20,7 +25,7 @@ exchange failed is closed; failures are httpx2's exception classes. Plain ``http
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import httpx2
@@ -30,7 +35,7 @@ from .http11 import Buffer, Into, Origin, ReplyTooLarge, Response, _parse_head, 
 from .http11 import read_response as parse_response
 from .pool import BlockingConnection, HTTPPool
 
-__all__ = ["FIRST_RECEIVE", "exchange"]
+__all__ = ["FIRST_RECEIVE", "MAX_SENT_AT_ONCE", "exchange", "exchange_all"]
 
 _CRLF2 = b"\r\n\r\n"
 #: The first receive of a reply that has a receiver takes at most this many bytes (its head and
@@ -62,19 +67,96 @@ def exchange(
     return response
 
 
-def _send(conn: BlockingConnection, views: list[Buffer], deadline: float) -> None:
+#: :func:`exchange_all` takes requests of at most this many bytes (head and body), which a
+#: socket mostly takes whole in one ``sendmsg``; bigger ones go side by side through the
+#: fanout (``fanout.py``).
+MAX_SENT_AT_ONCE = 1 << 20
+
+
+def exchange_all(
+    pool: HTTPPool,
+    exchanges: Sequence[tuple[Origin, list[Buffer], float, int, Into | None]],
+) -> list[Response | httpx2.HTTPError] | None:
+    """Several exchanges ``(origin, views, deadline, max_reply, into)``, as :func:`exchange`
+    each, over idle connections: every request offered to its socket with one ``sendmsg``
+    (what a socket did not take is sent after that, request by request), then every reply
+    received, in the same order (the shards work on theirs meanwhile; a reply there already is
+    read without waiting). Each outcome is the response, or the failure that ended that
+    exchange alone (its connection closed). ``None``, with nothing sent, when an origin has no
+    idle connection or a request is bigger than :data:`MAX_SENT_AT_ONCE`: the caller then uses
+    the fanout (``fanout.py``), which opens connections concurrently and sends big requests
+    side by side."""
+    if any(sum(len(v) for v in views) > MAX_SENT_AT_ONCE for _, views, *_ in exchanges):
+        return None
+    conns: list[BlockingConnection] = []
+    try:
+        for origin, *_ in exchanges:
+            conn = pool.take_idle(origin)
+            if conn is None:
+                break
+            conns.append(conn)
+    except httpx2.HTTPError:
+        pass
+    if len(conns) < len(exchanges):
+        for (origin, *_), conn in zip(exchanges, conns):
+            pool.release(origin, conn, True)  # not used: still fit for reuse
+        return None
+    outcomes: list[Response | httpx2.HTTPError | None] = [None] * len(exchanges)
+    try:
+        rests = [_offer(conn, views) for (_, views, *_), conn in zip(exchanges, conns)]
+        for i, (rest, conn) in enumerate(zip(rests, conns)):
+            try:
+                if isinstance(rest, httpx2.HTTPError):
+                    raise rest
+                if rest:
+                    conn.send(rest, exchanges[i][2])
+            except httpx2.HTTPError as exc:
+                conn.close()
+                outcomes[i] = exc
+        for i, ((origin, _, deadline, max_reply, into), conn) in enumerate(zip(exchanges, conns)):
+            if outcomes[i] is not None:
+                continue
+            try:
+                response, reusable = _receive(conn, deadline, max_reply, into, ready=i > 0)
+            except httpx2.HTTPError as exc:
+                conn.close()
+                outcomes[i] = exc
+                continue
+            outcomes[i] = response
+            pool.release(origin, conn, reusable)
+    except BaseException:
+        for outcome, conn in zip(outcomes, conns):
+            if outcome is None:
+                conn.close()
+        raise
+    return outcomes  # type: ignore[return-value]
+
+
+def _offer(conn: BlockingConnection, views: list[Buffer]) -> list[Buffer] | httpx2.HTTPError:
+    """One ``sendmsg`` of ``views``: what the socket did not take (``[]``: all of it), or the
+    failure."""
     try:
         sent = conn.sock.sendmsg(views)
     except _NOT_NOW:
         sent = 0
     except OSError as exc:
-        raise httpx2.WriteError(str(exc) or type(exc).__name__) from exc
+        error = httpx2.WriteError(str(exc) or type(exc).__name__)
+        error.__cause__ = exc
+        return error
     for i, view in enumerate(views):
         n = len(view)
         if sent < n:
-            conn.send([memoryview(view)[sent:], *views[i + 1 :]], deadline)  # the rest
-            return
+            return [memoryview(view)[sent:], *views[i + 1 :]]
         sent -= n
+    return []
+
+
+def _send(conn: BlockingConnection, views: list[Buffer], deadline: float) -> None:
+    rest = _offer(conn, views)
+    if isinstance(rest, httpx2.HTTPError):
+        raise rest
+    if rest:
+        conn.send(rest, deadline)
 
 
 def _recv(conn: BlockingConnection, into: memoryview, deadline: float, ready: bool = True) -> int:
@@ -94,11 +176,17 @@ def _recv(conn: BlockingConnection, into: memoryview, deadline: float, ready: bo
 
 
 def _receive(
-    conn: BlockingConnection, deadline: float, max_size: int, into: Into | None
+    conn: BlockingConnection,
+    deadline: float,
+    max_size: int,
+    into: Into | None,
+    ready: bool = False,
 ) -> tuple[Response, bool]:
+    """The response (and whether the connection may be reused); ``ready``: try a receive
+    before waiting for the socket (the reply may be there already)."""
     buf = conn.buf
     view = memoryview(buf)
-    n = _recv(conn, view if into is None else view[:FIRST_RECEIVE], deadline, ready=False)
+    n = _recv(conn, view if into is None else view[:FIRST_RECEIVE], deadline, ready=ready)
     at = buf.find(_CRLF2, 0, n)
     if at < 0 or not buf.startswith(b"HTTP/1.1 200 "):
         return _general(conn, n, deadline, max_size, into)

@@ -8,7 +8,9 @@ place, without the pool's generator layers).
 They write the body's own buffers with ``sendmsg`` and read a reply body straight into one
 buffer: a fraction of httpx2's per-request Python, and a big reply copied once, from the socket
 into its final buffer. A ``PSClient`` call to several shards sends their requests from the
-caller's thread, all at once (``fanout.py``), rather than one thread per shard.
+caller's thread, all at once, rather than one thread per shard: over idle plain ``http://``
+connections, requests that go out whole and cannot be aborted by ``direct.py`` (all sent, then
+the replies read in order); otherwise by the fan-out (``fanout.py``).
 
 A sender performs one exchange per call, by the deadline it is given, cut short when its
 :class:`~client_sdk._abort.Abort` is fired (the request's, or one given for the attempt);
@@ -21,6 +23,8 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import httpx2
 
 from .. import _replies
 from .._abort import Abort
@@ -115,9 +119,12 @@ class NativeSender(_Native):
         opens new connections); each a :class:`Reply` or the exception :meth:`once` would have
         raised instead."""
         cuts = aborts if aborts is not None else [None] * len(reqs)
-        exchanges = [self.exchange(r, d, a) for r, d, a in zip(reqs, deadlines, cuts)]
+        outcomes = self._direct_all(reqs, deadlines, cuts)
+        if outcomes is None:
+            exchanges = [self.exchange(r, d, a) for r, d, a in zip(reqs, deadlines, cuts)]
+            outcomes = exchange_all(self.pool, exchanges, submit)
         replies: list[Reply | Exception] = []
-        for req, outcome in zip(reqs, exchange_all(self.pool, exchanges, submit)):
+        for req, outcome in zip(reqs, outcomes):
             if isinstance(outcome, Response):
                 try:
                     replies.append(self.reply(req, outcome))
@@ -126,6 +133,25 @@ class NativeSender(_Native):
             else:
                 replies.append(outcome)
         return replies
+
+    def _direct_all(
+        self, reqs: Sequence[ShardRequest], deadlines: Sequence[float], cuts: Sequence[Abort | None]
+    ) -> list[Response | httpx2.HTTPError] | None:
+        """The exchanges of :meth:`once_all` over the direct path (``direct.exchange_all``:
+        its requests sent one after the other, then its replies read in order, with no
+        per-exchange machinery), where they are all plain ``http://`` and none can be aborted;
+        ``None`` where it does not take them."""
+        targets = []
+        for req, deadline, cut in zip(reqs, deadlines, cuts):
+            origin = self.origins[self.url(req)]
+            if origin.tls or cut is not None or req.abort is not None:
+                return None
+            views: list[Buffer] = [request_head(origin, req.method, req.path, request_headers(req))]
+            if req.body is not None:
+                views += req.body.chunks
+            max_reply = self.pool.max_reply if req.max_reply is None else req.max_reply
+            targets.append((origin, views, deadline, max_reply, req.into))
+        return direct.exchange_all(self.pool, targets)
 
     def close(self) -> None:
         self.pool.close()

@@ -1,5 +1,5 @@
 """The SDK's own HTTP/1.1 connections (``client_sdk/_http/``: ``pool.py``, ``asyncpool.py``,
-``fanout.py`` over ``connection.py``) and how their
+``fanout.py``, ``direct.py`` over ``connection.py``) and how their
 failures surface.
 
 Well-behaved exchanges are covered by every test that talks to a real shard. Here a scripted
@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from client_sdk import AsyncPSClient, PSClient, ShardUnavailableError
 from client_sdk._abort import Abort
 from client_sdk._core import Core
-from client_sdk._http import connection, fanout
+from client_sdk._http import connection, direct, fanout
 from client_sdk._http.asyncpool import AsyncHTTPPool
 from client_sdk._http.fanout import exchange_all
 from client_sdk._http.http11 import MAX_IOV, SEND_SLICE, Exchange, Origin, advance, next_send
@@ -417,6 +417,53 @@ def test_one_exchange_failing_ends_it_alone(scripted, waits_with):
     ]
     assert out[4].status == 200
     assert [p.idle_count(Origin(u)) for u in (hung_up.url, mute.url, fine.url)] == [0, 0, 1]
+
+
+def _post(origin: Origin, body: bytes) -> tuple:
+    head = f"POST /x HTTP/1.1\r\nhost: {origin.host_header}\r\ncontent-length: {len(body)}\r\n\r\n"
+    return (origin, [head.encode(), body], time.monotonic() + 5, 1 << 20, None)
+
+
+def test_direct_exchanges_send_every_request_before_reading_a_reply(scripted):
+    gate = threading.Barrier(2)
+
+    def together(conn: socket.socket, method: str, path: str) -> bool:
+        if method == "POST":
+            gate.wait(5)  # both requests are in flight at once, or neither is answered
+        conn.sendall(response(200, path.encode(), "application/octet-stream"))
+        return True
+
+    servers = [scripted(together), scripted(together)]
+    p = pool()
+    origins = [Origin(s.url) for s in servers]
+    body = np.ones(300_000, np.uint8).tobytes()
+    assert direct.exchange_all(p, [_post(o, body) for o in origins]) is None  # none idle
+    assert [s.requests for s in servers] == [[], []]  # nothing sent
+    for o in origins:
+        assert p.request(o, "GET", "/open", None).status == 200  # now idle, one each
+    too_big = b"x" * (direct.MAX_SENT_AT_ONCE + 1)
+    assert direct.exchange_all(p, [_post(origins[0], body), _post(origins[1], too_big)]) is None
+    for _ in range(2):
+        out = direct.exchange_all(p, [_post(o, body) for o in origins])
+        assert [(r.status, bytes(r.content)) for r in out] == [(200, b"/x")] * 2
+    assert [s.connections for s in servers] == [1, 1]
+    assert [p.idle_count(o) for o in origins] == [1, 1]
+    assert [s.requests for s in servers] == [[("GET", "/open"), ("POST", "/x"), ("POST", "/x")]] * 2
+
+
+def test_one_direct_exchange_failing_ends_it_alone(scripted):
+    def hang_up_on_post(conn: socket.socket, method: str, path: str) -> bool:
+        return method != "POST" and ok(conn, method, path)
+
+    hung_up, fine = scripted(hang_up_on_post), scripted(ok)
+    p = pool()
+    origins = [Origin(hung_up.url), Origin(fine.url)]
+    for o in origins:
+        assert p.request(o, "GET", "/open", None).status == 200
+    out = direct.exchange_all(p, [_post(o, b"abc") for o in origins])
+    assert type(out[0]) is httpx2.RemoteProtocolError
+    assert out[1].status == 200
+    assert [p.idle_count(o) for o in origins] == [0, 1]
 
 
 def test_requests_to_several_shards_are_each_retried(scripted):
