@@ -31,13 +31,12 @@ $(VENV)/.stamp-%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.stamp-demo
 	$(BIN)/paramshard demo
 
-# The suite runs in one pytest process per core plus one (pytest-xdist), each test file whole in
-# one of them (--dist loadfile: a module's shared fleet is started once). A test spends about a
-# quarter of its time waiting (on leases, timeouts, processes starting) with no core busy for it:
-# with one process per core the cores sit idle that quarter, one more fills it.
-# `PYTEST_ARGS=-n0 make test` runs the files one at a time.
-PYTEST_JOBS ?= $(shell echo $$(( $$(nproc) + 1 )))
-PYTEST_ARGS ?= -n $(PYTEST_JOBS) --dist loadfile
+# The suite runs in one pytest process per core (pytest-xdist), each test file whole in one of
+# them (--dist loadfile: a module's shared fleet is started once). The suite is bound by the
+# cores: the shard, worker and tool processes its tests start keep them busy, and one more
+# pytest process than cores makes it no faster. `PYTEST_ARGS=-n0 make test` runs them one at a
+# time.
+PYTEST_ARGS ?= -n auto --dist loadfile
 
 test: lint typecheck chromium etcd
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
