@@ -183,6 +183,8 @@ class Leadership:
         #: The last error talking to etcd (shown by /v1/cluster), ``None`` once it answers.
         self.error: str | None = None
         self._task: asyncio.Task[None] | None = None
+        #: Set by :meth:`stop`: no campaign starts and no lead is taken after it.
+        self._stopping = False
         #: Until when (monotonic) this replica does not campaign: it found a replica holding
         #: more writes than itself when it won last.
         self._stand_aside = 0.0
@@ -204,11 +206,21 @@ class Leadership:
 
     async def stop(self) -> None:
         """Stop campaigning; a primary steps down and revokes its lease, so another replica
-        takes over at once instead of after the lease's TTL."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        takes over at once instead of after the lease's TTL.
+
+        The task is cancelled again until it ends: a cancellation that lands as a library's own
+        timeout fires (an HTTP survey, an etcd call) can be turned into that timeout and lost,
+        and a replica stopping while its primary stops too would then win the key, lead and
+        keep its lease alive with its shutdown waiting on it (``docker compose stop`` stops
+        every replica at once). :attr:`_stopping` keeps it from taking the lead meanwhile."""
+        self._stopping = True
+        task = self._task
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
+        if task is not None and not task.cancelled():
+            with contextlib.suppress(Exception):
+                task.result()
         if self.role.kind == PRIMARY:
             self.role.step_down()
         if self.lease:
@@ -235,7 +247,7 @@ class Leadership:
     # -- the loop ---------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self._round()
                 self.error = None
@@ -371,6 +383,8 @@ class Leadership:
         """Campaign for the primary key; lead if won (``restarted``: as a replica of a whole
         group restarted, which stands aside for any replica it reaches that is eligible,
         restoring or more complete)."""
+        if self._stopping:
+            return
         lease, ttl = await self.etcd.grant(self.ttl)
         granted = time.monotonic()
         self.lease = lease
@@ -381,6 +395,8 @@ class Leadership:
                 return  # another replica won: the next round follows it
             members = self._members(in_sync)
             reached = await self._survey([u for u in members if u != self.url])
+            if self._stopping:
+                return  # the finally below gives the key back
             mine = self.position()
             ahead = [
                 u
@@ -486,7 +502,7 @@ class Leadership:
         """Keep the lease alive every third of its TTL while this replica is primary at
         ``epoch``; return when it is lost (or about to be: the role stopped acknowledging)."""
         deadline = time.monotonic() + ttl * 2 / 3
-        while True:
+        while not self._stopping:
             await asyncio.sleep(ttl / 3)
             role = self.role
             if role.kind != PRIMARY or role.epoch != epoch:
