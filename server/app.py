@@ -3,7 +3,7 @@
 The app holds one :class:`~server.store.ParameterStore` and serves the msgpack data plane
 (``server/routes_data.py``, ``server/routes_control.py``, ``server/routes_tables.py``), the
 fleet-checkpoint verbs (``server/routes_checkpoint.py``) and the JSON inspection endpoints
-(``server/routes_inspect.py``). Its lifespan runs
+(``server/routes_inspect.py``). Its lifespan (:mod:`server.lifespan`) runs
 :class:`~server.durability.Durability` (restore, periodic and final snapshots) and the task
 that closes the sync rounds that time out (:func:`server.store.rounds.close_when_due`), and
 :class:`~server.admission.AdmissionMiddleware` decides what gets in (restore, drain, pauses,
@@ -28,14 +28,12 @@ is answered by the shard's HTTP protocol itself when nothing stands in its way
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import msgpack
@@ -56,16 +54,15 @@ from .durability import Durability
 from .embedding import EmbeddingTables
 from .errors import ShardError
 from .headers import header, request_headers
+from .lifespan import lifespan
 from .logs import RateLimited
 from .metrics import Traffic
 from .narrowed import NarrowedCache
 from .replication import Role
-from .replication.leadership import from_state
 from .replication.reads import ALLOW_BACKUP, PRIMARYS, READS, position_headers, read_refusal
 from .replication.replica import Replication
 from .store import DedupTable, ParameterStore
 from .store.heap import trim_heap
-from .store.rounds import close_when_due
 
 __all__ = [
     "ShardMiddleware",
@@ -458,64 +455,6 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
 
 
-@contextlib.asynccontextmanager
-async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    durability: Durability = app.state.durability
-    store: ParameterStore = app.state.store
-    gate: Gate = app.state.gate
-    await durability.start()
-    replication: Replication | None = app.state.replication
-    role: Role = app.state.role
-    if replication is not None:
-        replication.start()
-    # Sync rounds that time out close from here, while the shard takes writes (not while it
-    # restores, is paused for a checkpoint, cannot persist, or drains).
-    rounds = asyncio.create_task(
-        close_when_due(
-            store.deadlines,
-            store.close_due_rounds,
-            lambda: (
-                gate.ready
-                and gate.paused_for is None
-                and gate.persist_error is None
-                and role.acknowledges
-            ),  # a backup closes rounds as its primary's log says
-        ),
-        name="paramshard-sync-rounds",
-    )
-    guard: Guard = app.state.auth
-    watch = (
-        asyncio.create_task(guard.watch(), name="paramshard-token-file")
-        if guard.token_file is not None
-        else None
-    )
-    leadership = from_state(app.state)
-    app.state.leadership = leadership
-    if leadership is not None:
-        leadership.start()
-    try:
-        yield
-    finally:
-        if leadership is not None:
-            await leadership.stop()
-        for task in (rounds, watch):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        if replication is not None:
-            await replication.stop()
-        follow_client = getattr(app.state, "follow_client", None)
-        if follow_client is not None:
-            await follow_client.aclose()
-        try:
-            await durability.stop()
-        except Exception as exc:
-            app.state.shutdown_error = f"the final snapshot failed: {exc!r}"
-            logger.exception("shard %s: final snapshot failed", app.state.config.fleet)
-            raise
-
-
 def create_app(config: ShardConfig) -> FastAPI:
     """Build the ASGI app of one shard. Cheap and synchronous; the store starts empty and is
     restored (with ``--data-dir``) when the app's lifespan starts.
@@ -543,7 +482,7 @@ def create_app(config: ShardConfig) -> FastAPI:
             "One shard of a paramshard fleet. The data plane (`POST /v1/<verb>`) speaks msgpack "
             "or the framed encoding of docs/PROTOCOL.md; the `GET` endpoints are JSON for people."
         ),
-        lifespan=_lifespan,
+        lifespan=lifespan,
         # /docs is served from the shard's own copy of swagger-ui (server/pages); no page
         # loads anything from elsewhere.
         docs_url=None,
