@@ -426,10 +426,10 @@ class Groups:
 
     @staticmethod
     def _current(store: StoreState, group: Group) -> bool:
+        """Whether every name of ``group`` still holds the same variable (then the group is
+        marked checked as of now); never for a stale group."""
         if group.gone is not None:
             return False
-        """Whether every name of ``group`` still holds the same variable (then the group is
-        marked checked as of now)."""
         known = store._vars
         if all(known.get(n) is v for n, v in zip(group.names, group.variables)):
             group.checked_at = _era(store)
