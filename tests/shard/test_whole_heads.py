@@ -73,3 +73,38 @@ def test_a_head_above_the_bound_is_left_to_the_parser():
     head = data.index(b"\r\n\r\n") + 4
     assert whole_request(data, PATHS, head) is not None
     assert whole_request(data, PATHS, head - 1) is None
+
+
+def test_a_connection_reads_its_repeated_head_as_whole_request_reads_it(monkeypatch):
+    """LastHead gives what whole_request gives, for every head of the list above after a head
+    it kept, and splits a head it kept only once."""
+    from server import whole_heads
+
+    heads = whole_heads.LastHead()
+    first = heads.read(whole(), PATHS, 65536)
+    assert first == whole_request(whole(), PATHS, 65536)
+    splits = []
+    real = whole_heads.whole_request
+    monkeypatch.setattr(whole_heads, "whole_request", lambda *args: splits.append(1) or real(*args))
+    again = heads.read(whole(), PATHS, 65536)
+    assert again == first and again[1] is not first[1] and not splits  # not split again
+    again[1][b"host"] = b"changed"  # the caller's to change: the kept head is not
+    assert heads.read(whole(), PATHS, 65536) == first
+    assert heads.read(whole()[:-1], PATHS, 65536) is None  # the same head, a body too short
+    assert heads.read(whole() + b"POST", PATHS, 65536) is None  # another request after it
+    assert not splits
+    for data in test_any_other_head_is_left_to_the_parser.pytestmark[0].args[1]:
+        assert heads.read(whole(), PATHS, 65536) == first
+        assert heads.read(data, PATHS, 65536) is None
+    other = whole(HEAD.replace(b"8000", b"8001"), b"abc")
+    assert heads.read(other, PATHS, 65536) == whole_request(other, PATHS, 65536) is not None
+    assert heads.read(whole(), PATHS, 65536) == first  # the new head is kept instead
+
+
+def test_a_long_head_is_not_kept():
+    from server import whole_heads
+
+    long = whole(HEAD + b"x-long: %s\r\n" % (b"a" * whole_heads.KEPT_HEAD))
+    heads = whole_heads.LastHead()
+    assert heads.read(long, PATHS, 65536) == whole_request(long, PATHS, 65536) is not None
+    assert heads._read is None
