@@ -84,11 +84,11 @@ fails, the request goes to the app as if the parser had just reached its head, b
 A read below :data:`WHOLE_BELOW` bytes that is exactly one such request, arriving between
 requests, with a head written as the SDK writes one (:func:`server.whole_heads.whole_request`
 says which: only heads every parser reads the same), is not fed to the parser at all: its
-head is split in a few bytes operations (or, the same bytes as the connection's last head read
-that way, not split again: :class:`server.whole_heads.LastHead`) and the answerer called from
-``data_received``, with no parser callback per header and no ASGI scope made; a request it
-declines is then fed to the parser and goes to the app without being offered again. Any other
-head is the parser's, as before.
+head is split in a few bytes operations (or, the same bytes as the connection's last head
+read that way for its path, not split again: :class:`server.whole_heads.KeptHeads`) and the
+answerer called from ``data_received``, with no parser callback per header and no ASGI scope
+made; a request it declines is then fed to the parser and goes to the app without being
+offered again. Any other head is the parser's, as before.
 The work saved is a sizeable part of a small pull's time in the shard (``python -m
 bench.stepcost`` shows the shard's part).
 
@@ -131,7 +131,7 @@ import numpy as np
 from .headers import request_headers
 from .readguard import BODY, DEFAULT_LIMITS, HEAD, IDLE, INVALID, EdgeLimits, ReadGuard
 from .upstream import HIGH_WATER_LIMIT, HttpToolsProtocol, new_parser
-from .whole_heads import LastHead
+from .whole_heads import KeptHeads
 
 __all__ = [
     "ANSWER_BELOW",
@@ -367,8 +367,9 @@ if HttpToolsProtocol is not None:
         _head_refused = False
         #: The answerer declined the request being parsed (:meth:`_answer_whole`).
         _declined = False
-        #: The heads :meth:`_answer_whole` read on this connection, the last one kept.
-        _heads: LastHead | None = None
+        #: The heads :meth:`_answer_whole` read on this connection, the last one of each path
+        #: kept.
+        _heads: KeptHeads | None = None
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -503,7 +504,7 @@ if HttpToolsProtocol is not None:
                 return False
             heads = self._heads
             if heads is None:
-                heads = self._heads = LastHead()
+                heads = self._heads = KeptHeads()
             whole = heads.read(data, self._answerers, self.limits.max_head_bytes)
             if whole is None:
                 return False

@@ -16,11 +16,11 @@ and the caller feeds the read to the parser as usual, which accepts or refuses i
 always does. So a request read here is one the parser would have read the same, header for
 header.
 
-A client sends the same head again and again (the SDK builds a route's head once; only a body
-of another length changes it), so :class:`LastHead` keeps, per connection, the last head read
-here: a request that starts with exactly those bytes is the same head, read the same way, and
-needs only its body's length checked. Otherwise pure functions; the caller decides whether the
-connection may be answered now.
+A client sends the same heads again and again (the SDK builds a route's head once; only a body
+of another length changes it), so :class:`KeptHeads` keeps, per connection, the last head read
+here for each path: a request that starts with exactly those bytes is the same head, read the
+same way, and needs only its body's length checked. Otherwise pure functions; the caller
+decides whether the connection may be answered now.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Container
 
-__all__ = ["KEPT_HEAD", "LastHead", "whole_request"]
+__all__ = ["KEPT_HEAD", "KeptHeads", "whole_request"]
 
 #: The bytes a head read here may hold: visible ASCII, space, tab, and CR LF ending its lines.
 _HEAD_BYTES = bytes(range(0x20, 0x7F)) + b"\t\r\n"
@@ -39,7 +39,7 @@ _VERSION = b" HTTP/1.1\r\n"
 _NAME_VALUE = operator.methodcaller("split", b": ", 1)
 #: Headers that ask the server for more than an answer; a request with one goes to the parser.
 _ASKS = (b"transfer-encoding", b"expect", b"connection", b"upgrade")
-#: :class:`LastHead` keeps heads of at most this many bytes (the SDK's are a few hundred).
+#: :class:`KeptHeads` keeps heads of at most this many bytes (the SDK's are a few hundred).
 KEPT_HEAD = 1024
 
 
@@ -87,34 +87,39 @@ def whole_request(
     return data[5:space], headers, data[end + 2 :]
 
 
-class LastHead:
-    """:func:`whole_request` for one connection, keeping the last head it read (at most
-    :data:`KEPT_HEAD` bytes): a request that starts with exactly that head (request line,
-    header lines, blank line) is read without splitting it again, as :func:`whole_request`
-    would read it, its body checked against the head's ``Content-Length``. ``paths`` and
-    ``max_head`` must be the same at every call. Not thread-safe (a connection's, on its loop)."""
+class KeptHeads:
+    """:func:`whole_request` for one connection, keeping the last head it read for each path
+    (each at most :data:`KEPT_HEAD` bytes): a request that starts with exactly the head kept
+    for its path (request line, header lines, blank line) is read without splitting it again,
+    as :func:`whole_request` would read it, its body checked against the head's
+    ``Content-Length``. One head per path, so a client that takes turns between verbs (a push,
+    then a pull) finds each of them kept; at most one per path in ``paths``. ``paths`` and
+    ``max_head`` must be the same at every call. Not thread-safe (a connection's, on its
+    loop)."""
 
-    __slots__ = ("_head", "_read")
+    __slots__ = ("_kept",)
 
     def __init__(self) -> None:
-        self._head = b""
-        #: What the kept head says: its path, its headers and its Content-Length.
-        self._read: tuple[bytes, dict[bytes, bytes], int] | None = None
+        #: By path: the head's bytes, its headers and its Content-Length.
+        self._kept: dict[bytes, tuple[bytes, dict[bytes, bytes], int]] = {}
 
     def read(
         self, data: bytes, paths: Container[bytes], max_head: int
     ) -> tuple[bytes, dict[bytes, bytes], bytes] | None:
         """What :func:`whole_request` returns for these arguments (a new ``headers`` dict
         each time: the caller may keep or change it)."""
-        read = self._read
-        if read is not None and data.startswith(self._head):
-            path, headers, length = read
-            size = len(self._head)
-            return (path, dict(headers), data[size:]) if len(data) - size == length else None
+        space = data.find(b" ", 5, 5 + 256)
+        if space > 0:
+            path = data[5:space]
+            kept = self._kept.get(path)
+            if kept is not None and data.startswith(kept[0]):
+                head, headers, length = kept
+                size = len(head)
+                return (path, dict(headers), data[size:]) if len(data) - size == length else None
         whole = whole_request(data, paths, max_head)
         if whole is not None:
             path, headers, body = whole
             size = len(data) - len(body)
             if size <= KEPT_HEAD:
-                self._head, self._read = data[:size], (path, dict(headers), len(body))
+                self._kept[path] = (data[:size], dict(headers), len(body))
         return whole

@@ -76,11 +76,11 @@ def test_a_head_above_the_bound_is_left_to_the_parser():
 
 
 def test_a_connection_reads_its_repeated_head_as_whole_request_reads_it(monkeypatch):
-    """LastHead gives what whole_request gives, for every head of the list above after a head
-    it kept, and splits a head it kept only once."""
+    """KeptHeads gives what whole_request gives, for every head of the list above after a
+    head it kept, and splits a head it kept only once."""
     from server import whole_heads
 
-    heads = whole_heads.LastHead()
+    heads = whole_heads.KeptHeads()
     first = heads.read(whole(), PATHS, 65536)
     assert first == whole_request(whole(), PATHS, 65536)
     splits = []
@@ -101,10 +101,28 @@ def test_a_connection_reads_its_repeated_head_as_whole_request_reads_it(monkeypa
     assert heads.read(whole(), PATHS, 65536) == first  # the new head is kept instead
 
 
+def test_a_head_is_kept_for_each_path(monkeypatch):
+    """A client taking turns between verbs on one connection finds each verb's head kept."""
+    from server import whole_heads
+
+    paths = {b"/v1/pull": None, b"/v1/push": None}
+    pull, push = whole(), whole(HEAD.replace(b"/v1/pull", b"/v1/push"), b"xyz")
+    heads = whole_heads.KeptHeads()
+    read = [heads.read(pull, paths, 65536), heads.read(push, paths, 65536)]
+    assert read == [whole_request(pull, paths, 65536), whole_request(push, paths, 65536)]
+    assert read[1][0] == b"/v1/push"
+    splits = []
+    real = whole_heads.whole_request
+    monkeypatch.setattr(whole_heads, "whole_request", lambda *args: splits.append(1) or real(*args))
+    for _ in range(3):
+        assert [heads.read(pull, paths, 65536), heads.read(push, paths, 65536)] == read
+    assert not splits
+
+
 def test_a_long_head_is_not_kept():
     from server import whole_heads
 
     long = whole(HEAD + b"x-long: %s\r\n" % (b"a" * whole_heads.KEPT_HEAD))
-    heads = whole_heads.LastHead()
+    heads = whole_heads.KeptHeads()
     assert heads.read(long, PATHS, 65536) == whole_request(long, PATHS, 65536) is not None
-    assert heads._read is None
+    assert not heads._kept
