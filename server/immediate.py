@@ -5,7 +5,8 @@ IMMEDIATE`: raw path -> answerer; :func:`server.app.serving_app` sets it), and t
 functions are the answerers' verbs: :func:`pull_now` (``POST /v1/pull`` in the table layout),
 :func:`pull_rows_now` (``/v1/pull_rows`` of float32 rows), :func:`push_now`,
 :func:`increment_now`, :func:`push_rows_now`, and a step group's :func:`group_pull_now` and
-:func:`group_push_now`. The protocol offers a request to its path's
+:func:`group_push_now`; the commonest pull, of one name, has a one-pass answerer of its own,
+:func:`pull_quick`, tried before :func:`pull_now`. The protocol offers a request to its path's
 answerer when it is small (``Content-Length`` below
 :data:`~server.httptools_protocol.ANSWER_BELOW`) and came whole in one read, or, for
 ``push_rows`` and ``group_push``, once its body is whole when it is below
@@ -39,9 +40,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgpack
 from fastapi import FastAPI
 
 from client_sdk import wire
+from client_sdk.wire.constants import COUNT_FROM
 
 from .admission import Gate
 from .app import ShardMiddleware
@@ -51,7 +54,7 @@ from .errors import ShardError
 from .httptools_protocol import COLLECT_BELOW_ATTR, COLLECT_ROOM_ATTR, Answerer, Immediate
 from .metrics import Traffic
 from .replication.reads import ALLOW_BACKUP, read_refusal
-from .routes_data import increment_args, pull_args, pull_table, push_args, writer
+from .routes_data import MAX_VERSION, increment_args, pull_args, pull_table, push_args, writer
 from .routes_groups import group_pull_reply, group_push_args, group_push_reply
 from .routes_tables import table_name, whole_tensors
 from .store import ParameterStore
@@ -63,6 +66,7 @@ __all__ = [
     "immediate_routes",
     "increment_now",
     "pull_now",
+    "pull_quick",
     "pull_rows_now",
     "push_now",
     "push_rows_now",
@@ -90,6 +94,12 @@ COLLECT_GROUP_BELOW = 1 << 20
 Now = Callable[[Any, Mapping[bytes, bytes], dict[str, Any], Any], wire.Encoded | None]
 
 
+#: ``quick(target, max_names, headers, body)``: a verb's commonest request answered in one
+#: pass, the same reply :data:`Now` gives it, or ``None`` for :data:`Now` to take the request
+#: (anything else, every refusal included); never raises.
+Quick = Callable[[Any, int, Mapping[bytes, bytes], Any], wire.Encoded | None]
+
+
 def pull_now(
     store: ParameterStore, headers: Mapping[bytes, bytes], msg: dict[str, Any], body: Any
 ) -> wire.Encoded | None:
@@ -102,6 +112,58 @@ def pull_now(
     if not table or "wire_dtype" in msg or not store.settled_now(names):
         return None
     return pull_table(store, names, versions, layout, True)
+
+
+#: The fields of the pull :func:`pull_quick` answers; a message with any other goes the usual way.
+_QUICK_PULL_FIELDS = frozenset(("names", "layout", "uniform", "packed", "versions"))
+
+
+def pull_quick(
+    store: ParameterStore, max_names: int, headers: Mapping[bytes, bytes], body: Any
+) -> wire.Encoded | None:
+    """The commonest pull, answered in one pass: one name of ours, in the table layout, to a
+    client that accepts a framed reply. The same bytes as :func:`pull_now` (the same decoding
+    limits, the same field checks, the row :meth:`~server.store.ParameterStore.pull_rows`
+    reads, :func:`~client_sdk.wire.encode_row`), with none of its general steps; ``None`` for
+    anything else, which :func:`pull_now` then answers or refuses. It never raises."""
+    if _FRAME not in headers.get(b"accept", b"").lower() or len(body) > COUNT_FROM:
+        return None
+    try:  # wire.unpack's decoding of a small body, without the calls around it
+        msg = msgpack.unpackb(
+            body, raw=False, strict_map_key=False, max_array_len=max_names, max_map_len=max_names
+        )
+    except Exception:  # msgpack raises several unrelated types; pull_now says which
+        return None
+    if (
+        type(msg) is not dict
+        or msg.get("layout") != "table"
+        or not msg.keys() <= _QUICK_PULL_FIELDS
+    ):
+        return None
+    names, held = msg.get("names"), msg.get("versions")
+    uniform, packed = msg.get("uniform"), msg.get("packed")
+    if (
+        type(names) is not list
+        or len(names) != 1
+        or type(names[0]) is not str
+        or (uniform is not None and type(uniform) is not bool)
+        or (packed is not None and type(packed) is not bool)
+    ):
+        return None
+    if held is not None:
+        if type(held) is not list or len(held) != 1:
+            return None
+        held = held[0]
+        if held is not None and (type(held) is not int or not 0 <= held <= MAX_VERSION):
+            return None
+    row = store.pull_row_now(names[0], held)
+    if row is None:
+        return None
+    version, value, meta = row
+    table: dict[str, Any] = {"versions": [version]}
+    dtype, shape = meta if meta is not None else (None, None)
+    # One row is never uniform, so "uniform" and "packed" change nothing in the reply.
+    return wire.encode_row({"table": table}, table, value, dtype, shape)
 
 
 def pull_rows_now(
@@ -198,6 +260,7 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
         kinds: Mapping[bytes, str],
         access: str = READ,
         collect_below: int = 0,
+        quick: Quick | None = None,
     ) -> Answerer:
         writes = access == WRITE
 
@@ -218,15 +281,17 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
             if kind is None or len(body) > limit:
                 return None
             since = time.perf_counter()
-            try:
-                msg = wire.unpack(body, kind, max_names)
-                if not isinstance(msg, dict):
-                    return None
-                encoded = now(target, headers, msg, body if kind == wire.FRAME else None)
-            except (ShardError, wire.WireError):
-                return None
+            encoded = quick(target, max_names, headers, body) if quick is not None else None
             if encoded is None:
-                return None
+                try:
+                    msg = wire.unpack(body, kind, max_names)
+                    if not isinstance(msg, dict):
+                        return None
+                    encoded = now(target, headers, msg, body if kind == wire.FRAME else None)
+                except (ShardError, wire.WireError):
+                    return None
+                if encoded is None:
+                    return None
             if traffic is not None:
                 traffic.count(verb, 200, time.perf_counter() - since, len(body), encoded.nbytes)
             return Immediate(
@@ -245,7 +310,7 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
         return answer
 
     return {
-        b"/v1/pull": answerer("pull", pull_now, store, _MSGPACK_ONLY),
+        b"/v1/pull": answerer("pull", pull_now, store, _MSGPACK_ONLY, quick=pull_quick),
         b"/v1/pull_rows": answerer("pull_rows", pull_rows_now, tables, _EITHER),
         b"/v1/push": answerer("push", push_now, store, _EITHER, WRITE),
         b"/v1/increment": answerer("increment", increment_now, store, _MSGPACK_ONLY, WRITE),

@@ -23,7 +23,7 @@ from . import constants
 from .constants import *  # noqa: F403 (the names of constants.__all__, listed there once)
 from .errors import ERROR_STATUS, WireError, error_payload
 from .messages import Encoded, check_end, encode, header_end, tensors_of, unpack
-from .tables import Span, encode_table, table_rows, table_spans
+from .tables import Span, encode_row, encode_table, table_rows, table_spans
 from .tensors import Buffer, decode_tensor, framed_view, is_tensor, parse_dtype
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "check_end",
     "decode_tensor",
     "encode",
+    "encode_row",
     "encode_table",
     "error_payload",
     "framed_view",

@@ -36,7 +36,7 @@ from .tensors import (
     parse_shape,
 )
 
-__all__ = ["Span", "encode_table", "table_rows", "table_spans"]
+__all__ = ["Span", "encode_row", "encode_table", "table_rows", "table_spans"]
 
 #: Where one row's tensor lies in a framed body: (offset, dtype, shape) (see :func:`table_spans`).
 Span = tuple[int, np.dtype, tuple[int, ...]]
@@ -132,6 +132,32 @@ def encode_table(
         if size:
             append(a if arrays_as_chunks else a.data.cast("B"))
             at += size
+    return Encoded(FRAME, chunks, at)
+
+
+def encode_row(
+    message: dict[str, Any],
+    table: dict[str, Any],
+    array: np.ndarray | None,
+    dtype: str | None,
+    shape: list[int] | None,
+) -> Encoded:
+    """:func:`encode_table` of one row, with ``arrays_as_chunks``: the same bytes, for the
+    commonest table, without the columns' lists made first. ``dtype`` and ``shape`` are the
+    row's (``None`` with ``array`` for a row without a tensor); one row is never ``uniform``
+    (that needs two or more), so the table always gets both columns."""
+    table["dtype"], table["shape"] = [dtype], [shape]
+    head = msgpack.packb(message, use_bin_type=True)
+    at = FRAME_PREFIX.size + len(head)
+    chunks: list[Any] = [FRAME_PREFIX.pack(FRAME_MAGIC, len(head)), head]
+    if array is not None:
+        pad = -at % ALIGN
+        if pad:
+            chunks.append(PADS[pad])
+        size = array.nbytes
+        if size:
+            chunks.append(array)
+        at += pad + size
     return Encoded(FRAME, chunks, at)
 
 

@@ -107,6 +107,22 @@ class Reads(StoreState):
                 add_shape(shape)
         return rows
 
+    def pull_row_now(
+        self, name: str, held: int | None
+    ) -> tuple[int, np.ndarray | None, tuple[str, list[int]] | None] | None:
+        """:meth:`pull_rows` of the one name ``name`` (``held``: the version the puller holds,
+        or ``None``) when it is one of ours and :meth:`readable` would return at once for it:
+        ``(version, value, (dtype, shape))``, the last two ``None`` where ``held`` is
+        current. ``None`` otherwise (an unknown name, or one a push writes in place off the
+        loop), for :meth:`pull_rows` to answer or refuse after the wait."""
+        var = self._vars.get(name)
+        if var is None or (var.in_place and var.writing is not None):
+            return None
+        version = var.version
+        if held == version:
+            return version, None, None
+        return version, var.export(), var._wire or var.wire_meta()
+
     def bound(self, name: str) -> float:
         """At least the largest magnitude in ``name``'s current value, as the store keeps it
         for its updates (:attr:`Variable.bound <server.store.variable.Variable.bound>`);

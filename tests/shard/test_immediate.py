@@ -223,6 +223,60 @@ def test_a_small_table_pull_is_answered_at_once_with_the_apps_bytes():
     asyncio.run(run())
 
 
+def test_a_pull_of_one_name_is_answered_in_one_pass_with_the_apps_bytes():
+    """The commonest pull (one name, the table layout) is answered by server.immediate's
+    one-pass answerer, without the store's pull_rows, with the bytes the app gives; a pull of
+    one name it does not take (a refusal, a field it does not read) gets the app's answer too."""
+
+    async def run() -> None:
+        async with shard() as (app, immediate, usual):
+            store = app.state.store
+            store.init({"z": (np.zeros((0, 3), np.float32), None)})  # a row with no bytes
+            store.push("w", 1, {"a": np.ones(3, np.float32)}, None)  # a is at version 1
+            rows = store.pull_rows
+            reads = []
+
+            def counted(*args, **kwargs):
+                reads.append(args)
+                return rows(*args, **kwargs)
+
+            store.pull_rows = counted
+            flags = ({}, {"uniform": True, "packed": True}, {"uniform": False}, {"packed": None})
+            for name, held, extra in itertools.product(
+                ("a", "c", "z"), (None, [None], [0], [1]), flags
+            ):
+                msg = {"names": [name], "layout": "table", **extra}
+                if held is not None:
+                    msg["versions"] = held
+                mine = await Connection(immediate).send(request(msg))
+                assert not reads and immediate.calls == 0, msg
+                theirs = await Connection(usual).send(request(msg))
+                assert mine == theirs, msg
+                assert len(reads) == 1, msg  # the usual way reads the row with pull_rows
+                reads.clear()
+            assert store.pull(["a"])["a"]["version"] == 1
+            for msg in (
+                {"names": ["nope"], "layout": "table"},
+                {"names": ["a"], "layout": "table", "versions": [-1]},
+                {"names": ["a"], "layout": "table", "versions": [None, 1]},
+                {"names": ["a"], "layout": "table", "versions": [True]},
+                {"names": ["a"], "layout": "table", "versions": {"a": 1}},
+                {"names": ["a"], "layout": "table", "uniform": "yes"},
+                {"names": ["a"], "layout": "table", "wire_dtype": "float16"},
+                {"names": ["a"], "layout": "table", "padding": b"x"},
+                {"names": ["a"], "layout": "tables"},
+                {"names": "a", "layout": "table"},
+                {"names": [b"a"], "layout": "table"},
+                {"names": ["a"], "layout": "table", 7: 1},
+            ):
+                mine, theirs = await both(immediate, usual, request(msg))
+                assert mine == theirs, msg
+            mine, theirs = await both(immediate, usual, request(msg, accept=wire.MSGPACK))
+            assert mine == theirs
+
+    asyncio.run(run())
+
+
 def _big_pull() -> bytes:
     """A pull the app answers 200, with a body of ANSWER_BELOW bytes (a field it ignores)."""
     msg = {"names": NAMES, "layout": "table", "padding": b""}
@@ -294,7 +348,8 @@ def test_a_pull_the_gate_would_hold_or_refuse_goes_to_the_app(phase, monkeypatch
     asyncio.run(run())
 
 
-def test_a_pull_of_a_variable_being_written_in_place_goes_to_the_app():
+@pytest.mark.parametrize("names", [NAMES, ["b"]])
+def test_a_pull_of_a_variable_being_written_in_place_goes_to_the_app(names):
     async def run() -> None:
         async with shard() as (app, immediate, _usual):
             store = app.state.store
@@ -304,7 +359,7 @@ def test_a_pull_of_a_variable_being_written_in_place_goes_to_the_app():
             store._off_loop.writing += 1
             assert not store.settled_now(["a", "b"]) and store.settled_now(["a", "c", 3])
             conn = Connection(immediate)
-            pending = asyncio.ensure_future(conn.send(request()))
+            pending = asyncio.ensure_future(conn.send(request({"names": names, "layout": "table"})))
             for _ in range(20):
                 await asyncio.sleep(0)
             assert not pending.done() and immediate.calls == 1  # the app waits for the writer
@@ -312,7 +367,7 @@ def test_a_pull_of_a_variable_being_written_in_place_goes_to_the_app():
             var.writing, var.in_place = None, False
             store._off_loop.in_place -= 1
             store._off_loop.writing -= 1
-            _table(await pending)
+            assert (await pending).startswith(b"HTTP/1.1 200 OK\r\n")
 
     asyncio.run(run())
 
