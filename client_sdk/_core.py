@@ -46,7 +46,7 @@ from ._exceptions import (
     ShardUnavailableError,
 )
 from ._fleet import Fleet, era
-from ._flow import Result, ShardRequest
+from ._flow import Reply, Result, ShardRequest
 from ._parts import Parts
 from ._replicas import Replicas
 from ._replies import Message
@@ -243,8 +243,20 @@ class Core:
         """Check one result and decode it; raise the mapped PSError for a failure."""
         if isinstance(result, PSError):
             raise result
+        url, cached_as = self.identify(request, result)
+        try:
+            return _replies.decode(request, result, url, self.n, cached_as)
+        except FleetMismatchError as exc:
+            if exc.status == 421:  # the shard says it is not the one: check it again
+                self.fleet.recheck(request.shard)
+            raise
+
+    def identify(self, request: ShardRequest, reply: Reply) -> tuple[str, str | None]:
+        """What :meth:`accept` checks and notes of a reply before decoding its body: the
+        answering shard's identity (raising the mapped PSError) and incarnation. Returns the
+        URL its errors name and the era its values are cached under."""
         shard = request.shard
-        headers = result.headers
+        headers = reply.headers
         fleet = self.fleet
         fleet.check_identity(shard, headers)
         incarnation = headers.get(wire.HEADER_INCARNATION)
@@ -259,12 +271,7 @@ class Core:
             fleet.note_incarnation(
                 shard, incarnation, headers.get(wire.HEADER_STATE_VERSION), cached_as
             )
-        try:
-            return _replies.decode(request, result, url, self.n, cached_as)
-        except FleetMismatchError as exc:
-            if exc.status == 421:  # the shard says it is not the one: check it again
-                fleet.recheck(shard)
-            raise
+        return url, cached_as
 
     def collect(self, batch: list[ShardRequest], results: list[Result]) -> list[Message]:
         """Accept every result; if any failed, raise the first failure (by shard order),

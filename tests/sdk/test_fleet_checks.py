@@ -247,6 +247,37 @@ def test_direct_pull_of_a_variable_deleted_and_made_again_by_another_worker(flee
         np.testing.assert_array_equal(ps.pull([name])[name], new)
 
 
+def test_direct_pull_of_one_name_takes_a_reply_with_its_value_in_one_pass(fleet1, monkeypatch):
+    # A reply with the one row's value is taken without the general decode and take, into
+    # what they would give (a read-only view, cached at the reply's version); any other reply
+    # (a row the cache stands for, a matrix) goes through them.
+    from client_sdk import _direct
+
+    vec, mat = (f"one_{k}_{uuid.uuid4().hex[:8]}" for k in "vm")
+    taken = []
+
+    def counted(*args):
+        taken.append(args)
+        return take(*args)
+
+    take = _direct.take
+    monkeypatch.setattr(_direct, "take", counted)
+    with PSClient(fleet1.urls) as ps:
+        ps.init({vec: np.arange(5, dtype=np.float32), mat: np.ones((2, 2))}, Add())
+        for step in range(3):
+            got = ps.pull([vec])[vec]
+            np.testing.assert_array_equal(got, np.arange(5) + step)
+            assert not got.flags.writeable and got.dtype == np.float32
+            assert ps._core.cache.entries[vec][1:] == (step, got)
+            ps.push({vec: np.ones(5, np.float32)})
+        assert taken == []
+        np.testing.assert_array_equal(ps.pull([vec])[vec], np.arange(5) + 3)
+        assert ps.pull([vec])[vec] is ps._core.cache.entries[vec][2]  # not sent again
+        assert len(taken) == 1
+        np.testing.assert_array_equal(ps.pull([mat])[mat], np.ones((2, 2)))
+        assert len(taken) == 2
+
+
 def test_a_pull_answers_in_the_callers_order_whichever_values_changed(fleet1):
     # The reply puts the values that changed before those the cache stands for.
     a, b = (f"order_{k}_{uuid.uuid4().hex[:8]}" for k in "ab")
