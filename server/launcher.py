@@ -48,6 +48,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 from client_sdk.wire import ENV_PREFIX
 
@@ -267,20 +268,27 @@ class Fleet:
         log = self.logs[i]
         out = open(log, "ab") if log is not None else None  # the child keeps its own copy
         try:
-            self.procs[i] = subprocess.Popen(
-                self.command(i),
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT if out is not None else None,
-                start_new_session=self.own_session,
-            )
+            self.procs[i] = self.spawn(i, out)
         finally:
             if out is not None:
                 out.close()
         self.started_at[i] = time.monotonic()
         if wait:
             self.wait(i, ready=ready)
+
+    def spawn(self, i: int, out: IO[bytes] | None) -> subprocess.Popen[bytes]:
+        """Start shard ``i``'s process (:meth:`command`, the fleet's environment, stdin from
+        ``/dev/null``, stdout and stderr to ``out`` or else this process's own). A subclass may
+        start it another way and return a handle with ``Popen``'s ``pid``, ``poll``, ``wait``
+        and ``send_signal``."""
+        return subprocess.Popen(
+            self.command(i),
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
+            start_new_session=self.own_session,
+        )
 
     def poll(self, i: int) -> int | None:
         """Shard ``i``'s exit status, or ``None`` while it runs (or was never started)."""

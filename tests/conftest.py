@@ -31,6 +31,7 @@ import pytest
 
 from client_sdk import PSClient
 from server import launcher
+from tests.helpers import forkserver
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,6 +134,19 @@ class Fleet(launcher.Fleet):
             self.prelude + "\nimport sys\nfrom server.cli import main\nsys.exit(main(sys.argv[1:]))"
         )
         return [sys.executable, "-c", run, "serve", *self.serve_args(i)]
+
+    def spawn(self, i: int, out):
+        """Shard i forked by this pytest process's fork server (tests/helpers/forkserver.py),
+        or started with ``Popen`` when it cannot be (``PARAMSHARD_TEST_FORK=0``, a prelude,
+        another command or environment)."""
+        if out is not None and self.own_session:
+            with open(os.devnull, "rb") as stdin:
+                proc = forkserver.spawn(
+                    self.command(i), self.env, stdin.fileno(), out.fileno(), out.fileno()
+                )
+            if proc is not None:
+                return proc
+        return super().spawn(i, out)
 
     def start(self, i: int, wait: bool = True, ready: bool | None = None) -> None:
         """Start shard i; with ``wait``, until it answers ``/readyz`` if it has a data dir (its
