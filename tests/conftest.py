@@ -140,10 +140,10 @@ class Fleet(launcher.Fleet):
         or started with ``Popen`` when it cannot be (``PARAMSHARD_TEST_FORK=0``, a prelude,
         another command or environment)."""
         if out is not None and self.own_session:
+            base = launcher.shard_env({**os.environ, "PYTHONPATH": str(ROOT)})
             with open(os.devnull, "rb") as stdin:
-                proc = forkserver.spawn(
-                    self.command(i), self.env, stdin.fileno(), out.fileno(), out.fileno()
-                )
+                stdio = [stdin.fileno(), out.fileno(), out.fileno()]
+                proc = forkserver.spawn(self.command(i), self.env, base, stdio)
             if proc is not None:
                 return proc
         return super().spawn(i, out)

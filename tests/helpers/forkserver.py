@@ -29,7 +29,8 @@ the shard: a new session (as ``start_new_session``), the given stdio and no othe
 the fork server's own start), numpy's global random state reseeded (``random`` reseeds itself on
 fork), then ``server.cli`` run as ``__main__`` with its arguments, as ``-m`` runs it; the
 interpreter's own exit (``SystemExit``, a traceback, threads joined, ``atexit``, flushing) ends
-it. Python's string hash seed is the fork server's for all its shards.
+it. What stays the fork server's: Python's string hash seed (the same in all its shards) and
+what ``/proc/<pid>/cmdline`` and ``environ`` show.
 """
 
 from __future__ import annotations
@@ -63,7 +64,12 @@ PRELOAD = (
     "numpy",
     "numpy.random",
     "prometheus_client",
-    "server.cli",
+    "server.cli_args",  # and what server.cli imports, not server.cli: -m runs it afresh
+    "server.config",
+    "server.status",
+    "server.probes",
+    "server.progress",
+    "server.reshard",
     "server.serve",
     "server.app",
     "server.logs",
@@ -223,26 +229,33 @@ _client_lock = threading.Lock()
 
 
 def spawn(
-    args: list[str], env: Mapping[str, str], stdin: int, stdout: int, stderr: int
+    args: list[str],
+    env: Mapping[str, str],
+    base: Mapping[str, str],
+    stdio: Sequence[int],
 ) -> Forked | None:
     """Fork ``args`` (``[sys.executable, "-m", "server.cli", "serve", ...]``) in a new session
-    with ``env`` and the given stdio descriptors; ``None`` if it must go through ``Popen``
-    (see the module's docstring)."""
+    with ``env`` and the ``stdio`` descriptors (stdin, stdout, stderr); ``None`` if it must go
+    through ``Popen`` (see the module's docstring). ``base`` is the environment of a shard that
+    a test gives none: the fork server's, started again when it has changed."""
     global _client
     if os.environ.get(ENABLE, "1") == "0" or args[:4] != [sys.executable, *SERVE]:
         return None
     with _client_lock:
         if _client is not None and _client.owner != os.getpid():
             _client = None  # a process forked from this one: start its own
+        if _client is not None and _client.problem is None and not _client.fits(base):
+            _client.close()
+            _client = None
         if _client is None:
-            _client = _Client(env)
+            _client = _Client(base)
             if _client.problem is not None:
                 warnings.warn(f"tests start shards with Popen: {_client.problem}", stacklevel=2)
         client = _client
     if not client.fits(env):
         return None
     try:
-        return client.spawn(args, env, [stdin, stdout, stderr])
+        return client.spawn(args, env, stdio)
     except (OSError, ChildProcessError) as exc:
         client.problem = f"the fork server failed: {exc}"
         warnings.warn(f"tests start shards with Popen: {client.problem}", stacklevel=2)
@@ -267,6 +280,8 @@ def _fork_safety_problem(sock: socket.socket) -> str | None:
         return f"its imports left descriptors open: {stray}"
     if logging.getLogger().handlers:
         return "its imports configured logging"
+    if "server.cli" in sys.modules:  # -m would warn that it runs a module imported already
+        return "its imports imported server.cli"
     return None
 
 

@@ -41,6 +41,7 @@ def test_a_forked_shard_serves_logs_and_stops_as_a_started_one(fleet_factory):
     assert parent != os.getpid()  # its fork server's waiter's child
     assert f"Started server process [{proc.pid}]" in fleet.tail(0)
     assert "serving on http://127.0.0.1" in fleet.tail(0)  # stderr and stdout: the log
+    assert "Warning" not in fleet.tail(0)  # e.g. runpy's, for server.cli imported before -m
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0
     assert proc.poll() == 0 and proc.returncode == 0
@@ -82,3 +83,8 @@ def test_what_cannot_be_forked_is_started_with_popen(fleet_factory, monkeypatch)
     for fleet in (other_env, prelude, off):
         assert isinstance(fleet.procs[0], subprocess.Popen)
         assert fleet.kill(0) == -signal.SIGKILL
+
+
+def test_a_changed_environment_gets_a_fork_server_of_its_own(fleet_factory, monkeypatch):
+    monkeypatch.setenv("LC_PROBE", "C")  # every fleet's environment from now on
+    forked(fleet_factory(1))
