@@ -69,13 +69,16 @@ answerer is given that buffer (a writable ``memoryview``), not pieces joined int
 ``bytes``. A big read that starts such a request (a step group's push: the first read brings
 its head and a few hundred KB) is fed to the parser up to the end of the head only; when more
 of the body is to come than the read holds, the body's bytes of that read are copied into the
-buffer from the read itself, with no piece made of them by the parser. And once a connection
-has had a body collected into one buffer, it reads at most :data:`SMALL_READ` bytes at a time
-whenever no body is being written into a buffer (:class:`_SmallReads`): the read that brings
-the next such request's head then brings only a little of its body, and the rest is read
-straight into its buffer, where the loop's own reads (uvloop's are 256 KiB) would first copy
-most of the body into a ``bytes`` object that is then copied again into the buffer. A
-shutdown meanwhile
+buffer from the read itself, with no piece made of them by the parser. When that head is one
+:func:`server.whole_heads.whole_request` reads (as the SDK writes it) and the body gets its
+buffer at once, the parser does not read the head either: it is read as a small whole
+request's is, and only if the answerer declines does the parser read it, for the app.
+And once a connection has had a body collected into one buffer, it reads at most
+:data:`SMALL_READ` bytes at a time whenever no body is being written into a buffer
+(:class:`_SmallReads`): the read that brings the next such request's head then brings only a
+little of its body, and the rest is read straight into its buffer, where the loop's own
+reads (uvloop's are 256 KiB) would first copy most of the body into a ``bytes`` object that
+is then copied again into the buffer. A shutdown meanwhile
 lets it finish and closes the connection after its answer, as for a request the app is
 answering. Its answer is written as a shard's responses are (head with body, one
 vectored write) and the connection goes on as after any response (keep-alive timer, reading).
@@ -370,6 +373,9 @@ if HttpToolsProtocol is not None:
         #: The heads :meth:`_answer_whole` read on this connection, the last one of each path
         #: kept.
         _heads: KeptHeads | None = None
+        #: While a body is collected for a request whose head the parser has not read
+        #: (:meth:`_collect_unparsed`): that head's bytes and headers.
+        _unparsed: tuple[bytes, dict[bytes, bytes]] | None = None
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -382,6 +388,7 @@ if HttpToolsProtocol is not None:
         def connection_lost(self, exc: Exception | None) -> None:
             self._guard_lost()
             self._now = None  # a body being collected is dropped with the connection
+            self._unparsed = None
             super().connection_lost(exc)
 
         def shutdown(self) -> None:
@@ -459,19 +466,29 @@ if HttpToolsProtocol is not None:
 
         def _answer_now(self, answerer: Answerer, pieces: list[bytes]) -> None:
             body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            unparsed, self._unparsed = self._unparsed, None
             try:
-                answer = answerer(self._request_headers(), body)
+                answer = answerer(
+                    self._request_headers() if unparsed is None else unparsed[1], body
+                )
             except Exception:
                 logger.exception("answering %s immediately failed; handing it to the app", self.url)
                 answer = None
             if answer is None:  # to the app, as if the parser had only now reached each part
-                self._usual_headers_complete()
+                if unparsed is None:
+                    self._usual_headers_complete()
+                else:  # the (new) parser reads the head now, for the app
+                    self._declined = True
+                    self.parser.feed_data(unparsed[0])
+                    self._declined = False
                 if self._closing:
                     self._closing = False
                     self.cycle.keep_alive = False
                 if body:
                     self.on_body(body)
                 self.on_message_complete()
+                if unparsed is not None:  # it waits for the body it was not given
+                    self.parser = new_parser(self)
                 return
             self._write_answer(answer)
             if self._closing:
@@ -668,7 +685,8 @@ if HttpToolsProtocol is not None:
             ):
                 end = data.find(b"\r\n\r\n", 5, self.limits.max_head_bytes + 4)
                 if 0 < end < len(data) - 4:
-                    self._take_head_first(memoryview(data), end + 4)
+                    if not self._collect_unparsed(data):
+                        self._take_head_first(memoryview(data), end + 4)
                     return
             super().data_received(data)
             left = self._announced
@@ -684,6 +702,62 @@ if HttpToolsProtocol is not None:
             space = data.find(b" ", 5, 5 + 256)
             answerer = self._answerers.get(data[5:space]) if space > 0 else None
             return answerer is not None and getattr(answerer, COLLECT_BELOW_ATTR, 0) > 0
+
+        def _collect_unparsed(self, data: bytes) -> bool:
+            """Whether ``data``, a big read that starts a request for a collecting answerer on
+            a connection between requests, was taken without the parser: its head read as
+            :meth:`_answer_whole` reads a small request's (one :func:`~server.whole_heads.
+            whole_request` reads, ``started``), the request one :meth:`_may_answer_now` allows
+            (those heads ask nothing of the protocol), and its body, more than ``data`` holds,
+            to be collected into one buffer (:meth:`_collect_into`), to which the rest of
+            ``data`` is copied. Then nothing waits on the parser until the body is whole; if
+            the answerer declines, the parser reads the head after all (:meth:`_answer_now`).
+            Otherwise (``False``) nothing has changed."""
+            if (
+                not (self._phase == IDLE or (self._phase == HEAD and self._got == len(data)))
+                or self._declined
+                or self.access_log
+                or self.flow.write_paused
+                or self.parser is None
+                or self.transport.is_closing()
+                or (self.cycle is not None and not self.cycle.response_complete)
+            ):
+                return False
+            heads = self._heads
+            if heads is None:
+                heads = self._heads = KeptHeads()
+            read = heads.read(data, self._answerers, self.limits.max_head_bytes, started=True)
+            if read is None:
+                return False
+            path, headers, rest = read
+            answerer = self._answerers[path]
+            below = getattr(answerer, COLLECT_BELOW_ATTR, 0)
+            room = getattr(answerer, COLLECT_ROOM_ATTR, None)
+            size = int(headers[b"content-length"])
+            if (
+                not below
+                or size >= max(below, ANSWER_BELOW)
+                or size <= len(rest)
+                or size < BYPASS_BELOW
+                or room is None
+                or not room(size)
+            ):
+                return False
+            self._unset_keepalive_if_required()
+            self._enter(BODY)
+            self.url = path
+            self._unparsed = (data[: len(data) - len(rest)], headers)
+            self._now = (answerer, [])
+            self._collecting = True
+            self._now_left, self._announced = size, None
+            self._collect_into(answerer, [])
+            into, buffer = self._into, self._into_buffer
+            assert into is not None and buffer is not None  # room(size) said yes just now
+            take = len(rest)
+            buffer[:take] = rest
+            self._got -= take  # counted with the read already
+            self._direct_received(take)
+            return True
 
         def _take_head_first(self, data: memoryview, end: int) -> None:
             """A big read that starts a request for a collecting answerer, parsed in two feeds

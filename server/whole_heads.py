@@ -14,7 +14,8 @@ in a name, an empty value, an obsolete line folding, a control or non-ASCII byte
 before a colon, a second request after the first, a body still to come) returns ``None``,
 and the caller feeds the read to the parser as usual, which accepts or refuses it as it
 always does. So a request read here is one the parser would have read the same, header for
-header.
+header. A caller that collects a big body itself may ask for the head of a read that brings
+only the start of its body (``started``).
 
 A client sends the same heads again and again (the SDK builds a route's head once; only a body
 of another length changes it), so :class:`KeptHeads` keeps, per connection, the last head read
@@ -44,12 +45,13 @@ KEPT_HEAD = 1024
 
 
 def whole_request(
-    data: bytes, paths: Container[bytes], max_head: int
+    data: bytes, paths: Container[bytes], max_head: int, started: bool = False
 ) -> tuple[bytes, dict[bytes, bytes], bytes] | None:
     """``(path, headers, body)`` of ``data`` when it is exactly one ``POST`` to one of
     ``paths`` (raw path, no query) with a head of at most ``max_head`` bytes that reads as
     the module says, and its whole body: ``headers`` by lower-case name. ``None`` otherwise
-    (the parser's to read)."""
+    (the parser's to read). With ``started``, ``data`` may hold only the start of the body
+    (``body``: that start; never more than the body)."""
     space = data.find(b" ", 5, 5 + 256)
     if space < 0 or not data.startswith(b"POST /") or data[5:space] not in paths:
         return None
@@ -80,7 +82,7 @@ def whole_request(
         len(headers) != len(lines)
         or length is None
         or not length.isdigit()
-        or int(length) != len(data) - end - 2
+        or (int(length) < len(data) - end - 2 if started else int(length) != len(data) - end - 2)
         or any(name in headers for name in _ASKS)
     ):
         return None
@@ -104,7 +106,7 @@ class KeptHeads:
         self._kept: dict[bytes, tuple[bytes, dict[bytes, bytes], int]] = {}
 
     def read(
-        self, data: bytes, paths: Container[bytes], max_head: int
+        self, data: bytes, paths: Container[bytes], max_head: int, started: bool = False
     ) -> tuple[bytes, dict[bytes, bytes], bytes] | None:
         """What :func:`whole_request` returns for these arguments (a new ``headers`` dict
         each time: the caller may keep or change it)."""
@@ -115,11 +117,12 @@ class KeptHeads:
             if kept is not None and data.startswith(kept[0]):
                 head, headers, length = kept
                 size = len(head)
-                return (path, dict(headers), data[size:]) if len(data) - size == length else None
-        whole = whole_request(data, paths, max_head)
+                fits = len(data) - size <= length if started else len(data) - size == length
+                return (path, dict(headers), data[size:]) if fits else None
+        whole = whole_request(data, paths, max_head, started)
         if whole is not None:
             path, headers, body = whole
             size = len(data) - len(body)
             if size <= KEPT_HEAD:
-                self._kept[path] = (data[:size], dict(headers), len(body))
+                self._kept[path] = (data[:size], dict(headers), int(headers[b"content-length"]))
         return whole

@@ -25,7 +25,7 @@ from server.httptools_protocol import (
     ShardHttpProtocol,
 )
 from server.immediate import COLLECT_GROUP_BELOW, COLLECT_ROWS_BELOW
-from tests.shard.test_immediate import Connection, _push_rows, request, shard
+from tests.shard.test_immediate import Callbacks, Connection, _push_rows, request, shard
 
 #: Distinct ids of table t (dim 4) whose push_rows body is above ANSWER_BELOW.
 IDS = np.arange(1000, 4000, dtype=np.int64)
@@ -218,6 +218,56 @@ def test_the_body_in_the_read_that_brings_a_collected_heads_goes_to_the_buffer(m
             values = [app.state.store.pull(GROUP)[GROUP[-1]]["value"] for app in (one, other)]
             assert np.array_equal(values[0], values[1])
             assert np.isclose(values[0][-1], -0.01 * (64 * 1000 - 1))  # SGD, lr 0.01
+
+    asyncio.run(run())
+
+
+def test_a_collected_requests_head_as_the_sdk_writes_it_is_read_without_the_parser():
+    """A read that brings a group push's head, as the SDK writes one, and the start of its
+    body: the head is read as a small whole request's (server.whole_heads, no parser
+    callback), the body collected into its buffer, the answer the app's. When the answerer
+    then declines (an unknown group), the parser reads the head after all and the app answers
+    it, and the connection goes on; without room for the body's buffer now, the parser reads
+    the head and the body comes in pieces, answered the same."""
+
+    async def run() -> None:
+        async with shard() as (one, immediate, _), shard() as (other, _, usual):
+            ids = _register_group(one, other)
+            incarnations = (one.state.incarnation.encode(), other.state.incarnation.encode())
+            conns = Connection(immediate), Connection(usual)
+            seen = Callbacks(conns[0].protocol)
+
+            async def both_ways(seq: int, gids=ids, third: bool = True) -> list[bytes]:
+                replies = []
+                for conn, gid, incarnation in zip(conns, gids, incarnations):
+                    data = _group_push(gid, seq)
+                    cut = len(data) // 3 if third else len(data) - 1
+                    assert await conn.send(data[:cut], replies=0) == b""
+                    reply = await conn.send(data[cut:])
+                    replies.append(reply.replace(incarnation, b"").replace(gid.encode(), b""))
+                assert replies[0] == replies[1]
+                return replies
+
+            for seq in (1, 2):  # a new connection's first request, then between requests
+                assert (await both_ways(seq))[0].startswith(b"HTTP/1.1 200 ")
+            assert seen.count == 0 and immediate.calls == 0
+            unknown = ("0" * len(ids[0]), "0" * len(ids[1]))
+            assert (await both_ways(3, unknown))[0].startswith(b"HTTP/1.1 404 ")
+            assert seen.count > 0 and immediate.calls == 1
+            seen.count = 0
+            answerer = getattr(immediate, IMMEDIATE)[b"/v1/group_push"]
+            room = getattr(answerer, COLLECT_ROOM_ATTR)
+            setattr(answerer, COLLECT_ROOM_ATTR, lambda nbytes: False)  # no buffer now
+            try:
+                assert (await both_ways(3))[0].startswith(b"HTTP/1.1 200 ")
+                assert seen.count > 0 and immediate.calls == 1
+            finally:
+                setattr(answerer, COLLECT_ROOM_ATTR, room)
+            seen.count = 0
+            assert (await both_ways(4, third=False))[0].startswith(b"HTTP/1.1 200 ")
+            assert seen.count == 0 and immediate.calls == 1
+            for app in (one, other):
+                assert app.state.store.pull(GROUP[-1:])[GROUP[-1]]["version"] == 4
 
     asyncio.run(run())
 

@@ -126,3 +126,27 @@ def test_a_long_head_is_not_kept():
     heads = whole_heads.KeptHeads()
     assert heads.read(long, PATHS, 65536) == whole_request(long, PATHS, 65536) is not None
     assert not heads._kept
+
+
+def test_a_head_with_the_start_of_its_body_is_read_when_asked():
+    """With ``started``, a read may hold the head and only the start of the body (never more
+    than the body); a connection's kept head is read the same way."""
+    from server import whole_heads
+
+    data = whole()
+    for cut in (len(data) - len(BODY), len(data) - 1, len(data)):
+        path, headers, body = whole_request(data[:cut], PATHS, 65536, started=True)
+        assert path == b"/v1/pull" and body == data[len(data) - len(BODY) : cut]
+        assert headers == whole_request(data, PATHS, 65536)[1]
+    assert whole_request(data[:-1], PATHS, 65536) is None  # not asked: the body must be whole
+    assert whole_request(data + b"P", PATHS, 65536, started=True) is None
+    assert whole_request(whole(length=len(BODY) - 1), PATHS, 65536, started=True) is None
+    heads = whole_heads.KeptHeads()
+    assert heads.read(data[:-3], PATHS, 65536, started=True) == (
+        whole_request(data[:-3], PATHS, 65536, started=True)
+    )
+    assert heads._kept  # kept with its Content-Length, not the bytes of the body it read
+    assert heads.read(data, PATHS, 65536)[2] == BODY
+    assert heads.read(data[:-3], PATHS, 65536, started=True)[2] == BODY[:-3]
+    assert heads.read(data[:-3], PATHS, 65536) is None
+    assert heads.read(data + b"P", PATHS, 65536, started=True) is None
