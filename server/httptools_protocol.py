@@ -477,7 +477,7 @@ if HttpToolsProtocol is not None:
             if answer is None:  # to the app, as if the parser had only now reached each part
                 if unparsed is None:
                     self._usual_headers_complete()
-                else:  # the (new) parser reads the head now, for the app
+                else:  # the parser (between requests) reads the head now, for the app
                     self._declined = True
                     self.parser.feed_data(unparsed[0])
                     self._declined = False
@@ -487,8 +487,6 @@ if HttpToolsProtocol is not None:
                 if body:
                     self.on_body(body)
                 self.on_message_complete()
-                if unparsed is not None:  # it waits for the body it was not given
-                    self.parser = new_parser(self)
                 return
             self._write_answer(answer)
             if self._closing:
@@ -860,8 +858,11 @@ if HttpToolsProtocol is not None:
             into.watch = None  # type: ignore[union-attr]
             self._into = self._into_buffer = None
             self.transport.set_protocol(self._small or self)
-            self.parser = new_parser(self)
+            # Completed with the parser that read the head (an answerer that declines hands
+            # the request to the app, which needs its method and version from it), then a
+            # new one: this one waits for body bytes that went past it.
             self.on_message_complete()
+            self.parser = new_parser(self)
 
         def _hand_on(self, piece: bytes) -> None:
             cycle = self.cycle
