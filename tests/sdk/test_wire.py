@@ -15,6 +15,7 @@ import math
 import re
 import struct
 
+import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes
 
 from client_sdk import wire
+from client_sdk.wire.tensors import BFLOAT16
 from tests.conftest import ROOT
 
 settings.register_profile("wire", deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -503,10 +505,17 @@ def test_bad_dtypes(dtype, inline):
         wire.parse_dtype(dtype)
 
 
-@given(st.text(max_size=6) | dtype_strings() | dtype_strings().map(lambda s: s.upper()))
+@given(
+    st.text(max_size=6)
+    | dtype_strings()
+    | dtype_strings().map(lambda s: s.upper())
+    | st.sampled_from([BFLOAT16, BFLOAT16.upper(), ">bf2", "|bf2", "bf2", "<bf4"])
+)
 def test_parse_dtype_accepts_exactly_the_list(text):
     valid = {o + ks for ks in wire.DTYPES for o in ("|" if ks.endswith("1") else "<>")}
-    if text in valid:
+    if text == BFLOAT16:  # the one dtype off DTYPES (ml_dtypes, installed with the tests)
+        assert wire.parse_dtype(text) == np.dtype(ml_dtypes.bfloat16)
+    elif text in valid:
         assert wire.parse_dtype(text).str == text
     else:
         with pytest.raises(wire.WireError):
