@@ -53,36 +53,6 @@ class OnLoop:
         self.loop.close()
 
 
-#: The modules that take longest (tens of seconds each on a quiet machine), run first: `make
-#: test` hands whole modules to its pytest processes in collection order, so a long module
-#: collected last would run alone while the other processes sit idle. The order is all this
-#: changes; a module missing here runs in its place.
-LONGEST_FIRST = (
-    "tests/e2e/test_faults.py",
-    "tests/e2e/test_leadership.py",
-    "tests/shard/test_durability.py",
-    "tests/e2e/test_multihost.py",
-    "tests/e2e/test_bench.py",
-    "tests/e2e/test_jax_worker.py",
-    "tests/shard/test_hostile_http.py",
-    "tests/e2e/test_demo.py",
-    "tests/e2e/test_cli.py",
-    "tests/e2e/test_failover_stalled.py",
-    "tests/shard/test_snapshot_safety.py",
-    "tests/e2e/test_dashboard.py",
-    "tests/shard/test_store_model.py",
-    "tests/e2e/test_fleet_model.py",
-    "tests/e2e/test_replication.py",
-    "tests/sdk/test_hostile_replies.py",
-    "tests/shard/test_fuzz_requests.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
-
-
 def examples(n: int) -> int:
     """``n`` Hypothesis examples, times ``PARAMSHARD_TEST_SCALE`` (default 1): raise it for a
     long hunt with the randomized tests (``PARAMSHARD_TEST_SCALE=20 make test``)."""
