@@ -503,19 +503,26 @@ if HttpToolsProtocol is not None:
             out.write(Gathered(answer.chunks, answer.nbytes))
             self.on_response_complete()
 
+        def _unparsed_may_be_answered(self) -> bool:
+            """Whether a request whose head is read without the parser may be answered in the
+            protocol: no access log to write, writing not paused, the connection open with a
+            parser, and no response of an earlier request under way."""
+            cycle = self.cycle
+            return not (
+                self.access_log
+                or self.flow.write_paused
+                or self.parser is None
+                or self.transport.is_closing()
+                or (cycle is not None and not cycle.response_complete)
+            )
+
         def _answer_whole(self, data: bytes) -> bool:
             """Answer ``data`` here if it is one whole request for an answerer whose head
             :func:`server.whole_heads.whole_request` reads, on a connection between requests
             that may be answered now (as :meth:`_may_answer_now` says), without feeding it to
             the parser: whether it was answered. When the answerer declines, the parser reads
             ``data`` as usual and the request goes to the app (not offered again)."""
-            if (
-                self.access_log
-                or self.flow.write_paused
-                or self.parser is None
-                or self.transport.is_closing()
-                or (self.cycle is not None and not self.cycle.response_complete)
-            ):
+            if not self._unparsed_may_be_answered():
                 return False
             heads = self._heads
             if heads is None:
@@ -714,11 +721,7 @@ if HttpToolsProtocol is not None:
             if (
                 not (self._phase == IDLE or (self._phase == HEAD and self._got == len(data)))
                 or self._declined
-                or self.access_log
-                or self.flow.write_paused
-                or self.parser is None
-                or self.transport.is_closing()
-                or (self.cycle is not None and not self.cycle.response_complete)
+                or not self._unparsed_may_be_answered()
             ):
                 return False
             heads = self._heads
