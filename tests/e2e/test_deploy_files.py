@@ -68,7 +68,15 @@ def compose():
 def compose_validator():
     schema_file = files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json"
     schema = json.loads(schema_file.read_text())
-    cls = jsonschema.validators.validator_for(schema)
+    # check-jsonschema's lowest version vendors the spec with "$schema" spelled
+    # "https://json-schema.org/draft-07/schema", which jsonschema does not look up (it knows
+    # the "http://...#" spelling): name the draft rather than let it guess the newest.
+    draft = (
+        jsonschema.Draft7Validator
+        if "draft-07" in schema.get("$schema", "")
+        else jsonschema.Draft202012Validator
+    )
+    cls = jsonschema.validators.validator_for(schema, default=draft)
     cls.check_schema(schema)
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
