@@ -81,7 +81,9 @@ reads (uvloop's are 256 KiB) would first copy most of the body into a ``bytes`` 
 is then copied again into the buffer. A shutdown meanwhile
 lets it finish and closes the connection after its answer, as for a request the app is
 answering. Its answer is written as a shard's responses are (head with body, one
-vectored write) and the connection goes on as after any response (keep-alive timer, reading).
+vectored write) and the connection goes on as after any response (keep-alive timeout, reading),
+one keep-alive timer serving a run of such answers rather than one cancelled and armed anew
+per request (:meth:`ShardHttpProtocol._answered`).
 When the answerer declines (``None``: any error, refusal or wait is the app's to answer) or
 fails, the request goes to the app as if the parser had just reached its head, body and end.
 A read below :data:`WHOLE_BELOW` bytes that is exactly one such request, arriving between
@@ -376,6 +378,11 @@ if HttpToolsProtocol is not None:
         #: While a body is collected for a request whose head the parser has not read
         #: (:meth:`_collect_unparsed`): that head's bytes and headers.
         _unparsed: tuple[bytes, dict[bytes, bytes]] | None = None
+        #: The keep-alive timer :meth:`_answered` armed (also uvicorn's
+        #: ``timeout_keep_alive_task`` until something cancels it), and when the connection
+        #: last went idle after an answer written here (the loop's clock).
+        _idle_timer: asyncio.TimerHandle | None = None
+        _idle_since = 0.0
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -501,7 +508,54 @@ if HttpToolsProtocol is not None:
             out = _HeadWithBody(self.transport)
             out.write(b"".join(head))
             out.write(Gathered(answer.chunks, answer.nbytes))
-            self.on_response_complete()
+            self._answered()
+
+        def _answered(self) -> None:
+            """uvicorn's ``on_response_complete`` for an answer written here, but with one
+            keep-alive timer for a run of such answers rather than a timer cancelled and made
+            anew per request: each answer only notes when the connection went idle, and the
+            timer, when it fires, closes the connection only if it has been idle for the
+            keep-alive timeout since (:meth:`_idle_timer_due`). Anything else the connection
+            does cancels the timer as before (uvicorn's ``_unset_keepalive_if_required``);
+            with requests queued behind (pipelined), a closing transport or uvicorn's own
+            timer armed, this is ``on_response_complete``."""
+            task = self.timeout_keep_alive_task
+            if (
+                self.pipeline
+                or self.transport.is_closing()
+                or (task is not None and task is not self._idle_timer)
+            ):
+                self.on_response_complete()
+                return
+            self.server_state.total_requests += 1
+            self.flow.resume_reading()
+            self._idle_since = self.loop.time()
+            if task is None:
+                self.timeout_keep_alive_task = self._idle_timer = self.loop.call_later(
+                    self.timeout_keep_alive, self._idle_timer_due
+                )
+
+        def _idle_timer_due(self) -> None:
+            """The timer of :meth:`_answered`: uvicorn's keep-alive timeout if the connection
+            has been idle that long, else the timer armed again for the time left. (While a
+            request is under way nothing of this runs: its head cancelled the timer.)"""
+            self.timeout_keep_alive_task = self._idle_timer = None
+            if self.transport.is_closing():
+                return
+            left = self._idle_since + self.timeout_keep_alive - self.loop.time()
+            if left > 0:
+                self.timeout_keep_alive_task = self._idle_timer = self.loop.call_later(
+                    left, self._idle_timer_due
+                )
+            else:
+                self.timeout_keep_alive_handler()
+
+        def _unset_unless_idle_timer(self) -> None:
+            """Cancel the keep-alive timer for a request answered within this read, unless it
+            is :meth:`_answered`'s (which the answer only moves on)."""
+            task = self.timeout_keep_alive_task
+            if task is not None and task is not self._idle_timer:
+                self._unset_keepalive_if_required()
 
         def _unparsed_may_be_answered(self) -> bool:
             """Whether a request whose head is read without the parser may be answered in the
@@ -531,7 +585,7 @@ if HttpToolsProtocol is not None:
             if whole is None:
                 return False
             path, headers, body = whole
-            self._unset_keepalive_if_required()
+            self._unset_unless_idle_timer()
             try:
                 answer = self._answerers[path](headers, body)
             except Exception:

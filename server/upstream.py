@@ -85,6 +85,10 @@ MODES = HTTP_MODES
 HTTPTOOLS_NEEDS = (
     "_should_upgrade",
     "_unset_keepalive_if_required",
+    "timeout_keep_alive",
+    "timeout_keep_alive_task",
+    "timeout_keep_alive_handler",
+    "pipeline",
     "on_message_begin",
     "on_headers_complete",
     "on_body",

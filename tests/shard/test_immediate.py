@@ -528,6 +528,53 @@ def test_immediate_answers_keep_the_connection_and_the_order_of_replies():
     asyncio.run(run())
 
 
+def test_a_run_of_immediate_answers_keeps_one_keep_alive_timer():
+    """Answers written by the protocol move one keep-alive timer on rather than cancelling it
+    and arming another per request; a reply from the app in between arms uvicorn's own, which
+    the next immediate answer replaces; the timer closes the connection only once it has been
+    idle for the keep-alive timeout since the last answer."""
+
+    def assign(seq: int) -> bytes:  # a write the app answers
+        enc = wire.encode({"values": {"a": np.ones(3, np.float32)}, "worker_id": "w", "seq": seq})
+        body = enc.join()
+        return (
+            f"POST /v1/assign HTTP/1.1\r\nhost: shard\r\ncontent-type: {enc.content_type}\r\n"
+            f"accept: {wire.FRAME}\r\ncontent-length: {len(body)}\r\n\r\n"
+        ).encode() + body
+
+    async def run() -> None:
+        async with shard() as (_app, immediate, _usual):
+            conn = Connection(immediate)
+            protocol = conn.protocol
+            pull = request({"names": NAMES, "layout": "table"})
+            await conn.send(pull)
+            first = protocol.timeout_keep_alive_task
+            assert first is not None and not first.cancelled()
+            await conn.send(pull)
+            await conn.send(pull)
+            assert protocol.timeout_keep_alive_task is first and not first.cancelled()
+            assert b" 200 " in (await conn.send(assign(1)))[:16]
+            assert first.cancelled()  # the assign's head cancelled it, as uvicorn does
+            apps = protocol.timeout_keep_alive_task
+            assert apps is not None and apps is not first  # uvicorn's, after the app's reply
+            assert _table(await conn.send(pull))[0]["table"]["versions"] == [1, 0, 0]
+            again = protocol.timeout_keep_alive_task
+            assert apps.cancelled() and again is not apps and not again.cancelled()
+
+            # The timer firing: a connection idle for less than the timeout stays open and
+            # the timer is armed for the rest; one idle for the timeout is closed.
+            again.cancel()  # fired by hand below, not by the clock
+            protocol._idle_timer_due()
+            rest = protocol.timeout_keep_alive_task
+            assert rest is not None and rest is not again and not conn.transport.closed
+            rest.cancel()
+            protocol._idle_since -= protocol.timeout_keep_alive + 1.0
+            protocol._idle_timer_due()
+            assert conn.transport.closed and protocol.timeout_keep_alive_task is None
+
+    asyncio.run(run())
+
+
 def test_a_pull_while_writing_is_paused_goes_to_the_app():
     async def run() -> None:
         async with shard() as (_app, immediate, _usual):
