@@ -16,7 +16,9 @@ A worker binds its ``torch.nn.Module`` to the fleet (:func:`client_sdk.torch.bin
 ``pull()`` writes the fleet's weights into the module's parameters in place, a forward and
 backward pass on a mini-batch of its own slice of the data computes ``.grad``, and ``push()``
 hands the gradients to the SDK, which sends them in the background while the next step runs.
-The shards apply them with Adagrad as they arrive (Downpour SGD): no worker waits for another.
+The shards apply them with Adagrad as they arrive (Downpour SGD): once every worker is ready to
+step (a variable ``<prefix>ready/<k>`` per worker: each waits for all of them), no worker waits
+for another.
 
 The network is the demo's (``server/demo/digits_worker.py``: 64 pixels -> 32 tanh -> 10, its
 Glorot-uniform initial weights), so the numpy worker, this one and the JAX one start alike.
@@ -74,6 +76,11 @@ def worker(ps: PSClient, prefix: str, index: int, workers: int, steps: int, seed
     model = make_model(seed)
     fleet = bind(ps, model, prefix=prefix, optimizer=Adagrad(lr=LR))
     fleet.init()  # the first worker's values win; every worker then holds them
+    # Start together: each worker creates a mark of its own, then waits for every worker's.
+    # Otherwise a worker that imported torch sooner runs many steps alone, and the fleet trains
+    # on one worker's slice after another instead of on all of them in turn.
+    ps.init({f"{prefix}ready/{index}": np.zeros((), np.int64)})
+    ps.wait_ready([f"{prefix}ready/{k}" for k in range(workers)], timeout=300)
     X, y = torch.from_numpy(data.X_train), torch.from_numpy(data.y_train)
     mine = batches(data, index, workers, seed)
     for step in range(1, steps + 1):
