@@ -404,7 +404,7 @@ class PullRoute:
             first = [settle(client._sender, core, req, started, outcome)]
             return client._drive(_partitioned.pull(core, names), first)
         seen = self.seen
-        if seen is not None and seen[0] == outcome.headers:
+        if seen is not None and (seen[0] is outcome.headers or seen[0] == outcome.headers):
             # The headers core.accept last checked and noted, unchanged: the same shard, in
             # the same era, so checking and noting them again would change nothing.
             url, cached_as = self.url, seen[1]

@@ -71,7 +71,7 @@ def idle_per_shard(max_inflight: int) -> int:
 class Connection:
     """One keep-alive TCP connection, made non-blocking here. Used by one exchange at a time."""
 
-    __slots__ = ("sock", "buf", "poller", "idle_since", "tls")
+    __slots__ = ("sock", "buf", "poller", "idle_since", "tls", "head")
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -80,6 +80,9 @@ class Connection:
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.buf = bytearray(HEAD_BUFFER)
         self.idle_since = 0.0
+        #: The last reply head the direct path parsed on this connection: its bytes, status
+        #: and headers (``direct.py``).
+        self.head: tuple[bytes, int, dict[str, str]] | None = None
         self.poller = None
         if hasattr(select, "poll"):
             self.poller = select.poll()

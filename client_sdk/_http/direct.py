@@ -5,10 +5,13 @@ little Python as HTTP allows: the SDK's direct path (``client_sdk/_direct.py``).
 caller that sends the same request again and again builds it once) with one ``sendmsg``, then
 receives the reply into the connection's buffer with one ``recv_into`` and parses it in place
 when it is the common case: a whole ``HTTP/1.1 200`` head with a ``Content-Length`` body and
-nothing asking to close. Its body is then received straight into one buffer of its size, or
-through the exchange's receiver (:class:`~client_sdk._http.http11.Into`: a step group's values
-into its flat buffer). Anything else (another status, a head split across receives, a chunked
-body) is handed, with the bytes already received, to the general parser
+nothing asking to close (a head of the same bytes as the last one parsed here on that connection
+is not parsed again: its status and headers are that one's, the same ``dict``, which no reader
+of a reply changes; the heads of a shard's replies to one call repeated differ only where the
+date, the state version or the body's size does). Its body is then received straight into one
+buffer of its size, or through the exchange's receiver (:class:`~client_sdk._http.http11.Into`:
+a step group's values into its flat buffer). Anything else (another status, a head split across
+receives, a chunked body) is handed, with the bytes already received, to the general parser
 (:func:`~client_sdk._http.http11.read_response`), so every reply is read and refused exactly as
 the pools read and refuse it.
 
@@ -190,7 +193,13 @@ def _receive(
     at = buf.find(_CRLF2, 0, n)
     if at < 0 or not buf.startswith(b"HTTP/1.1 200 "):
         return _general(conn, n, deadline, max_size, into)
-    status, _, headers = _parse_head(bytes(view[:at]))
+    raw = bytes(view[:at])
+    kept = conn.head
+    if kept is not None and kept[0] == raw:
+        status, headers = kept[1], kept[2]
+    else:
+        status, _, headers = _parse_head(raw)
+        conn.head = (raw, status, headers)
     length = headers.get("content-length")
     if (
         length is None

@@ -451,6 +451,43 @@ def test_direct_exchanges_send_every_request_before_reading_a_reply(scripted):
     assert [s.requests for s in servers] == [[("GET", "/open"), ("POST", "/x"), ("POST", "/x")]] * 2
 
 
+def test_a_direct_reply_head_seen_last_on_its_connection_is_not_parsed_again(scripted, monkeypatch):
+    """The same head bytes as the connection's last: that head's status and headers (the same
+    dict); any other head is parsed, and kept in its place."""
+    version = {"n": 1}
+
+    def answer(conn: socket.socket, method: str, path: str) -> bool:
+        extra = f"x-paramshard-state-version: {version['n']}\r\n"
+        conn.sendall(response(200, path.encode(), "application/octet-stream", extra))
+        return True
+
+    server = scripted(answer)
+    parsed = []
+    parse = direct._parse_head
+
+    def counted(raw: bytes):
+        parsed.append(raw)
+        return parse(raw)
+
+    monkeypatch.setattr(direct, "_parse_head", counted)
+    p, origin = pool(), Origin(server.url)
+    assert p.request(origin, "GET", "/open", None).status == 200  # a connection, now idle
+
+    def call() -> tuple[int, dict[str, str], bytes]:
+        r = direct.exchange(p, origin, _post(origin, b"abc")[1], time.monotonic() + 5, 1 << 20)
+        return r.status, r.headers, bytes(r.content)
+
+    first, again = call(), call()
+    assert len(parsed) == 1 and again[1] is first[1]
+    assert first == again == (200, {**first[1]}, b"/x")
+    assert first[1]["x-paramshard-state-version"] == "1"
+    version["n"] = 2
+    changed = call()
+    assert len(parsed) == 2 and changed[1]["x-paramshard-state-version"] == "2"
+    assert call()[1] is changed[1] and len(parsed) == 2
+    assert server.connections == 1
+
+
 def test_one_direct_exchange_failing_ends_it_alone(scripted):
     def hang_up_on_post(conn: socket.socket, method: str, path: str) -> bool:
         return method != "POST" and ok(conn, method, path)
