@@ -58,7 +58,10 @@ def settled(group: Group) -> int:
     each eligible to take over (a former primary too: its log matched the new primary's, or
     its state was replaced by it, and the primary confirmed it); the primary."""
 
+    seen: dict[int, dict] = {}
+
     def check() -> tuple[int] | None:
+        nonlocal seen
         seen = roles(group)
         primaries = [r for r, v in seen.items() if v["role"] == "primary"]
         if len(seen) != group.n or len(primaries) != 1:
@@ -75,7 +78,11 @@ def settled(group: Group) -> int:
                 return None
         return (p,)
 
-    return eventually(check, "one primary and its backups", timeout=30)[0]
+    try:
+        return eventually(check, "one primary and its backups", timeout=30)[0]
+    except AssertionError as exc:  # what each replica said last, and what it logged
+        logs = "\n".join(f"-- replica {r}:\n{group.log_tail(r, 25)}" for r in range(group.n))
+        raise AssertionError(f"{exc}\nroles: {seen}\n{logs}") from None
 
 
 def check_replicas(
