@@ -223,6 +223,17 @@ class Gate:
         in line before it): what lets a shard answer a pull before this returns."""
         return self.phase == "ready" and not self._waiters and self._fits(nbytes)
 
+    def hold_now(self, nbytes: int) -> bool:
+        """Take room for a request of ``nbytes`` if :meth:`room_now` says there is some, with
+        no wait: whether it did (pair a ``True`` with :meth:`release`). For a body the HTTP
+        protocol collects over several reads (``server.immediate``), held in flight as an
+        admitted request's is, until it is answered."""
+        if not self.room_now(nbytes):
+            return False
+        self.requests += 1
+        self.bytes += nbytes
+        return True
+
     def _take(self, nbytes: int, slot: bool = True) -> None:
         self.requests += slot
         self.bytes += nbytes

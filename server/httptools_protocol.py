@@ -61,9 +61,11 @@ ASGI scope handed on, no task, no middleware, no ``receive``/``send`` messages. 
 come over several reads (a ``push_rows`` of a few thousand rows is a few hundred KB, more than
 one read brings): the parser callbacks collect its body until it is whole (one such body per
 connection, within that bound; the read guard's body deadline and pace apply), then answer it
-the same way. When, after a read, at least :data:`BYPASS_BELOW` bytes of such a body are still
-to come and the answerer's room check (:data:`COLLECT_ROOM_ATTR`) allows a buffer of the body's
-size, the body is collected into one: the pieces so far copied in, the rest written there by
+the same way. While collected, such a body holds its room in the shard's gate, as an admitted
+request's does (:data:`COLLECT_ROOM_ATTR`): one the gate has no room for now goes the usual
+way, so the bodies collected stay within ``--max-queued-bytes``. When, after a read, at least
+:data:`BYPASS_BELOW` bytes of such a body are still to come, the body is collected into one
+buffer of its size: the pieces so far copied in, the rest written there by
 the kernel through :class:`_DirectReader` as for :class:`BodyInto`, past the parser, and the
 answerer is given that buffer (a writable ``memoryview``), not pieces joined into a new
 ``bytes``. A big read that starts such a request (a step group's push: the first read brings
@@ -143,6 +145,8 @@ __all__ = [
     "BODY_INTO",
     "BYPASS_BELOW",
     "COLLECT_BELOW_ATTR",
+    "COLLECT_HELD_ATTR",
+    "COLLECT_RELEASE_ATTR",
     "COLLECT_ROOM_ATTR",
     "GATHER",
     "IMMEDIATE",
@@ -180,10 +184,18 @@ SMALL_READ = ANSWER_BELOW + 16 * 1024
 #: The attribute of an :data:`Answerer` that takes bodies over several reads: the
 #: ``Content-Length`` (exclusive) below which its requests are collected until whole.
 COLLECT_BELOW_ATTR = "collect_below"
-#: The attribute of a collecting :data:`Answerer` that says whether a buffer of a given size
-#: may be made now for a body it collects (``room(nbytes) -> bool``; on a shard, its gate's
-#: ``room_now``). Without it, collected bodies stay in pieces.
+#: The attribute of a collecting :data:`Answerer` that takes room now for a body of a given
+#: size that it is to collect over several reads (``room(nbytes) -> bool``: whether it did;
+#: on a shard, its gate's ``hold_now``, so that the body counts in flight as an admitted
+#: request's does), given back with :data:`COLLECT_RELEASE_ATTR` (``release(nbytes)``) when
+#: the body is answered or dropped. A body it has no room for goes the usual way (the app
+#: admits it, or refuses it). Without it, nothing is counted and collected bodies stay in
+#: pieces.
 COLLECT_ROOM_ATTR = "collect_room"
+COLLECT_RELEASE_ATTR = "collect_release"
+#: The attribute of a collecting :data:`Answerer` with a room check: the same answerer for a
+#: body that holds room already (it does not ask for room again).
+COLLECT_HELD_ATTR = "collect_held"
 
 logger = logging.getLogger("paramshard.protocol")
 
@@ -362,6 +374,9 @@ if HttpToolsProtocol is not None:
         _closing = False
         #: Body bytes of the request being collected that have not arrived yet.
         _now_left = 0
+        #: While a body collected over several reads holds room (:data:`COLLECT_ROOM_ATTR`):
+        #: how to give it back, and how much.
+        _held: tuple[Callable[[int], None], int] | None = None
 
         #: The size of the read being parsed; of the current head, what arrived of it
         #: counting only the reads after the one it began in (a lower bound), and counting
@@ -394,6 +409,7 @@ if HttpToolsProtocol is not None:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._guard_lost()
+            self._release()
             self._now = None  # a body being collected is dropped with the connection
             self._unparsed = None
             super().connection_lost(exc)
@@ -471,16 +487,40 @@ if HttpToolsProtocol is not None:
             them (and keeps them in the scope, for the app if the request goes to it)."""
             return request_headers(self.scope)
 
+        def _hold(self, answerer: Answerer, size: int) -> bool:
+            """Whether the body of ``size`` bytes being collected for ``answerer`` holds room
+            (:data:`COLLECT_ROOM_ATTR`; taken now if it does not yet), or needs none (an
+            answerer without that attribute)."""
+            if self._held is not None:
+                return True
+            room = getattr(answerer, COLLECT_ROOM_ATTR, None)
+            if room is None:
+                return True
+            release = getattr(answerer, COLLECT_RELEASE_ATTR)
+            getattr(answerer, COLLECT_HELD_ATTR)  # (needed to answer: checked before room taken)
+            if not room(size):
+                return False
+            self._held = (release, size)
+            return True
+
+        def _release(self) -> None:
+            """Give back the room the body being collected holds, if it holds any."""
+            held, self._held = self._held, None
+            if held is not None:
+                held[0](held[1])
+
         def _answer_now(self, answerer: Answerer, pieces: list[bytes]) -> None:
             body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
             unparsed, self._unparsed = self._unparsed, None
+            # A body that holds room is answered in it (the answerer's form that does not ask
+            # the gate again), then gives it back.
+            held = answerer if self._held is None else getattr(answerer, COLLECT_HELD_ATTR)
             try:
-                answer = answerer(
-                    self._request_headers() if unparsed is None else unparsed[1], body
-                )
+                answer = held(self._request_headers() if unparsed is None else unparsed[1], body)
             except Exception:
                 logger.exception("answering %s immediately failed; handing it to the app", self.url)
                 answer = None
+            self._release()
             if answer is None:  # to the app, as if the parser had only now reached each part
                 if unparsed is None:
                     self._usual_headers_complete()
@@ -684,8 +724,12 @@ if HttpToolsProtocol is not None:
             self._read = size
             self._take(data)
             self._declined = False  # (the parser reached the declined request's head in it)
-            if self._now is not None and not self._collecting:
-                self._usual_after_all()
+            now = self._now
+            if now is not None and not (
+                self._collecting
+                and self._hold(now[0], self._now_left + sum(len(piece) for piece in now[1]))
+            ):
+                self._usual_after_all()  # (a body collected over several reads needs room)
             if (
                 self._phase == HEAD
                 and self._head_low > self.limits.max_head_bytes
@@ -795,7 +839,7 @@ if HttpToolsProtocol is not None:
                 or size <= len(rest)
                 or size < BYPASS_BELOW
                 or room is None
-                or not room(size)
+                or not self._hold(answerer, size)
             ):
                 return False
             self._unset_keepalive_if_required()
@@ -807,7 +851,7 @@ if HttpToolsProtocol is not None:
             self._now_left, self._announced = size, None
             self._collect_into(answerer, [])
             into, buffer = self._into, self._into_buffer
-            assert into is not None and buffer is not None  # room(size) said yes just now
+            assert into is not None and buffer is not None  # room was taken just now
             take = len(rest)
             buffer[:take] = rest
             self._got -= take  # counted with the read already
@@ -850,7 +894,7 @@ if HttpToolsProtocol is not None:
             room = getattr(answerer, COLLECT_ROOM_ATTR, None)
             arrived = sum(len(piece) for piece in pieces)
             size = arrived + self._now_left
-            if room is None or not room(size):
+            if room is None or not self._hold(answerer, size):
                 return
             # Not a bytearray: that is zero-filled first, a pass over the body's bytes that the
             # copies below and the reads make pointless (np.empty memory, as the app's bodies).

@@ -11,8 +11,9 @@ answerer when it is small (``Content-Length`` below
 :data:`~server.httptools_protocol.ANSWER_BELOW`) and came whole in one read, or, for
 ``push_rows`` and ``group_push``, once its body is whole when it is below
 :data:`COLLECT_ROWS_BELOW` / :data:`COLLECT_GROUP_BELOW` (a batch of a few thousand rows, or a
-step group's gradients, takes several reads; the protocol collects it, into one buffer of the
-body's size when the gate has room for it now); it is answered here only when all of these
+step group's gradients, takes several reads; the protocol collects it, holding its room in
+the gate meanwhile (:meth:`~server.admission.Gate.hold_now`; without room now it goes the usual
+way), into one buffer of the body's size); it is answered here only when all of these
 hold:
 
 * it passes the fleet check as the SDK sends it, and carries a token that may read (a pull) or
@@ -36,6 +37,7 @@ loop, inside the protocol's parser callback.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -51,7 +53,14 @@ from .app import ShardMiddleware
 from .auth import READ, WRITE, Guard
 from .embedding import EmbeddingTables
 from .errors import ShardError
-from .httptools_protocol import COLLECT_BELOW_ATTR, COLLECT_ROOM_ATTR, Answerer, Immediate
+from .httptools_protocol import (
+    COLLECT_BELOW_ATTR,
+    COLLECT_HELD_ATTR,
+    COLLECT_RELEASE_ATTR,
+    COLLECT_ROOM_ATTR,
+    Answerer,
+    Immediate,
+)
 from .metrics import Traffic
 from .replication.reads import ALLOW_BACKUP, read_refusal
 from .routes_data import MAX_VERSION, increment_args, pull_args, pull_table, push_args, writer
@@ -264,11 +273,13 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     ) -> Answerer:
         writes = access == WRITE
 
-        def answer(headers: Mapping[bytes, bytes], body: bytes | memoryview) -> Immediate | None:
+        def answer(
+            headers: Mapping[bytes, bytes], body: bytes | memoryview, held: bool = False
+        ) -> Immediate | None:
             if (
                 not shard.meant_for_me(headers.get(_FLEET_KEY))
                 or not guard.allows(headers, access)
-                or not gate.room_now(len(body))
+                or not (held or gate.room_now(len(body)))
                 or (writes and (replication is not None or not _writes_at_once(gate)))
                 or (
                     not writes
@@ -306,7 +317,9 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
 
         if collect_below:
             setattr(answer, COLLECT_BELOW_ATTR, collect_below)
-            setattr(answer, COLLECT_ROOM_ATTR, gate.room_now)
+            setattr(answer, COLLECT_ROOM_ATTR, gate.hold_now)
+            setattr(answer, COLLECT_RELEASE_ATTR, gate.release)
+            setattr(answer, COLLECT_HELD_ATTR, functools.partial(answer, held=True))
         return answer
 
     return {

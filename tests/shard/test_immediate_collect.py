@@ -15,6 +15,7 @@ import asyncio
 import numpy as np
 
 from client_sdk.wire import groups as group_wire
+from server.config import ShardConfig
 from server.httptools_protocol import (
     ANSWER_BELOW,
     BYPASS_BELOW,
@@ -92,8 +93,8 @@ def test_the_rest_of_a_big_collected_body_is_read_into_one_buffer(monkeypatch):
     """Once BYPASS_BELOW bytes or more of a collected body are still to come, and the gate has
     room for the body, the rest is written straight into one buffer of its size (the
     transport's protocol is then a BufferedProtocol) and answered from it, as the app would;
-    without room it is collected in pieces, with the same answer; a client that leaves while
-    its body is read into the buffer changes nothing."""
+    without room in the gate it goes the usual way (the app answers it, the same); a client
+    that leaves while its body is read into the buffer changes nothing."""
     ids = np.arange(1000, 12_000, dtype=np.int64)  # a 260 KB body: 3 reads of ~90 KB
 
     def push(seq: int, name: str = "t") -> bytes:
@@ -122,7 +123,7 @@ def test_the_rest_of_a_big_collected_body_is_read_into_one_buffer(monkeypatch):
                 assert mine.startswith(b"HTTP/1.1 200 ")
                 assert mine.replace(incarnations[0], b"") == theirs.replace(incarnations[1], b"")
                 monkeypatch.undo()
-            assert immediate.calls == 0 and usual.calls == 3
+            assert immediate.calls == 1 and usual.calls == 3  # the one without room
             rows = [app.state.tables.get("t").gather(ids) for app in (one, other)]
             assert np.array_equal(rows[0], rows[1])
             assert one.state.tables.get("t").version == other.state.tables.get("t").version == 3
@@ -133,7 +134,48 @@ def test_the_rest_of_a_big_collected_body_is_read_into_one_buffer(monkeypatch):
             assert isinstance(conn.transport.get_protocol(), asyncio.BufferedProtocol)
             conn.transport.get_protocol().connection_lost(None)
             await asyncio.sleep(0.01)
-            assert immediate.calls == 0 and one.state.tables.get("t").version == 3
+            assert immediate.calls == 1 and one.state.tables.get("t").version == 3
+
+    asyncio.run(run())
+
+
+def test_a_body_being_collected_holds_its_room_in_the_gate():
+    """A body collected over several reads counts in the gate until it is answered, as an
+    admitted request's does: one that does not fit beside it then goes the usual way (the app
+    admits it once the first is answered) rather than being collected beside it, so what
+    collected bodies hold stays within --max-queued-bytes; a client that leaves gives its room
+    back."""
+    ids = np.arange(1000, 12_000, dtype=np.int64)  # a 260 KB body
+
+    def push(seq: int) -> tuple[bytes, int]:
+        grads = np.full((len(ids), 4), seq, np.float32)
+        msg = {"name": "t", "ids": ids, "grads": grads, "worker_id": "w", "seq": seq}
+        data = _push_rows(msg, True)
+        return data, len(data) - data.index(b"\r\n\r\n") - 4
+
+    config = ShardConfig(max_request_bytes=300_000, max_queued_bytes=300_000)
+
+    async def run() -> None:
+        async with shard(config) as (app, immediate, _):
+            gate = app.state.gate
+            (first, size), (second, _) = push(1), push(2)
+            one, two = Connection(immediate), Connection(immediate)
+            third = len(first) // 3
+            assert await one.send(first[:third], replies=0) == b""
+            assert (gate.requests, gate.bytes) == (1, size)
+            assert await two.send(second[:third], replies=0) == b""
+            await asyncio.sleep(0.01)  # the app's task starts (and waits in the gate's line)
+            assert gate.bytes <= gate.max_bytes and immediate.calls == 1
+            assert not isinstance(two.transport.get_protocol(), asyncio.BufferedProtocol)
+            assert (await one.send(first[third:])).startswith(b"HTTP/1.1 200 ")
+            assert (await two.send(second[third:])).startswith(b"HTTP/1.1 200 ")
+            assert immediate.calls == 1 and (gate.requests, gate.bytes) == (0, 0)
+            assert app.state.tables.get("t").version == 3
+            leaving = Connection(immediate)
+            assert await leaving.send(push(3)[0][:third], replies=0) == b""
+            assert gate.bytes == size
+            leaving.transport.get_protocol().connection_lost(None)
+            assert (gate.requests, gate.bytes) == (0, 0)
 
     asyncio.run(run())
 
@@ -228,8 +270,8 @@ def test_a_collected_requests_head_as_the_sdk_writes_it_is_read_without_the_pars
     callback), the body collected into its buffer, the answer the app's. When the answerer
     then declines (an unknown group), the parser reads the head after all and the app answers
     it, and the connection goes on (also when the parser read the head: one it alone reads);
-    without room for the body's buffer now, the parser reads the head and the body comes in
-    pieces, answered the same."""
+    without room in the gate for the body now, the parser reads the head and the app answers
+    it, the same."""
 
     async def run() -> None:
         async with shard() as (one, immediate, _), shard() as (other, _, usual):
@@ -266,15 +308,15 @@ def test_a_collected_requests_head_as_the_sdk_writes_it_is_read_without_the_pars
             seen.count = 0
             answerer = getattr(immediate, IMMEDIATE)[b"/v1/group_push"]
             room = getattr(answerer, COLLECT_ROOM_ATTR)
-            setattr(answerer, COLLECT_ROOM_ATTR, lambda nbytes: False)  # no buffer now
+            setattr(answerer, COLLECT_ROOM_ATTR, lambda nbytes: False)  # no room now
             try:
                 assert (await both_ways(3))[0].startswith(b"HTTP/1.1 200 ")
-                assert seen.count > 0 and immediate.calls == 2
+                assert seen.count > 0 and immediate.calls == 3
             finally:
                 setattr(answerer, COLLECT_ROOM_ATTR, room)
             seen.count = 0
             assert (await both_ways(4, third=False))[0].startswith(b"HTTP/1.1 200 ")
-            assert seen.count == 0 and immediate.calls == 2
+            assert seen.count == 0 and immediate.calls == 3
             for app in (one, other):
                 assert app.state.store.pull(GROUP[-1:])[GROUP[-1]]["version"] == 4
 
