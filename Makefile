@@ -31,12 +31,12 @@ $(VENV)/.stamp-%: pyproject.toml | $(BIN)/python
 demo: $(VENV)/.stamp-demo
 	$(BIN)/paramshard demo
 
-# The suite runs in one pytest process per core (pytest-xdist), each test file whole in one of
-# them (--dist loadfile: a module's shared fleet is started once). The suite is bound by the
-# cores: the shard, worker and tool processes its tests start keep them busy, and one more
-# pytest process than cores makes it no faster. `PYTEST_ARGS=-n0 make test` runs them one at a
-# time.
-PYTEST_ARGS ?= -n auto --dist loadfile
+# The suite runs in one pytest process per core and one more (pytest-xdist), each test file
+# whole in one of them (--dist loadfile: a module's shared fleet is started once). The shard,
+# worker and tool processes its tests start keep the cores busy most of the time; the rest its
+# tests wait (for a lease to end, a timeout, a frozen replica), and the extra process fills
+# those waits. `PYTEST_ARGS=-n0 make test` runs them one at a time.
+PYTEST_ARGS ?= -n $(shell $(PYTHON) -c "import os; print((os.cpu_count() or 1) + 1)") --dist loadfile
 
 test: lint typecheck chromium etcd
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
