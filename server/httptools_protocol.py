@@ -58,12 +58,13 @@ the read that brings its head (else it goes the usual way from the end of that r
 flight like any request), is collected by the parser callbacks and given to the answerer there: no
 ASGI scope handed on, no task, no middleware, no ``receive``/``send`` messages. An answerer with a
 ``collect_below`` attribute (:data:`COLLECT_BELOW_ATTR`) also takes bodies below that size that
-come over several reads (a ``push_rows`` of a few thousand rows is a few hundred KB, more than
-one read brings): the parser callbacks collect its body until it is whole (one such body per
-connection, within that bound; the read guard's body deadline and pace apply), then answer it
-the same way. While collected, such a body holds its room in the shard's gate, as an admitted
-request's does (:data:`COLLECT_ROOM_ATTR`): one the gate has no room for now goes the usual
-way, so the bodies collected stay within ``--max-queued-bytes``. When, after a read, at least
+come over several reads (a ``push`` of a 100,000-element gradient or a ``push_rows`` of a few
+thousand rows is a few hundred KB, more than one read brings): the parser callbacks collect its
+body until it is whole (one such body per connection, within that bound; the read guard's body
+deadline and pace apply), then answer it the same way. While collected, such a body holds its
+room in the shard's gate, as an admitted request's does (:data:`COLLECT_ROOM_ATTR`): one the
+gate has no room for now goes the usual way, so the bodies collected stay within
+``--max-queued-bytes``. When, after a read, at least
 :data:`BYPASS_BELOW` bytes of such a body are still to come, the body is collected into one
 buffer of its size: the pieces so far copied in, the rest written there by
 the kernel through :class:`_DirectReader` as for :class:`BodyInto`, past the parser, and the

@@ -9,9 +9,10 @@ functions are the answerers' verbs: :func:`pull_now` (``POST /v1/pull`` in the t
 :func:`pull_quick`, tried before :func:`pull_now`. The protocol offers a request to its path's
 answerer when it is small (``Content-Length`` below
 :data:`~server.httptools_protocol.ANSWER_BELOW`) and came whole in one read, or, for
-``push_rows`` and ``group_push``, once its body is whole when it is below
-:data:`COLLECT_ROWS_BELOW` / :data:`COLLECT_GROUP_BELOW` (a batch of a few thousand rows, or a
-step group's gradients, takes several reads; the protocol collects it, holding its room in
+``push``, ``push_rows`` and ``group_push``, once its body is whole when it is below
+:data:`COLLECT_PUSH_BELOW` / :data:`COLLECT_ROWS_BELOW` / :data:`COLLECT_GROUP_BELOW` (a
+gradient of a few hundred KB, a batch of a few thousand rows, or a step group's gradients,
+takes several reads; the protocol collects it, holding its room in
 the gate meanwhile (:meth:`~server.admission.Gate.hold_now`; without room now it goes the usual
 way), into one buffer of the body's size); it is answered here only when all of these
 hold:
@@ -69,6 +70,7 @@ from .routes_tables import table_name, whole_tensors
 from .store import ParameterStore
 
 __all__ = [
+    "COLLECT_PUSH_BELOW",
     "COLLECT_ROWS_BELOW",
     "group_pull_now",
     "group_push_now",
@@ -90,6 +92,11 @@ _MSGPACK_ONLY = {_MSGPACK: wire.MSGPACK}
 #: A push_rows body below this many bytes is answered here even when it comes over several
 #: reads (it is applied on the event loop either way): 1 MiB, about 3,900 rows of 64 float32.
 COLLECT_ROWS_BELOW = 1 << 20
+
+#: A push body below this many bytes is answered here even when it comes over several reads
+#: (below :data:`~server.store.apply.OFFLOAD_BYTES` it is applied on the event loop either
+#: way): 1 MiB, a float32 gradient of 262,144 elements.
+COLLECT_PUSH_BELOW = 1 << 20
 
 #: A group_push body below this many bytes is answered here even when it comes over several
 #: reads (below :data:`~server.store.apply.OFFLOAD_BYTES` it is applied on the event loop
@@ -325,7 +332,7 @@ def immediate_routes(app: FastAPI) -> dict[bytes, Answerer]:
     return {
         b"/v1/pull": answerer("pull", pull_now, store, _MSGPACK_ONLY, quick=pull_quick),
         b"/v1/pull_rows": answerer("pull_rows", pull_rows_now, tables, _EITHER),
-        b"/v1/push": answerer("push", push_now, store, _EITHER, WRITE),
+        b"/v1/push": answerer("push", push_now, store, _EITHER, WRITE, COLLECT_PUSH_BELOW),
         b"/v1/increment": answerer("increment", increment_now, store, _MSGPACK_ONLY, WRITE),
         b"/v1/push_rows": answerer(
             "push_rows", push_rows_now, tables, _EITHER, WRITE, COLLECT_ROWS_BELOW

@@ -1,8 +1,9 @@
-"""push_rows and group_push bodies that come over several reads, collected by the shard's
-HTTP protocol and answered there (server.httptools_protocol, COLLECT_BELOW_ATTR;
-server.immediate, COLLECT_ROWS_BELOW, COLLECT_GROUP_BELOW): the app's bytes, without reaching
-the app; past the bound, or for a verb that does not collect, the app answers; a shutdown
-meanwhile lets the request finish, a client that leaves meanwhile changes nothing.
+"""push, push_rows and group_push bodies that come over several reads, collected by the
+shard's HTTP protocol and answered there (server.httptools_protocol, COLLECT_BELOW_ATTR;
+server.immediate, COLLECT_PUSH_BELOW, COLLECT_ROWS_BELOW, COLLECT_GROUP_BELOW): the app's
+bytes, without reaching the app; past the bound, or for a verb that does not collect, the app
+answers; a shutdown meanwhile lets the request finish, a client that leaves meanwhile changes
+nothing.
 
 The shard's real app runs in this process (tests/shard/test_immediate.py's ``shard`` and
 ``Connection``), each request fed to the protocol in pieces as a socket would deliver them.
@@ -25,8 +26,8 @@ from server.httptools_protocol import (
     SMALL_READ,
     ShardHttpProtocol,
 )
-from server.immediate import COLLECT_GROUP_BELOW, COLLECT_ROWS_BELOW
-from tests.shard.test_immediate import Callbacks, Connection, _push_rows, request, shard
+from server.immediate import COLLECT_GROUP_BELOW, COLLECT_PUSH_BELOW, COLLECT_ROWS_BELOW
+from tests.shard.test_immediate import Callbacks, Connection, _push, _push_rows, request, shard
 
 #: Distinct ids of table t (dim 4) whose push_rows body is above ANSWER_BELOW.
 IDS = np.arange(1000, 4000, dtype=np.int64)
@@ -85,6 +86,34 @@ def test_a_push_rows_over_several_reads_is_answered_at_once_with_the_apps_bytes(
             for app in (one, other):
                 table = app.state.tables.get("t")
                 assert table.version == 3 and len(table) == 2 + len(IDS)
+
+    asyncio.run(run())
+
+
+def test_a_push_over_several_reads_is_answered_at_once_with_the_apps_bytes():
+    """A push of one 400 KB gradient (above ANSWER_BELOW) is collected and applied in the
+    protocol, as the app would answer it (server.immediate, COLLECT_PUSH_BELOW), in each
+    layout the SDK sends; a retry of a seq is a duplicate there too."""
+    n = 100_000
+    pushes = [(1, "table"), (2, "framed"), (3, "msgpack"), (3, "table")]
+
+    async def run() -> None:
+        async with shard() as (one, immediate, _), shard() as (other, _, usual):
+            for app in (one, other):
+                app.state.store.init({"big": (np.zeros(n, np.float32), None)})
+            incarnations = (one.state.incarnation.encode(), other.state.incarnation.encode())
+            for seq, layout in pushes:
+                grads = {"big": np.full(n, seq, np.float32)}
+                data = _push({"worker_id": "w", "seq": seq}, layout, grads)
+                assert ANSWER_BELOW < len(data) < COLLECT_PUSH_BELOW
+                mine = await _in_pieces(Connection(immediate), data)
+                theirs = await _in_pieces(Connection(usual), data)
+                assert mine.startswith(b"HTTP/1.1 200 ")
+                assert mine.replace(incarnations[0], b"") == theirs.replace(incarnations[1], b"")
+            assert immediate.calls == 0 and usual.calls == len(pushes)
+            for app in (one, other):
+                got = app.state.store.pull(["big"])["big"]
+                assert got["version"] == 3 and np.isclose(got["value"][0], -0.06)  # SGD, lr 0.01
 
     asyncio.run(run())
 
