@@ -492,19 +492,17 @@ def test_the_shard_headers_of_an_immediate_answer_follow_the_store():
     asyncio.run(run())
 
 
+def _assign(seq: int, *names: str) -> bytes:
+    """An assign of ones to ``names`` (3 float32 each): a write the app answers."""
+    values = {n: np.ones(3, np.float32) for n in names}
+    enc = wire.encode({"values": values, "worker_id": "w", "seq": seq})
+    return request(path="/v1/assign", body=enc.join(), ctype=enc.content_type)
+
+
 def test_immediate_answers_keep_the_connection_and_the_order_of_replies():
     """On one connection: pulls answered at once, an assign through the app in between, and
     pipelined requests answered in the order they came (a pull behind an assign in flight
     waits for it, as uvicorn queues pipelined requests)."""
-
-    def push(seq: int) -> bytes:  # an assign: a write the app answers
-        values = {n: np.ones(3, np.float32) for n in ("a", "b")}
-        enc = wire.encode({"values": values, "worker_id": "w", "seq": seq})
-        body = enc.join()
-        return (
-            f"POST /v1/assign HTTP/1.1\r\nhost: shard\r\ncontent-type: {enc.content_type}\r\n"
-            f"accept: {wire.FRAME}\r\ncontent-length: {len(body)}\r\n\r\n"
-        ).encode() + body
 
     async def run() -> None:
         async with shard() as (_app, immediate, _usual):
@@ -512,10 +510,10 @@ def test_immediate_answers_keep_the_connection_and_the_order_of_replies():
             pull = request({"names": NAMES, "layout": "table"})
             assert _table(await conn.send(pull))[0]["table"]["versions"] == [0, 0, 0]
             assert conn.protocol.timeout_keep_alive_task is not None  # armed, as uvicorn does
-            assert b" 200 " in (await conn.send(push(1)))[:16]
+            assert b" 200 " in (await conn.send(_assign(1, "a", "b")))[:16]
             assert _table(await conn.send(pull))[0]["table"]["versions"] == [1, 1, 0]
             calls = immediate.calls
-            both_ways = await conn.send(push(2) + pull + pull, replies=3)
+            both_ways = await conn.send(_assign(2, "a", "b") + pull + pull, replies=3)
             assert immediate.calls == calls + 3  # the assign, and the pulls queued behind it
             first, _, rest = both_ways.partition(b"\r\n\r\n")
             assert first.startswith(b"HTTP/1.1 200") and b"x-paramshard" in first
@@ -534,14 +532,6 @@ def test_a_run_of_immediate_answers_keeps_one_keep_alive_timer():
     the next immediate answer replaces; the timer closes the connection only once it has been
     idle for the keep-alive timeout since the last answer."""
 
-    def assign(seq: int) -> bytes:  # a write the app answers
-        enc = wire.encode({"values": {"a": np.ones(3, np.float32)}, "worker_id": "w", "seq": seq})
-        body = enc.join()
-        return (
-            f"POST /v1/assign HTTP/1.1\r\nhost: shard\r\ncontent-type: {enc.content_type}\r\n"
-            f"accept: {wire.FRAME}\r\ncontent-length: {len(body)}\r\n\r\n"
-        ).encode() + body
-
     async def run() -> None:
         async with shard() as (_app, immediate, _usual):
             conn = Connection(immediate)
@@ -553,7 +543,7 @@ def test_a_run_of_immediate_answers_keeps_one_keep_alive_timer():
             await conn.send(pull)
             await conn.send(pull)
             assert protocol.timeout_keep_alive_task is first and not first.cancelled()
-            assert b" 200 " in (await conn.send(assign(1)))[:16]
+            assert b" 200 " in (await conn.send(_assign(1, "a")))[:16]
             assert first.cancelled()  # the assign's head cancelled it, as uvicorn does
             apps = protocol.timeout_keep_alive_task
             assert apps is not None and apps is not first  # uvicorn's, after the app's reply
